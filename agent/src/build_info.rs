@@ -1,0 +1,34 @@
+//! What this binary is: version, commit, toolchain and how its eBPF objects were built.
+
+use serde::Serialize;
+
+/// Build facts recorded by `build.rs`.
+#[derive(Debug, Clone, Serialize)]
+pub struct BuildInfo {
+    pub version: &'static str,
+    pub git_sha: &'static str,
+    pub rustc: &'static str,
+    pub profile: &'static str,
+    /// `bpfel` when the kernel programs were compiled, `stub` when WEIR_EBPF_STUB was set.
+    pub ebpf: &'static str,
+    pub target: &'static str,
+}
+
+pub const BUILD_INFO: BuildInfo = BuildInfo {
+    version: env!("CARGO_PKG_VERSION"),
+    git_sha: env!("WEIR_GIT_SHA"),
+    rustc: env!("WEIR_RUSTC_VERSION"),
+    profile: env!("WEIR_BUILD_PROFILE"),
+    ebpf: env!("WEIR_EBPF_BUILD"),
+    target: std::env::consts::ARCH,
+};
+
+impl std::fmt::Display for BuildInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "weir {} (commit {}, {} build, eBPF objects: {}, {}, {})",
+            self.version, self.git_sha, self.profile, self.ebpf, self.rustc, self.target
+        )
+    }
+}

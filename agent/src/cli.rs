@@ -1,0 +1,135 @@
+//! The command line: one binary, three personalities chosen by argv[0]'s file name.
+//! `weir` (everything), `pilot-agent` (the command lines Istio's injector writes) and,
+//! later, `weir-cni`/`istio-cni` (a CNI plugin). Parsing only; `main.rs` dispatches.
+
+use std::{ffi::OsString, path::Path};
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+/// Which command-line surface to present, from argv[0].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Personality {
+    Weir,
+    PilotAgent,
+    Cni,
+}
+
+impl Personality {
+    /// Chooses by argv[0]'s file name: `pilot-agent`, `weir-cni` / `istio-cni`, else Weir.
+    pub fn from_argv0(argv0: &OsString) -> Self {
+        let name = Path::new(argv0).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        match name.as_str() {
+            "pilot-agent" => Self::PilotAgent,
+            "weir-cni" | "istio-cni" => Self::Cni,
+            _ => Self::Weir,
+        }
+    }
+}
+
+/// `weir`: traffic capture and sidecar agent for Envoy.
+#[derive(Debug, Parser)]
+#[command(name = "weir", version, about, long_about = None, disable_help_subcommand = true)]
+pub struct WeirCli {
+    #[command(subcommand)]
+    pub command: WeirCommand,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum WeirCommand {
+    /// Run a proxy (as pilot-agent does): `weir proxy sidecar --domain ...`.
+    Proxy(PassThrough),
+    /// Program Istio's capture rules (istio-iptables compatible flags).
+    #[command(name = "istio-iptables")]
+    IstioIptables(PassThrough),
+    /// eBPF capture: attach, inspect and remove Weir's programs.
+    Capture(PassThrough),
+    /// Wait until Envoy reports ready (pilot-agent wait).
+    Wait(PassThrough),
+    /// Send a request to Envoy's admin or the agent's status port (pilot-agent request).
+    Request(PassThrough),
+    /// Print the effective configuration.
+    Config(PassThrough),
+    /// CNI plugin and node install.
+    Cni(PassThrough),
+    /// Run Weir's main job on an embedded default: a demo pod with real Envoy and capture.
+    Demo(DemoArgs),
+    /// Remove sandboxes (namespaces, cgroups, processes) left by demos or tests that died.
+    Sandbox(SandboxArgs),
+    /// Print version and build information.
+    Version(VersionArgs),
+    /// The demo's app process (internal).
+    #[command(name = "demo-app", hide = true)]
+    DemoApp { addr: String, count: u32 },
+}
+
+/// `pilot-agent`: the subset of Istio's pilot-agent command line that sidecars use.
+#[derive(Debug, Parser)]
+#[command(
+    name = "pilot-agent",
+    version,
+    about = "Istio pilot-agent compatible (Weir)",
+    disable_help_subcommand = true
+)]
+pub struct PilotAgentCli {
+    #[command(subcommand)]
+    pub command: PilotAgentCommand,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum PilotAgentCommand {
+    /// XDS proxy agent: `pilot-agent proxy sidecar ...`.
+    Proxy(PassThrough),
+    /// Script to set up iptables to divert traffic to Envoy (istio-iptables).
+    #[command(name = "istio-iptables")]
+    IstioIptables(PassThrough),
+    /// Wait for the Envoy proxy to become ready.
+    Wait(PassThrough),
+    /// Make an HTTP request to the Envoy admin API or the agent.
+    Request(PassThrough),
+    /// Print version information.
+    Version(VersionArgs),
+}
+
+/// Arguments taken verbatim; their parser belongs to the command that owns them.
+#[derive(Debug, Args)]
+pub struct PassThrough {
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, num_args = 0..)]
+    pub args: Vec<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct VersionArgs {
+    /// Print only the version number.
+    #[arg(short = 's', long)]
+    pub short: bool,
+    /// Output format.
+    #[arg(short = 'o', long, value_enum)]
+    pub output: Option<VersionFormat>,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum VersionFormat {
+    Json,
+    Yaml,
+}
+
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// Stop after this many seconds (default: run until Ctrl-C).
+    #[arg(long)]
+    pub duration: Option<u64>,
+}
+
+#[derive(Debug, Args)]
+pub struct SandboxArgs {
+    #[command(subcommand)]
+    pub command: SandboxCommand,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum SandboxCommand {
+    /// Remove namespaces, cgroups and processes whose creating process is gone.
+    Reap,
+    /// List Weir's sandboxes on this machine.
+    List,
+}

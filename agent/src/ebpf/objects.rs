@@ -1,0 +1,17 @@
+//! The eBPF objects `build.rs` compiled from `ebpf/programs`, embedded in the binary.
+
+use super::EbpfError;
+
+/// The probe object (see `weir_ebpf_common::probe`).
+pub static PROBE: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/weir-probe"));
+
+/// True when `build.rs` wrote empty stub objects instead of compiling the programs.
+pub const IS_STUB: bool = matches!(env!("WEIR_EBPF_BUILD").as_bytes(), b"stub");
+
+/// Returns the object's bytes, or a clear error if this binary carries only a stub.
+pub fn bytes(object: &'static str, data: &'static [u8]) -> Result<&'static [u8], EbpfError> {
+    if data.is_empty() {
+        return Err(EbpfError::Stub { object });
+    }
+    Ok(data)
+}

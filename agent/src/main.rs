@@ -1,0 +1,116 @@
+//! The `weir` binary: picks a personality from argv[0], parses the command line and
+//! dispatches. Everything it calls lives in the `weir_agent` library.
+
+use std::{ffi::OsString, process::ExitCode};
+
+use clap::Parser as _;
+use weir_agent::{
+    build_info::BUILD_INFO,
+    cli::{
+        Personality, PilotAgentCli, PilotAgentCommand, SandboxCommand, VersionArgs, VersionFormat, WeirCli,
+        WeirCommand,
+    },
+    demo, exit, sandbox,
+};
+
+fn main() -> ExitCode {
+    init_tracing();
+    let argv: Vec<OsString> = std::env::args_os().collect();
+    let personality = argv.first().map(Personality::from_argv0).unwrap_or(Personality::Weir);
+    let code = match personality {
+        Personality::Weir => run_weir(WeirCli::parse_from(&argv)),
+        Personality::PilotAgent => run_pilot_agent(PilotAgentCli::parse_from(&argv)),
+        Personality::Cni => not_built("the CNI plugin (weir-cni / istio-cni)", "CNI-chained node plugin"),
+    };
+    ExitCode::from(code)
+}
+
+fn init_tracing() {
+    use tracing_subscriber::{EnvFilter, fmt};
+    let filter = EnvFilter::try_from_env("WEIR_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).init();
+}
+
+fn run_weir(cli: WeirCli) -> u8 {
+    match cli.command {
+        WeirCommand::Proxy(_) => {
+            not_built("`proxy`", "Envoy lifecycle, status server and pilot-agent's command line")
+        }
+        WeirCommand::IstioIptables(_) => not_built("`istio-iptables`", "iptables-compat capture rules"),
+        WeirCommand::Capture(_) => not_built("`capture`", "eBPF capture"),
+        WeirCommand::Wait(_) => not_built("`wait`", "Envoy lifecycle and status server"),
+        WeirCommand::Request(_) => not_built("`request`", "Envoy lifecycle and status server"),
+        WeirCommand::Config(_) => not_built("`config`", "Envoy lifecycle and pilot-agent configuration"),
+        WeirCommand::Cni(_) => not_built("`cni`", "CNI-chained node plugin"),
+        WeirCommand::Demo(args) => edge(demo::run(&args)),
+        WeirCommand::Sandbox(args) => edge(run_sandbox(args.command)),
+        WeirCommand::Version(args) => version(&args),
+        WeirCommand::DemoApp { addr, count } => edge(demo::app(&addr, count)),
+    }
+}
+
+fn run_pilot_agent(cli: PilotAgentCli) -> u8 {
+    match cli.command {
+        PilotAgentCommand::Proxy(_) => {
+            not_built("`proxy`", "Envoy lifecycle, status server and pilot-agent's command line")
+        }
+        PilotAgentCommand::IstioIptables(_) => not_built("`istio-iptables`", "iptables-compat capture rules"),
+        PilotAgentCommand::Wait(_) => not_built("`wait`", "Envoy lifecycle and status server"),
+        PilotAgentCommand::Request(_) => not_built("`request`", "Envoy lifecycle and status server"),
+        PilotAgentCommand::Version(args) => version(&args),
+    }
+}
+
+/// The binary's edge: a library error becomes one line on stderr and exit 1.
+fn edge(result: anyhow::Result<()>) -> u8 {
+    match result {
+        Ok(()) => exit::OK,
+        Err(e) => {
+            eprintln!("weir: {e:#}");
+            exit::FAILURE
+        }
+    }
+}
+
+fn not_built(what: &str, area: &str) -> u8 {
+    eprintln!("weir: {what} is not built yet (issue area: {area})");
+    exit::NOT_BUILT
+}
+
+fn version(args: &VersionArgs) -> u8 {
+    if args.short {
+        println!("{}", BUILD_INFO.version);
+        return exit::OK;
+    }
+    match args.output {
+        Some(VersionFormat::Json) => {
+            println!("{}", serde_json::to_string_pretty(&BUILD_INFO).expect("build info serializes"))
+        }
+        Some(VersionFormat::Yaml) => {
+            let value = serde_json::to_value(BUILD_INFO).expect("build info serializes");
+            for (k, v) in value.as_object().into_iter().flatten() {
+                println!("{k}: {}", v.as_str().unwrap_or_default());
+            }
+        }
+        None => println!("{BUILD_INFO}"),
+    }
+    exit::OK
+}
+
+fn run_sandbox(command: SandboxCommand) -> anyhow::Result<()> {
+    match command {
+        SandboxCommand::Reap => {
+            let reaped = sandbox::reap()?;
+            println!("reaped {} sandbox object(s)", reaped.len());
+            for item in reaped {
+                println!("  {item}");
+            }
+        }
+        SandboxCommand::List => {
+            for item in sandbox::leftovers(false) {
+                println!("{item}");
+            }
+        }
+    }
+    Ok(())
+}

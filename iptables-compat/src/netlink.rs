@@ -1,0 +1,312 @@
+//! Weir's small façade over rtnetlink: the few link, address, rule and route operations
+//! Weir needs (TPROXY policy routing for capture; veth, bridge and address plumbing for
+//! sandbox pods). rtnetlink's API moves quickly, so it is pinned and used only here.
+//!
+//! A netlink socket belongs to the network namespace of the thread that opened it:
+//! open a [`Netlink`] on a thread that has entered the namespace you mean to change.
+
+use std::{
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    os::fd::RawFd,
+};
+
+use futures::TryStreamExt as _;
+use netlink_packet_route::{
+    address::{AddressAttribute, AddressFlags},
+    link::{InfoData, InfoVeth},
+    route::{RouteAttribute, RouteMessage, RouteType},
+    rule::{RuleAction, RuleAttribute},
+};
+use rtnetlink::{
+    Handle, IpVersion, LinkBridge, LinkMessageBuilder, LinkUnspec, LinkVeth, RouteMessageBuilder,
+};
+
+/// A failed netlink operation, named as `ip` would name it.
+#[derive(Debug, thiserror::Error)]
+pub enum NetlinkError {
+    #[error("open a netlink socket")]
+    Open(#[source] std::io::Error),
+    #[error("no network interface named {0:?} in this namespace")]
+    NoLink(String),
+    #[error("netlink: {op}")]
+    Op {
+        op: String,
+        #[source]
+        source: rtnetlink::Error,
+    },
+}
+
+type Result<T> = std::result::Result<T, NetlinkError>;
+
+fn op(op: impl Into<String>) -> impl FnOnce(rtnetlink::Error) -> NetlinkError {
+    let op = op.into();
+    move |source| NetlinkError::Op { op, source }
+}
+
+/// IP family of a rule or route.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    V4,
+    V6,
+}
+
+impl Family {
+    fn flag(self) -> &'static str {
+        match self {
+            Family::V4 => "-4",
+            Family::V6 => "-6",
+        }
+    }
+}
+
+/// A netlink connection in the namespace of the thread that opened it.
+pub struct Netlink {
+    handle: Handle,
+}
+
+impl Netlink {
+    /// Opens a socket in the calling thread's network namespace and drives it on the
+    /// current Tokio runtime.
+    pub fn open() -> Result<Self> {
+        let (connection, handle, _) = rtnetlink::new_connection().map_err(NetlinkError::Open)?;
+        tokio::spawn(connection);
+        Ok(Self { handle })
+    }
+
+    /// The interface index of `name`.
+    pub async fn link_index(&self, name: &str) -> Result<u32> {
+        let mut links = self.handle.link().get().match_name(name.to_string()).execute();
+        match links.try_next().await {
+            Ok(Some(link)) => Ok(link.header.index),
+            Ok(None) => Err(NetlinkError::NoLink(name.to_string())),
+            // The kernel answers ENODEV for an unknown name.
+            Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc::ENODEV => {
+                Err(NetlinkError::NoLink(name.to_string()))
+            }
+            Err(e) => Err(op(format!("ip link show {name}"))(e)),
+        }
+    }
+
+    /// `ip link add <name> type bridge`
+    pub async fn add_bridge(&self, name: &str) -> Result<()> {
+        self.handle
+            .link()
+            .add(LinkBridge::new(name).build())
+            .execute()
+            .await
+            .map_err(op(format!("ip link add {name} type bridge")))
+    }
+
+    /// `ip link add <name> type veth peer name <peer> netns <peer_netns>`: the peer end
+    /// is created directly inside the namespace `peer_netns` (an open netns fd).
+    pub async fn add_veth(&self, name: &str, peer: &str, peer_netns: RawFd) -> Result<()> {
+        let peer_msg =
+            LinkMessageBuilder::<LinkUnspec>::new().name(peer.to_string()).setns_by_fd(peer_netns).build();
+        let msg = LinkVeth::new(name, peer).set_info_data(InfoData::Veth(InfoVeth::Peer(peer_msg))).build();
+        self.handle
+            .link()
+            .add(msg)
+            .execute()
+            .await
+            .map_err(op(format!("ip link add {name} type veth peer name {peer}")))
+    }
+
+    /// `ip link set <name> master <bridge>`
+    pub async fn set_controller(&self, name: &str, bridge: &str) -> Result<()> {
+        let index = self.link_index(name).await?;
+        let bridge_index = self.link_index(bridge).await?;
+        let msg = LinkUnspec::new_with_index(index).controller(bridge_index).build();
+        self.handle.link().set(msg).execute().await.map_err(op(format!("ip link set {name} master {bridge}")))
+    }
+
+    /// `ip link set <name> up`
+    pub async fn set_up(&self, name: &str) -> Result<()> {
+        let index = self.link_index(name).await?;
+        let msg = LinkUnspec::new_with_index(index).up().build();
+        self.handle.link().set(msg).execute().await.map_err(op(format!("ip link set {name} up")))
+    }
+
+    /// `ip link del <name>`
+    pub async fn delete_link(&self, name: &str) -> Result<()> {
+        let index = self.link_index(name).await?;
+        self.handle.link().del(index).execute().await.map_err(op(format!("ip link del {name}")))
+    }
+
+    /// `ip addr add <addr>/<prefix> dev <name> nodad` (no duplicate address detection,
+    /// so IPv6 addresses are usable at once).
+    pub async fn add_address(&self, name: &str, addr: IpAddr, prefix: u8) -> Result<()> {
+        let index = self.link_index(name).await?;
+        let mut req = self.handle.address().add(index, addr, prefix);
+        if addr.is_ipv6() {
+            req.message_mut().attributes.push(AddressAttribute::Flags(AddressFlags::Nodad));
+        }
+        req.execute().await.map_err(op(format!("ip addr add {addr}/{prefix} dev {name}")))
+    }
+
+    /// `ip route add default dev <name>` (scope link): makes every destination
+    /// reachable on-link through `name`; used only inside sandbox namespaces.
+    pub async fn add_default_route_dev(&self, family: Family, name: &str) -> Result<()> {
+        let index = self.link_index(name).await?;
+        let msg = match family {
+            Family::V4 => RouteMessageBuilder::<Ipv4Addr>::new().output_interface(index).build(),
+            Family::V6 => RouteMessageBuilder::<Ipv6Addr>::new().output_interface(index).build(),
+        };
+        self.handle
+            .route()
+            .add(msg)
+            .execute()
+            .await
+            .map_err(op(format!("ip {} route add default dev {name}", family.flag())))
+    }
+
+    /// Whether `ip rule` has `fwmark <mark> lookup <table>` for `family`.
+    pub async fn has_fwmark_rule(&self, family: Family, mark: u32, table: u32) -> Result<bool> {
+        let version = match family {
+            Family::V4 => IpVersion::V4,
+            Family::V6 => IpVersion::V6,
+        };
+        let mut rules = self.handle.rule().get(version).execute();
+        while let Some(rule) =
+            rules.try_next().await.map_err(op(format!("ip {} rule show", family.flag())))?
+        {
+            let has_mark = rule.attributes.contains(&RuleAttribute::FwMark(mark));
+            let table_id = rule
+                .attributes
+                .iter()
+                .find_map(|a| match a {
+                    RuleAttribute::Table(t) => Some(*t),
+                    _ => None,
+                })
+                .unwrap_or(u32::from(rule.header.table));
+            if has_mark && table_id == table && rule.header.action == RuleAction::ToTable {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    /// `ip rule add fwmark <mark> lookup <table>`, unless it is already there.
+    pub async fn ensure_fwmark_rule(&self, family: Family, mark: u32, table: u32) -> Result<()> {
+        if self.has_fwmark_rule(family, mark, table).await? {
+            return Ok(());
+        }
+        let req = self.handle.rule().add().fw_mark(mark).table_id(table).action(RuleAction::ToTable);
+        let what = format!("ip {} rule add fwmark {mark} lookup {table}", family.flag());
+        match family {
+            Family::V4 => req.v4().execute().await.map_err(op(what)),
+            Family::V6 => req.v6().execute().await.map_err(op(what)),
+        }
+    }
+
+    /// `ip rule del fwmark <mark> lookup <table>`, for every copy present.
+    pub async fn delete_fwmark_rule(&self, family: Family, mark: u32, table: u32) -> Result<()> {
+        let version = match family {
+            Family::V4 => IpVersion::V4,
+            Family::V6 => IpVersion::V6,
+        };
+        let mut doomed = Vec::new();
+        let mut rules = self.handle.rule().get(version).execute();
+        while let Some(rule) =
+            rules.try_next().await.map_err(op(format!("ip {} rule show", family.flag())))?
+        {
+            let has_mark = rule.attributes.contains(&RuleAttribute::FwMark(mark));
+            let has_table = rule.attributes.contains(&RuleAttribute::Table(table))
+                || u32::from(rule.header.table) == table;
+            if has_mark && has_table {
+                doomed.push(rule);
+            }
+        }
+        for rule in doomed {
+            self.handle
+                .rule()
+                .del(rule)
+                .execute()
+                .await
+                .map_err(op(format!("ip {} rule del fwmark {mark} lookup {table}", family.flag())))?;
+        }
+        Ok(())
+    }
+
+    fn local_default_route(family: Family, table: u32, lo: u32) -> RouteMessage {
+        match family {
+            Family::V4 => RouteMessageBuilder::<Ipv4Addr>::new()
+                .kind(RouteType::Local)
+                .table_id(table)
+                .output_interface(lo)
+                .build(),
+            Family::V6 => RouteMessageBuilder::<Ipv6Addr>::new()
+                .kind(RouteType::Local)
+                .table_id(table)
+                .output_interface(lo)
+                .build(),
+        }
+    }
+
+    async fn routes_in_table(&self, family: Family, table: u32) -> Result<Vec<RouteMessage>> {
+        let template = match family {
+            Family::V4 => RouteMessageBuilder::<Ipv4Addr>::new().table_id(table).build(),
+            Family::V6 => RouteMessageBuilder::<Ipv6Addr>::new().table_id(table).build(),
+        };
+        let routes: Vec<RouteMessage> = self
+            .handle
+            .route()
+            .get(template)
+            .execute()
+            .try_collect()
+            .await
+            .map_err(op(format!("ip {} route show table {table}", family.flag())))?;
+        Ok(routes.into_iter().filter(|r| route_table(r) == table).collect())
+    }
+
+    /// Whether table `table` holds `local default dev lo`.
+    pub async fn has_local_default_route(&self, family: Family, table: u32) -> Result<bool> {
+        let lo = self.link_index("lo").await?;
+        let routes = self.routes_in_table(family, table).await?;
+        Ok(routes.iter().any(|r| is_local_default_via(r, lo)))
+    }
+
+    /// `ip route add local default dev lo table <table>`, unless it is already there.
+    pub async fn ensure_local_default_route(&self, family: Family, table: u32) -> Result<()> {
+        if self.has_local_default_route(family, table).await? {
+            return Ok(());
+        }
+        let lo = self.link_index("lo").await?;
+        self.handle
+            .route()
+            .add(Self::local_default_route(family, table, lo))
+            .execute()
+            .await
+            .map_err(op(format!("ip {} route add local default dev lo table {table}", family.flag())))
+    }
+
+    /// `ip route del local default dev lo table <table>`, if present.
+    pub async fn delete_local_default_route(&self, family: Family, table: u32) -> Result<()> {
+        let lo = self.link_index("lo").await?;
+        for route in self.routes_in_table(family, table).await? {
+            if is_local_default_via(&route, lo) {
+                self.handle.route().del(route).execute().await.map_err(op(format!(
+                    "ip {} route del local default dev lo table {table}",
+                    family.flag()
+                )))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn route_table(route: &RouteMessage) -> u32 {
+    route
+        .attributes
+        .iter()
+        .find_map(|a| match a {
+            RouteAttribute::Table(t) => Some(*t),
+            _ => None,
+        })
+        .unwrap_or(u32::from(route.header.table))
+}
+
+fn is_local_default_via(route: &RouteMessage, lo: u32) -> bool {
+    route.header.kind == RouteType::Local
+        && route.header.destination_prefix_length == 0
+        && route.attributes.contains(&RouteAttribute::Oif(lo))
+}

@@ -1,0 +1,18 @@
+//! Compiles proto/protos/**/*.proto with protox (pure Rust: no protoc install) and
+//! generates prost messages plus tonic clients and servers.
+use std::path::PathBuf;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?).join("protos");
+    let files = [
+        "envoy/service/discovery/v3/ads.proto",
+        "envoy/service/secret/v3/sds.proto",
+        "envoy/extensions/transport_sockets/tls/v3/secret.proto",
+        "istio/v1/auth/ca.proto",
+        "istio/networking/nds/v1/nds.proto",
+    ];
+    println!("cargo:rerun-if-changed={}", root.display());
+    let fds = protox::compile(files, [&root])?;
+    tonic_prost_build::configure().build_client(true).build_server(true).compile_fds(fds)?;
+    Ok(())
+}

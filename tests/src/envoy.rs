@@ -1,0 +1,139 @@
+//! The real Envoy for tests: found once where scripts/bootstrap put it, started inside
+//! a pod as the proxy user, waited on until its admin endpoint says LIVE, killed on drop.
+
+use std::{
+    net::SocketAddr,
+    path::PathBuf,
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, bail};
+
+use crate::{Pod, PodChild, http};
+
+/// Where to find Envoy: `$WEIR_ENVOY`, else `<workspace>/.tools/bin/envoy`.
+pub fn binary() -> anyhow::Result<PathBuf> {
+    if let Some(path) = std::env::var_os("WEIR_ENVOY") {
+        return Ok(PathBuf::from(path));
+    }
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.tools/bin/envoy");
+    if !path.is_file() {
+        bail!("Envoy not found at {}: run scripts/bootstrap (or set WEIR_ENVOY)", path.display());
+    }
+    Ok(path.canonicalize()?)
+}
+
+/// A running Envoy in a pod.
+pub struct Envoy {
+    pub admin: SocketAddr,
+    pub child: PodChild,
+    /// Holds the config file (and log) for as long as Envoy runs.
+    pub dir: tempfile_dir::Dir,
+}
+
+/// Tiny self-cleaning directory, world-readable so the proxy uid can read its config.
+pub mod tempfile_dir {
+    use std::path::{Path, PathBuf};
+
+    pub struct Dir(PathBuf);
+
+    impl Dir {
+        pub fn new(tag: &str) -> std::io::Result<Self> {
+            let path = std::env::temp_dir().join(weir_agent::sandbox::unique_name(tag));
+            std::fs::create_dir_all(&path)?;
+            use std::os::unix::fs::PermissionsExt as _;
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))?;
+            Ok(Self(path))
+        }
+        pub fn path(&self) -> &Path {
+            &self.0
+        }
+    }
+
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+impl Envoy {
+    /// Starts Envoy in `pod` as `uid` with the YAML bootstrap `config`, whose admin
+    /// listener must be `admin`; returns once `/ready` answers LIVE (30 s at most).
+    pub fn start(pod: &Pod, config: &str, admin: SocketAddr, uid: u32) -> anyhow::Result<Self> {
+        let dir = tempfile_dir::Dir::new("envoy")?;
+        let config_path = dir.path().join("envoy.yaml");
+        std::fs::write(&config_path, config)?;
+        let log = std::fs::File::create(dir.path().join("envoy.log"))?;
+        let mut cmd = Command::new(binary()?);
+        cmd.arg("-c")
+            .arg(&config_path)
+            .args(["--disable-hot-restart", "--log-level", "warning", "--concurrency", "1"])
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        let child = pod.spawn(&mut cmd, uid)?;
+        let mut envoy = Self { admin, child, dir };
+        envoy.wait_live(Duration::from_secs(30), pod)?;
+        Ok(envoy)
+    }
+
+    fn wait_live(&mut self, timeout: Duration, pod: &Pod) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.child_mut().try_wait()? {
+                bail!("Envoy exited with {status} during start; log:\n{}", self.log());
+            }
+            let admin = self.admin;
+            let ready = pod.run(|| async move { http::get(admin, "/ready").await })?;
+            if matches!(&ready, Ok((200, body)) if body.trim() == "LIVE") {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("Envoy not LIVE after {timeout:?} (last: {ready:?}); log:\n{}", self.log());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Envoy's log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("envoy.log")).unwrap_or_default()
+    }
+
+    /// GET on the admin endpoint (from inside `pod`); returns the body on 200.
+    pub fn admin_get(&self, pod: &Pod, path: &str) -> anyhow::Result<String> {
+        let admin = self.admin;
+        let (status, body) = pod.run(|| async move { http::get(admin, path).await })??;
+        if status != 200 {
+            bail!("GET {path} on Envoy admin: HTTP {status}: {body}");
+        }
+        Ok(body)
+    }
+
+    /// The value of one counter or gauge from `/stats`, if Envoy has it.
+    pub fn stat(&self, pod: &Pod, name: &str) -> anyhow::Result<Option<u64>> {
+        let body = self.admin_get(pod, &format!("/stats?filter=^{}$", regex_escape(name)))?;
+        Ok(body.lines().find_map(|l| {
+            let (k, v) = l.split_once(": ")?;
+            (k == name).then(|| v.trim().parse().ok()).flatten()
+        }))
+    }
+}
+
+fn regex_escape(s: &str) -> String {
+    s.chars().flat_map(|c| if ".[]()*+?^$|\\".contains(c) { vec!['\\', c] } else { vec![c] }).collect()
+}
+
+impl std::fmt::Debug for Envoy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Envoy").field("admin", &self.admin).field("pid", &self.child.pid()).finish()
+    }
+}
+
+/// Checks Envoy's version line, so a broken install fails with a readable message.
+pub fn version() -> anyhow::Result<String> {
+    let out = Command::new(binary()?).arg("--version").output().context("run envoy --version")?;
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}

@@ -1,0 +1,52 @@
+//! The namespace test rig: pods (network namespaces on a private bridge), cgroups and
+//! processes placed in them, a guard for tests that need root, and helpers to run the
+//! real Envoy and the `weir-testkit` traffic tool. The sandbox primitives come from
+//! `weir_agent::sandbox` (the demo uses them too); what is test-only lives here.
+//!
+//! ```no_run
+//! use weir_tests::{Mesh, require_root, test_name};
+//! #[test]
+//! fn example() {
+//!     require_root!();
+//!     let mesh = Mesh::new(test_name!()).unwrap();
+//!     let server = mesh.pod("server").unwrap();
+//!     let client = mesh.pod("client").unwrap();
+//! }
+//! ```
+
+pub mod envoy;
+pub mod http;
+pub mod privilege;
+pub mod tools;
+
+pub use weir_agent::sandbox::{Cgroup, Mesh, Placement, Pod, PodChild, leftovers, reap};
+
+/// The current test's name (its function path), for naming its sandbox.
+#[macro_export]
+macro_rules! test_name {
+    () => {{
+        fn f() {}
+        fn type_name_of<T>(_: T) -> &'static str {
+            std::any::type_name::<T>()
+        }
+        let name = type_name_of(f);
+        let name = name.strip_suffix("::f").unwrap_or(name);
+        name.split("::").skip(1).collect::<Vec<_>>().join("::")
+    }};
+}
+
+/// Returns early from a test that needs root (printing why it was skipped); fails it
+/// instead when `CI` is set, so CI never silently skips privileged tests.
+#[macro_export]
+macro_rules! require_root {
+    () => {
+        if !$crate::privilege::privileged(&$crate::test_name!()) {
+            return;
+        }
+    };
+}
+
+/// A cgroup named after the test, under the cgroup2 mount.
+pub fn test_cgroup(test: &str) -> Cgroup {
+    Cgroup::create(&weir_agent::sandbox::unique_name(test)).expect("create test cgroup")
+}
