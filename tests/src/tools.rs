@@ -18,7 +18,7 @@ fn binary(name: &str) -> PathBuf {
     let path = target_dir().join(name);
     assert!(
         path.is_file(),
-        "{} not found: build the workspace first (cargo nextest run --workspace builds it)",
+        "{} not found: build the binaries first (cargo build --workspace --bins; scripts/test does)",
         path.display()
     );
     path
