@@ -1,6 +1,24 @@
 //! weir-iptables: Istio's capture rules (ISTIO_INBOUND, ISTIO_REDIRECT,
-//! ISTIO_IN_REDIRECT, ISTIO_OUTPUT, ...) as a pure plan from a capture config, rendered
-//! for iptables-restore and native nftables, then applied, verified and cleaned in one
-//! transaction per family. TPROXY's policy routes go over netlink (`netlink`).
+//! ISTIO_IN_REDIRECT, ISTIO_OUTPUT, ...) as a pure plan from a capture config
+//! ([`plan::plan`], [`nft::plan`]), rendered for iptables-restore ([`render`]) and
+//! native nftables ([`nft::render`]), then applied, verified, reconciled and cleaned
+//! ([`apply`]) in one transaction per family. TPROXY's policy routes go over netlink
+//! ([`routes`], [`netlink`]). [`flags`] is istio-iptables' command line.
 
+pub mod apply;
+pub mod config;
+pub mod decisions;
+pub mod detect;
+pub mod flags;
 pub mod netlink;
+pub mod nft;
+pub mod nft_exec;
+pub mod plan;
+pub mod render;
+pub mod routes;
+pub mod state;
+pub mod validation;
+pub mod xtables;
+
+pub use apply::{Action, Backend, CaptureError, Report, program};
+pub use config::{CaptureConfig, ConfigError, RunOptions};

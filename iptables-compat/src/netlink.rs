@@ -143,6 +143,29 @@ impl Netlink {
         req.execute().await.map_err(op(format!("ip addr add {addr}/{prefix} dev {name}")))
     }
 
+    /// Whether `name` already carries `addr` (any prefix length).
+    pub async fn has_address(&self, name: &str, addr: IpAddr) -> Result<bool> {
+        let index = self.link_index(name).await?;
+        let mut addrs = self.handle.address().get().set_link_index_filter(index).execute();
+        while let Some(msg) = addrs.try_next().await.map_err(op(format!("ip addr show dev {name}")))? {
+            let found = msg.attributes.iter().any(|a| {
+                matches!(a, AddressAttribute::Address(a) | AddressAttribute::Local(a) if *a == addr)
+            });
+            if found {
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    /// `ip addr add <addr>/<prefix> dev <name>`, unless it is there already.
+    pub async fn ensure_address(&self, name: &str, addr: IpAddr, prefix: u8) -> Result<()> {
+        if self.has_address(name, addr).await? {
+            return Ok(());
+        }
+        self.add_address(name, addr, prefix).await
+    }
+
     /// `ip route add default dev <name>` (scope link): makes every destination
     /// reachable on-link through `name`; used only inside sandbox namespaces.
     pub async fn add_default_route_dev(&self, family: Family, name: &str) -> Result<()> {

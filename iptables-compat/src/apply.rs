@@ -1,0 +1,382 @@
+//! Applying a plan to a namespace, Istio's way and then some: read the current state
+//! and classify it (clean / applied / drifted); apply a clean namespace in one restore
+//! per family (or one nft transaction); leave an applied one alone; repair drift only
+//! with `--reconcile` (behind Istio's guardrails); and if anything fails part-way, put
+//! the namespace back as it was before the run.
+
+use std::path::Path;
+
+use crate::{
+    config::{CaptureConfig, RunOptions},
+    netlink::{Family, Netlink, NetlinkError},
+    nft::{self},
+    nft_exec::{Nft, NftError},
+    plan::{self, RulePlan},
+    render, routes,
+    state::{self, Verdict},
+    xtables::{Xtables, XtablesError},
+};
+
+/// Why programming capture failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CaptureError {
+    #[error(transparent)]
+    Xtables(#[from] XtablesError),
+    #[error(transparent)]
+    Nft(#[from] NftError),
+    #[error(
+        "the {backend} capture rules in this namespace differ from the ones planned; \
+         re-run with --reconcile to repair them or --cleanup-only to remove them (nothing was changed)"
+    )]
+    Drift { backend: &'static str },
+    #[error("TPROXY policy routing")]
+    Routes(#[source] NetlinkError),
+    #[error("{cause}; the namespace was restored to its state before this run")]
+    RolledBack { cause: Box<CaptureError> },
+    #[error("{cause}; restoring the previous state also failed: {rollback}")]
+    RollbackFailed { cause: Box<CaptureError>, rollback: String },
+    #[error("enter network namespace {path}")]
+    Netns {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("tokio runtime for netlink")]
+    Runtime(#[source] std::io::Error),
+}
+
+/// Which backend programmed the rules.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Iptables,
+    Nftables,
+}
+
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Backend::Iptables => "iptables",
+            Backend::Nftables => "nftables",
+        })
+    }
+}
+
+/// What a run did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Rules installed into a clean namespace.
+    Applied,
+    /// The rules were already in place: nothing changed.
+    AlreadyApplied,
+    /// Drifted rules were replaced.
+    Reconciled,
+    /// Rules applied despite drift (`--force-apply`).
+    ForceApplied,
+    /// Every Istio chain, rule, table and route removed.
+    Cleaned,
+}
+
+/// The outcome of a run.
+#[derive(Debug, Clone)]
+pub struct Report {
+    pub backend: Backend,
+    pub verdict: Option<Verdict>,
+    pub action: Action,
+    /// Dry run: what would have run (Istio's transcript, or the nft transaction).
+    pub transcript: Option<String>,
+}
+
+/// Programs Istio's iptables rules through `x` (the system's binaries, or a recorder
+/// for a dry run). Routes are not touched here; see [`program`].
+pub fn program_iptables(cfg: &CaptureConfig, opts: &RunOptions, x: &mut dyn Xtables) -> Result<Report, CaptureError> {
+    let plan = plan::plan(cfg);
+    let restore4 = render::restore(&plan.v4);
+    let restore6 = render::restore(&plan.v6);
+
+    // Verify, as Istio's VerifyIptablesState: both families are always read.
+    let save4 = x.save(Family::V4);
+    let save6 = x.save(Family::V6);
+    let checks4 = render::checks(&plan.v4);
+    let checks6 = render::checks(&plan.v6);
+    let v4 = state::verify_family(save4.as_deref(), &restore4, &checks4, |cmd| x.run(Family::V4, cmd).is_ok());
+    let v6 = state::verify_family(save6.as_deref(), &restore6, &checks6, |cmd| x.run(Family::V6, cmd).is_ok());
+    let verdict = state::combine(&[v4, v6]);
+    tracing::info!(?verdict, "iptables state");
+
+    if verdict == Verdict::Drifted && !opts.reconcile && !opts.force_apply && !opts.cleanup_only {
+        return Err(CaptureError::Drift { backend: "iptables" });
+    }
+    let cleanup = opts.cleanup_only || (verdict == Verdict::Drifted && opts.reconcile);
+    let apply = !opts.cleanup_only && (verdict != Verdict::Applied || opts.force_apply);
+    let mut families = vec![Family::V4];
+    if plan.ipv6 {
+        families.push(Family::V6);
+    }
+
+    let mut guarded: Vec<Family> = Vec::new();
+    let result = (|| -> Result<(), CaptureError> {
+        if cleanup {
+            if !opts.cleanup_only {
+                tracing::info!("setting up guardrails");
+                for family in &families {
+                    for cmd in render::guardrails_cleanup() {
+                        let _ = x.run(*family, &cmd);
+                    }
+                    for cmd in render::guardrails() {
+                        x.run(*family, &cmd)?;
+                    }
+                    guarded.push(*family);
+                }
+            }
+            tracing::info!("removing existing Istio rules");
+            cleanup_family(x, Family::V4, &plan.v4, save4.as_deref());
+            if plan.ipv6 || save6.is_some() {
+                cleanup_family(x, Family::V6, &plan.v6, save6.as_deref());
+            }
+        }
+        if apply {
+            x.restore(Family::V4, &restore4, true)?;
+            if plan.ipv6 && !restore6.is_empty() {
+                x.restore(Family::V6, &restore6, true)?;
+            }
+        }
+        Ok(())
+    })();
+    for family in guarded {
+        for cmd in render::guardrails_cleanup() {
+            let _ = x.run(family, &cmd);
+        }
+    }
+    if let Err(cause) = result {
+        if !x.is_real() {
+            return Err(cause);
+        }
+        return Err(rollback_iptables(x, cause, &[(Family::V4, save4), (Family::V6, save6)]));
+    }
+
+    // Istio logs the final state of each family it programmed.
+    let _ = x.save(Family::V4);
+    if plan.ipv6 {
+        let _ = x.save(Family::V6);
+    }
+    let action = match (opts.cleanup_only, verdict, opts.force_apply) {
+        (true, _, _) => Action::Cleaned,
+        (false, Verdict::Applied, false) => Action::AlreadyApplied,
+        (false, Verdict::Drifted, _) if opts.reconcile => Action::Reconciled,
+        (false, Verdict::Clean, _) => Action::Applied,
+        (false, _, true) => Action::ForceApplied,
+        (false, _, false) => Action::Applied,
+    };
+    Ok(Report { backend: Backend::Iptables, verdict: Some(verdict), action, transcript: None })
+}
+
+/// Istio's plan-based cleanup, then whatever Istio chains or jumps are still in the
+/// saved state (left by an earlier, different configuration). Errors are ignored: a
+/// missing rule or chain is already clean.
+fn cleanup_family(x: &mut dyn Xtables, family: Family, rules: &[plan::Rule], saved: Option<&str>) {
+    for cmd in render::cleanup(rules) {
+        let _ = x.run(family, &cmd);
+    }
+    if let Some(saved) = saved {
+        for cmd in state::leftovers(saved).cleanup_commands() {
+            let _ = x.run(family, &cmd);
+        }
+    }
+}
+
+/// Puts each family back to its snapshot: the saved tables restored whole, and tables
+/// that did not exist before flushed and emptied of chains.
+fn rollback_iptables(x: &mut dyn Xtables, cause: CaptureError, snapshots: &[(Family, Option<String>)]) -> CaptureError {
+    let mut failures = Vec::new();
+    for (family, snapshot) in snapshots {
+        let Some(now) = x.save(*family) else { continue };
+        let before = snapshot.as_deref().unwrap_or("");
+        if !before.trim().is_empty() {
+            if let Err(e) = x.restore(*family, before, false) {
+                failures.push(e.to_string());
+                continue;
+            }
+        } else {
+            for cmd in state::leftovers(&now).cleanup_commands() {
+                let _ = x.run(*family, &cmd);
+            }
+        }
+        let had = state::tables_in(before);
+        for table in state::tables_in(&now).difference(&had) {
+            for op in ["-F", "-X"] {
+                if let Err(e) = x.run(*family, &["-t".into(), table.clone(), op.into()]) {
+                    failures.push(e.to_string());
+                }
+            }
+        }
+    }
+    if failures.is_empty() {
+        CaptureError::RolledBack { cause: Box::new(cause) }
+    } else {
+        CaptureError::RollbackFailed { cause: Box::new(cause), rollback: failures.join("; ") }
+    }
+}
+
+/// Programs Istio's nftables rules through `n` as one transaction.
+pub fn program_nft(cfg: &CaptureConfig, opts: &RunOptions, n: &mut dyn Nft) -> Result<Report, CaptureError> {
+    let report = |verdict, action| Report { backend: Backend::Nftables, verdict, action, transcript: None };
+    if opts.cleanup_only {
+        n.apply(&nft::render_cleanup())?;
+        return Ok(report(None, Action::Cleaned));
+    }
+    let plan = nft::plan(cfg);
+    let tx = nft::render(&plan);
+    let current = n.list()?;
+    let verdict = if current.is_empty() {
+        Verdict::Clean
+    } else if n.expected(&tx)? == current {
+        Verdict::Applied
+    } else {
+        Verdict::Drifted
+    };
+    tracing::info!(?verdict, "nftables state");
+    match verdict {
+        Verdict::Clean => {
+            n.apply(&tx)?;
+            Ok(report(Some(verdict), Action::Applied))
+        }
+        Verdict::Applied if !opts.force_apply => Ok(report(Some(verdict), Action::AlreadyApplied)),
+        Verdict::Applied => {
+            n.apply(&nft::render_replace(&plan))?;
+            Ok(report(Some(verdict), Action::ForceApplied))
+        }
+        Verdict::Drifted if opts.reconcile || opts.force_apply => {
+            n.apply(&nft::render_replace(&plan))?;
+            let action = if opts.reconcile { Action::Reconciled } else { Action::ForceApplied };
+            Ok(report(Some(verdict), action))
+        }
+        Verdict::Drifted => Err(CaptureError::Drift { backend: "nftables" }),
+    }
+}
+
+/// The whole run on the system: rules with the chosen backend, then routes; rules are
+/// rolled back if the routes cannot be set. Runs in `opts.network_namespace` when set.
+pub fn program(cfg: &CaptureConfig, opts: &RunOptions) -> Result<Report, CaptureError> {
+    match &opts.network_namespace {
+        Some(path) => in_netns(path, || program_here(cfg, opts)),
+        None => program_here(cfg, opts),
+    }
+}
+
+fn program_here(cfg: &CaptureConfig, opts: &RunOptions) -> Result<Report, CaptureError> {
+    if opts.dry_run {
+        return dry_run(cfg, opts);
+    }
+    let lock = match (&opts.network_namespace, opts.cni_mode) {
+        (Some(ns), true) => crate::xtables::Lock::PodScoped(ns.clone()),
+        _ => crate::xtables::Lock::Global,
+    };
+    // Snapshot the nft tables so a routes failure can restore them.
+    let mut nft_exec = crate::nft_exec::SystemNft;
+    let (report, nft_before) = if opts.native_nftables {
+        let before = nft_exec.list()?;
+        (program_nft(cfg, opts, &mut nft_exec)?, Some(before))
+    } else {
+        let mut x = crate::xtables::SystemXtables::detect(opts.force_iptables_binary, cfg.enable_ipv6, lock)?;
+        let snapshots = [(Family::V4, x.save(Family::V4)), (Family::V6, x.save(Family::V6))];
+        match program_iptables(cfg, opts, &mut x) {
+            Ok(report) => match configure_routes(cfg, opts) {
+                Ok(()) => return Ok(report),
+                Err(e) => return Err(rollback_iptables(&mut x, e, &snapshots)),
+            },
+            Err(e) => return Err(e),
+        }
+    };
+    if let Err(cause) = configure_routes(cfg, opts) {
+        let before = nft_before.unwrap_or_default();
+        let restore = format!("{}{}", nft::render_cleanup(), before);
+        return Err(match nft_exec.apply(&restore) {
+            Ok(()) => CaptureError::RolledBack { cause: Box::new(cause) },
+            Err(e) => CaptureError::RollbackFailed { cause: Box::new(cause), rollback: e.to_string() },
+        });
+    }
+    Ok(report)
+}
+
+fn configure_routes(cfg: &CaptureConfig, opts: &RunOptions) -> Result<(), CaptureError> {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(CaptureError::Runtime)?;
+    runtime.block_on(async {
+        let nl = Netlink::open()?;
+        if opts.cleanup_only { routes::remove(&nl, cfg).await } else { routes::configure(&nl, cfg).await }
+    })
+    .map_err(CaptureError::Routes)
+}
+
+/// A dry run: the same path with recorders; nothing is changed.
+fn dry_run(cfg: &CaptureConfig, opts: &RunOptions) -> Result<Report, CaptureError> {
+    if opts.native_nftables {
+        let mut rec = crate::nft_exec::NftRecorder::default();
+        let mut report = program_nft(cfg, opts, &mut rec)?;
+        report.transcript = Some(rec.transactions.concat());
+        return Ok(report);
+    }
+    let mut rec = crate::xtables::Recorder::default();
+    let mut report = program_iptables(cfg, opts, &mut rec)?;
+    report.transcript = Some(rec.transcript());
+    Ok(report)
+}
+
+/// Runs `f` on a thread that has entered the network namespace at `path`; processes it
+/// spawns and netlink sockets it opens belong to that namespace.
+pub fn in_netns<T: Send>(path: &Path, f: impl FnOnce() -> Result<T, CaptureError> + Send) -> Result<T, CaptureError> {
+    let file = std::fs::File::open(path)
+        .map_err(|source| CaptureError::Netns { path: path.display().to_string(), source })?;
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            use std::os::fd::AsFd as _;
+            nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)
+                .map_err(|e| CaptureError::Netns { path: path.display().to_string(), source: e.into() })?;
+            f()
+        })
+        .join()
+        .unwrap_or_else(|p| std::panic::resume_unwind(p))
+    })
+}
+
+/// Whether a plan's rules and routes are in place in the current namespace (for
+/// `CHECK`-style callers). `Ok(Verdict::Applied)` means complete.
+pub fn verify(cfg: &CaptureConfig, opts: &RunOptions) -> Result<Verdict, CaptureError> {
+    let check = || -> Result<Verdict, CaptureError> {
+        let rules = if opts.native_nftables {
+            let mut n = crate::nft_exec::SystemNft;
+            let plan = nft::plan(cfg);
+            let current = n.list()?;
+            if current.is_empty() {
+                Verdict::Clean
+            } else if n.expected(&nft::render(&plan))? == current {
+                Verdict::Applied
+            } else {
+                Verdict::Drifted
+            }
+        } else {
+            let mut x = crate::xtables::SystemXtables::detect(opts.force_iptables_binary, cfg.enable_ipv6, crate::xtables::Lock::Global)?;
+            let plan: RulePlan = plan::plan(cfg);
+            let families = [(Family::V4, &plan.v4), (Family::V6, &plan.v6)];
+            let mut verdicts = Vec::new();
+            for (family, rules) in families {
+                let saved = x.save(family);
+                let restore = render::restore(rules);
+                let checks = render::checks(rules);
+                verdicts.push(state::verify_family(saved.as_deref(), &restore, &checks, |c| x.run(family, c).is_ok()));
+            }
+            state::combine(&verdicts)
+        };
+        if rules != Verdict::Applied {
+            return Ok(rules);
+        }
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(CaptureError::Runtime)?;
+        let routes_ok = runtime
+            .block_on(async { routes::present(&Netlink::open()?, cfg).await })
+            .map_err(CaptureError::Routes)?;
+        Ok(if routes_ok { Verdict::Applied } else { Verdict::Drifted })
+    };
+    match &opts.network_namespace {
+        Some(path) => in_netns(path, check),
+        None => check(),
+    }
+}

@@ -1,0 +1,500 @@
+//! The `istio-iptables` command line: every flag Istio's has, bound to the same
+//! environment variables (flag > additional env > env > default, as pflag binding
+//! gives), turned into a validated [`CaptureConfig`] and [`RunOptions`].
+
+use std::time::Duration;
+
+use clap::Args;
+
+use crate::{
+    config::{
+        CaptureConfig, ConfigError, InboundPorts, InterceptionMode, IpRanges, IptablesBackend, OwnerGroups,
+        RunOptions, parse_exclude_ranges, parse_loopback_cidr, parse_ports, split,
+    },
+    detect::{self, HostFacts},
+};
+
+/// Istio's istio-iptables flags. Values stay text until [`IstioIptablesArgs::resolve`].
+#[derive(Debug, Clone, Default, Args)]
+pub struct IstioIptablesArgs {
+    /// Envoy port to which all outbound TCP traffic is redirected.
+    #[arg(short = 'p', long = "envoy-port")]
+    pub envoy_port: Option<String>,
+    /// Port to which all inbound TCP traffic is redirected. [env: INBOUND_CAPTURE_PORT]
+    #[arg(short = 'z', long = "inbound-capture-port")]
+    pub inbound_capture_port: Option<String>,
+    /// Istio tunnel port for inbound TCP traffic. [env: INBOUND_TUNNEL_PORT]
+    #[arg(short = 'e', long = "inbound-tunnel-port")]
+    pub inbound_tunnel_port: Option<String>,
+    /// UIDs whose traffic is not redirected (the proxy's). [env: PROXY_UID]
+    #[arg(short = 'u', long = "proxy-uid")]
+    pub proxy_uid: Option<String>,
+    /// GIDs whose traffic is not redirected (default: as -u). [env: PROXY_GID]
+    #[arg(short = 'g', long = "proxy-gid")]
+    pub proxy_gid: Option<String>,
+    /// Inbound interception mode: REDIRECT or TPROXY. [env: ISTIO_INBOUND_INTERCEPTION_MODE]
+    #[arg(short = 'm', long = "istio-inbound-interception-mode")]
+    pub mode: Option<String>,
+    /// Inbound ports to redirect ("*" for all, empty for none). [env: ISTIO_INBOUND_PORTS]
+    #[arg(short = 'b', long = "istio-inbound-ports", allow_hyphen_values = true)]
+    pub inbound_ports: Option<String>,
+    /// Inbound ports excluded when -b is "*". [env: ISTIO_LOCAL_EXCLUDE_PORTS]
+    #[arg(short = 'd', long = "istio-local-exclude-ports")]
+    pub inbound_ports_exclude: Option<String>,
+    /// Interfaces whose traffic is never captured. [env: ISTIO_EXCLUDE_INTERFACES]
+    #[arg(short = 'c', long = "istio-exclude-interfaces")]
+    pub exclude_interfaces: Option<String>,
+    /// Outbound CIDRs to redirect ("*" for all, empty for none). [env: ISTIO_SERVICE_CIDR]
+    #[arg(short = 'i', long = "istio-service-cidr")]
+    pub outbound_include: Option<String>,
+    /// Outbound CIDRs excluded from redirection. [env: ISTIO_SERVICE_EXCLUDE_CIDR]
+    #[arg(short = 'x', long = "istio-service-exclude-cidr")]
+    pub outbound_exclude: Option<String>,
+    /// Outbound ports always redirected. [env: ISTIO_OUTBOUND_PORTS]
+    #[arg(short = 'q', long = "istio-outbound-ports")]
+    pub outbound_ports_include: Option<String>,
+    /// Outbound ports never redirected. [env: ISTIO_LOCAL_OUTBOUND_PORTS_EXCLUDE]
+    #[arg(short = 'o', long = "istio-local-outbound-ports-exclude")]
+    pub outbound_ports_exclude: Option<String>,
+    /// Virtual interfaces whose inbound traffic (from VMs) is treated as outbound. [env: KUBE_VIRT_INTERFACES]
+    #[arg(short = 'k', long = "kube-virt-interfaces")]
+    pub kube_virt_interfaces: Option<String>,
+    /// TPROXY mark. [env: ISTIO_INBOUND_TPROXY_MARK]
+    #[arg(short = 't', long = "istio-inbound-tproxy-mark")]
+    pub tproxy_mark: Option<String>,
+    /// TPROXY route table. [env: ISTIO_INBOUND_TPROXY_ROUTE_TABLE]
+    #[arg(short = 'r', long = "istio-inbound-tproxy-route-table")]
+    pub tproxy_route_table: Option<String>,
+    /// Print what would run; change nothing. [env: DRY_RUN]
+    #[arg(short = 'n', long = "dry-run", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub dry_run: Option<String>,
+    /// Validation probe listen port. [env: IPTABLES_PROBE_PORT]
+    #[arg(long = "iptables-probe-port")]
+    pub probe_port: Option<String>,
+    /// Validation probe timeout (Go duration, e.g. 5s). [env: PROBE_TIMEOUT]
+    #[arg(long = "probe-timeout")]
+    pub probe_timeout: Option<String>,
+    /// Do not apply rules (use with --run-validation). [env: SKIP_RULE_APPLY]
+    #[arg(long = "skip-rule-apply", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub skip_rule_apply: Option<String>,
+    /// Check that capture works; exit 126 if not. [env: RUN_VALIDATION]
+    #[arg(long = "run-validation", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub run_validation: Option<String>,
+    /// Redirect DNS to the agent (15053). [env: REDIRECT_DNS, ISTIO_META_DNS_CAPTURE]
+    #[arg(long = "redirect-dns", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub redirect_dns: Option<String>,
+    /// Drop conntrack-INVALID packets. [env: DROP_INVALID, INVALID_DROP]
+    #[arg(long = "drop-invalid", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub drop_invalid: Option<String>,
+    /// Enable IPv4/IPv6 redirects for dual-stack. [env: DUAL_STACK, ISTIO_DUAL_STACK]
+    #[arg(long = "dual-stack", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub dual_stack: Option<String>,
+    /// Capture all DNS on port 53, not only to resolv.conf servers. [env: CAPTURE_ALL_DNS]
+    #[arg(long = "capture-all-dns", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub capture_all_dns: Option<String>,
+    /// Network namespace (path) to program. [env: NETWORK_NAMESPACE]
+    #[arg(long = "network-namespace")]
+    pub network_namespace: Option<String>,
+    /// Run as a CNI plugin (pod-scoped xtables lock). [env: CNI_MODE]
+    #[arg(long = "cni-mode", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub cni_mode: Option<String>,
+    /// Repair drifted rules instead of failing. [env: RECONCILE]
+    #[arg(long = "reconcile", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub reconcile: Option<String>,
+    /// Remove every Istio chain, rule, table and route; apply nothing. [env: CLEANUP_ONLY]
+    #[arg(long = "cleanup-only", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub cleanup_only: Option<String>,
+    /// Apply even if the rules appear to be in place. [env: FORCE_APPLY]
+    #[arg(long = "force-apply", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub force_apply: Option<String>,
+    /// Use native nftables instead of iptables. [env: NATIVE_NFTABLES]
+    #[arg(long = "native-nftables", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub native_nftables: Option<String>,
+    /// Force the iptables flavour: legacy or nft. [env: FORCE_IPTABLES_BINARY]
+    #[arg(long = "force-iptables-binary")]
+    pub force_iptables_binary: Option<String>,
+    /// Istio's log level flag (e.g. default:info); accepted for compatibility.
+    #[arg(long = "log_output_level")]
+    pub log_output_level: Option<String>,
+    /// Istio's JSON log flag; accepted for compatibility.
+    #[arg(long = "log_as_json", num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub log_as_json: Option<String>,
+    #[arg(long = "log_caller", hide = true)]
+    pub log_caller: Option<String>,
+    #[arg(long = "log_stacktrace_level", hide = true)]
+    pub log_stacktrace_level: Option<String>,
+    #[arg(long = "log_target", hide = true)]
+    pub log_target: Option<String>,
+}
+
+/// One value's sources, in precedence order.
+struct Source<'a> {
+    flag: &'a Option<String>,
+    names: &'static str,
+    envs: &'static [&'static str],
+}
+
+impl IstioIptablesArgs {
+    /// Resolves flags, the environment (`env`) and detected facts into a validated
+    /// configuration. Every error names the flag or variable and the expected form.
+    pub fn resolve(
+        &self,
+        env: &dyn Fn(&str) -> Option<String>,
+        facts: &dyn HostFacts,
+    ) -> Result<(CaptureConfig, RunOptions), ConfigError> {
+        // pflag binding: the primary env, then the additional env, then the flag.
+        let value = |s: Source<'_>| -> Option<(String, String)> {
+            if let Some(v) = s.flag {
+                return Some((s.names.to_string(), v.clone()));
+            }
+            s.envs.iter().rev().find_map(|e| env(e).map(|v| (format!("{} (env {e})", s.names), v)))
+        };
+        let text = |s: Source<'_>, default: &str| -> (String, String) {
+            let names = s.names;
+            value(s).unwrap_or_else(|| (names.to_string(), default.to_string()))
+        };
+        let boolean = |s: Source<'_>| -> Result<bool, ConfigError> {
+            match value(s) {
+                None => Ok(false),
+                Some((input, v)) => parse_bool(&v).ok_or_else(|| ConfigError::new(input, v, "true or false")),
+            }
+        };
+        let port = |s: Source<'_>, default: &str| -> Result<u16, ConfigError> {
+            let (input, v) = text(s, default);
+            v.trim().parse::<u16>().ok().filter(|p| *p != 0).ok_or_else(|| ConfigError::new(input, v, "a port 1-65535"))
+        };
+        let number = |s: Source<'_>, default: &str| -> Result<u32, ConfigError> {
+            let (input, v) = text(s, default);
+            v.trim().parse::<u32>().map_err(|_| ConfigError::new(input, v, "a non-negative integer"))
+        };
+        macro_rules! src {
+            ($field:ident, $names:literal, [$($env:literal),*]) => {
+                Source { flag: &self.$field, names: $names, envs: &[$($env),*] }
+            };
+        }
+
+        let proxy_port = port(src!(envoy_port, "-p/--envoy-port", []), "15001")?;
+        let inbound_capture_port = port(src!(inbound_capture_port, "-z/--inbound-capture-port", ["INBOUND_CAPTURE_PORT"]), "15006")?;
+        let inbound_tunnel_port = port(src!(inbound_tunnel_port, "-e/--inbound-tunnel-port", ["INBOUND_TUNNEL_PORT"]), "15008")?;
+
+        let (uid_input, uids) = text(src!(proxy_uid, "-u/--proxy-uid", ["PROXY_UID"]), "");
+        let uids = if uids.is_empty() {
+            // Default to ENVOY_USER's uid, else 1337.
+            let user = env("ENVOY_USER").unwrap_or_else(|| "istio-proxy".into());
+            facts.user_id(&user).map(|u| u.to_string()).unwrap_or_else(|| "1337".into())
+        } else {
+            uids
+        };
+        let proxy_uids: Vec<String> = split(&uids).into_iter().map(String::from).collect();
+        if proxy_uids.is_empty() {
+            return Err(ConfigError::new(uid_input, uids, "a uid or user name (comma-separated)"));
+        }
+        for uid in &proxy_uids {
+            if uid.parse::<u32>().is_err() && facts.user_id(uid).is_none() {
+                return Err(ConfigError::new(&uid_input, uid, "a numeric uid or an existing user name"));
+            }
+        }
+        let (gid_input, gids) = text(src!(proxy_gid, "-g/--proxy-gid", ["PROXY_GID"]), "");
+        let gids = if gids.is_empty() { uids.clone() } else { gids };
+        let proxy_gids: Vec<String> = split(&gids).into_iter().map(String::from).collect();
+        for gid in &proxy_gids {
+            if gid.parse::<u32>().is_err() && !facts.group_exists(gid) {
+                return Err(ConfigError::new(&gid_input, gid, "a numeric gid or an existing group name"));
+            }
+        }
+
+        let (input, mode) = text(src!(mode, "-m/--istio-inbound-interception-mode", ["ISTIO_INBOUND_INTERCEPTION_MODE"]), "");
+        let interception_mode = InterceptionMode::parse(&input, &mode)?;
+        let tproxy_mark = number(src!(tproxy_mark, "-t/--istio-inbound-tproxy-mark", ["ISTIO_INBOUND_TPROXY_MARK"]), "1337")?;
+        let tproxy_route_table = number(src!(tproxy_route_table, "-r/--istio-inbound-tproxy-route-table", ["ISTIO_INBOUND_TPROXY_ROUTE_TABLE"]), "133")?;
+
+        let (input, v) = text(src!(inbound_ports, "-b/--istio-inbound-ports", ["ISTIO_INBOUND_PORTS"]), "");
+        let inbound_ports = InboundPorts::parse(&input, &v)?;
+        let (input, v) = text(src!(inbound_ports_exclude, "-d/--istio-local-exclude-ports", ["ISTIO_LOCAL_EXCLUDE_PORTS"]), "");
+        let inbound_ports_exclude = parse_ports(&input, &v)?;
+        let (input, v) = text(src!(outbound_ports_include, "-q/--istio-outbound-ports", ["ISTIO_OUTBOUND_PORTS"]), "");
+        let outbound_ports_include = parse_ports(&input, &v)?;
+        let (input, v) = text(src!(outbound_ports_exclude, "-o/--istio-local-outbound-ports-exclude", ["ISTIO_LOCAL_OUTBOUND_PORTS_EXCLUDE"]), "");
+        let outbound_ports_exclude = parse_ports(&input, &v)?;
+        let (input, v) = text(src!(outbound_include, "-i/--istio-service-cidr", ["ISTIO_SERVICE_CIDR"]), "");
+        let outbound_ip_ranges_include = IpRanges::parse(&input, &v)?;
+        let (input, v) = text(src!(outbound_exclude, "-x/--istio-service-exclude-cidr", ["ISTIO_SERVICE_EXCLUDE_CIDR"]), "");
+        let outbound_ip_ranges_exclude = parse_exclude_ranges(&input, &v)?;
+        let interfaces = |s: Source<'_>| -> Result<Vec<String>, ConfigError> {
+            let (input, v) = text(s, "");
+            let names: Vec<String> = split(&v).into_iter().map(|n| n.trim().to_string()).collect();
+            for n in &names {
+                if n.is_empty() || n.len() > 15 || n.contains(['/', ' ']) {
+                    return Err(ConfigError::new(&input, n, "interface names (at most 15 characters, no spaces)"));
+                }
+            }
+            Ok(names)
+        };
+        let exclude_interfaces = interfaces(src!(exclude_interfaces, "-c/--istio-exclude-interfaces", ["ISTIO_EXCLUDE_INTERFACES"]))?;
+        let reroute_virtual_interfaces = interfaces(src!(kube_virt_interfaces, "-k/--kube-virt-interfaces", ["KUBE_VIRT_INTERFACES"]))?;
+
+        let redirect_dns = boolean(src!(redirect_dns, "--redirect-dns", ["REDIRECT_DNS", "ISTIO_META_DNS_CAPTURE"]))?;
+        let capture_all_dns = boolean(src!(capture_all_dns, "--capture-all-dns", ["CAPTURE_ALL_DNS"]))?;
+        let drop_invalid = boolean(src!(drop_invalid, "--drop-invalid", ["DROP_INVALID", "INVALID_DROP"]))?;
+        let dual_stack = boolean(src!(dual_stack, "--dual-stack", ["DUAL_STACK", "ISTIO_DUAL_STACK"]))?;
+
+        let owner_groups = OwnerGroups::from_env(
+            &env("ISTIO_OUTBOUND_OWNER_GROUPS").unwrap_or_else(|| "*".into()),
+            &env("ISTIO_OUTBOUND_OWNER_GROUPS_EXCLUDE").unwrap_or_default(),
+        )?;
+        for group in match &owner_groups {
+            OwnerGroups::AllExcept(g) | OwnerGroups::Only(g) => g,
+        } {
+            if group.parse::<u32>().is_err() && !facts.group_exists(group) {
+                return Err(ConfigError::new("ISTIO_OUTBOUND_OWNER_GROUPS[_EXCLUDE]", group, "a numeric gid or an existing group name"));
+            }
+        }
+        let host_ipv4_loopback_cidr =
+            parse_loopback_cidr(&env("ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR").unwrap_or_else(|| "127.0.0.1/32".into()))?;
+
+        let (input, v) = text(src!(force_iptables_binary, "--force-iptables-binary", ["FORCE_IPTABLES_BINARY"]), "");
+        let force_iptables_binary = IptablesBackend::parse(&input, &v)?;
+        let (input, v) = text(src!(probe_port, "--iptables-probe-port", ["IPTABLES_PROBE_PORT"]), "15002");
+        let probe_port = v.trim().parse::<u16>().map_err(|_| ConfigError::new(input, v, "a port 0-65535"))?;
+        let (input, v) = text(src!(probe_timeout, "--probe-timeout", ["PROBE_TIMEOUT"]), "5s");
+        let probe_timeout = parse_go_duration(&v).ok_or_else(|| ConfigError::new(input, v, "a duration such as 5s or 500ms"))?;
+        let (_, netns) = text(src!(network_namespace, "--network-namespace", ["NETWORK_NAMESPACE"]), "");
+        let network_namespace = (!netns.is_empty()).then(|| std::path::PathBuf::from(netns));
+
+        // Detected, as Istio does: IPv6 from the pod's addresses, DNS servers from resolv.conf.
+        let addresses = facts
+            .addresses()
+            .map_err(|e| ConfigError::new("local interface addresses", e.to_string(), "readable addresses"))?;
+        let (host_ip, enable_ipv6) = detect::local_ip(&addresses, dual_stack).ok_or_else(|| {
+            ConfigError::new("local interface addresses", format!("{addresses:?}"), "at least one non-loopback, non-link-local address")
+        })?;
+        let (dns_servers_v4, dns_servers_v6) = if redirect_dns && !capture_all_dns {
+            let text = facts
+                .resolv_conf()
+                .map_err(|e| ConfigError::new("/etc/resolv.conf", e.to_string(), "a readable resolv.conf (needed by --redirect-dns)"))?;
+            detect::resolv_conf_servers(&text)
+        } else {
+            (Vec::new(), Vec::new())
+        };
+
+        let cfg = CaptureConfig {
+            proxy_port,
+            inbound_capture_port,
+            inbound_tunnel_port,
+            proxy_uids,
+            proxy_gids,
+            interception_mode,
+            tproxy_mark,
+            tproxy_route_table,
+            inbound_ports,
+            inbound_ports_exclude,
+            owner_groups,
+            outbound_ports_include,
+            outbound_ports_exclude,
+            outbound_ip_ranges_include,
+            outbound_ip_ranges_exclude,
+            reroute_virtual_interfaces,
+            exclude_interfaces,
+            redirect_dns,
+            capture_all_dns,
+            drop_invalid,
+            enable_ipv6,
+            dns_servers_v4,
+            dns_servers_v6,
+            host_ipv4_loopback_cidr,
+        };
+        let opts = RunOptions {
+            dry_run: boolean(src!(dry_run, "-n/--dry-run", ["DRY_RUN"]))?,
+            reconcile: boolean(src!(reconcile, "--reconcile", ["RECONCILE"]))?,
+            cleanup_only: boolean(src!(cleanup_only, "--cleanup-only", ["CLEANUP_ONLY"]))?,
+            force_apply: boolean(src!(force_apply, "--force-apply", ["FORCE_APPLY"]))?,
+            native_nftables: boolean(src!(native_nftables, "--native-nftables", ["NATIVE_NFTABLES"]))?,
+            force_iptables_binary,
+            run_validation: boolean(src!(run_validation, "--run-validation", ["RUN_VALIDATION"]))?,
+            skip_rule_apply: boolean(src!(skip_rule_apply, "--skip-rule-apply", ["SKIP_RULE_APPLY"]))?,
+            probe_port,
+            probe_timeout,
+            network_namespace,
+            cni_mode: boolean(src!(cni_mode, "--cni-mode", ["CNI_MODE"]))?,
+            host_ip: Some(host_ip),
+            dry_run_file: env("DRY_RUN_FILE_PATH").filter(|p| !p.is_empty()).map(Into::into),
+        };
+        Ok((cfg, opts))
+    }
+
+    /// The process-wide log level from `--log_output_level` (`default:<level>`).
+    pub fn log_level(&self) -> Option<String> {
+        let spec = self.log_output_level.as_deref()?;
+        spec.split(',').find_map(|scope| {
+            let (name, level) = scope.split_once(':')?;
+            (name == "default" || name == "all").then(|| level.to_string())
+        })
+    }
+}
+
+/// pflag's boolean forms.
+pub fn parse_bool(v: &str) -> Option<bool> {
+    match v {
+        "1" | "t" | "T" | "true" | "TRUE" | "True" => Some(true),
+        "0" | "f" | "F" | "false" | "FALSE" | "False" => Some(false),
+        _ => None,
+    }
+}
+
+/// A Go `time.Duration` string: `300ms`, `5s`, `1m30s`, `2h`.
+pub fn parse_go_duration(v: &str) -> Option<Duration> {
+    let v = v.trim();
+    if v == "0" {
+        return Some(Duration::ZERO);
+    }
+    let mut total = 0f64;
+    let mut rest = v;
+    if rest.is_empty() {
+        return None;
+    }
+    while !rest.is_empty() {
+        let num_len = rest.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(rest.len());
+        if num_len == 0 {
+            return None;
+        }
+        let n: f64 = rest[..num_len].parse().ok()?;
+        rest = &rest[num_len..];
+        let unit_len = rest.find(|c: char| c.is_ascii_digit() || c == '.').unwrap_or(rest.len());
+        let scale = match &rest[..unit_len] {
+            "ns" => 1e-9,
+            "us" | "µs" => 1e-6,
+            "ms" => 1e-3,
+            "s" => 1.0,
+            "m" => 60.0,
+            "h" => 3600.0,
+            _ => return None,
+        };
+        total += n * scale;
+        rest = &rest[unit_len..];
+    }
+    Some(Duration::from_secs_f64(total))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{collections::HashMap, net::IpAddr};
+
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: IstioIptablesArgs,
+    }
+
+    struct Facts {
+        addrs: Vec<&'static str>,
+        resolv: &'static str,
+    }
+
+    impl HostFacts for Facts {
+        fn addresses(&self) -> std::io::Result<Vec<IpAddr>> {
+            Ok(self.addrs.iter().map(|a| a.parse().unwrap()).collect())
+        }
+        fn resolv_conf(&self) -> std::io::Result<String> {
+            Ok(self.resolv.to_string())
+        }
+        fn user_id(&self, name: &str) -> Option<u32> {
+            (name == "istio-proxy").then_some(1337)
+        }
+        fn group_exists(&self, name: &str) -> bool {
+            name == "java"
+        }
+    }
+
+    fn pod() -> Facts {
+        Facts { addrs: vec!["127.0.0.1", "10.66.0.10", "::1", "fd00:66::a"], resolv: "nameserver 10.96.0.10\n" }
+    }
+
+    fn resolve(argv: &[&str], env: &[(&str, &str)]) -> Result<(CaptureConfig, RunOptions), ConfigError> {
+        let cli = Cli::try_parse_from(std::iter::once("istio-iptables").chain(argv.iter().copied())).unwrap();
+        let env: HashMap<String, String> = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        cli.args.resolve(&|k| env.get(k).cloned(), &pod())
+    }
+
+    #[test]
+    fn the_injectors_command_line() {
+        let (cfg, opts) = resolve(
+            &["-p", "15001", "-z", "15006", "-u", "1337", "-m", "REDIRECT", "-i", "*", "-x", "", "-b", "*", "-d", "15090,15021,15020", "--log_output_level=default:info"],
+            &[],
+        )
+        .unwrap();
+        assert_eq!(cfg.proxy_uids, vec!["1337"]);
+        assert_eq!(cfg.proxy_gids, vec!["1337"], "gid defaults to the uid");
+        assert_eq!(cfg.outbound_ip_ranges_include, IpRanges::All);
+        assert!(cfg.outbound_ip_ranges_exclude.is_empty());
+        assert_eq!(cfg.inbound_ports, InboundPorts::All);
+        assert_eq!(cfg.inbound_ports_exclude.len(), 3);
+        assert!(!cfg.enable_ipv6, "the first address is IPv4");
+        assert!(!opts.dry_run);
+    }
+
+    #[test]
+    fn flags_beat_env_and_additional_env_beats_primary() {
+        let (cfg, _) = resolve(&["-z", "16006"], &[("INBOUND_CAPTURE_PORT", "17006")]).unwrap();
+        assert_eq!(cfg.inbound_capture_port, 16006);
+        let (cfg, _) = resolve(&[], &[("INBOUND_CAPTURE_PORT", "17006")]).unwrap();
+        assert_eq!(cfg.inbound_capture_port, 17006);
+        let (cfg, _) = resolve(&[], &[("REDIRECT_DNS", "false"), ("ISTIO_META_DNS_CAPTURE", "true")]).unwrap();
+        assert!(cfg.redirect_dns);
+        assert_eq!(cfg.dns_servers_v4, vec!["10.96.0.10"], "servers read from resolv.conf");
+        let (cfg, _) = resolve(&["--redirect-dns=false"], &[("ISTIO_META_DNS_CAPTURE", "true")]).unwrap();
+        assert!(!cfg.redirect_dns);
+        let (cfg, _) = resolve(&[], &[("INVALID_DROP", "true")]).unwrap();
+        assert!(cfg.drop_invalid);
+    }
+
+    #[test]
+    fn detection_follows_istio() {
+        let (cfg, _) = resolve(&["--dual-stack"], &[]).unwrap();
+        assert!(cfg.enable_ipv6);
+        let (_, opts) = resolve(&[], &[]).unwrap();
+        assert_eq!(opts.host_ip, Some("10.66.0.10".parse().unwrap()));
+        let (cfg, _) = resolve(&[], &[("ENVOY_USER", "nobody-here")]).unwrap();
+        assert_eq!(cfg.proxy_uids, vec!["1337"]);
+    }
+
+    #[test]
+    fn bad_input_names_the_flag_and_the_form() {
+        let cases: &[(&[&str], &[(&str, &str)], &str)] = &[
+            (&["-m", "MAGIC"], &[], "invalid -m/--istio-inbound-interception-mode: \"MAGIC\": REDIRECT or TPROXY"),
+            (&["-i", "10.0.0.0"], &[], "invalid -i/--istio-service-cidr: \"10.0.0.0\""),
+            (&["-x", "*"], &[], "invalid -x/--istio-service-exclude-cidr: \"*\""),
+            (&["-b", "80,http"], &[], "invalid -b/--istio-inbound-ports: \"http\""),
+            (&["-d", "99999"], &[], "invalid -d/--istio-local-exclude-ports"),
+            (&["-u", "not-a-user"], &[], "invalid -u/--proxy-uid: \"not-a-user\": a numeric uid or an existing user name"),
+            (&["-p", "0"], &[], "invalid -p/--envoy-port"),
+            (&["-t", "x"], &[], "invalid -t/--istio-inbound-tproxy-mark"),
+            (&["--force-iptables-binary", "iptables"], &[], "legacy or nft"),
+            (&["--probe-timeout", "soon"], &[], "invalid --probe-timeout"),
+            (&[], &[("REDIRECT_DNS", "yes")], "invalid --redirect-dns (env REDIRECT_DNS): \"yes\": true or false"),
+            (&[], &[("ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR", "10.0.0.1/32")], "ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR"),
+            (&[], &[("ISTIO_OUTBOUND_OWNER_GROUPS", "nosuchgroup")], "nosuchgroup"),
+        ];
+        for (argv, env, want) in cases {
+            let e = resolve(argv, env).unwrap_err().to_string();
+            assert!(e.contains(want), "{argv:?} {env:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn go_durations() {
+        assert_eq!(parse_go_duration("5s"), Some(Duration::from_secs(5)));
+        assert_eq!(parse_go_duration("1m30s"), Some(Duration::from_secs(90)));
+        assert_eq!(parse_go_duration("250ms"), Some(Duration::from_millis(250)));
+        assert_eq!(parse_go_duration("5"), None);
+    }
+
+    #[test]
+    fn log_level_from_istio_flag() {
+        let cli = Cli::try_parse_from(["x", "--log_output_level=default:debug,ads:info"]).unwrap();
+        assert_eq!(cli.args.log_level().as_deref(), Some("debug"));
+    }
+}

@@ -1,0 +1,153 @@
+//! Running nft: the current Istio tables, what a transaction would produce (applied in
+//! a throwaway network namespace, so both sides are printed by the same nft), and
+//! applying one transaction. A recorder stands in for dry runs.
+
+use std::{
+    io::Write as _,
+    process::{Command, Stdio},
+};
+
+use crate::nft::NftTable;
+
+#[derive(Debug, thiserror::Error)]
+pub enum NftError {
+    #[error("nft {what}: {stderr}")]
+    Failed { what: String, stderr: String },
+    #[error("run nft (is the nft binary installed?)")]
+    Spawn(#[source] std::io::Error),
+    #[error("create a scratch network namespace to evaluate the plan")]
+    Scratch(#[source] std::io::Error),
+}
+
+/// Executes nft for one namespace.
+pub trait Nft {
+    /// The Istio tables as `nft list table` prints them, counters zeroed; empty when
+    /// there are none.
+    fn list(&mut self) -> Result<String, NftError>;
+    /// What [`Nft::list`] would print after `tx` on an empty namespace.
+    fn expected(&mut self, tx: &str) -> Result<String, NftError>;
+    /// Applies `tx` as one transaction (`nft -f -`).
+    fn apply(&mut self, tx: &str) -> Result<(), NftError>;
+    fn is_real(&self) -> bool;
+}
+
+/// Records the transactions a run would apply.
+#[derive(Debug, Default)]
+pub struct NftRecorder {
+    pub transactions: Vec<String>,
+}
+
+impl Nft for NftRecorder {
+    fn list(&mut self) -> Result<String, NftError> {
+        Ok(String::new())
+    }
+    fn expected(&mut self, _tx: &str) -> Result<String, NftError> {
+        Ok(String::new())
+    }
+    fn apply(&mut self, tx: &str) -> Result<(), NftError> {
+        self.transactions.push(tx.to_string());
+        Ok(())
+    }
+    fn is_real(&self) -> bool {
+        false
+    }
+}
+
+/// The system's `nft`.
+#[derive(Debug, Default)]
+pub struct SystemNft;
+
+fn nft(args: &[&str], stdin: Option<&str>) -> Result<String, NftError> {
+    let mut cmd = Command::new("nft");
+    cmd.args(args)
+        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = cmd.spawn().map_err(NftError::Spawn)?;
+    if let Some(input) = stdin {
+        child.stdin.take().expect("piped").write_all(input.as_bytes()).map_err(NftError::Spawn)?;
+    }
+    let out = child.wait_with_output().map_err(NftError::Spawn)?;
+    if !out.status.success() {
+        return Err(NftError::Failed {
+            what: args.join(" "),
+            stderr: String::from_utf8_lossy(&out.stderr).trim().to_string(),
+        });
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Lists the Istio tables present, counters zeroed, in a fixed order.
+fn list_istio_tables() -> Result<String, NftError> {
+    let tables = nft(&["list", "tables"], None)?;
+    let mut out = String::new();
+    for table in NftTable::ALL {
+        if tables.lines().any(|l| l.trim() == format!("table inet {}", table.name())) {
+            out.push_str(&zero_counters(&nft(&["list", "table", "inet", table.name()], None)?));
+        }
+    }
+    Ok(out)
+}
+
+/// `counter packets 12 bytes 720` → `counter`.
+pub fn zero_counters(listing: &str) -> String {
+    let mut out = String::with_capacity(listing.len());
+    for line in listing.lines() {
+        let words: Vec<&str> = line.split(' ').collect();
+        let mut kept = Vec::with_capacity(words.len());
+        let mut i = 0;
+        while i < words.len() {
+            if words[i] == "packets" && i + 3 < words.len() + 1 && words.get(i + 2) == Some(&"bytes") {
+                i += 4;
+                continue;
+            }
+            kept.push(words[i]);
+            i += 1;
+        }
+        out.push_str(&kept.join(" "));
+        out.push('\n');
+    }
+    out
+}
+
+impl Nft for SystemNft {
+    fn list(&mut self) -> Result<String, NftError> {
+        list_istio_tables()
+    }
+
+    fn expected(&mut self, tx: &str) -> Result<String, NftError> {
+        let tx = tx.to_string();
+        std::thread::scope(|s| {
+            s.spawn(move || {
+                // This thread alone moves to a fresh, empty namespace; it (and the
+                // namespace) end when the scope returns.
+                nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET)
+                    .map_err(|e| NftError::Scratch(e.into()))?;
+                nft(&["-f", "-"], Some(&tx))?;
+                list_istio_tables()
+            })
+            .join()
+            .unwrap_or_else(|_| Err(NftError::Scratch(std::io::Error::other("scratch thread panicked"))))
+        })
+    }
+
+    fn apply(&mut self, tx: &str) -> Result<(), NftError> {
+        tracing::info!("nft -f:\n{}", tx.trim());
+        nft(&["-f", "-"], Some(tx)).map(drop)
+    }
+
+    fn is_real(&self) -> bool {
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counters_are_zeroed_for_comparison() {
+        let l = "\t\tmeta l4proto tcp counter packets 12 bytes 720 jump istio-inbound\n";
+        assert_eq!(zero_counters(l), "\t\tmeta l4proto tcp counter jump istio-inbound\n");
+    }
+}

@@ -1,0 +1,330 @@
+//! Running iptables: choosing the binaries the way Istio does (legacy if it already
+//! holds rules, else nft, else plain `iptables`; or what FORCE_IPTABLES_BINARY says),
+//! the xtables lock, and an executor interface with two implementations: the system's
+//! binaries, and a recorder that writes Istio's dry-run transcript instead.
+
+use std::{
+    io::Write as _,
+    path::PathBuf,
+    process::{Command, Stdio},
+};
+
+use crate::{config::IptablesBackend, netlink::Family};
+
+/// A failed iptables command, with xtables' exit status named.
+#[derive(Debug, thiserror::Error)]
+pub enum XtablesError {
+    #[error("{command}: {kind}: {stderr}")]
+    Failed { command: String, kind: String, stderr: String },
+    #[error("run {command}")]
+    Spawn {
+        command: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("no usable {family} binary: {reason}")]
+    NotFound { family: &'static str, reason: String },
+}
+
+/// Executes iptables commands for one namespace.
+pub trait Xtables {
+    /// `iptables-save` output, `None` when it fails.
+    fn save(&mut self, family: Family) -> Option<String>;
+    /// `iptables-restore [--noflush]` with `input` on stdin.
+    fn restore(&mut self, family: Family, input: &str, noflush: bool) -> Result<(), XtablesError>;
+    /// `iptables <args>`.
+    fn run(&mut self, family: Family, args: &[String]) -> Result<(), XtablesError>;
+    /// Whether this executor changes anything (false for the dry-run recorder).
+    fn is_real(&self) -> bool;
+}
+
+/// Records commands as Istio's DependenciesStub does: the binary and its arguments, or
+/// for restores the stdin lines. `save` returns an empty state.
+#[derive(Debug, Default)]
+pub struct Recorder {
+    pub lines: Vec<String>,
+}
+
+impl Recorder {
+    fn name(family: Family, suffix: &str) -> String {
+        let base = if family == Family::V4 { "iptables" } else { "ip6tables" };
+        format!("{base}{suffix}")
+    }
+
+    /// The transcript, one command or stdin line per line.
+    pub fn transcript(&self) -> String {
+        let mut out = self.lines.join("\n");
+        out.push('\n');
+        out
+    }
+}
+
+impl Xtables for Recorder {
+    fn save(&mut self, family: Family) -> Option<String> {
+        self.lines.push(Self::name(family, "-save"));
+        Some(String::new())
+    }
+    fn restore(&mut self, _family: Family, input: &str, _noflush: bool) -> Result<(), XtablesError> {
+        self.lines.extend(input.lines().map(String::from));
+        Ok(())
+    }
+    fn run(&mut self, family: Family, args: &[String]) -> Result<(), XtablesError> {
+        let mut line = Self::name(family, "");
+        for a in args {
+            line.push(' ');
+            line.push_str(a);
+        }
+        self.lines.push(line);
+        Ok(())
+    }
+    fn is_real(&self) -> bool {
+        false
+    }
+}
+
+/// One family's detected binaries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Binaries {
+    pub iptables: String,
+    pub save: String,
+    pub restore: String,
+    pub version: (u32, u32, u32),
+    pub legacy: bool,
+    pub existing_rules: bool,
+}
+
+impl Binaries {
+    /// Whether writes take the xtables lock (`--wait`): legacy ≥ 1.6.2 only.
+    pub fn needs_lock(&self) -> bool {
+        self.legacy && self.version >= (1, 6, 2)
+    }
+}
+
+/// How the xtables lock is taken.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Lock {
+    /// The host-wide /run/xtables.lock (init-container use).
+    Global,
+    /// A lock private to a pod namespace (CNI use): XTABLES_LOCKFILE points at this
+    /// file, so the node's lock is never taken for a pod.
+    PodScoped(PathBuf),
+}
+
+/// Seconds to wait for the xtables lock, as Istio.
+pub const LOCK_WAIT_SECS: u32 = 30;
+
+/// The system's iptables binaries.
+#[derive(Debug)]
+pub struct SystemXtables {
+    pub v4: Binaries,
+    pub v6: Option<Binaries>,
+    pub lock: Lock,
+}
+
+impl SystemXtables {
+    /// Detects binaries for both families. A missing v6 binary is an error only when
+    /// IPv6 rules are needed.
+    pub fn detect(force: Option<IptablesBackend>, need_v6: bool, lock: Lock) -> Result<Self, XtablesError> {
+        let v4 = detect_family(Family::V4, force)?;
+        let v6 = match detect_family(Family::V6, force) {
+            Ok(b) => Some(b),
+            Err(e) if need_v6 => return Err(e),
+            Err(e) => {
+                tracing::warn!(error = %e, "no working ip6tables; continuing because IPv6 is disabled");
+                None
+            }
+        };
+        Ok(Self { v4, v6, lock })
+    }
+
+    fn binaries(&self, family: Family) -> Result<&Binaries, XtablesError> {
+        match family {
+            Family::V4 => Ok(&self.v4),
+            Family::V6 => self.v6.as_ref().ok_or(XtablesError::NotFound {
+                family: "ip6tables",
+                reason: "not detected".into(),
+            }),
+        }
+    }
+
+    fn command(&self, bin: &Binaries, program: &str, write: bool, args: &[String]) -> Command {
+        let mut cmd = Command::new(program);
+        cmd.args(args);
+        if write && bin.needs_lock() {
+            cmd.arg(format!("--wait={LOCK_WAIT_SECS}"));
+            if let Lock::PodScoped(path) = &self.lock {
+                cmd.env("XTABLES_LOCKFILE", path);
+            }
+        }
+        cmd
+    }
+}
+
+fn exec(mut cmd: Command, stdin: Option<&str>) -> Result<String, XtablesError> {
+    let command = format!(
+        "{} {}",
+        cmd.get_program().to_string_lossy(),
+        cmd.get_args().map(|a| a.to_string_lossy()).collect::<Vec<_>>().join(" ")
+    )
+    .trim()
+    .to_string();
+    cmd.stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = cmd.spawn().map_err(|source| XtablesError::Spawn { command: command.clone(), source })?;
+    if let Some(input) = stdin {
+        let mut pipe = child.stdin.take().expect("piped stdin");
+        pipe.write_all(input.as_bytes())
+            .map_err(|source| XtablesError::Spawn { command: command.clone(), source })?;
+    }
+    let out = child.wait_with_output().map_err(|source| XtablesError::Spawn { command: command.clone(), source })?;
+    if out.status.success() {
+        return Ok(String::from_utf8_lossy(&out.stdout).into_owned());
+    }
+    let stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
+    let kind = match out.status.code() {
+        Some(1) => "xtables other problem".to_string(),
+        Some(2) => "xtables parameter problem".to_string(),
+        Some(3) => "xtables version problem".to_string(),
+        Some(4) => "xtables resource problem".to_string(),
+        Some(c) => format!("exit status {c}"),
+        None => "killed by a signal".to_string(),
+    };
+    Err(XtablesError::Failed { command, kind, stderr })
+}
+
+impl Xtables for SystemXtables {
+    fn save(&mut self, family: Family) -> Option<String> {
+        let bin = self.binaries(family).ok()?.clone();
+        let cmd = self.command(&bin, &bin.save, false, &[]);
+        exec(cmd, None).map_err(|e| tracing::debug!(error = %e, "iptables-save failed")).ok()
+    }
+    fn restore(&mut self, family: Family, input: &str, noflush: bool) -> Result<(), XtablesError> {
+        let bin = self.binaries(family)?.clone();
+        let args: Vec<String> = if noflush { vec!["--noflush".into()] } else { Vec::new() };
+        tracing::info!(binary = %bin.restore, noflush, "iptables-restore:\n{}", input.trim());
+        exec(self.command(&bin, &bin.restore, true, &args), Some(input)).map(drop)
+    }
+    fn run(&mut self, family: Family, args: &[String]) -> Result<(), XtablesError> {
+        let bin = self.binaries(family)?.clone();
+        tracing::debug!(binary = %bin.iptables, args = %args.join(" "), "iptables");
+        exec(self.command(&bin, &bin.iptables, true, args), None).map(drop)
+    }
+    fn is_real(&self) -> bool {
+        true
+    }
+}
+
+/// Parses `vX.Y.Z` out of `iptables-save --version` output.
+pub fn parse_version(text: &str) -> Option<(u32, u32, u32)> {
+    let start = text.char_indices().find(|(i, c)| *c == 'v' && text[i + 1..].starts_with(|d: char| d.is_ascii_digit()))?.0;
+    let digits: String =
+        text[start + 1..].chars().take_while(|c| c.is_ascii_digit() || *c == '.').collect();
+    let mut parts = digits.split('.').map(|p| p.parse::<u32>().ok());
+    let major = parts.next()??;
+    let minor = parts.next().flatten().unwrap_or(0);
+    let patch = parts.next().flatten().unwrap_or(0);
+    Some((major, minor, patch))
+}
+
+/// Istio's shouldUseBinaryForCurrentContext: the binary exists, reports a version, and
+/// can add (then delete) a harmless test rule in nat/INPUT.
+fn probe_binary(iptables: &str) -> Result<Binaries, XtablesError> {
+    let save = format!("{iptables}-save");
+    let restore = format!("{iptables}-restore");
+    let dump = exec(Command::new(&save), None)
+        .map_err(|e| XtablesError::NotFound { family: "iptables", reason: format!("{save}: {e}") })?;
+    let mut version_cmd = Command::new(&save);
+    version_cmd.arg("--version");
+    let (version, legacy) = match exec(version_cmd, None) {
+        Ok(text) => (parse_version(&text).unwrap_or((0, 0, 0)), !text.contains("nf_tables")),
+        Err(_) => ((0, 0, 0), true),
+    };
+    let bin = Binaries {
+        iptables: iptables.to_string(),
+        save,
+        restore,
+        version,
+        legacy,
+        existing_rules: dump.matches('\n').count() >= 3,
+    };
+    let mut test: Vec<String> = ["-t", "nat", "-A", "INPUT", "-p", "255", "-j", "RETURN"].map(String::from).to_vec();
+    if bin.needs_lock() {
+        test.push(format!("--wait={LOCK_WAIT_SECS}"));
+    }
+    exec({
+        let mut c = Command::new(iptables);
+        c.args(&test);
+        c
+    }, None)
+    .map_err(|e| XtablesError::NotFound {
+        family: "iptables",
+        reason: format!("{iptables} has no loaded kernel support and cannot be used: {e}"),
+    })?;
+    test[2] = "-D".into();
+    let _ = exec({
+        let mut c = Command::new(iptables);
+        c.args(&test);
+        c
+    }, None);
+    Ok(bin)
+}
+
+fn detect_family(family: Family, force: Option<IptablesBackend>) -> Result<Binaries, XtablesError> {
+    let base = if family == Family::V4 { "iptables" } else { "ip6tables" };
+    let legacy = format!("{base}-legacy");
+    let nft = format!("{base}-nft");
+    match force {
+        Some(IptablesBackend::Legacy) => return probe_binary(&legacy),
+        Some(IptablesBackend::Nft) => return probe_binary(&nft),
+        None => {}
+    }
+    if let Ok(b) = probe_binary(&legacy) {
+        if b.existing_rules {
+            return Ok(b);
+        }
+    }
+    if let Ok(b) = probe_binary(&nft) {
+        return Ok(b);
+    }
+    probe_binary(base).map_err(|e| XtablesError::NotFound {
+        family: if family == Family::V4 { "iptables" } else { "ip6tables" },
+        reason: format!("tried {legacy}, {nft} and {base}: {e}"),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_parse() {
+        assert_eq!(parse_version("iptables-save v1.8.9 (nf_tables)"), Some((1, 8, 9)));
+        assert_eq!(parse_version("iptables v1.6.1"), Some((1, 6, 1)));
+        assert_eq!(parse_version("garbage"), None);
+    }
+
+    #[test]
+    fn only_new_legacy_binaries_lock() {
+        let b = |legacy, version| Binaries {
+            iptables: "iptables".into(),
+            save: "iptables-save".into(),
+            restore: "iptables-restore".into(),
+            version,
+            legacy,
+            existing_rules: false,
+        };
+        assert!(b(true, (1, 8, 9)).needs_lock());
+        assert!(!b(true, (1, 6, 1)).needs_lock());
+        assert!(!b(false, (1, 8, 9)).needs_lock());
+    }
+
+    #[test]
+    fn the_recorder_writes_istios_transcript() {
+        let mut r = Recorder::default();
+        r.save(Family::V4);
+        r.restore(Family::V4, "* nat\n-N X\nCOMMIT\n", true).unwrap();
+        r.run(Family::V6, &["-t".into(), "nat".into(), "-F".into(), "X".into()]).unwrap();
+        assert_eq!(r.transcript(), "iptables-save\n* nat\n-N X\nCOMMIT\nip6tables -t nat -F X\n");
+    }
+}
