@@ -5,6 +5,7 @@
 use std::{ffi::OsString, path::Path};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+pub use weir_iptables::flags::IstioIptablesArgs;
 
 /// Which command-line surface to present, from argv[0].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,7 +41,7 @@ pub enum WeirCommand {
     Proxy(PassThrough),
     /// Program Istio's capture rules (istio-iptables compatible flags).
     #[command(name = "istio-iptables")]
-    IstioIptables(PassThrough),
+    IstioIptables(Box<IstioIptablesArgs>),
     /// eBPF capture: attach, inspect and remove Weir's programs.
     Capture(PassThrough),
     /// Wait until Envoy reports ready (pilot-agent wait).
@@ -81,7 +82,7 @@ pub enum PilotAgentCommand {
     Proxy(PassThrough),
     /// Script to set up iptables to divert traffic to Envoy (istio-iptables).
     #[command(name = "istio-iptables")]
-    IstioIptables(PassThrough),
+    IstioIptables(Box<IstioIptablesArgs>),
     /// Wait for the Envoy proxy to become ready.
     Wait(PassThrough),
     /// Make an HTTP request to the Envoy admin API or the agent.

@@ -7,5 +7,6 @@ pub mod cli;
 pub mod demo;
 pub mod ebpf;
 pub mod exit;
+pub mod istio_iptables;
 pub mod privileges;
 pub mod sandbox;

@@ -10,12 +10,12 @@ use weir_agent::{
         Personality, PilotAgentCli, PilotAgentCommand, SandboxCommand, VersionArgs, VersionFormat, WeirCli,
         WeirCommand,
     },
-    demo, exit, sandbox,
+    demo, exit, istio_iptables, sandbox,
 };
 
 fn main() -> ExitCode {
-    init_tracing();
     let argv: Vec<OsString> = std::env::args_os().collect();
+    init_tracing(&argv);
     let personality = argv.first().map(Personality::from_argv0).unwrap_or(Personality::Weir);
     let code = match personality {
         Personality::Weir => run_weir(WeirCli::parse_from(&argv)),
@@ -25,9 +25,21 @@ fn main() -> ExitCode {
     ExitCode::from(code)
 }
 
-fn init_tracing() {
+/// Logs go to stderr. Level: WEIR_LOG, else Istio's `--log_output_level=default:<level>`
+/// (which the injector passes to istio-iptables), else info.
+fn init_tracing(argv: &[OsString]) {
     use tracing_subscriber::{EnvFilter, fmt};
-    let filter = EnvFilter::try_from_env("WEIR_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    let istio_level = argv.iter().filter_map(|a| a.to_str()).find_map(|a| {
+        let spec = a.strip_prefix("--log_output_level=")?;
+        spec.split(',').find_map(|s| {
+            s.strip_prefix("default:").or_else(|| s.strip_prefix("all:")).map(|l| match l {
+                "fatal" | "none" => "error".to_string(),
+                other => other.to_string(),
+            })
+        })
+    });
+    let filter = EnvFilter::try_from_env("WEIR_LOG")
+        .unwrap_or_else(|_| EnvFilter::new(istio_level.unwrap_or_else(|| "info".into())));
     fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).init();
 }
 
@@ -36,7 +48,7 @@ fn run_weir(cli: WeirCli) -> u8 {
         WeirCommand::Proxy(_) => {
             not_built("`proxy`", "Envoy lifecycle, status server and pilot-agent's command line")
         }
-        WeirCommand::IstioIptables(_) => not_built("`istio-iptables`", "iptables-compat capture rules"),
+        WeirCommand::IstioIptables(args) => istio_iptables::run(&args),
         WeirCommand::Capture(_) => not_built("`capture`", "eBPF capture"),
         WeirCommand::Wait(_) => not_built("`wait`", "Envoy lifecycle and status server"),
         WeirCommand::Request(_) => not_built("`request`", "Envoy lifecycle and status server"),
@@ -54,7 +66,7 @@ fn run_pilot_agent(cli: PilotAgentCli) -> u8 {
         PilotAgentCommand::Proxy(_) => {
             not_built("`proxy`", "Envoy lifecycle, status server and pilot-agent's command line")
         }
-        PilotAgentCommand::IstioIptables(_) => not_built("`istio-iptables`", "iptables-compat capture rules"),
+        PilotAgentCommand::IstioIptables(args) => istio_iptables::run(&args),
         PilotAgentCommand::Wait(_) => not_built("`wait`", "Envoy lifecycle and status server"),
         PilotAgentCommand::Request(_) => not_built("`request`", "Envoy lifecycle and status server"),
         PilotAgentCommand::Version(args) => version(&args),

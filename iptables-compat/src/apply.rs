@@ -31,10 +31,17 @@ pub enum CaptureError {
     Drift { backend: &'static str },
     #[error("TPROXY policy routing")]
     Routes(#[source] NetlinkError),
-    #[error("{cause}; the namespace was restored to its state before this run")]
-    RolledBack { cause: Box<CaptureError> },
-    #[error("{cause}; restoring the previous state also failed: {rollback}")]
-    RollbackFailed { cause: Box<CaptureError>, rollback: String },
+    #[error("applying failed and the namespace was restored to its state before this run")]
+    RolledBack {
+        #[source]
+        cause: Box<CaptureError>,
+    },
+    #[error("applying failed, and restoring the previous state also failed: {rollback}")]
+    RollbackFailed {
+        #[source]
+        cause: Box<CaptureError>,
+        rollback: String,
+    },
     #[error("enter network namespace {path}")]
     Netns {
         path: String,
@@ -88,7 +95,11 @@ pub struct Report {
 
 /// Programs Istio's iptables rules through `x` (the system's binaries, or a recorder
 /// for a dry run). Routes are not touched here; see [`program`].
-pub fn program_iptables(cfg: &CaptureConfig, opts: &RunOptions, x: &mut dyn Xtables) -> Result<Report, CaptureError> {
+pub fn program_iptables(
+    cfg: &CaptureConfig,
+    opts: &RunOptions,
+    x: &mut dyn Xtables,
+) -> Result<Report, CaptureError> {
     let plan = plan::plan(cfg);
     let restore4 = render::restore(&plan.v4);
     let restore6 = render::restore(&plan.v6);
@@ -98,8 +109,10 @@ pub fn program_iptables(cfg: &CaptureConfig, opts: &RunOptions, x: &mut dyn Xtab
     let save6 = x.save(Family::V6);
     let checks4 = render::checks(&plan.v4);
     let checks6 = render::checks(&plan.v6);
-    let v4 = state::verify_family(save4.as_deref(), &restore4, &checks4, |cmd| x.run(Family::V4, cmd).is_ok());
-    let v6 = state::verify_family(save6.as_deref(), &restore6, &checks6, |cmd| x.run(Family::V6, cmd).is_ok());
+    let v4 =
+        state::verify_family(save4.as_deref(), &restore4, &checks4, |cmd| x.run(Family::V4, cmd).is_ok());
+    let v6 =
+        state::verify_family(save6.as_deref(), &restore6, &checks6, |cmd| x.run(Family::V6, cmd).is_ok());
     let verdict = state::combine(&[v4, v6]);
     tracing::info!(?verdict, "iptables state");
 
@@ -186,7 +199,11 @@ fn cleanup_family(x: &mut dyn Xtables, family: Family, rules: &[plan::Rule], sav
 
 /// Puts each family back to its snapshot: the saved tables restored whole, and tables
 /// that did not exist before flushed and emptied of chains.
-fn rollback_iptables(x: &mut dyn Xtables, cause: CaptureError, snapshots: &[(Family, Option<String>)]) -> CaptureError {
+fn rollback_iptables(
+    x: &mut dyn Xtables,
+    cause: CaptureError,
+    snapshots: &[(Family, Option<String>)],
+) -> CaptureError {
     let mut failures = Vec::new();
     for (family, snapshot) in snapshots {
         let Some(now) = x.save(*family) else { continue };
@@ -299,12 +316,14 @@ fn program_here(cfg: &CaptureConfig, opts: &RunOptions) -> Result<Report, Captur
 }
 
 fn configure_routes(cfg: &CaptureConfig, opts: &RunOptions) -> Result<(), CaptureError> {
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(CaptureError::Runtime)?;
-    runtime.block_on(async {
-        let nl = Netlink::open()?;
-        if opts.cleanup_only { routes::remove(&nl, cfg).await } else { routes::configure(&nl, cfg).await }
-    })
-    .map_err(CaptureError::Routes)
+    let runtime =
+        tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(CaptureError::Runtime)?;
+    runtime
+        .block_on(async {
+            let nl = Netlink::open()?;
+            if opts.cleanup_only { routes::remove(&nl, cfg).await } else { routes::configure(&nl, cfg).await }
+        })
+        .map_err(CaptureError::Routes)
 }
 
 /// A dry run: the same path with recorders; nothing is changed.
@@ -323,7 +342,10 @@ fn dry_run(cfg: &CaptureConfig, opts: &RunOptions) -> Result<Report, CaptureErro
 
 /// Runs `f` on a thread that has entered the network namespace at `path`; processes it
 /// spawns and netlink sockets it opens belong to that namespace.
-pub fn in_netns<T: Send>(path: &Path, f: impl FnOnce() -> Result<T, CaptureError> + Send) -> Result<T, CaptureError> {
+pub fn in_netns<T: Send>(
+    path: &Path,
+    f: impl FnOnce() -> Result<T, CaptureError> + Send,
+) -> Result<T, CaptureError> {
     let file = std::fs::File::open(path)
         .map_err(|source| CaptureError::Netns { path: path.display().to_string(), source })?;
     std::thread::scope(|s| {
@@ -354,7 +376,11 @@ pub fn verify(cfg: &CaptureConfig, opts: &RunOptions) -> Result<Verdict, Capture
                 Verdict::Drifted
             }
         } else {
-            let mut x = crate::xtables::SystemXtables::detect(opts.force_iptables_binary, cfg.enable_ipv6, crate::xtables::Lock::Global)?;
+            let mut x = crate::xtables::SystemXtables::detect(
+                opts.force_iptables_binary,
+                cfg.enable_ipv6,
+                crate::xtables::Lock::Global,
+            )?;
             let plan: RulePlan = plan::plan(cfg);
             let families = [(Family::V4, &plan.v4), (Family::V6, &plan.v6)];
             let mut verdicts = Vec::new();
@@ -362,14 +388,19 @@ pub fn verify(cfg: &CaptureConfig, opts: &RunOptions) -> Result<Verdict, Capture
                 let saved = x.save(family);
                 let restore = render::restore(rules);
                 let checks = render::checks(rules);
-                verdicts.push(state::verify_family(saved.as_deref(), &restore, &checks, |c| x.run(family, c).is_ok()));
+                verdicts.push(state::verify_family(saved.as_deref(), &restore, &checks, |c| {
+                    x.run(family, c).is_ok()
+                }));
             }
             state::combine(&verdicts)
         };
         if rules != Verdict::Applied {
             return Ok(rules);
         }
-        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(CaptureError::Runtime)?;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(CaptureError::Runtime)?;
         let routes_ok = runtime
             .block_on(async { routes::present(&Netlink::open()?, cfg).await })
             .map_err(CaptureError::Routes)?;

@@ -147,7 +147,8 @@ impl Cidr {
         let bad = |why: &str| ConfigError::new(input, value, why);
         let (addr, bits) =
             value.trim().split_once('/').ok_or_else(|| bad("a CIDR like 10.0.0.0/8 or fd00::/8"))?;
-        let addr: IpAddr = addr.parse().map_err(|_| bad("a CIDR whose address is an IPv4 or IPv6 address"))?;
+        let addr: IpAddr =
+            addr.parse().map_err(|_| bad("a CIDR whose address is an IPv4 or IPv6 address"))?;
         let max = if addr.is_ipv4() { 32 } else { 128 };
         let bits: u8 = bits
             .parse()
@@ -246,15 +247,16 @@ impl OwnerGroups {
     /// As Istio's ParseInterceptFilter: include "*" means all except `exclude`.
     pub fn from_env(include: &str, exclude: &str) -> Result<Self, ConfigError> {
         let owned = |s: &str| split(s).into_iter().map(str::to_string).collect::<Vec<_>>();
-        let groups = if include == "*" { Self::AllExcept(owned(exclude)) } else { Self::Only(owned(include)) };
-        if let Self::Only(values) = &groups {
-            if values.len() > MAX_OWNER_GROUPS_INCLUDE {
-                return Err(ConfigError::new(
-                    "ISTIO_OUTBOUND_OWNER_GROUPS",
-                    include,
-                    format!("at most {MAX_OWNER_GROUPS_INCLUDE} groups, got {}", values.len()),
-                ));
-            }
+        let groups =
+            if include == "*" { Self::AllExcept(owned(exclude)) } else { Self::Only(owned(include)) };
+        if let Self::Only(values) = &groups
+            && values.len() > MAX_OWNER_GROUPS_INCLUDE
+        {
+            return Err(ConfigError::new(
+                "ISTIO_OUTBOUND_OWNER_GROUPS",
+                include,
+                format!("at most {MAX_OWNER_GROUPS_INCLUDE} groups, got {}", values.len()),
+            ));
         }
         Ok(groups)
     }
@@ -423,7 +425,9 @@ mod tests {
     fn inbound_ports_forms() {
         assert_eq!(InboundPorts::parse("-b", "").unwrap(), InboundPorts::None);
         assert_eq!(InboundPorts::parse("-b", "*").unwrap(), InboundPorts::All);
-        assert!(matches!(InboundPorts::parse("-b", "80,443").unwrap(), InboundPorts::Only(p) if p.len() == 2));
+        assert!(
+            matches!(InboundPorts::parse("-b", "80,443").unwrap(), InboundPorts::Only(p) if p.len() == 2)
+        );
     }
 
     #[test]
@@ -451,13 +455,22 @@ mod tests {
         assert_eq!(InterceptionMode::parse("-m", "").unwrap(), InterceptionMode::Redirect);
         assert_eq!(InterceptionMode::parse("-m", "TPROXY").unwrap(), InterceptionMode::Tproxy);
         let e = InterceptionMode::parse("-m/--istio-inbound-interception-mode", "MAGIC").unwrap_err();
-        assert_eq!(e.to_string(), "invalid -m/--istio-inbound-interception-mode: \"MAGIC\": REDIRECT or TPROXY");
+        assert_eq!(
+            e.to_string(),
+            "invalid -m/--istio-inbound-interception-mode: \"MAGIC\": REDIRECT or TPROXY"
+        );
     }
 
     #[test]
     fn owner_groups_follow_istio() {
-        assert_eq!(OwnerGroups::from_env("*", "888,ftp").unwrap(), OwnerGroups::AllExcept(vec!["888".into(), "ftp".into()]));
-        assert_eq!(OwnerGroups::from_env("java,202", "ignored").unwrap(), OwnerGroups::Only(vec!["java".into(), "202".into()]));
+        assert_eq!(
+            OwnerGroups::from_env("*", "888,ftp").unwrap(),
+            OwnerGroups::AllExcept(vec!["888".into(), "ftp".into()])
+        );
+        assert_eq!(
+            OwnerGroups::from_env("java,202", "ignored").unwrap(),
+            OwnerGroups::Only(vec!["java".into(), "202".into()])
+        );
         let many = (0..65).map(|i| i.to_string()).collect::<Vec<_>>().join(",");
         assert!(OwnerGroups::from_env(&many, "").is_err());
     }

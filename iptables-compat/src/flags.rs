@@ -161,7 +161,11 @@ impl IstioIptablesArgs {
         };
         let port = |s: Source<'_>, default: &str| -> Result<u16, ConfigError> {
             let (input, v) = text(s, default);
-            v.trim().parse::<u16>().ok().filter(|p| *p != 0).ok_or_else(|| ConfigError::new(input, v, "a port 1-65535"))
+            v.trim()
+                .parse::<u16>()
+                .ok()
+                .filter(|p| *p != 0)
+                .ok_or_else(|| ConfigError::new(input, v, "a port 1-65535"))
         };
         let number = |s: Source<'_>, default: &str| -> Result<u32, ConfigError> {
             let (input, v) = text(s, default);
@@ -174,8 +178,10 @@ impl IstioIptablesArgs {
         }
 
         let proxy_port = port(src!(envoy_port, "-p/--envoy-port", []), "15001")?;
-        let inbound_capture_port = port(src!(inbound_capture_port, "-z/--inbound-capture-port", ["INBOUND_CAPTURE_PORT"]), "15006")?;
-        let inbound_tunnel_port = port(src!(inbound_tunnel_port, "-e/--inbound-tunnel-port", ["INBOUND_TUNNEL_PORT"]), "15008")?;
+        let inbound_capture_port =
+            port(src!(inbound_capture_port, "-z/--inbound-capture-port", ["INBOUND_CAPTURE_PORT"]), "15006")?;
+        let inbound_tunnel_port =
+            port(src!(inbound_tunnel_port, "-e/--inbound-tunnel-port", ["INBOUND_TUNNEL_PORT"]), "15008")?;
 
         let (uid_input, uids) = text(src!(proxy_uid, "-u/--proxy-uid", ["PROXY_UID"]), "");
         let uids = if uids.is_empty() {
@@ -203,37 +209,72 @@ impl IstioIptablesArgs {
             }
         }
 
-        let (input, mode) = text(src!(mode, "-m/--istio-inbound-interception-mode", ["ISTIO_INBOUND_INTERCEPTION_MODE"]), "");
+        let (input, mode) =
+            text(src!(mode, "-m/--istio-inbound-interception-mode", ["ISTIO_INBOUND_INTERCEPTION_MODE"]), "");
         let interception_mode = InterceptionMode::parse(&input, &mode)?;
-        let tproxy_mark = number(src!(tproxy_mark, "-t/--istio-inbound-tproxy-mark", ["ISTIO_INBOUND_TPROXY_MARK"]), "1337")?;
-        let tproxy_route_table = number(src!(tproxy_route_table, "-r/--istio-inbound-tproxy-route-table", ["ISTIO_INBOUND_TPROXY_ROUTE_TABLE"]), "133")?;
+        let tproxy_mark = number(
+            src!(tproxy_mark, "-t/--istio-inbound-tproxy-mark", ["ISTIO_INBOUND_TPROXY_MARK"]),
+            "1337",
+        )?;
+        let tproxy_route_table = number(
+            src!(
+                tproxy_route_table,
+                "-r/--istio-inbound-tproxy-route-table",
+                ["ISTIO_INBOUND_TPROXY_ROUTE_TABLE"]
+            ),
+            "133",
+        )?;
 
         let (input, v) = text(src!(inbound_ports, "-b/--istio-inbound-ports", ["ISTIO_INBOUND_PORTS"]), "");
         let inbound_ports = InboundPorts::parse(&input, &v)?;
-        let (input, v) = text(src!(inbound_ports_exclude, "-d/--istio-local-exclude-ports", ["ISTIO_LOCAL_EXCLUDE_PORTS"]), "");
+        let (input, v) = text(
+            src!(inbound_ports_exclude, "-d/--istio-local-exclude-ports", ["ISTIO_LOCAL_EXCLUDE_PORTS"]),
+            "",
+        );
         let inbound_ports_exclude = parse_ports(&input, &v)?;
-        let (input, v) = text(src!(outbound_ports_include, "-q/--istio-outbound-ports", ["ISTIO_OUTBOUND_PORTS"]), "");
+        let (input, v) =
+            text(src!(outbound_ports_include, "-q/--istio-outbound-ports", ["ISTIO_OUTBOUND_PORTS"]), "");
         let outbound_ports_include = parse_ports(&input, &v)?;
-        let (input, v) = text(src!(outbound_ports_exclude, "-o/--istio-local-outbound-ports-exclude", ["ISTIO_LOCAL_OUTBOUND_PORTS_EXCLUDE"]), "");
+        let (input, v) = text(
+            src!(
+                outbound_ports_exclude,
+                "-o/--istio-local-outbound-ports-exclude",
+                ["ISTIO_LOCAL_OUTBOUND_PORTS_EXCLUDE"]
+            ),
+            "",
+        );
         let outbound_ports_exclude = parse_ports(&input, &v)?;
         let (input, v) = text(src!(outbound_include, "-i/--istio-service-cidr", ["ISTIO_SERVICE_CIDR"]), "");
         let outbound_ip_ranges_include = IpRanges::parse(&input, &v)?;
-        let (input, v) = text(src!(outbound_exclude, "-x/--istio-service-exclude-cidr", ["ISTIO_SERVICE_EXCLUDE_CIDR"]), "");
+        let (input, v) = text(
+            src!(outbound_exclude, "-x/--istio-service-exclude-cidr", ["ISTIO_SERVICE_EXCLUDE_CIDR"]),
+            "",
+        );
         let outbound_ip_ranges_exclude = parse_exclude_ranges(&input, &v)?;
         let interfaces = |s: Source<'_>| -> Result<Vec<String>, ConfigError> {
             let (input, v) = text(s, "");
             let names: Vec<String> = split(&v).into_iter().map(|n| n.trim().to_string()).collect();
             for n in &names {
                 if n.is_empty() || n.len() > 15 || n.contains(['/', ' ']) {
-                    return Err(ConfigError::new(&input, n, "interface names (at most 15 characters, no spaces)"));
+                    return Err(ConfigError::new(
+                        &input,
+                        n,
+                        "interface names (at most 15 characters, no spaces)",
+                    ));
                 }
             }
             Ok(names)
         };
-        let exclude_interfaces = interfaces(src!(exclude_interfaces, "-c/--istio-exclude-interfaces", ["ISTIO_EXCLUDE_INTERFACES"]))?;
-        let reroute_virtual_interfaces = interfaces(src!(kube_virt_interfaces, "-k/--kube-virt-interfaces", ["KUBE_VIRT_INTERFACES"]))?;
+        let exclude_interfaces = interfaces(src!(
+            exclude_interfaces,
+            "-c/--istio-exclude-interfaces",
+            ["ISTIO_EXCLUDE_INTERFACES"]
+        ))?;
+        let reroute_virtual_interfaces =
+            interfaces(src!(kube_virt_interfaces, "-k/--kube-virt-interfaces", ["KUBE_VIRT_INTERFACES"]))?;
 
-        let redirect_dns = boolean(src!(redirect_dns, "--redirect-dns", ["REDIRECT_DNS", "ISTIO_META_DNS_CAPTURE"]))?;
+        let redirect_dns =
+            boolean(src!(redirect_dns, "--redirect-dns", ["REDIRECT_DNS", "ISTIO_META_DNS_CAPTURE"]))?;
         let capture_all_dns = boolean(src!(capture_all_dns, "--capture-all-dns", ["CAPTURE_ALL_DNS"]))?;
         let drop_invalid = boolean(src!(drop_invalid, "--drop-invalid", ["DROP_INVALID", "INVALID_DROP"]))?;
         let dual_stack = boolean(src!(dual_stack, "--dual-stack", ["DUAL_STACK", "ISTIO_DUAL_STACK"]))?;
@@ -246,32 +287,47 @@ impl IstioIptablesArgs {
             OwnerGroups::AllExcept(g) | OwnerGroups::Only(g) => g,
         } {
             if group.parse::<u32>().is_err() && !facts.group_exists(group) {
-                return Err(ConfigError::new("ISTIO_OUTBOUND_OWNER_GROUPS[_EXCLUDE]", group, "a numeric gid or an existing group name"));
+                return Err(ConfigError::new(
+                    "ISTIO_OUTBOUND_OWNER_GROUPS[_EXCLUDE]",
+                    group,
+                    "a numeric gid or an existing group name",
+                ));
             }
         }
-        let host_ipv4_loopback_cidr =
-            parse_loopback_cidr(&env("ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR").unwrap_or_else(|| "127.0.0.1/32".into()))?;
+        let host_ipv4_loopback_cidr = parse_loopback_cidr(
+            &env("ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR").unwrap_or_else(|| "127.0.0.1/32".into()),
+        )?;
 
-        let (input, v) = text(src!(force_iptables_binary, "--force-iptables-binary", ["FORCE_IPTABLES_BINARY"]), "");
+        let (input, v) =
+            text(src!(force_iptables_binary, "--force-iptables-binary", ["FORCE_IPTABLES_BINARY"]), "");
         let force_iptables_binary = IptablesBackend::parse(&input, &v)?;
         let (input, v) = text(src!(probe_port, "--iptables-probe-port", ["IPTABLES_PROBE_PORT"]), "15002");
         let probe_port = v.trim().parse::<u16>().map_err(|_| ConfigError::new(input, v, "a port 0-65535"))?;
         let (input, v) = text(src!(probe_timeout, "--probe-timeout", ["PROBE_TIMEOUT"]), "5s");
-        let probe_timeout = parse_go_duration(&v).ok_or_else(|| ConfigError::new(input, v, "a duration such as 5s or 500ms"))?;
+        let probe_timeout = parse_go_duration(&v)
+            .ok_or_else(|| ConfigError::new(input, v, "a duration such as 5s or 500ms"))?;
         let (_, netns) = text(src!(network_namespace, "--network-namespace", ["NETWORK_NAMESPACE"]), "");
         let network_namespace = (!netns.is_empty()).then(|| std::path::PathBuf::from(netns));
 
         // Detected, as Istio does: IPv6 from the pod's addresses, DNS servers from resolv.conf.
-        let addresses = facts
-            .addresses()
-            .map_err(|e| ConfigError::new("local interface addresses", e.to_string(), "readable addresses"))?;
+        let addresses = facts.addresses().map_err(|e| {
+            ConfigError::new("local interface addresses", e.to_string(), "readable addresses")
+        })?;
         let (host_ip, enable_ipv6) = detect::local_ip(&addresses, dual_stack).ok_or_else(|| {
-            ConfigError::new("local interface addresses", format!("{addresses:?}"), "at least one non-loopback, non-link-local address")
+            ConfigError::new(
+                "local interface addresses",
+                format!("{addresses:?}"),
+                "at least one non-loopback, non-link-local address",
+            )
         })?;
         let (dns_servers_v4, dns_servers_v6) = if redirect_dns && !capture_all_dns {
-            let text = facts
-                .resolv_conf()
-                .map_err(|e| ConfigError::new("/etc/resolv.conf", e.to_string(), "a readable resolv.conf (needed by --redirect-dns)"))?;
+            let text = facts.resolv_conf().map_err(|e| {
+                ConfigError::new(
+                    "/etc/resolv.conf",
+                    e.to_string(),
+                    "a readable resolv.conf (needed by --redirect-dns)",
+                )
+            })?;
             detect::resolv_conf_servers(&text)
         } else {
             (Vec::new(), Vec::new())
@@ -410,7 +466,10 @@ mod tests {
     }
 
     fn pod() -> Facts {
-        Facts { addrs: vec!["127.0.0.1", "10.66.0.10", "::1", "fd00:66::a"], resolv: "nameserver 10.96.0.10\n" }
+        Facts {
+            addrs: vec!["127.0.0.1", "10.66.0.10", "::1", "fd00:66::a"],
+            resolv: "nameserver 10.96.0.10\n",
+        }
     }
 
     fn resolve(argv: &[&str], env: &[(&str, &str)]) -> Result<(CaptureConfig, RunOptions), ConfigError> {
@@ -422,7 +481,25 @@ mod tests {
     #[test]
     fn the_injectors_command_line() {
         let (cfg, opts) = resolve(
-            &["-p", "15001", "-z", "15006", "-u", "1337", "-m", "REDIRECT", "-i", "*", "-x", "", "-b", "*", "-d", "15090,15021,15020", "--log_output_level=default:info"],
+            &[
+                "-p",
+                "15001",
+                "-z",
+                "15006",
+                "-u",
+                "1337",
+                "-m",
+                "REDIRECT",
+                "-i",
+                "*",
+                "-x",
+                "",
+                "-b",
+                "*",
+                "-d",
+                "15090,15021,15020",
+                "--log_output_level=default:info",
+            ],
             &[],
         )
         .unwrap();
@@ -442,7 +519,8 @@ mod tests {
         assert_eq!(cfg.inbound_capture_port, 16006);
         let (cfg, _) = resolve(&[], &[("INBOUND_CAPTURE_PORT", "17006")]).unwrap();
         assert_eq!(cfg.inbound_capture_port, 17006);
-        let (cfg, _) = resolve(&[], &[("REDIRECT_DNS", "false"), ("ISTIO_META_DNS_CAPTURE", "true")]).unwrap();
+        let (cfg, _) =
+            resolve(&[], &[("REDIRECT_DNS", "false"), ("ISTIO_META_DNS_CAPTURE", "true")]).unwrap();
         assert!(cfg.redirect_dns);
         assert_eq!(cfg.dns_servers_v4, vec!["10.96.0.10"], "servers read from resolv.conf");
         let (cfg, _) = resolve(&["--redirect-dns=false"], &[("ISTIO_META_DNS_CAPTURE", "true")]).unwrap();
@@ -463,19 +541,36 @@ mod tests {
 
     #[test]
     fn bad_input_names_the_flag_and_the_form() {
-        let cases: &[(&[&str], &[(&str, &str)], &str)] = &[
-            (&["-m", "MAGIC"], &[], "invalid -m/--istio-inbound-interception-mode: \"MAGIC\": REDIRECT or TPROXY"),
+        type Case<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)], &'a str);
+        let cases: &[Case<'_>] = &[
+            (
+                &["-m", "MAGIC"],
+                &[],
+                "invalid -m/--istio-inbound-interception-mode: \"MAGIC\": REDIRECT or TPROXY",
+            ),
             (&["-i", "10.0.0.0"], &[], "invalid -i/--istio-service-cidr: \"10.0.0.0\""),
             (&["-x", "*"], &[], "invalid -x/--istio-service-exclude-cidr: \"*\""),
             (&["-b", "80,http"], &[], "invalid -b/--istio-inbound-ports: \"http\""),
             (&["-d", "99999"], &[], "invalid -d/--istio-local-exclude-ports"),
-            (&["-u", "not-a-user"], &[], "invalid -u/--proxy-uid: \"not-a-user\": a numeric uid or an existing user name"),
+            (
+                &["-u", "not-a-user"],
+                &[],
+                "invalid -u/--proxy-uid: \"not-a-user\": a numeric uid or an existing user name",
+            ),
             (&["-p", "0"], &[], "invalid -p/--envoy-port"),
             (&["-t", "x"], &[], "invalid -t/--istio-inbound-tproxy-mark"),
             (&["--force-iptables-binary", "iptables"], &[], "legacy or nft"),
             (&["--probe-timeout", "soon"], &[], "invalid --probe-timeout"),
-            (&[], &[("REDIRECT_DNS", "yes")], "invalid --redirect-dns (env REDIRECT_DNS): \"yes\": true or false"),
-            (&[], &[("ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR", "10.0.0.1/32")], "ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR"),
+            (
+                &[],
+                &[("REDIRECT_DNS", "yes")],
+                "invalid --redirect-dns (env REDIRECT_DNS): \"yes\": true or false",
+            ),
+            (
+                &[],
+                &[("ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR", "10.0.0.1/32")],
+                "ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR",
+            ),
             (&[], &[("ISTIO_OUTBOUND_OWNER_GROUPS", "nosuchgroup")], "nosuchgroup"),
         ];
         for (argv, env, want) in cases {

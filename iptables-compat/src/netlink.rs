@@ -14,7 +14,7 @@ use futures::TryStreamExt as _;
 use netlink_packet_route::{
     address::{AddressAttribute, AddressFlags},
     link::{InfoData, InfoVeth},
-    route::{RouteAttribute, RouteMessage, RouteType},
+    route::{RouteAttribute, RouteMessage, RouteScope, RouteType},
     rule::{RuleAction, RuleAttribute},
 };
 use rtnetlink::{
@@ -148,9 +148,9 @@ impl Netlink {
         let index = self.link_index(name).await?;
         let mut addrs = self.handle.address().get().set_link_index_filter(index).execute();
         while let Some(msg) = addrs.try_next().await.map_err(op(format!("ip addr show dev {name}")))? {
-            let found = msg.attributes.iter().any(|a| {
-                matches!(a, AddressAttribute::Address(a) | AddressAttribute::Local(a) if *a == addr)
-            });
+            let found = msg.attributes.iter().any(
+                |a| matches!(a, AddressAttribute::Address(a) | AddressAttribute::Local(a) if *a == addr),
+            );
             if found {
                 return Ok(true);
             }
@@ -254,11 +254,13 @@ impl Netlink {
         match family {
             Family::V4 => RouteMessageBuilder::<Ipv4Addr>::new()
                 .kind(RouteType::Local)
+                .scope(RouteScope::Host)
                 .table_id(table)
                 .output_interface(lo)
                 .build(),
             Family::V6 => RouteMessageBuilder::<Ipv6Addr>::new()
                 .kind(RouteType::Local)
+                .scope(RouteScope::Host)
                 .table_id(table)
                 .output_interface(lo)
                 .build(),

@@ -137,7 +137,11 @@ pub fn plan(cfg: &CaptureConfig) -> NftPlan {
         b.insert("prerouting", Nat, 0, &["iifname", nic, COUNTER, "return"]);
     }
     if cfg.drop_invalid {
-        b.append("prerouting", Mangle, &["meta l4proto tcp", "ct state", "invalid", COUNTER, "jump", "istio-drop"]);
+        b.append(
+            "prerouting",
+            Mangle,
+            &["meta l4proto tcp", "ct state", "invalid", COUNTER, "jump", "istio-drop"],
+        );
         b.append("istio-drop", Mangle, &[COUNTER, "drop"]);
     }
     b.append("istio-inbound", Nat, &["meta l4proto tcp", "tcp dport", &tunnel, COUNTER, "return"]);
@@ -152,16 +156,31 @@ pub fn plan(cfg: &CaptureConfig) -> NftPlan {
             match &cfg.inbound_ports {
                 InboundPorts::All => {
                     for port in &cfg.inbound_ports_exclude {
-                        b.append("istio-inbound", Nat, &["meta l4proto tcp", "tcp dport", &port.nft(), COUNTER, "return"]);
+                        b.append(
+                            "istio-inbound",
+                            Nat,
+                            &["meta l4proto tcp", "tcp dport", &port.nft(), COUNTER, "return"],
+                        );
                     }
-                    b.append("istio-inbound", Nat, &["meta l4proto tcp", COUNTER, "jump", "istio-in-redirect"]);
+                    b.append(
+                        "istio-inbound",
+                        Nat,
+                        &["meta l4proto tcp", COUNTER, "jump", "istio-in-redirect"],
+                    );
                 }
                 InboundPorts::Only(ports) => {
                     for port in ports {
                         b.append(
                             "istio-inbound",
                             Nat,
-                            &["meta l4proto tcp", "tcp dport", &port.nft(), COUNTER, "jump", "istio-in-redirect"],
+                            &[
+                                "meta l4proto tcp",
+                                "tcp dport",
+                                &port.nft(),
+                                COUNTER,
+                                "jump",
+                                "istio-in-redirect",
+                            ],
                         );
                     }
                 }
@@ -184,19 +203,61 @@ pub fn plan(cfg: &CaptureConfig) -> NftPlan {
         b.append(
             "istio-output",
             Nat,
-            &["oifname", "lo", "meta l4proto tcp", "ip daddr", "!=", lo4, "tcp dport", "!=", ports, "skuid", uid, COUNTER, "jump", "istio-in-redirect"],
+            &[
+                "oifname",
+                "lo",
+                "meta l4proto tcp",
+                "ip daddr",
+                "!=",
+                lo4,
+                "tcp dport",
+                "!=",
+                ports,
+                "skuid",
+                uid,
+                COUNTER,
+                "jump",
+                "istio-in-redirect",
+            ],
         );
         b.append_v6(
             "istio-output",
             Nat,
-            &["oifname", "lo", "meta l4proto tcp", "ip6 daddr", "!=", "::1/128", "tcp dport", "!=", ports, "skuid", uid, COUNTER, "jump", "istio-in-redirect"],
+            &[
+                "oifname",
+                "lo",
+                "meta l4proto tcp",
+                "ip6 daddr",
+                "!=",
+                "::1/128",
+                "tcp dport",
+                "!=",
+                ports,
+                "skuid",
+                uid,
+                COUNTER,
+                "jump",
+                "istio-in-redirect",
+            ],
         );
         if !d.includes_loopback() {
             if d.redirect_dns {
                 b.append(
                     "istio-output",
                     Nat,
-                    &["oifname", "lo", "meta l4proto tcp", "tcp dport", "!=", "53", "skuid", "!=", uid, COUNTER, "return"],
+                    &[
+                        "oifname",
+                        "lo",
+                        "meta l4proto tcp",
+                        "tcp dport",
+                        "!=",
+                        "53",
+                        "skuid",
+                        "!=",
+                        uid,
+                        COUNTER,
+                        "return",
+                    ],
                 );
             } else {
                 b.append("istio-output", Nat, &["oifname", "lo", "skuid", "!=", uid, COUNTER, "return"]);
@@ -208,19 +269,61 @@ pub fn plan(cfg: &CaptureConfig) -> NftPlan {
         b.append(
             "istio-output",
             Nat,
-            &["oifname", "lo", "meta l4proto tcp", "ip daddr", "!=", lo4, "tcp dport", "!=", &tunnel, "skgid", gid, COUNTER, "jump", "istio-in-redirect"],
+            &[
+                "oifname",
+                "lo",
+                "meta l4proto tcp",
+                "ip daddr",
+                "!=",
+                lo4,
+                "tcp dport",
+                "!=",
+                &tunnel,
+                "skgid",
+                gid,
+                COUNTER,
+                "jump",
+                "istio-in-redirect",
+            ],
         );
         b.append_v6(
             "istio-output",
             Nat,
-            &["oifname", "lo", "meta l4proto tcp", "ip6 daddr", "!=", "::1/128", "tcp dport", "!=", &tunnel, "skgid", gid, COUNTER, "jump", "istio-in-redirect"],
+            &[
+                "oifname",
+                "lo",
+                "meta l4proto tcp",
+                "ip6 daddr",
+                "!=",
+                "::1/128",
+                "tcp dport",
+                "!=",
+                &tunnel,
+                "skgid",
+                gid,
+                COUNTER,
+                "jump",
+                "istio-in-redirect",
+            ],
         );
         if !d.includes_loopback() {
             if d.redirect_dns {
                 b.append(
                     "istio-output",
                     Nat,
-                    &["oifname", "lo", "meta l4proto tcp", "tcp dport", "!=", "53", "skgid", "!=", gid, COUNTER, "return"],
+                    &[
+                        "oifname",
+                        "lo",
+                        "meta l4proto tcp",
+                        "tcp dport",
+                        "!=",
+                        "53",
+                        "skgid",
+                        "!=",
+                        gid,
+                        COUNTER,
+                        "return",
+                    ],
                 );
             } else {
                 b.append("istio-output", Nat, &["oifname", "lo", "skgid", "!=", gid, COUNTER, "return"]);
@@ -269,14 +372,24 @@ pub fn plan(cfg: &CaptureConfig) -> NftPlan {
         for cidr in &d.include_v4.cidrs {
             let cidr = cidr.to_string();
             for nic in &cfg.reroute_virtual_interfaces {
-                b.insert("prerouting", Nat, 0, &["iifname", nic, "ip daddr", &cidr, COUNTER, "jump", "istio-redirect"]);
+                b.insert(
+                    "prerouting",
+                    Nat,
+                    0,
+                    &["iifname", nic, "ip daddr", &cidr, COUNTER, "jump", "istio-redirect"],
+                );
             }
             b.append("istio-output", Nat, &["ip daddr", &cidr, COUNTER, "jump", "istio-redirect"]);
         }
         for cidr in &d.include_v6.cidrs {
             let cidr = cidr.to_string();
             for nic in &cfg.reroute_virtual_interfaces {
-                b.insert_v6("prerouting", Nat, 0, &["iifname", nic, "ip6 daddr", &cidr, COUNTER, "jump", "istio-redirect"]);
+                b.insert_v6(
+                    "prerouting",
+                    Nat,
+                    0,
+                    &["iifname", nic, "ip6 daddr", &cidr, COUNTER, "jump", "istio-redirect"],
+                );
             }
             b.append_v6("istio-output", Nat, &["ip6 daddr", &cidr, COUNTER, "jump", "istio-redirect"]);
         }
@@ -290,20 +403,63 @@ pub fn plan(cfg: &CaptureConfig) -> NftPlan {
                 b.append(
                     "output",
                     Mangle,
-                    &["oifname", "lo", "meta l4proto tcp", "ip daddr", "!=", lo4, key, id, COUNTER, "meta mark set", OUTBOUND_MARK],
+                    &[
+                        "oifname",
+                        "lo",
+                        "meta l4proto tcp",
+                        "ip daddr",
+                        "!=",
+                        lo4,
+                        key,
+                        id,
+                        COUNTER,
+                        "meta mark set",
+                        OUTBOUND_MARK,
+                    ],
                 );
                 b.append_v6(
                     "output",
                     Mangle,
-                    &["oifname", "lo", "meta l4proto tcp", "ip6 daddr", "!=", "::1/128", key, id, COUNTER, "meta mark set", OUTBOUND_MARK],
+                    &[
+                        "oifname",
+                        "lo",
+                        "meta l4proto tcp",
+                        "ip6 daddr",
+                        "!=",
+                        "::1/128",
+                        key,
+                        id,
+                        COUNTER,
+                        "meta mark set",
+                        OUTBOUND_MARK,
+                    ],
                 );
             }
         }
-        b.append("output", Mangle, &["meta l4proto tcp", "ct", "mark", &mark, COUNTER, "meta mark set", "ct", "mark"]);
+        b.append(
+            "output",
+            Mangle,
+            &["meta l4proto tcp", "ct", "mark", &mark, COUNTER, "meta mark set", "ct", "mark"],
+        );
         b.insert("istio-inbound", Mangle, 0, &["meta l4proto tcp", "mark", &mark, COUNTER, "return"]);
-        b.insert("istio-inbound", Mangle, 1, &["iifname", "lo", "meta l4proto tcp", "ip saddr", "127.0.0.6/32", COUNTER, "return"]);
-        b.insert_v6("istio-inbound", Mangle, 1, &["iifname", "lo", "meta l4proto tcp", "ip6 saddr", "::6/128", COUNTER, "return"]);
-        b.insert("istio-inbound", Mangle, 2, &["iifname", "lo", "meta l4proto tcp", "mark", "!=", OUTBOUND_MARK, COUNTER, "return"]);
+        b.insert(
+            "istio-inbound",
+            Mangle,
+            1,
+            &["iifname", "lo", "meta l4proto tcp", "ip saddr", "127.0.0.6/32", COUNTER, "return"],
+        );
+        b.insert_v6(
+            "istio-inbound",
+            Mangle,
+            1,
+            &["iifname", "lo", "meta l4proto tcp", "ip6 saddr", "::6/128", COUNTER, "return"],
+        );
+        b.insert(
+            "istio-inbound",
+            Mangle,
+            2,
+            &["iifname", "lo", "meta l4proto tcp", "mark", "!=", OUTBOUND_MARK, COUNTER, "return"],
+        );
     }
     b.plan
 }
@@ -316,20 +472,50 @@ fn inbound_tproxy(b: &mut Builder, cfg: &CaptureConfig, mark: &str, lo4: &str) {
     b.append(
         "istio-tproxy",
         Mangle,
-        &["meta l4proto tcp", "ip daddr", "!=", lo4, "tproxy ip to", &on_port, "meta mark set", mark, COUNTER, "accept"],
+        &[
+            "meta l4proto tcp",
+            "ip daddr",
+            "!=",
+            lo4,
+            "tproxy ip to",
+            &on_port,
+            "meta mark set",
+            mark,
+            COUNTER,
+            "accept",
+        ],
     );
     b.append_v6(
         "istio-tproxy",
         Mangle,
-        &["meta l4proto tcp", "ip6 daddr", "!=", "::1/128", "tproxy ip6 to", &on_port, "meta mark set", mark, COUNTER, "accept"],
+        &[
+            "meta l4proto tcp",
+            "ip6 daddr",
+            "!=",
+            "::1/128",
+            "tproxy ip6 to",
+            &on_port,
+            "meta mark set",
+            mark,
+            COUNTER,
+            "accept",
+        ],
     );
     b.append("prerouting", Mangle, &["meta l4proto tcp", COUNTER, "jump", "istio-inbound"]);
     match &cfg.inbound_ports {
         InboundPorts::All => {
             for port in &cfg.inbound_ports_exclude {
-                b.append("istio-inbound", Mangle, &["meta l4proto tcp", "tcp dport", &port.nft(), COUNTER, "return"]);
+                b.append(
+                    "istio-inbound",
+                    Mangle,
+                    &["meta l4proto tcp", "tcp dport", &port.nft(), COUNTER, "return"],
+                );
             }
-            b.append("istio-inbound", Mangle, &["meta l4proto tcp", "ct state", "related,established", COUNTER, "jump", "istio-divert"]);
+            b.append(
+                "istio-inbound",
+                Mangle,
+                &["meta l4proto tcp", "ct state", "related,established", COUNTER, "jump", "istio-divert"],
+            );
             b.append("istio-inbound", Mangle, &["meta l4proto tcp", COUNTER, "jump", "istio-tproxy"]);
         }
         InboundPorts::Only(ports) => {
@@ -338,9 +524,22 @@ fn inbound_tproxy(b: &mut Builder, cfg: &CaptureConfig, mark: &str, lo4: &str) {
                 b.append(
                     "istio-inbound",
                     Mangle,
-                    &["meta l4proto tcp", "ct state", "related,established", "tcp dport", &port, COUNTER, "jump", "istio-divert"],
+                    &[
+                        "meta l4proto tcp",
+                        "ct state",
+                        "related,established",
+                        "tcp dport",
+                        &port,
+                        COUNTER,
+                        "jump",
+                        "istio-divert",
+                    ],
                 );
-                b.append("istio-inbound", Mangle, &["meta l4proto tcp", "tcp dport", &port, COUNTER, "jump", "istio-tproxy"]);
+                b.append(
+                    "istio-inbound",
+                    Mangle,
+                    &["meta l4proto tcp", "tcp dport", &port, COUNTER, "jump", "istio-tproxy"],
+                );
             }
         }
         InboundPorts::None => {}
@@ -358,29 +557,57 @@ fn dns(b: &mut Builder, cfg: &CaptureConfig) {
     let v4: Vec<String> = cfg.dns_servers_v4.iter().map(|s| format!("{s}/32")).collect();
     let v6: Vec<String> = cfg.dns_servers_v6.iter().map(|s| format!("{s}/128")).collect();
     if all {
-        b.append("istio-output-dns", Nat, &["meta l4proto tcp", "tcp dport", "53", COUNTER, "redirect", "to", &to]);
+        b.append(
+            "istio-output-dns",
+            Nat,
+            &["meta l4proto tcp", "tcp dport", "53", COUNTER, "redirect", "to", &to],
+        );
     } else {
         for s in &v4 {
-            b.append("istio-output-dns", Nat, &["ip daddr", s, "tcp dport", "53", COUNTER, "redirect", "to", &to]);
+            b.append(
+                "istio-output-dns",
+                Nat,
+                &["ip daddr", s, "tcp dport", "53", COUNTER, "redirect", "to", &to],
+            );
         }
         for s in &v6 {
-            b.append_v6("istio-output-dns", Nat, &["ip6 daddr", s, "tcp dport", "53", COUNTER, "redirect", "to", &to]);
+            b.append_v6(
+                "istio-output-dns",
+                Nat,
+                &["ip6 daddr", s, "tcp dport", "53", COUNTER, "redirect", "to", &to],
+            );
         }
     }
     if all {
         b.append("istio-output-dns", Nat, &["udp dport", "53", COUNTER, "redirect", "to", &to]);
     } else {
         for s in &v4 {
-            b.append("istio-output-dns", Nat, &["ip daddr", s, "udp dport", "53", COUNTER, "redirect", "to", &to]);
+            b.append(
+                "istio-output-dns",
+                Nat,
+                &["ip daddr", s, "udp dport", "53", COUNTER, "redirect", "to", &to],
+            );
         }
         for s in &v6 {
-            b.append_v6("istio-output-dns", Nat, &["ip6 daddr", s, "udp dport", "53", COUNTER, "redirect", "to", &to]);
+            b.append_v6(
+                "istio-output-dns",
+                Nat,
+                &["ip6 daddr", s, "udp dport", "53", COUNTER, "redirect", "to", &to],
+            );
         }
     }
     for (key, ids) in [("skuid", &cfg.proxy_uids), ("skgid", &cfg.proxy_gids)] {
         for id in ids {
-            b.append("istio-output-dns", Raw, &["udp dport", "53", "meta", key, id, COUNTER, "ct", "zone", "set", "1"]);
-            b.append("istio-output-dns", Raw, &["udp sport", "15053", "meta", key, id, COUNTER, "ct", "zone", "set", "2"]);
+            b.append(
+                "istio-output-dns",
+                Raw,
+                &["udp dport", "53", "meta", key, id, COUNTER, "ct", "zone", "set", "1"],
+            );
+            b.append(
+                "istio-output-dns",
+                Raw,
+                &["udp sport", "15053", "meta", key, id, COUNTER, "ct", "zone", "set", "2"],
+            );
         }
     }
     if all {
@@ -392,12 +619,28 @@ fn dns(b: &mut Builder, cfg: &CaptureConfig) {
             b.append("prerouting", Raw, &[COUNTER, "jump", "istio-inbound"]);
         }
         for s in &v4 {
-            b.append("istio-output-dns", Raw, &["udp dport", "53", "ip daddr", s, COUNTER, "ct", "zone", "set", "2"]);
-            b.append("istio-inbound", Raw, &["udp sport", "53", "ip saddr", s, COUNTER, "ct", "zone", "set", "1"]);
+            b.append(
+                "istio-output-dns",
+                Raw,
+                &["udp dport", "53", "ip daddr", s, COUNTER, "ct", "zone", "set", "2"],
+            );
+            b.append(
+                "istio-inbound",
+                Raw,
+                &["udp sport", "53", "ip saddr", s, COUNTER, "ct", "zone", "set", "1"],
+            );
         }
         for s in &v6 {
-            b.append_v6("istio-output-dns", Raw, &["udp dport", "53", "ip6 daddr", s, COUNTER, "ct", "zone", "set", "2"]);
-            b.append_v6("istio-inbound", Raw, &["udp sport", "53", "ip6 saddr", s, COUNTER, "ct", "zone", "set", "1"]);
+            b.append_v6(
+                "istio-output-dns",
+                Raw,
+                &["udp dport", "53", "ip6 daddr", s, COUNTER, "ct", "zone", "set", "2"],
+            );
+            b.append_v6(
+                "istio-inbound",
+                Raw,
+                &["udp sport", "53", "ip6 saddr", s, COUNTER, "ct", "zone", "set", "1"],
+            );
         }
     }
 }
@@ -423,7 +666,10 @@ pub fn render(plan: &NftPlan) -> String {
             let n = count.entry(rule.chain).or_default();
             match rule.index {
                 Some(i) if *n > 0 && i < *n => {
-                    out.push_str(&format!("insert rule inet {name} {} index {i} {}\n", rule.chain, rule.expr));
+                    out.push_str(&format!(
+                        "insert rule inet {name} {} index {i} {}\n",
+                        rule.chain, rule.expr
+                    ));
                 }
                 _ => out.push_str(&format!("add rule inet {name} {} {}\n", rule.chain, rule.expr)),
             }
@@ -435,10 +681,7 @@ pub fn render(plan: &NftPlan) -> String {
 
 /// The transaction that removes every Istio table, whether present or not.
 pub fn render_cleanup() -> String {
-    NftTable::ALL
-        .iter()
-        .map(|t| format!("add table inet {0}\ndelete table inet {0}\n", t.name()))
-        .collect()
+    NftTable::ALL.iter().map(|t| format!("add table inet {0}\ndelete table inet {0}\n", t.name())).collect()
 }
 
 /// A replacing transaction: delete every Istio table, then install `plan`. One kernel

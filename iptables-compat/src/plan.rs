@@ -155,8 +155,8 @@ const SPECIFIC: &str = "\u{0}family-specific";
 
 /// Generates Istio's iptables rules for `cfg`, in Istio's order.
 pub fn plan(cfg: &CaptureConfig) -> RulePlan {
-    use chain::*;
     use Table::*;
+    use chain::*;
     let d = Decisions::of(cfg);
     let mut b = Builder { plan: RulePlan { ipv6: cfg.enable_ipv6, ..Default::default() } };
     let tproxy = cfg.interception_mode == InterceptionMode::Tproxy;
@@ -211,8 +211,24 @@ pub fn plan(cfg: &CaptureConfig) -> RulePlan {
                 OUTPUT,
                 Nat,
                 &[
-                    "-o", "lo", "!", "-d", SPECIFIC, "-p", "tcp", "-m", "multiport", "!", "--dports",
-                    &dns_and_tunnel, "-m", "owner", "--uid-owner", uid, "-j", IN_REDIRECT,
+                    "-o",
+                    "lo",
+                    "!",
+                    "-d",
+                    SPECIFIC,
+                    "-p",
+                    "tcp",
+                    "-m",
+                    "multiport",
+                    "!",
+                    "--dports",
+                    &dns_and_tunnel,
+                    "-m",
+                    "owner",
+                    "--uid-owner",
+                    uid,
+                    "-j",
+                    IN_REDIRECT,
                 ],
             );
         } else {
@@ -222,8 +238,22 @@ pub fn plan(cfg: &CaptureConfig) -> RulePlan {
                 OUTPUT,
                 Nat,
                 &[
-                    "-o", "lo", "!", "-d", SPECIFIC, "-p", "tcp", "!", "--dport", &tunnel_port, "-m", "owner",
-                    "--uid-owner", uid, "-j", IN_REDIRECT,
+                    "-o",
+                    "lo",
+                    "!",
+                    "-d",
+                    SPECIFIC,
+                    "-p",
+                    "tcp",
+                    "!",
+                    "--dport",
+                    &tunnel_port,
+                    "-m",
+                    "owner",
+                    "--uid-owner",
+                    uid,
+                    "-j",
+                    IN_REDIRECT,
                 ],
             );
         }
@@ -233,7 +263,22 @@ pub fn plan(cfg: &CaptureConfig) -> RulePlan {
                 b.append(
                     OUTPUT,
                     Nat,
-                    &["-o", "lo", "-p", "tcp", "!", "--dport", "53", "-m", "owner", "!", "--uid-owner", uid, "-j", "RETURN"],
+                    &[
+                        "-o",
+                        "lo",
+                        "-p",
+                        "tcp",
+                        "!",
+                        "--dport",
+                        "53",
+                        "-m",
+                        "owner",
+                        "!",
+                        "--uid-owner",
+                        uid,
+                        "-j",
+                        "RETURN",
+                    ],
                 );
             } else {
                 b.append(OUTPUT, Nat, &["-o", "lo", "-m", "owner", "!", "--uid-owner", uid, "-j", "RETURN"]);
@@ -249,8 +294,22 @@ pub fn plan(cfg: &CaptureConfig) -> RulePlan {
             OUTPUT,
             Nat,
             &[
-                "-o", "lo", "!", "-d", SPECIFIC, "-p", "tcp", "!", "--dport", &tunnel_port, "-m", "owner",
-                "--gid-owner", gid, "-j", IN_REDIRECT,
+                "-o",
+                "lo",
+                "!",
+                "-d",
+                SPECIFIC,
+                "-p",
+                "tcp",
+                "!",
+                "--dport",
+                &tunnel_port,
+                "-m",
+                "owner",
+                "--gid-owner",
+                gid,
+                "-j",
+                IN_REDIRECT,
             ],
         );
         if !d.includes_loopback() {
@@ -258,7 +317,22 @@ pub fn plan(cfg: &CaptureConfig) -> RulePlan {
                 b.append(
                     OUTPUT,
                     Nat,
-                    &["-o", "lo", "-p", "tcp", "!", "--dport", "53", "-m", "owner", "!", "--gid-owner", gid, "-j", "RETURN"],
+                    &[
+                        "-o",
+                        "lo",
+                        "-p",
+                        "tcp",
+                        "!",
+                        "--dport",
+                        "53",
+                        "-m",
+                        "owner",
+                        "!",
+                        "--gid-owner",
+                        gid,
+                        "-j",
+                        "RETURN",
+                    ],
                 );
             } else {
                 b.append(OUTPUT, Nat, &["-o", "lo", "-m", "owner", "!", "--gid-owner", gid, "-j", "RETURN"]);
@@ -303,7 +377,11 @@ pub fn plan(cfg: &CaptureConfig) -> RulePlan {
 
     if tproxy {
         // Save the mark set by envoy.filters.listener.original_src as the connection mark.
-        b.append("PREROUTING", Mangle, &["-p", "tcp", "-m", "mark", "--mark", &mark, "-j", "CONNMARK", "--save-mark"]);
+        b.append(
+            "PREROUTING",
+            Mangle,
+            &["-p", "tcp", "-m", "mark", "--mark", &mark, "-j", "CONNMARK", "--save-mark"],
+        );
         // Already marked: Envoy → app; do not mark again.
         b.append("OUTPUT", Mangle, &["-p", "tcp", "-o", "lo", "-m", "mark", "--mark", &mark, "-j", "RETURN"]);
         for uid in &cfg.proxy_uids {
@@ -313,8 +391,21 @@ pub fn plan(cfg: &CaptureConfig) -> RulePlan {
                 "OUTPUT",
                 Mangle,
                 &[
-                    "!", "-d", SPECIFIC, "-p", "tcp", "-o", "lo", "-m", "owner", "--uid-owner", uid, "-j", "MARK",
-                    "--set-mark", OUTBOUND_MARK,
+                    "!",
+                    "-d",
+                    SPECIFIC,
+                    "-p",
+                    "tcp",
+                    "-o",
+                    "lo",
+                    "-m",
+                    "owner",
+                    "--uid-owner",
+                    uid,
+                    "-j",
+                    "MARK",
+                    "--set-mark",
+                    OUTBOUND_MARK,
                 ],
             );
         }
@@ -325,24 +416,46 @@ pub fn plan(cfg: &CaptureConfig) -> RulePlan {
                 "OUTPUT",
                 Mangle,
                 &[
-                    "!", "-d", SPECIFIC, "-p", "tcp", "-o", "lo", "-m", "owner", "--gid-owner", gid, "-j", "MARK",
-                    "--set-mark", OUTBOUND_MARK,
+                    "!",
+                    "-d",
+                    SPECIFIC,
+                    "-p",
+                    "tcp",
+                    "-o",
+                    "lo",
+                    "-m",
+                    "owner",
+                    "--gid-owner",
+                    gid,
+                    "-j",
+                    "MARK",
+                    "--set-mark",
+                    OUTBOUND_MARK,
                 ],
             );
         }
         // Workload replies follow the TPROXY policy route.
-        b.append("OUTPUT", Mangle, &["-p", "tcp", "-m", "connmark", "--mark", &mark, "-j", "CONNMARK", "--restore-mark"]);
+        b.append(
+            "OUTPUT",
+            Mangle,
+            &["-p", "tcp", "-m", "connmark", "--mark", &mark, "-j", "CONNMARK", "--restore-mark"],
+        );
         b.insert(INBOUND, Mangle, 1, &["-p", "tcp", "-m", "mark", "--mark", &mark, "-j", "RETURN"]);
         b.insert_v4(INBOUND, Mangle, 2, &["-p", "tcp", "-s", "127.0.0.6/32", "-i", "lo", "-j", "RETURN"]);
         b.insert_v6(INBOUND, Mangle, 2, &["-p", "tcp", "-s", "::6/128", "-i", "lo", "-j", "RETURN"]);
-        b.insert(INBOUND, Mangle, 3, &["-p", "tcp", "-i", "lo", "-m", "mark", "!", "--mark", OUTBOUND_MARK, "-j", "RETURN"]);
+        b.insert(
+            INBOUND,
+            Mangle,
+            3,
+            &["-p", "tcp", "-i", "lo", "-m", "mark", "!", "--mark", OUTBOUND_MARK, "-j", "RETURN"],
+        );
     }
     b.plan
 }
 
 fn inbound(b: &mut Builder, cfg: &CaptureConfig, mark: &str, capture_port: &str, lo4: &str) {
-    use chain::*;
     use Table::*;
+    use chain::*;
     if cfg.inbound_ports.is_none() {
         return;
     }
@@ -356,7 +469,19 @@ fn inbound(b: &mut Builder, cfg: &CaptureConfig, mark: &str, capture_port: &str,
             "::1/128",
             TPROXY,
             Mangle,
-            &["!", "-d", SPECIFIC, "-p", "tcp", "-j", "TPROXY", "--tproxy-mark", &tproxy_mark, "--on-port", capture_port],
+            &[
+                "!",
+                "-d",
+                SPECIFIC,
+                "-p",
+                "tcp",
+                "-j",
+                "TPROXY",
+                "--tproxy-mark",
+                &tproxy_mark,
+                "--on-port",
+                capture_port,
+            ],
         );
         Mangle
     } else {
@@ -387,7 +512,18 @@ fn inbound(b: &mut Builder, cfg: &CaptureConfig, mark: &str, capture_port: &str,
                     b.append(
                         INBOUND,
                         Mangle,
-                        &["-p", "tcp", "--dport", &port, "-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED", "-j", DIVERT],
+                        &[
+                            "-p",
+                            "tcp",
+                            "--dport",
+                            &port,
+                            "-m",
+                            "conntrack",
+                            "--ctstate",
+                            "RELATED,ESTABLISHED",
+                            "-j",
+                            DIVERT,
+                        ],
                     );
                     b.append(INBOUND, Mangle, &["-p", "tcp", "--dport", &port, "-j", TPROXY]);
                 } else {
@@ -399,8 +535,8 @@ fn inbound(b: &mut Builder, cfg: &CaptureConfig, mark: &str, capture_port: &str,
 }
 
 fn outbound_include(b: &mut Builder, cfg: &CaptureConfig, ranges: &FamilyRanges, v6: bool) {
-    use chain::*;
     use Table::*;
+    use chain::*;
     let append = |b: &mut Builder, chain: &str, params: &[&str]| {
         if v6 { b.append_v6(chain, Nat, params) } else { b.append_v4(chain, Nat, params) }
     };
@@ -426,8 +562,8 @@ fn outbound_include(b: &mut Builder, cfg: &CaptureConfig, ranges: &FamilyRanges,
 /// DNS redirection to the agent's 15053 and the conntrack zones that keep the
 /// agent's upstream queries apart from the app's.
 fn dns(b: &mut Builder, cfg: &CaptureConfig) {
-    use chain::*;
     use Table::*;
+    use chain::*;
     let all = cfg.capture_all_dns;
     b.append("OUTPUT", Raw, &["-j", OUTPUT_DNS]);
     if all || !cfg.dns_servers_v4.is_empty() {
@@ -445,18 +581,34 @@ fn dns(b: &mut Builder, cfg: &CaptureConfig) {
             b.append(OUTPUT_DNS, Nat, &["-p", proto, "--dport", "53", "-j", "REDIRECT", to, DNS_PROXY_PORT]);
         } else {
             for host in &v4_hosts {
-                b.append_v4(OUTPUT_DNS, Nat, &["-p", proto, "--dport", "53", "-d", host, "-j", "REDIRECT", to, DNS_PROXY_PORT]);
+                b.append_v4(
+                    OUTPUT_DNS,
+                    Nat,
+                    &["-p", proto, "--dport", "53", "-d", host, "-j", "REDIRECT", to, DNS_PROXY_PORT],
+                );
             }
             for host in &v6_hosts {
-                b.append_v6(OUTPUT_DNS, Nat, &["-p", proto, "--dport", "53", "-d", host, "-j", "REDIRECT", to, DNS_PROXY_PORT]);
+                b.append_v6(
+                    OUTPUT_DNS,
+                    Nat,
+                    &["-p", proto, "--dport", "53", "-d", host, "-j", "REDIRECT", to, DNS_PROXY_PORT],
+                );
             }
         }
     }
     // Conntrack zones: agent ↔ upstream resolvers in zone 1, app ↔ agent in zone 2.
     for (flag, ids) in [("--uid-owner", &cfg.proxy_uids), ("--gid-owner", &cfg.proxy_gids)] {
         for id in ids {
-            b.append(OUTPUT_DNS, Raw, &["-p", "udp", "--dport", "53", "-m", "owner", flag, id, "-j", "CT", "--zone", "1"]);
-            b.append(OUTPUT_DNS, Raw, &["-p", "udp", "--sport", "15053", "-m", "owner", flag, id, "-j", "CT", "--zone", "2"]);
+            b.append(
+                OUTPUT_DNS,
+                Raw,
+                &["-p", "udp", "--dport", "53", "-m", "owner", flag, id, "-j", "CT", "--zone", "1"],
+            );
+            b.append(
+                OUTPUT_DNS,
+                Raw,
+                &["-p", "udp", "--sport", "15053", "-m", "owner", flag, id, "-j", "CT", "--zone", "2"],
+            );
         }
     }
     if all {
@@ -468,14 +620,22 @@ fn dns(b: &mut Builder, cfg: &CaptureConfig) {
             b.append_v4("PREROUTING", Raw, &["-j", INBOUND]);
         }
         for host in &v4_hosts {
-            b.append_v4(OUTPUT_DNS, Raw, &["-p", "udp", "--dport", "53", "-d", host, "-j", "CT", "--zone", "2"]);
+            b.append_v4(
+                OUTPUT_DNS,
+                Raw,
+                &["-p", "udp", "--dport", "53", "-d", host, "-j", "CT", "--zone", "2"],
+            );
             b.append_v4(INBOUND, Raw, &["-p", "udp", "--sport", "53", "-s", host, "-j", "CT", "--zone", "1"]);
         }
         if !v6_hosts.is_empty() {
             b.append_v6("PREROUTING", Raw, &["-j", INBOUND]);
         }
         for host in &v6_hosts {
-            b.append_v6(OUTPUT_DNS, Raw, &["-p", "udp", "--dport", "53", "-d", host, "-j", "CT", "--zone", "2"]);
+            b.append_v6(
+                OUTPUT_DNS,
+                Raw,
+                &["-p", "udp", "--dport", "53", "-d", host, "-j", "CT", "--zone", "2"],
+            );
             b.append_v6(INBOUND, Raw, &["-p", "udp", "--sport", "53", "-s", host, "-j", "CT", "--zone", "1"]);
         }
     }

@@ -19,10 +19,11 @@ pub fn restore(rules: &[Rule]) -> String {
         }
     }
     for r in rules {
-        if let Some(target) = r.jump_target() {
-            if seen.insert((r.table, target)) && !is_builtin(target) {
-                tables.entry(r.table).or_default().push(format!("-N {target}"));
-            }
+        if let Some(target) = r.jump_target()
+            && seen.insert((r.table, target))
+            && !is_builtin(target)
+        {
+            tables.entry(r.table).or_default().push(format!("-N {target}"));
         }
     }
     for r in rules {
@@ -106,8 +107,15 @@ pub fn guardrails() -> Vec<Vec<String>> {
     for chain in ["INPUT", "FORWARD", "OUTPUT"] {
         for proto in ["tcp", "udp"] {
             out.push(vec![
-                "-t".into(), "filter".into(), "-I".into(), chain.into(), "1".into(), "-p".into(), proto.into(),
-                "-j".into(), "DROP".into(),
+                "-t".into(),
+                "filter".into(),
+                "-I".into(),
+                chain.into(),
+                "1".into(),
+                "-p".into(),
+                proto.into(),
+                "-j".into(),
+                "DROP".into(),
             ]);
         }
     }
@@ -138,12 +146,20 @@ mod tests {
 
     #[test]
     fn checks_turn_appends_and_inserts_into_c() {
-        let cfg = CaptureConfig { interception_mode: crate::config::InterceptionMode::Tproxy, ..Default::default() };
+        let cfg = CaptureConfig {
+            interception_mode: crate::config::InterceptionMode::Tproxy,
+            ..Default::default()
+        };
         let p = plan(&cfg);
         let checks = checks(&p.v4);
         assert!(checks.iter().all(|c| c[2] == "-C"), "{checks:?}");
-        let insert = checks.iter().find(|c| c.contains(&"127.0.0.6/32".to_string()) && c[1] == "mangle").unwrap();
-        assert_eq!(insert[..4], ["-t", "mangle", "-C", "ISTIO_INBOUND"].map(String::from), "position dropped");
+        let insert =
+            checks.iter().find(|c| c.contains(&"127.0.0.6/32".to_string()) && c[1] == "mangle").unwrap();
+        assert_eq!(
+            insert[..4],
+            ["-t", "mangle", "-C", "ISTIO_INBOUND"].map(String::from),
+            "position dropped"
+        );
         assert_eq!(insert[4], "-p");
     }
 
@@ -151,7 +167,8 @@ mod tests {
     fn cleanup_deletes_builtin_rules_then_istio_chains() {
         let p = plan(&CaptureConfig::default());
         let cmds = cleanup(&p.v4);
-        let has = |want: &[&str]| cmds.iter().any(|c| c == &want.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+        let has =
+            |want: &[&str]| cmds.iter().any(|c| c == &want.iter().map(|s| s.to_string()).collect::<Vec<_>>());
         assert!(has(&["-t", "nat", "-D", "OUTPUT", "-j", "ISTIO_OUTPUT"]));
         assert!(has(&["-t", "nat", "-X", "ISTIO_OUTPUT"]));
         // As Istio's UndoRules: rules inside Istio chains are deleted one by one only

@@ -112,7 +112,9 @@ pub fn verify_family(
     }
     if !delta {
         delta = current.iter().any(|(table, chains)| {
-            chains.keys().any(|c| c.starts_with(chain::PREFIX) && !expected.get(table).is_some_and(|e| e.contains_key(c)))
+            chains.keys().any(|c| {
+                c.starts_with(chain::PREFIX) && !expected.get(table).is_some_and(|e| e.contains_key(c))
+            })
         });
     }
     if !delta {
@@ -189,9 +191,9 @@ pub fn leftovers(save: &str) -> Leftovers {
             }
             for rule in rules {
                 let words: Vec<&str> = rule.split_whitespace().collect();
-                let jumps = words
-                    .windows(2)
-                    .any(|w| (w[0] == "-j" || w[0] == "--jump") && w[1].trim_matches('"').starts_with(chain::PREFIX));
+                let jumps = words.windows(2).any(|w| {
+                    (w[0] == "-j" || w[0] == "--jump") && w[1].trim_matches('"').starts_with(chain::PREFIX)
+                });
                 if jumps {
                     out.jumps.push((table.clone(), rule));
                 }
@@ -252,7 +254,9 @@ COMMIT
         // Our own restore text, read back as a save, has the same shape.
         let same = verify_family(Some(&restore), &restore, &render::checks(&p.v4), |_| true);
         assert_eq!(combine(&[same]), Verdict::Applied);
-        let changed = verify_family(Some(&restore), &restore, &render::checks(&p.v4), |cmd| !cmd.contains(&"lo".to_string()));
+        let changed = verify_family(Some(&restore), &restore, &render::checks(&p.v4), |cmd| {
+            !cmd.contains(&"lo".to_string())
+        });
         assert_eq!(combine(&[changed]), Verdict::Drifted);
     }
 

@@ -36,7 +36,10 @@ pub fn original_dst(fd: RawFd, ipv6: bool) -> std::io::Result<SocketAddr> {
             if libc::getsockopt(fd, libc::SOL_IPV6, SO_ORIGINAL_DST, (&raw mut addr).cast(), &mut len) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
-            Ok(SocketAddr::new(IpAddr::V6(Ipv6Addr::from(addr.sin6_addr.s6_addr)), u16::from_be(addr.sin6_port)))
+            Ok(SocketAddr::new(
+                IpAddr::V6(Ipv6Addr::from(addr.sin6_addr.s6_addr)),
+                u16::from_be(addr.sin6_port),
+            ))
         } else {
             let mut addr: libc::sockaddr_in = std::mem::zeroed();
             let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
@@ -74,7 +77,10 @@ pub fn validate(cfg: &CaptureConfig, opts: &RunOptions, proxy_uid: u32) -> Resul
         }
     }
     if listening.is_empty() {
-        return Err(ValidationError::NoListener(format!("{listen_ip} ports {} and {}", cfg.proxy_port, cfg.inbound_capture_port)));
+        return Err(ValidationError::NoListener(format!(
+            "{listen_ip} ports {} and {}",
+            cfg.proxy_port, cfg.inbound_capture_port
+        )));
     }
     let deadline = Instant::now() + opts.probe_timeout;
     let probe_port = opts.probe_port;

@@ -7,7 +7,9 @@ use std::path::PathBuf;
 
 use weir_iptables::{
     apply::{program_iptables, program_nft},
-    config::{CaptureConfig, Cidr, InboundPorts, InterceptionMode, IpRanges, OwnerGroups, RunOptions, parse_ports},
+    config::{
+        CaptureConfig, Cidr, InboundPorts, InterceptionMode, IpRanges, OwnerGroups, RunOptions, parse_ports,
+    },
     nft_exec::NftRecorder,
     xtables::Recorder,
 };
@@ -149,7 +151,9 @@ const CASES: &[Case] = &[
     }),
     ("basic-exclude-nic", |c| c.exclude_interfaces = nics("not-istio-nic")),
     ("drop-invalid", |c| c.drop_invalid = true),
-    ("host-ipv4-loopback-cidr", |c| c.host_ipv4_loopback_cidr = weir_iptables::config::parse_loopback_cidr("127.0.0.1/8").unwrap()),
+    ("host-ipv4-loopback-cidr", |c| {
+        c.host_ipv4_loopback_cidr = weir_iptables::config::parse_loopback_cidr("127.0.0.1/8").unwrap()
+    }),
 ];
 
 /// The nft-only regression case (istio/istio#58135).
@@ -159,7 +163,8 @@ const NFT_ONLY: &[Case] = &[("inbound-ports-empty-tproxy", |c| {
 })];
 
 fn golden(dir: &str, name: &str) -> String {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("testdata").join(dir).join(format!("{name}.golden"));
+    let path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("testdata").join(dir).join(format!("{name}.golden"));
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
@@ -219,7 +224,9 @@ fn nft_transactions_match_istios_28_goldens() {
 #[test]
 fn every_golden_file_has_a_case() {
     for (dir, count) in [("iptables-capture", 27), ("nftables-capture", 28)] {
-        let files = std::fs::read_dir(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("testdata").join(dir)).unwrap().count();
+        let files = std::fs::read_dir(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("testdata").join(dir))
+            .unwrap()
+            .count();
         assert_eq!(files, count, "{dir}");
     }
 }

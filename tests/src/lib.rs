@@ -14,6 +14,7 @@
 //! }
 //! ```
 
+pub mod capture;
 pub mod envoy;
 pub mod http;
 pub mod privilege;

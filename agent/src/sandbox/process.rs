@@ -18,6 +18,9 @@ pub struct Placement<'a> {
     pub cgroup: Option<&'a Cgroup>,
     /// (uid, gid); supplementary groups are cleared.
     pub user: Option<(u32, u32)>,
+    /// Bind-mount this file over /etc/resolv.conf in a private mount namespace, as a
+    /// pod's own resolv.conf (what `ip netns exec` does with /etc/netns/<name>/).
+    pub resolv_conf: Option<&'a std::path::Path>,
     /// Deliver SIGKILL to the child when the spawning thread exits (PR_SET_PDEATHSIG),
     /// so a killed test or demo leaves no process behind. Spawn from a long-lived
     /// thread when this is set.
@@ -100,8 +103,14 @@ pub fn spawn(cmd: &mut Command, placement: Placement<'_>) -> Result<PodChild, Sa
     };
     let user = placement.user;
     let die_with_parent = placement.die_with_parent;
-    // SAFETY: the closure makes only raw syscalls (write, setns, prctl, setgroups,
-    // setgid, setuid) on fds opened above; no allocation, no locks.
+    let resolv = match placement.resolv_conf {
+        Some(path) => Some(std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| {
+            SandboxError::sys("resolv.conf path")(io::Error::from(io::ErrorKind::InvalidInput))
+        })?),
+        None => None,
+    };
+    // SAFETY: the closure makes only raw syscalls (write, setns, unshare, mount, prctl,
+    // setgroups, setgid, setuid) on fds and strings prepared above; no allocation, no locks.
     unsafe {
         cmd.pre_exec(move || {
             if let Some(procs) = &cgroup_procs
@@ -111,6 +120,25 @@ pub fn spawn(cmd: &mut Command, placement: Placement<'_>) -> Result<PodChild, Sa
             }
             if let Some(ns) = &netns
                 && libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) != 0
+            {
+                return Err(io::Error::last_os_error());
+            }
+            if let Some(src) = &resolv
+                && (libc::unshare(libc::CLONE_NEWNS) != 0
+                    || libc::mount(
+                        c"none".as_ptr(),
+                        c"/".as_ptr(),
+                        std::ptr::null(),
+                        libc::MS_REC | libc::MS_PRIVATE,
+                        std::ptr::null(),
+                    ) != 0
+                    || libc::mount(
+                        src.as_ptr(),
+                        c"/etc/resolv.conf".as_ptr(),
+                        std::ptr::null(),
+                        libc::MS_BIND,
+                        std::ptr::null(),
+                    ) != 0)
             {
                 return Err(io::Error::last_os_error());
             }

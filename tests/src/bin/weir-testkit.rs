@@ -1,26 +1,83 @@
-//! weir-testkit: the traffic tool tests run inside pods (std only, no async runtime).
+//! weir-testkit: the traffic tool tests run inside pods (std + socket2, no runtime).
+//! Servers print `listening <addr>` once bound, then serve until killed.
 //!
-//!   weir-testkit serve-echo <addr>            TCP echo server; prints "listening <addr>"
-//!   weir-testkit connect <addr> [count]       connects `count` times, sends a line,
-//!                                             expects it echoed; prints "ok <n>"
+//!   serve-echo <addr>                   TCP echo
+//!   serve-hello <addr> <name>           replies `hello <name> local=<l> peer=<p>`
+//!   capture-listener <addr> [--transparent]
+//!                                       replies `captured local=<l> peer=<p> orig=<o|none>`
+//!                                       (orig from SO_ORIGINAL_DST; --transparent sets
+//!                                       IP_TRANSPARENT, as Envoy's TPROXY listener)
+//!   ask <addr>                          connects, prints the first line it receives
+//!   connect <addr> [count]              connects `count` times, expects an echo
+//!   transfer <addr> <bytes>             sends `bytes` pseudo-random bytes to an echo
+//!                                       server and checks every byte comes back
+//!   dns-serve <addr> <ipv4>             UDP DNS: answers every A query with <ipv4>
+//!   dns-query <server> <name>           prints `answer <ip> from <server addr>`
 use std::{
-    io::{BufRead as _, BufReader, Write as _},
-    net::{SocketAddr, TcpListener, TcpStream},
+    io::{BufRead as _, BufReader, Read as _, Write as _},
+    net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket},
+    os::fd::AsRawFd as _,
     process::ExitCode,
     time::Duration,
 };
 
+use socket2::{Domain, Protocol, Socket, Type};
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let result = match args.first().map(String::as_str) {
-        Some("serve-echo") => arg_addr(&args, 1).and_then(serve_echo),
-        Some("connect") => arg_addr(&args, 1).and_then(|addr| {
-            let count =
-                args.get(2).map(|c| c.parse::<u32>()).transpose().map_err(|e| format!("count: {e}"))?;
-            connect(addr, count.unwrap_or(1))
-        }),
-        _ => Err("usage: weir-testkit serve-echo <addr> | connect <addr> [count]".to_string()),
-    };
+    let arg = |i: usize| args.get(i).map(String::as_str).ok_or_else(|| format!("missing argument {i}"));
+    let result = (|| -> Result<(), String> {
+        match arg(0)? {
+            "serve-echo" => serve(addr(arg(1)?)?, false, |mut s, _| {
+                let mut buf = [0u8; 64 * 1024];
+                loop {
+                    match s.read(&mut buf) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => {
+                            if s.write_all(&buf[..n]).is_err() {
+                                return;
+                            }
+                        }
+                    }
+                }
+            }),
+            "serve-hello" => {
+                let name = arg(2)?.to_string();
+                serve(addr(arg(1)?)?, false, move |mut s, _| {
+                    let line = format!("hello {name} local={} peer={}\n", local(&s), peer(&s));
+                    let _ = s.write_all(line.as_bytes());
+                })
+            }
+            "capture-listener" => {
+                let transparent = args.iter().any(|a| a == "--transparent");
+                serve(addr(arg(1)?)?, transparent, |mut s, v6| {
+                    let orig = weir_iptables::validation::original_dst(s.as_raw_fd(), v6)
+                        .map(|a| a.to_string())
+                        .unwrap_or_else(|_| "none".into());
+                    let line = format!("captured local={} peer={} orig={orig}\n", local(&s), peer(&s));
+                    let _ = s.write_all(line.as_bytes());
+                })
+            }
+            "ask" => {
+                let mut s = TcpStream::connect_timeout(&addr(arg(1)?)?, Duration::from_secs(3))
+                    .map_err(|e| format!("connect: {e}"))?;
+                s.set_read_timeout(Some(Duration::from_secs(5))).ok();
+                let mut line = String::new();
+                BufReader::new(&mut s).read_line(&mut line).map_err(|e| format!("read: {e}"))?;
+                print!("{line}");
+                Ok(())
+            }
+            "connect" => {
+                let count =
+                    args.get(2).map(|c| c.parse::<u32>()).transpose().map_err(|e| format!("count: {e}"))?;
+                connect(addr(arg(1)?)?, count.unwrap_or(1))
+            }
+            "transfer" => transfer(addr(arg(1)?)?, arg(2)?.parse().map_err(|e| format!("bytes: {e}"))?),
+            "dns-serve" => dns_serve(addr(arg(1)?)?, arg(2)?.parse().map_err(|e| format!("ipv4: {e}"))?),
+            "dns-query" => dns_query(addr(arg(1)?)?, arg(2)?),
+            other => Err(format!("unknown command {other:?}")),
+        }
+    })();
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -30,30 +87,49 @@ fn main() -> ExitCode {
     }
 }
 
-fn arg_addr(args: &[String], i: usize) -> Result<SocketAddr, String> {
-    let raw = args.get(i).ok_or("missing <addr>")?;
+fn addr(raw: &str) -> Result<SocketAddr, String> {
     raw.parse().map_err(|e| format!("address {raw:?}: {e}"))
 }
 
-fn serve_echo(addr: SocketAddr) -> Result<(), String> {
-    let listener = TcpListener::bind(addr).map_err(|e| format!("bind {addr}: {e}"))?;
-    println!("listening {}", listener.local_addr().map_err(|e| e.to_string())?);
+fn local(s: &TcpStream) -> String {
+    s.local_addr().map(|a| a.to_string()).unwrap_or_default()
+}
+
+fn peer(s: &TcpStream) -> String {
+    s.peer_addr().map(|a| a.to_string()).unwrap_or_default()
+}
+
+fn listening(addr: impl std::fmt::Display) {
+    println!("listening {addr}");
     std::io::stdout().flush().ok();
+}
+
+/// Binds (v6-only for IPv6, optionally IP_TRANSPARENT), then serves each connection
+/// on a thread with `handle(stream, is_v6)`.
+fn serve(
+    addr: SocketAddr,
+    transparent: bool,
+    handle: impl Fn(TcpStream, bool) + Send + Sync + Clone + 'static,
+) -> Result<(), String> {
+    let domain = if addr.is_ipv6() { Domain::IPV6 } else { Domain::IPV4 };
+    let socket = Socket::new(domain, Type::STREAM, Some(Protocol::TCP)).map_err(|e| e.to_string())?;
+    socket.set_reuse_address(true).ok();
+    if addr.is_ipv6() {
+        socket.set_only_v6(true).map_err(|e| format!("IPV6_V6ONLY: {e}"))?;
+    }
+    if transparent {
+        if addr.is_ipv6() { socket.set_ip_transparent_v6(true) } else { socket.set_ip_transparent_v4(true) }
+            .map_err(|e| format!("IP_TRANSPARENT: {e}"))?;
+    }
+    socket.bind(&addr.into()).map_err(|e| format!("bind {addr}: {e}"))?;
+    socket.listen(1024).map_err(|e| e.to_string())?;
+    let listener: TcpListener = socket.into();
+    listening(listener.local_addr().map_err(|e| e.to_string())?);
     for stream in listener.incoming() {
-        let Ok(mut stream) = stream else { continue };
-        std::thread::spawn(move || {
-            let mut buf = [0u8; 64 * 1024];
-            loop {
-                match std::io::Read::read(&mut stream, &mut buf) {
-                    Ok(0) | Err(_) => return,
-                    Ok(n) => {
-                        if stream.write_all(&buf[..n]).is_err() {
-                            return;
-                        }
-                    }
-                }
-            }
-        });
+        let Ok(stream) = stream else { continue };
+        let h = handle.clone();
+        let v6 = addr.is_ipv6();
+        std::thread::spawn(move || h(stream, v6));
     }
     Ok(())
 }
@@ -72,5 +148,90 @@ fn connect(addr: SocketAddr, count: u32) -> Result<(), String> {
         }
     }
     println!("ok {count}");
+    Ok(())
+}
+
+/// xorshift bytes, so corruption or reordering anywhere shows.
+fn pattern(len: usize) -> Vec<u8> {
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn transfer(addr: SocketAddr, bytes: usize) -> Result<(), String> {
+    let data = pattern(bytes);
+    let stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5))
+        .map_err(|e| format!("connect {addr}: {e}"))?;
+    stream.set_read_timeout(Some(Duration::from_secs(30))).ok();
+    let mut writer = stream.try_clone().map_err(|e| e.to_string())?;
+    let to_send = data.clone();
+    let sender = std::thread::spawn(move || {
+        writer.write_all(&to_send).map(|_| writer.shutdown(std::net::Shutdown::Write))
+    });
+    let mut back = Vec::with_capacity(bytes);
+    let mut reader = stream;
+    reader.read_to_end(&mut back).map_err(|e| format!("read: {e}"))?;
+    sender.join().map_err(|_| "sender panicked")?.map_err(|e| format!("write: {e}"))?.ok();
+    if back != data {
+        let at = back.iter().zip(&data).position(|(a, b)| a != b).unwrap_or(back.len().min(data.len()));
+        return Err(format!("data differs at byte {at} (got {} of {bytes} bytes)", back.len()));
+    }
+    println!("ok {bytes}");
+    Ok(())
+}
+
+fn dns_serve(addr: SocketAddr, answer: std::net::Ipv4Addr) -> Result<(), String> {
+    let socket = UdpSocket::bind(addr).map_err(|e| format!("bind {addr}: {e}"))?;
+    listening(addr);
+    let mut buf = [0u8; 512];
+    loop {
+        let Ok((n, from)) = socket.recv_from(&mut buf) else { continue };
+        if n < 12 {
+            continue;
+        }
+        // Question section ends after the name's zero byte and 4 bytes of type/class.
+        let mut end = 12;
+        while end < n && buf[end] != 0 {
+            end += usize::from(buf[end]) + 1;
+        }
+        end += 5;
+        if end > n {
+            continue;
+        }
+        let mut reply = Vec::with_capacity(end + 16);
+        reply.extend_from_slice(&buf[..2]); // id
+        reply.extend_from_slice(&[0x81, 0x80, 0, 1, 0, 1, 0, 0, 0, 0]);
+        reply.extend_from_slice(&buf[12..end]);
+        reply.extend_from_slice(&[0xc0, 0x0c, 0, 1, 0, 1, 0, 0, 0, 30, 0, 4]);
+        reply.extend_from_slice(&answer.octets());
+        let _ = socket.send_to(&reply, from);
+    }
+}
+
+fn dns_query(server: SocketAddr, name: &str) -> Result<(), String> {
+    let bind: SocketAddr =
+        if server.is_ipv6() { "[::]:0".parse().unwrap() } else { "0.0.0.0:0".parse().unwrap() };
+    let socket = UdpSocket::bind(bind).map_err(|e| e.to_string())?;
+    socket.set_read_timeout(Some(Duration::from_secs(3))).ok();
+    let mut q = vec![0x12, 0x34, 0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 0];
+    for label in name.trim_end_matches('.').split('.') {
+        q.push(label.len() as u8);
+        q.extend_from_slice(label.as_bytes());
+    }
+    q.extend_from_slice(&[0, 0, 1, 0, 1]);
+    socket.send_to(&q, server).map_err(|e| format!("send to {server}: {e}"))?;
+    let mut buf = [0u8; 512];
+    let (n, from) = socket.recv_from(&mut buf).map_err(|e| format!("no reply from {server}: {e}"))?;
+    if n < 4 || buf[..2] != [0x12, 0x34] {
+        return Err("malformed reply".into());
+    }
+    let ip = IpAddr::from([buf[n - 4], buf[n - 3], buf[n - 2], buf[n - 1]]);
+    println!("answer {ip} from {from}");
     Ok(())
 }

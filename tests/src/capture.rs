@@ -1,0 +1,180 @@
+//! A capture scenario for the rule and eBPF tests: a `client` pod (captured) with
+//! Envoy-like listeners on 15001/15006 that report original destinations, an app on
+//! 8080 and a health port on 15021; a `server` pod and a `server2` pod with hello
+//! servers on 8080 and 9090. Helpers run `weir-testkit ask` as a given uid and
+//! `weir istio-iptables` inside a pod.
+
+use std::{
+    io::{BufRead as _, BufReader},
+    net::{IpAddr, SocketAddr},
+    path::Path,
+    process::{Command, Output, Stdio},
+};
+
+use crate::{Mesh, Placement, Pod, PodChild, tools};
+
+/// IPv4 or IPv6 traffic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    V4,
+    V6,
+}
+
+impl Family {
+    pub fn of(self, pod: &Pod) -> IpAddr {
+        match self {
+            Family::V4 => pod.ipv4().into(),
+            Family::V6 => pod.ipv6().into(),
+        }
+    }
+    pub fn any(self) -> IpAddr {
+        match self {
+            Family::V4 => IpAddr::from([0, 0, 0, 0]),
+            Family::V6 => IpAddr::from([0u16; 8]),
+        }
+    }
+    /// The prefix length of a single host.
+    pub fn host_bits(self) -> u8 {
+        if self == Family::V4 { 32 } else { 128 }
+    }
+}
+
+/// Starts a testkit server in `pod` as `uid` and waits for its `listening` line.
+pub fn start_server(pod: &Pod, uid: u32, args: &[&str]) -> PodChild {
+    start_server_placed(pod, Placement { user: Some((uid, uid)), ..Placement::default() }, args)
+}
+
+pub fn start_server_placed(pod: &Pod, placement: Placement<'_>, args: &[&str]) -> PodChild {
+    let mut cmd = Command::new(tools::testkit());
+    cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::inherit());
+    let mut child = pod.spawn_placed(&mut cmd, placement).expect("spawn testkit server");
+    let stdout = child.child_mut().stdout.take().expect("stdout");
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line).expect("read listening line");
+    assert!(line.starts_with("listening"), "testkit {args:?} said {line:?}");
+    child
+}
+
+/// `weir-testkit ask <addr>` in `pod` as `uid`: the first line the server sent, or the
+/// client's error.
+pub fn ask(pod: &Pod, uid: u32, addr: SocketAddr) -> String {
+    ask_placed(pod, Placement { user: Some((uid, uid)), ..Placement::default() }, addr)
+}
+
+pub fn ask_placed(pod: &Pod, placement: Placement<'_>, addr: SocketAddr) -> String {
+    run_testkit(pod, placement, &["ask", &addr.to_string()])
+}
+
+/// Runs a testkit client command; stdout on success, `error: <stderr>` otherwise.
+pub fn run_testkit(pod: &Pod, placement: Placement<'_>, args: &[&str]) -> String {
+    let mut cmd = Command::new(tools::testkit());
+    cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let child = pod.spawn_placed(&mut cmd, placement).expect("spawn testkit client");
+    let out = child.into_inner().wait_with_output().expect("wait testkit client");
+    if out.status.success() {
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    } else {
+        format!("error: {}", String::from_utf8_lossy(&out.stderr).trim())
+    }
+}
+
+/// `weir istio-iptables <args>` inside `pod`, as root, optionally with the pod's own
+/// resolv.conf.
+pub fn istio_iptables(pod: &Pod, args: &[&str], resolv_conf: Option<&Path>) -> Output {
+    let mut cmd = Command::new(tools::weir());
+    cmd.arg("istio-iptables")
+        .args(args)
+        .env("WEIR_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let child = pod
+        .spawn_placed(&mut cmd, Placement { user: Some((0, 0)), resolv_conf, ..Placement::default() })
+        .expect("spawn weir istio-iptables");
+    child.into_inner().wait_with_output().expect("wait weir")
+}
+
+/// Runs a command (iptables-save, nft ...) inside `pod` as root; returns stdout.
+pub fn in_pod(pod: &Pod, program: &str, args: &[&str]) -> String {
+    let mut cmd = Command::new(program);
+    cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let child = pod.spawn(&mut cmd, 0).unwrap_or_else(|e| panic!("spawn {program}: {e}"));
+    let out = child.into_inner().wait_with_output().expect("wait");
+    assert!(out.status.success(), "{program} {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Every `ISTIO`-related line of iptables-save (both families) and the Istio nft tables.
+pub fn capture_state(pod: &Pod) -> String {
+    let mut out = String::new();
+    for save in ["iptables-save", "ip6tables-save"] {
+        out.push_str(
+            &in_pod(pod, save, &[])
+                .lines()
+                .filter(|l| l.contains("ISTIO") || l.contains("REDIRECT") || l.contains("TPROXY"))
+                .map(|l| format!("{save}: {l}\n"))
+                .collect::<String>(),
+        );
+    }
+    let tables = in_pod(pod, "nft", &["list", "tables"]);
+    for line in tables.lines().filter(|l| l.contains("istio")) {
+        let name = line.split_whitespace().last().unwrap_or_default();
+        out.push_str(&in_pod(pod, "nft", &["list", "table", "inet", name]));
+    }
+    out
+}
+
+/// The standard scenario.
+pub struct CaptureScene {
+    pub mesh: Mesh,
+    pub client: Pod,
+    pub server: Pod,
+    pub server2: Pod,
+    pub family: Family,
+    pub servers: Vec<PodChild>,
+}
+
+impl CaptureScene {
+    /// Builds the pods and starts every listener. `transparent` makes the 15006
+    /// listener IP_TRANSPARENT (TPROXY).
+    pub fn new(test: &str, family: Family, transparent: bool) -> Self {
+        let mesh = Mesh::new(test).expect("mesh");
+        let client = mesh.pod("client").expect("client pod");
+        let server = mesh.pod("server").expect("server pod");
+        let server2 = mesh.pod("server2").expect("server2 pod");
+        let mut servers = Vec::new();
+        for (pod, name) in [(&server, "server"), (&server2, "server2")] {
+            for port in [8080, 9090] {
+                let addr = SocketAddr::new(family.of(pod), port).to_string();
+                servers.push(start_server(pod, 0, &["serve-hello", &addr, name]));
+            }
+        }
+        // Envoy stand-ins in the client pod (run as the proxy user, as Envoy does).
+        for fam in [Family::V4, Family::V6] {
+            let outbound = SocketAddr::new(fam.any(), 15001).to_string();
+            servers.push(start_server(&client, 1337, &["capture-listener", &outbound]));
+            let inbound = SocketAddr::new(fam.any(), 15006).to_string();
+            let mut args = vec!["capture-listener", inbound.as_str()];
+            if transparent {
+                args.push("--transparent");
+            }
+            // IP_TRANSPARENT needs CAP_NET_ADMIN; Envoy gets it, our stand-in runs as root.
+            servers.push(start_server(&client, if transparent { 0 } else { 1337 }, &args));
+        }
+        let app = SocketAddr::new(family.of(&client), 8080).to_string();
+        servers.push(start_server(&client, 1000, &["serve-hello", &app, "app"]));
+        let health = SocketAddr::new(family.of(&client), 15021).to_string();
+        servers.push(start_server(&client, 1000, &["serve-hello", &health, "app-15021"]));
+        Self { mesh, client, server, server2, family, servers }
+    }
+
+    pub fn addr(&self, pod: &Pod, port: u16) -> SocketAddr {
+        SocketAddr::new(self.family.of(pod), port)
+    }
+}
+
+/// Parses `captured local=<l> peer=<p> orig=<o>` into (local, orig).
+pub fn captured(line: &str) -> Option<(String, String)> {
+    let rest = line.strip_prefix("captured ")?;
+    let field = |k: &str| rest.split_whitespace().find_map(|f| f.strip_prefix(k)).map(String::from);
+    Some((field("local=")?, field("orig=")?))
+}
