@@ -246,11 +246,13 @@ pub fn has_rules(dump: &str) -> bool {
 
 /// Istio's shouldUseBinaryForCurrentContext: the binary exists, reports a version, and
 /// can add (then delete) a harmless test rule in nat/INPUT.
-fn probe_binary(iptables: &str) -> Result<Binaries, XtablesError> {
+fn probe_binary(iptables: &str) -> Result<Binaries, String> {
     let save = format!("{iptables}-save");
     let restore = format!("{iptables}-restore");
-    let dump = exec(Command::new(&save), None)
-        .map_err(|e| XtablesError::NotFound { family: "iptables", reason: format!("{save}: {e}") })?;
+    let dump = exec(Command::new(&save), None).map_err(|e| match e {
+        XtablesError::Spawn { source, .. } => format!("{save}: {source}"),
+        other => other.to_string(),
+    })?;
     let mut version_cmd = Command::new(&save);
     version_cmd.arg("--version");
     let (version, legacy) = match exec(version_cmd, None) {
@@ -278,10 +280,7 @@ fn probe_binary(iptables: &str) -> Result<Binaries, XtablesError> {
         },
         None,
     )
-    .map_err(|e| XtablesError::NotFound {
-        family: "iptables",
-        reason: format!("{iptables} has no loaded kernel support and cannot be used: {e}"),
-    })?;
+    .map_err(|e| format!("{iptables} has no loaded kernel support and cannot be used: {e}"))?;
     test[2] = "-D".into();
     let _ = exec(
         {
@@ -298,9 +297,11 @@ fn detect_family(family: Family, force: Option<IptablesBackend>) -> Result<Binar
     let base = if family == Family::V4 { "iptables" } else { "ip6tables" };
     let legacy = format!("{base}-legacy");
     let nft = format!("{base}-nft");
+    let family_name = if family == Family::V4 { "iptables" } else { "ip6tables" };
+    let not_found = |reason: String| XtablesError::NotFound { family: family_name, reason };
     match force {
-        Some(IptablesBackend::Legacy) => return probe_binary(&legacy),
-        Some(IptablesBackend::Nft) => return probe_binary(&nft),
+        Some(IptablesBackend::Legacy) => return probe_binary(&legacy).map_err(not_found),
+        Some(IptablesBackend::Nft) => return probe_binary(&nft).map_err(not_found),
         None => {}
     }
     if let Ok(b) = probe_binary(&legacy)
@@ -311,10 +312,7 @@ fn detect_family(family: Family, force: Option<IptablesBackend>) -> Result<Binar
     if let Ok(b) = probe_binary(&nft) {
         return Ok(b);
     }
-    probe_binary(base).map_err(|e| XtablesError::NotFound {
-        family: if family == Family::V4 { "iptables" } else { "ip6tables" },
-        reason: format!("tried {legacy}, {nft} and {base}: {e}"),
-    })
+    probe_binary(base).map_err(|e| not_found(format!("tried {legacy}, {nft} and {base} (last: {e})")))
 }
 
 #[cfg(test)]

@@ -168,6 +168,7 @@ fn the_injectors_command_line_programs_istios_rules() {
         "15090,15021,15020",
         "--log_output_level=default:info",
     ]);
+    cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
     let out = scene.client.spawn(&mut cmd, 0).unwrap().into_inner().wait_with_output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 

@@ -206,3 +206,42 @@ fn bad_input_is_named_and_applies_nothing() {
     assert!(ask(&s.client, 1000, s.addr(&s.server, 8080)).starts_with("hello server "));
     assert!(in_pod(&s.client, "iptables-save", &[]).lines().all(|l| !l.contains("ISTIO")));
 }
+
+#[test]
+fn dry_run_writes_istios_transcript_and_changes_nothing() {
+    require_root!();
+    let s = CaptureScene::new(&test_name!(), Family::V4, false);
+    let dir = weir_tests::envoy::tempfile_dir::Dir::new("dry-run").unwrap();
+    let file = dir.path().join("transcript");
+    // The base configuration of Istio's golden cases, through the real command line.
+    let args = [
+        "-p", "15001", "-z", "15006", "-e", "15008", "-u", "1337", "-g", "1337", "-t", "1337", "-r", "133",
+        "-n",
+    ];
+    let mut cmd = std::process::Command::new(weir_tests::tools::weir());
+    cmd.arg("istio-iptables").args(args).env("DRY_RUN_FILE_PATH", &file).env("WEIR_LOG", "warn");
+    cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+    let out = s.client.spawn(&mut cmd, 0).unwrap().into_inner().wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let golden = include_str!("../../iptables-compat/testdata/iptables-capture/empty.golden");
+    assert_eq!(std::fs::read_to_string(&file).unwrap().trim(), golden.trim());
+    assert!(out.stdout.is_empty(), "with DRY_RUN_FILE_PATH the transcript goes to the file only");
+    // Without the variable it goes to stdout.
+    let out = istio_iptables(&s.client, &args, None);
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), golden.trim());
+    assert_eq!(capture_state(&s.client), "", "a dry run changes nothing");
+}
+
+#[test]
+fn a_missing_iptables_binary_is_a_clear_error() {
+    require_root!();
+    let s = CaptureScene::new(&test_name!(), Family::V4, false);
+    let mut cmd = std::process::Command::new(weir_tests::tools::weir());
+    cmd.args(["istio-iptables", "-i", "*"]).env("PATH", "/nonexistent").env("WEIR_LOG", "warn");
+    cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+    let out = s.client.spawn(&mut cmd, 0).unwrap().into_inner().wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("no usable iptables binary"), "{err}");
+    assert_eq!(capture_state(&s.client), "");
+}
