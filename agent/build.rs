@@ -9,7 +9,7 @@ use std::{env, fs, path::PathBuf, process::Command};
 use anyhow::{Context as _, anyhow, bail};
 
 /// Every object the `weir-ebpf` crate's bins produce; keep in sync with its Cargo.toml.
-const OBJECTS: &[&str] = &["weir-probe"];
+const OBJECTS: &[&str] = &["weir-probe", "weir-capture", "weir-inbound"];
 const STUB_ENV: &str = "WEIR_EBPF_STUB";
 
 fn main() -> anyhow::Result<()> {

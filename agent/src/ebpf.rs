@@ -2,6 +2,9 @@
 //! them in the kernel. Kernel-side code lives in `ebpf/programs`; the types both sides
 //! share live in `weir-ebpf-common`.
 
+pub mod capture;
+pub mod config;
+pub mod link;
 pub mod objects;
 pub mod probe;
 
@@ -43,6 +46,18 @@ pub enum EbpfError {
         path: PathBuf,
         #[source]
         source: aya::programs::ProgramError,
+    },
+    #[error("{what}")]
+    Io {
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("pin {path}")]
+    Pin {
+        path: String,
+        #[source]
+        source: std::io::Error,
     },
     #[error("map {map}")]
     Map {

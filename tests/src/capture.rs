@@ -137,6 +137,17 @@ impl CaptureScene {
     /// Builds the pods and starts every listener. `transparent` makes the 15006
     /// listener IP_TRANSPARENT (TPROXY).
     pub fn new(test: &str, family: Family, transparent: bool) -> Self {
+        Self::build(test, family, transparent, None)
+    }
+
+    /// As [`CaptureScene::new`], with the client pod's processes in `cgroup` (eBPF
+    /// capture attaches there, and Envoy's getsockopt must run in it too).
+    pub fn in_cgroup(test: &str, family: Family, cgroup: &crate::Cgroup) -> Self {
+        Self::build(test, family, false, Some(cgroup))
+    }
+
+    fn build(test: &str, family: Family, transparent: bool, cgroup: Option<&crate::Cgroup>) -> Self {
+        let in_client = |uid: u32| Placement { user: Some((uid, uid)), cgroup, ..Placement::default() };
         let mesh = Mesh::new(test).expect("mesh");
         let client = mesh.pod("client").expect("client pod");
         let server = mesh.pod("server").expect("server pod");
@@ -151,19 +162,19 @@ impl CaptureScene {
         // Envoy stand-ins in the client pod (run as the proxy user, as Envoy does).
         for fam in [Family::V4, Family::V6] {
             let outbound = SocketAddr::new(fam.any(), 15001).to_string();
-            servers.push(start_server(&client, 1337, &["capture-listener", &outbound]));
+            servers.push(start_server_placed(&client, in_client(1337), &["capture-listener", &outbound]));
             let inbound = SocketAddr::new(fam.any(), 15006).to_string();
             let mut args = vec!["capture-listener", inbound.as_str()];
             if transparent {
                 args.push("--transparent");
             }
             // IP_TRANSPARENT needs CAP_NET_ADMIN; Envoy gets it, our stand-in runs as root.
-            servers.push(start_server(&client, if transparent { 0 } else { 1337 }, &args));
+            servers.push(start_server_placed(&client, in_client(if transparent { 0 } else { 1337 }), &args));
         }
         let app = SocketAddr::new(family.of(&client), 8080).to_string();
-        servers.push(start_server(&client, 1000, &["serve-hello", &app, "app"]));
+        servers.push(start_server_placed(&client, in_client(1000), &["serve-hello", &app, "app"]));
         let health = SocketAddr::new(family.of(&client), 15021).to_string();
-        servers.push(start_server(&client, 1000, &["serve-hello", &health, "app-15021"]));
+        servers.push(start_server_placed(&client, in_client(1000), &["serve-hello", &health, "app-15021"]));
         Self { mesh, client, server, server2, family, servers }
     }
 

@@ -5,6 +5,14 @@ use super::EbpfError;
 /// The probe object (see `weir_ebpf_common::probe`).
 pub static PROBE: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/weir-probe"));
 
+/// The capture object (cgroup programs): `weir_ebpf_common::capture`.
+pub static CAPTURE: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/weir-capture"));
+pub const CAPTURE_NAME: &str = weir_ebpf_common::capture::OBJECT;
+
+/// The inbound object (tc classifier): `weir_ebpf_common::inbound`.
+pub static INBOUND: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/weir-inbound"));
+pub const INBOUND_NAME: &str = weir_ebpf_common::inbound::OBJECT;
+
 /// True when `build.rs` wrote empty stub objects instead of compiling the programs.
 pub const IS_STUB: bool = matches!(env!("WEIR_EBPF_BUILD").as_bytes(), b"stub");
 

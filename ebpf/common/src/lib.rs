@@ -3,4 +3,7 @@
 //! a change on one side that the other side does not see fails to compile.
 #![no_std]
 
+pub mod capture;
+pub mod inbound;
+pub mod policy;
 pub mod probe;

@@ -1,0 +1,602 @@
+//! The capture programs in the kernel: load the `weir-capture` object, attach its
+//! cgroup programs to one cgroup (a pod's, or a node's in CNI mode), register pods by
+//! network-namespace cookie, read counters, pin everything so it outlives this process
+//! (init-container use), and remove it again. The tc inbound classifier is
+//! [`InboundProgram`], one per pod interface.
+
+use std::{
+    fs::File,
+    net::IpAddr,
+    os::fd::AsFd as _,
+    path::{Path, PathBuf},
+};
+
+use aya::{
+    Ebpf,
+    maps::{Array, HashMap, LpmTrie, Map, MapData, PerCpuArray, SockHash, lpm_trie::Key},
+    programs::{CgroupSockAddr, CgroupSockopt, SchedClassifier, SkMsg, SockOps, TcAttachType, links::FdLink},
+};
+use weir_ebpf_common::{
+    capture::{CidrV4, CidrV6, NETNS_PREFIX_BITS, PairKey, PodConfig, control, counter, map, prog},
+    inbound::{self, InboundConfig},
+};
+use weir_iptables::config::Cidr;
+
+use super::{
+    EbpfError,
+    config::PodCapture,
+    link::{CgroupLink, attach_type},
+    objects,
+};
+
+/// Where pinned programs live: `<bpffs>/weir/<pod>/{maps,links}`.
+pub const PIN_ROOT: &str = "/sys/fs/bpf/weir";
+
+/// Trie value for `-x` prefixes, and for the pod's own addresses.
+const EXCLUDED: u8 = 1;
+const OWN_ADDRESS: u8 = 2;
+
+/// The socket-address hooks, in attach order: the hooks that rewrite connections last,
+/// so a redirect never happens before the hooks that complete it are in place.
+const CGROUP_SOCK_ADDR: &[(&str, u32)] = &[
+    (prog::RECVMSG4, attach_type::UDP4_RECVMSG),
+    (prog::RECVMSG6, attach_type::UDP6_RECVMSG),
+    (prog::SENDMSG4, attach_type::UDP4_SENDMSG),
+    (prog::SENDMSG6, attach_type::UDP6_SENDMSG),
+    (prog::CONNECT4, attach_type::INET4_CONNECT),
+    (prog::CONNECT6, attach_type::INET6_CONNECT),
+];
+
+/// Counter values, by name.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Counters(pub Vec<(&'static str, u64)>);
+
+impl Counters {
+    pub fn get(&self, name: &str) -> u64 {
+        self.0.iter().find(|(n, _)| *n == name).map(|(_, v)| *v).unwrap_or(0)
+    }
+}
+
+/// The capture object loaded and attached to one cgroup. Dropping it detaches
+/// everything that was not pinned.
+pub struct CapturePrograms {
+    ebpf: Ebpf,
+    cgroup: PathBuf,
+    links: Vec<(&'static str, CgroupLink)>,
+    /// sk_msg's attachment to the sockhash (not a bpf_link on every kernel).
+    sk_msg: Option<aya::programs::sk_msg::SkMsgLink>,
+    /// Reader of the programs' aya-log ring buffer (holds the map open).
+    logger: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
+}
+
+fn map_err(map: &'static str) -> impl FnOnce(aya::maps::MapError) -> EbpfError {
+    move |source| EbpfError::Map { map, source }
+}
+
+fn missing_map(map: &'static str) -> EbpfError {
+    EbpfError::MissingMap { object: objects::CAPTURE_NAME, map }
+}
+
+impl CapturePrograms {
+    /// Loads the object and every program into the kernel (the verifier runs here),
+    /// without attaching anything.
+    pub fn load() -> Result<Self, EbpfError> {
+        let data = objects::bytes(objects::CAPTURE_NAME, objects::CAPTURE)?;
+        let mut ebpf =
+            Ebpf::load(data).map_err(|source| EbpfError::Load { object: objects::CAPTURE_NAME, source })?;
+        // The reader must live as long as the programs reference its map; records go
+        // to the `log` facade (and from there to tracing) when flushed.
+        let logger = match aya_log::EbpfLogger::init(&mut ebpf) {
+            Ok(l) => Some(l),
+            Err(e) => {
+                tracing::debug!(error = %e, "eBPF log reader not started");
+                None
+            }
+        };
+        for (name, _) in CGROUP_SOCK_ADDR {
+            let p: &mut CgroupSockAddr = program(&mut ebpf, name)?;
+            p.load().map_err(|source| EbpfError::Verify { program: name, source })?;
+        }
+        let p: &mut CgroupSockopt = program(&mut ebpf, prog::GETSOCKOPT)?;
+        p.load().map_err(|source| EbpfError::Verify { program: prog::GETSOCKOPT, source })?;
+        let p: &mut SockOps = program(&mut ebpf, prog::SOCKOPS)?;
+        p.load().map_err(|source| EbpfError::Verify { program: prog::SOCKOPS, source })?;
+        let p: &mut SkMsg = program(&mut ebpf, prog::SK_MSG)?;
+        p.load().map_err(|source| EbpfError::Verify { program: prog::SK_MSG, source })?;
+        Ok(Self { ebpf, cgroup: PathBuf::new(), links: Vec::new(), sk_msg: None, logger })
+    }
+
+    /// Attaches every program: the cgroup hooks to `cgroup`, sk_msg to the sockhash.
+    pub fn attach(&mut self, cgroup: &Path) -> Result<(), EbpfError> {
+        let dir = File::open(cgroup)
+            .map_err(|source| EbpfError::OpenCgroup { path: cgroup.to_path_buf(), source })?;
+        let attach_err = |program: &'static str| {
+            let path = cgroup.to_path_buf();
+            move |source| EbpfError::Attach { program, path, source }
+        };
+        // sk_msg first: sockops registers sockets in the map it runs on.
+        let sock_pairs: SockHash<_, PairKey> =
+            SockHash::try_from(self.ebpf.map(map::SOCK_PAIRS).ok_or_else(|| missing_map(map::SOCK_PAIRS))?)
+                .map_err(map_err(map::SOCK_PAIRS))?;
+        let fd = sock_pairs
+            .fd()
+            .try_clone()
+            .map_err(|source| EbpfError::Io { what: "duplicate the sockhash fd", source })?;
+        let p: &mut SkMsg = program(&mut self.ebpf, prog::SK_MSG)?;
+        let id = p.attach(&fd).map_err(attach_err(prog::SK_MSG))?;
+        self.sk_msg = Some(p.take_link(id).map_err(attach_err(prog::SK_MSG))?);
+
+        let mut hooks: Vec<(&'static str, u32)> =
+            vec![(prog::SOCKOPS, attach_type::SOCK_OPS), (prog::GETSOCKOPT, attach_type::GETSOCKOPT)];
+        hooks.extend_from_slice(CGROUP_SOCK_ADDR);
+        for (name, kind) in hooks {
+            let prog_fd = self
+                .ebpf
+                .program(name)
+                .ok_or(EbpfError::MissingProgram { object: objects::CAPTURE_NAME, program: name })?
+                .fd()
+                .map_err(attach_err(name))?;
+            let link = CgroupLink::create(prog_fd.as_fd(), dir.as_fd(), kind)
+                .map_err(|e| attach_err(name)(aya::programs::ProgramError::IOError(e)))?;
+            self.links.push((name, link));
+        }
+        self.cgroup = cgroup.to_path_buf();
+        Ok(())
+    }
+
+    /// Registers (or replaces) one pod: its lists first, its config last, so the
+    /// programs never see a pod half configured.
+    pub fn register(&mut self, netns: u64, pod: &PodCapture) -> Result<(), EbpfError> {
+        self.unregister_lists(netns)?;
+        let put = |v4: &'static str,
+                   v6: &'static str,
+                   cidr: Cidr,
+                   value: u8,
+                   e: &mut Ebpf|
+         -> Result<(), EbpfError> {
+            match cidr.addr {
+                IpAddr::V4(a) => trie4(v4, e)?
+                    .insert(
+                        &Key::new(
+                            NETNS_PREFIX_BITS + u32::from(cidr.bits),
+                            CidrV4 { netns: netns.to_be_bytes(), addr: a.octets() },
+                        ),
+                        value,
+                        0,
+                    )
+                    .map_err(map_err(v4)),
+                IpAddr::V6(a) => trie6(v6, e)?
+                    .insert(
+                        &Key::new(
+                            NETNS_PREFIX_BITS + u32::from(cidr.bits),
+                            CidrV6 { netns: netns.to_be_bytes(), addr: a.octets() },
+                        ),
+                        value,
+                        0,
+                    )
+                    .map_err(map_err(v6)),
+            }
+        };
+        let host = |addr: IpAddr| Cidr { addr, bits: if addr.is_ipv4() { 32 } else { 128 } };
+        for cidr in &pod.exclude {
+            put(map::EXCLUDE_V4, map::EXCLUDE_V6, *cidr, EXCLUDED, &mut self.ebpf)?;
+        }
+        for addr in &pod.own_addresses {
+            put(map::EXCLUDE_V4, map::EXCLUDE_V6, host(*addr), OWN_ADDRESS, &mut self.ebpf)?;
+        }
+        for cidr in &pod.include {
+            put(map::INCLUDE_V4, map::INCLUDE_V6, *cidr, 1, &mut self.ebpf)?;
+        }
+        for addr in &pod.dns_servers {
+            put(map::DNS_V4, map::DNS_V6, host(*addr), 1, &mut self.ebpf)?;
+        }
+        let mut configs: HashMap<_, u64, PodConfig> = HashMap::try_from(
+            self.ebpf.map_mut(map::POD_CONFIG).ok_or_else(|| missing_map(map::POD_CONFIG))?,
+        )
+        .map_err(map_err(map::POD_CONFIG))?;
+        configs.insert(netns, pod.config, 0).map_err(map_err(map::POD_CONFIG))?;
+        Ok(())
+    }
+
+    /// Removes a pod: its config first (programs stop acting at once), then its lists.
+    pub fn unregister(&mut self, netns: u64) -> Result<(), EbpfError> {
+        unregister_pod(&mut self.ebpf, netns)
+    }
+
+    fn unregister_lists(&mut self, netns: u64) -> Result<(), EbpfError> {
+        remove_lists(&mut self.ebpf, netns)
+    }
+
+    pub fn counters(&self) -> Result<Counters, EbpfError> {
+        read_counters(self.ebpf.map(map::COUNTERS).ok_or_else(|| missing_map(map::COUNTERS))?)
+    }
+
+    /// Turns aya-log records on or off (read them with RUST_LOG/WEIR_LOG at debug).
+    pub fn set_logging(&mut self, on: bool) -> Result<(), EbpfError> {
+        let mut control: Array<_, u32> =
+            Array::try_from(self.ebpf.map_mut(map::CONTROL).ok_or_else(|| missing_map(map::CONTROL))?)
+                .map_err(map_err(map::CONTROL))?;
+        control.set(control::LOG, u32::from(on), 0).map_err(map_err(map::CONTROL))
+    }
+
+    /// Writes pending program log records to the log (they are produced only while
+    /// logging is on).
+    pub fn flush_logs(&mut self) {
+        if let Some(l) = &mut self.logger {
+            l.flush();
+        }
+    }
+
+    pub fn cgroup(&self) -> &Path {
+        &self.cgroup
+    }
+
+    /// Pins maps and links under `dir` so the programs stay attached after this process
+    /// exits; [`unpin`] removes them (which detaches the programs).
+    pub fn pin(mut self, dir: &Path) -> Result<(), EbpfError> {
+        mount_bpffs()?;
+        let pin = |what: String| move |source: std::io::Error| EbpfError::Pin { path: what, source };
+        for sub in ["maps", "links"] {
+            std::fs::create_dir_all(dir.join(sub)).map_err(pin(dir.join(sub).display().to_string()))?;
+        }
+        for name in map::ALL.iter().chain(std::iter::once(&"NO_REDIRECT")) {
+            if let Some(m) = self.ebpf.map(name) {
+                let path = dir.join("maps").join(name);
+                pin_map(m, &path)?;
+            }
+        }
+        for (name, link) in self.links.drain(..) {
+            let path = dir.join("links").join(name);
+            link.pin(&path).map_err(|source| EbpfError::Pin { path: path.display().to_string(), source })?;
+        }
+        // The sk_msg attachment lives as long as the (now pinned) sockhash.
+        std::mem::forget(self.sk_msg.take());
+        std::mem::forget(self.logger.take());
+        Ok(())
+    }
+}
+
+fn trie4<'a>(m: &'static str, e: &'a mut Ebpf) -> Result<LpmTrie<&'a mut MapData, CidrV4, u8>, EbpfError> {
+    LpmTrie::try_from(e.map_mut(m).ok_or_else(|| missing_map(m))?).map_err(map_err(m))
+}
+
+fn trie6<'a>(m: &'static str, e: &'a mut Ebpf) -> Result<LpmTrie<&'a mut MapData, CidrV6, u8>, EbpfError> {
+    LpmTrie::try_from(e.map_mut(m).ok_or_else(|| missing_map(m))?).map_err(map_err(m))
+}
+
+impl Drop for CapturePrograms {
+    fn drop(&mut self) {
+        // Links detach on drop; the sk_msg attachment with its map.
+        self.links.clear();
+    }
+}
+
+fn program<'a, T>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut T, EbpfError>
+where
+    &'a mut T: TryFrom<&'a mut aya::programs::Program, Error = aya::programs::ProgramError>,
+{
+    ebpf.program_mut(name)
+        .ok_or(EbpfError::MissingProgram { object: objects::CAPTURE_NAME, program: name })?
+        .try_into()
+        .map_err(|source| EbpfError::Verify { program: name, source })
+}
+
+fn pin_map(m: &Map, path: &Path) -> Result<(), EbpfError> {
+    let r = match m {
+        Map::HashMap(d)
+        | Map::LruHashMap(d)
+        | Map::LpmTrie(d)
+        | Map::PerCpuArray(d)
+        | Map::Array(d)
+        | Map::SockHash(d) => d.pin(path),
+        _ => return Ok(()),
+    };
+    r.map_err(|e| EbpfError::Pin {
+        path: path.display().to_string(),
+        source: std::io::Error::other(e.to_string()),
+    })
+}
+
+fn remove_lists(ebpf: &mut Ebpf, netns: u64) -> Result<(), EbpfError> {
+    let prefix = netns.to_be_bytes();
+    for m in [map::EXCLUDE_V4, map::INCLUDE_V4, map::DNS_V4] {
+        let mut trie: LpmTrie<_, CidrV4, u8> =
+            LpmTrie::try_from(ebpf.map_mut(m).ok_or_else(|| missing_map(m))?).map_err(map_err(m))?;
+        let keys: Vec<_> = trie.keys().filter_map(Result::ok).filter(|k| k.data().netns == prefix).collect();
+        for k in keys {
+            let _ = trie.remove(&k);
+        }
+    }
+    for m in [map::EXCLUDE_V6, map::INCLUDE_V6, map::DNS_V6] {
+        let mut trie: LpmTrie<_, CidrV6, u8> =
+            LpmTrie::try_from(ebpf.map_mut(m).ok_or_else(|| missing_map(m))?).map_err(map_err(m))?;
+        let keys: Vec<_> = trie.keys().filter_map(Result::ok).filter(|k| k.data().netns == prefix).collect();
+        for k in keys {
+            let _ = trie.remove(&k);
+        }
+    }
+    Ok(())
+}
+
+fn unregister_pod(ebpf: &mut Ebpf, netns: u64) -> Result<(), EbpfError> {
+    let mut configs: HashMap<_, u64, PodConfig> =
+        HashMap::try_from(ebpf.map_mut(map::POD_CONFIG).ok_or_else(|| missing_map(map::POD_CONFIG))?)
+            .map_err(map_err(map::POD_CONFIG))?;
+    match configs.remove(&netns) {
+        Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
+        Err(source) => return Err(EbpfError::Map { map: map::POD_CONFIG, source }),
+    }
+    remove_lists(ebpf, netns)
+}
+
+fn read_counters(m: &Map) -> Result<Counters, EbpfError> {
+    let counters: PerCpuArray<_, u64> = PerCpuArray::try_from(m).map_err(map_err(map::COUNTERS))?;
+    let mut out = Vec::new();
+    for (i, name) in counter::NAMES.iter().enumerate() {
+        let v = counters.get(&(i as u32), 0).map_err(map_err(map::COUNTERS))?;
+        out.push((*name, v.iter().sum()));
+    }
+    Ok(Counters(out))
+}
+
+/// Mounts bpffs at /sys/fs/bpf if nothing is mounted there yet.
+pub fn mount_bpffs() -> Result<(), EbpfError> {
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    if mounts.lines().any(|l| l.split_whitespace().nth(1) == Some("/sys/fs/bpf") && l.contains(" bpf ")) {
+        return Ok(());
+    }
+    nix::mount::mount(Some("bpf"), "/sys/fs/bpf", Some("bpf"), nix::mount::MsFlags::empty(), None::<&str>)
+        .map_err(|e| EbpfError::Pin { path: "/sys/fs/bpf (mount bpffs)".into(), source: e.into() })
+}
+
+/// A pinned capture, opened from bpffs: read counters, switch logging, unregister.
+pub struct PinnedCapture {
+    pub dir: PathBuf,
+}
+
+impl PinnedCapture {
+    fn map(&self, name: &str) -> Result<Map, EbpfError> {
+        let path = self.dir.join("maps").join(name);
+        let data = MapData::from_pin(&path).map_err(|source| EbpfError::Map { map: "pinned map", source })?;
+        Map::from_map_data(data).map_err(|source| EbpfError::Map { map: "pinned map", source })
+    }
+
+    pub fn counters(&self) -> Result<Counters, EbpfError> {
+        read_counters(&self.map(map::COUNTERS)?)
+    }
+
+    pub fn set_logging(&self, on: bool) -> Result<(), EbpfError> {
+        let mut m = self.map(map::CONTROL)?;
+        let mut control: Array<_, u32> = Array::try_from(&mut m).map_err(map_err(map::CONTROL))?;
+        control.set(control::LOG, u32::from(on), 0).map_err(map_err(map::CONTROL))
+    }
+
+    /// Entries in a pinned hash map (e.g. connections awaiting Envoy's getsockopt).
+    pub fn entries(&self, name: &'static str) -> Result<usize, EbpfError> {
+        let m = self.map(name)?;
+        let data = match &m {
+            Map::HashMap(d) | Map::LruHashMap(d) => d,
+            _ => return Ok(0),
+        };
+        let info = data.info().map_err(map_err(name))?;
+        let _ = info;
+        let n = match name {
+            map::POD_CONFIG => {
+                HashMap::<_, u64, PodConfig>::try_from(&m).map_err(map_err(name))?.keys().count()
+            }
+            map::ORIG_BY_PAIR => HashMap::<_, PairKey, weir_ebpf_common::capture::OrigDst>::try_from(&m)
+                .map_err(map_err(name))?
+                .keys()
+                .count(),
+            _ => HashMap::<_, u64, weir_ebpf_common::capture::OrigDst>::try_from(&m)
+                .map_err(map_err(name))?
+                .keys()
+                .count(),
+        };
+        Ok(n)
+    }
+}
+
+/// Removes every pin under `dir` (links first, which detaches the programs) and the
+/// directory itself. Missing pins are fine.
+pub fn unpin(dir: &Path) -> Result<(), EbpfError> {
+    if !dir.exists() {
+        return Ok(());
+    }
+    let rm = |p: &Path| match std::fs::remove_file(p) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(EbpfError::Pin { path: p.display().to_string(), source }),
+    };
+    for sub in ["links", "maps"] {
+        if let Ok(entries) = std::fs::read_dir(dir.join(sub)) {
+            for e in entries.flatten() {
+                rm(&e.path())?;
+            }
+        }
+        let _ = std::fs::remove_dir(dir.join(sub));
+    }
+    std::fs::remove_dir(dir)
+        .or_else(|e| if e.kind() == std::io::ErrorKind::NotFound { Ok(()) } else { Err(e) })
+        .map_err(|source| EbpfError::Pin { path: dir.display().to_string(), source })
+}
+
+/// The network-namespace cookie of the namespace at `netns` (or the caller's), as the
+/// programs see it (`SO_NETNS_COOKIE`, Linux 5.14+).
+pub fn netns_cookie(netns: Option<&Path>) -> std::io::Result<u64> {
+    let read = || -> std::io::Result<u64> {
+        let sock =
+            std::net::UdpSocket::bind("127.0.0.1:0").or_else(|_| std::net::UdpSocket::bind("[::1]:0"))?;
+        let mut cookie: u64 = 0;
+        let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+        // SAFETY: getsockopt into a u64 with its size.
+        let rc = unsafe {
+            use std::os::fd::AsRawFd as _;
+            libc::getsockopt(
+                sock.as_raw_fd(),
+                libc::SOL_SOCKET,
+                71, /* SO_NETNS_COOKIE */
+                (&raw mut cookie).cast(),
+                &mut len,
+            )
+        };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(cookie)
+    };
+    match netns {
+        None => read(),
+        Some(path) => in_netns(path, read),
+    }
+}
+
+/// Runs `f` on a thread inside the network namespace at `path`.
+pub fn in_netns<T: Send>(path: &Path, f: impl FnOnce() -> std::io::Result<T> + Send) -> std::io::Result<T> {
+    let file = File::open(path)?;
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)?;
+            f()
+        })
+        .join()
+        .unwrap_or_else(|_| Err(std::io::Error::other("namespace thread panicked")))
+    })
+}
+
+/// The tc inbound classifier attached to one pod interface (its own loaded copy and
+/// config). Dropping it detaches the classifier.
+pub struct InboundProgram {
+    ebpf: Option<Ebpf>,
+    netns: PathBuf,
+    interface: String,
+    link: Option<aya::programs::tc::SchedClassifierLink>,
+}
+
+impl InboundProgram {
+    /// Loads a copy of the classifier with `config` and attaches it to `interface`'s
+    /// ingress inside the namespace at `netns`.
+    pub fn attach(netns: &Path, interface: &str, config: &InboundConfig) -> Result<Self, EbpfError> {
+        let data = objects::bytes(objects::INBOUND_NAME, objects::INBOUND)?;
+        let mut ebpf =
+            Ebpf::load(data).map_err(|source| EbpfError::Load { object: objects::INBOUND_NAME, source })?;
+        {
+            let mut cfg: Array<_, InboundConfig> = Array::try_from(
+                ebpf.map_mut(inbound::CONFIG)
+                    .ok_or(EbpfError::MissingMap { object: objects::INBOUND_NAME, map: inbound::CONFIG })?,
+            )
+            .map_err(map_err(inbound::CONFIG))?;
+            cfg.set(0, config, 0).map_err(map_err(inbound::CONFIG))?;
+        }
+        let classifier: &mut SchedClassifier = ebpf
+            .program_mut(inbound::PROG)
+            .ok_or(EbpfError::MissingProgram { object: objects::INBOUND_NAME, program: inbound::PROG })?
+            .try_into()
+            .map_err(|source| EbpfError::Verify { program: inbound::PROG, source })?;
+        classifier.load().map_err(|source| EbpfError::Verify { program: inbound::PROG, source })?;
+        let attach_err =
+            |source| EbpfError::Attach { program: inbound::PROG, path: PathBuf::from(interface), source };
+        // Interface lookups and (legacy) tc netlink calls happen inside the pod.
+        let link = in_netns(netns, || {
+            let _ = aya::programs::tc::qdisc_add_clsact(interface);
+            let id = classifier.attach(interface, TcAttachType::Ingress).map_err(std::io::Error::other)?;
+            classifier.take_link(id).map_err(std::io::Error::other)
+        })
+        .map_err(|e| attach_err(aya::programs::ProgramError::IOError(e)))?;
+        Ok(Self {
+            ebpf: Some(ebpf),
+            netns: netns.to_path_buf(),
+            interface: interface.to_string(),
+            link: Some(link),
+        })
+    }
+
+    /// New connections assigned to Envoy so far.
+    pub fn assigned(&self) -> Result<u64, EbpfError> {
+        let ebpf = self.ebpf.as_ref().expect("loaded");
+        let m = ebpf
+            .map(inbound::COUNTERS)
+            .ok_or(EbpfError::MissingMap { object: objects::INBOUND_NAME, map: inbound::COUNTERS })?;
+        let counters: PerCpuArray<_, u64> = PerCpuArray::try_from(m).map_err(map_err(inbound::COUNTERS))?;
+        Ok(counters.get(&inbound::counter::ASSIGNED, 0).map_err(map_err(inbound::COUNTERS))?.iter().sum())
+    }
+
+    /// Keeps the classifier attached after this process exits: a TCX link is pinned at
+    /// `path`; a legacy tc filter simply stays (remove it with [`detach_inbound`]).
+    pub fn pin(mut self, path: &Path) -> Result<(), EbpfError> {
+        let link = self.link.take().expect("attached");
+        match FdLink::try_from(link) {
+            Ok(fd) => {
+                fd.pin(path).map_err(|e| EbpfError::Pin {
+                    path: path.display().to_string(),
+                    source: std::io::Error::other(e.to_string()),
+                })?;
+            }
+            Err(_) => {
+                // Legacy netlink filter: it persists on its own.
+            }
+        }
+        std::mem::forget(self.ebpf.take());
+        Ok(())
+    }
+}
+
+impl Drop for InboundProgram {
+    fn drop(&mut self) {
+        if let Some(link) = self.link.take() {
+            // A netlink detach must run inside the pod's namespace.
+            let _ = in_netns(&self.netns, move || {
+                drop(link);
+                Ok(())
+            });
+        }
+        let _ = &self.interface;
+    }
+}
+
+/// Removes a pinned or legacy inbound classifier from `interface` in `netns`.
+pub fn detach_inbound(netns: Option<&Path>, interface: &str, pin: &Path) {
+    let _ = std::fs::remove_file(pin);
+    let detach = || {
+        let _ = aya::programs::tc::qdisc_detach_program(interface, TcAttachType::Ingress, inbound::PROG);
+        Ok(())
+    };
+    let _ = match netns {
+        Some(path) if path.exists() => in_netns(path, detach),
+        Some(_) => Ok(()),
+        None => detach(),
+    };
+}
+
+/// What a pod's pinned capture is made of, recorded next to the pins.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PinRecord {
+    pub pod: String,
+    pub cgroup: PathBuf,
+    pub netns: Option<PathBuf>,
+    pub netns_cookie: u64,
+    pub interface: Option<String>,
+}
+
+/// Where pin records live (a tmpfs, like the pins themselves).
+pub const RECORD_DIR: &str = "/run/weir/capture";
+
+impl PinRecord {
+    pub fn pin_dir(&self) -> PathBuf {
+        Path::new(PIN_ROOT).join(&self.pod)
+    }
+    pub fn path(pod: &str) -> PathBuf {
+        Path::new(RECORD_DIR).join(format!("{pod}.json"))
+    }
+    pub fn save(&self) -> std::io::Result<()> {
+        std::fs::create_dir_all(RECORD_DIR)?;
+        std::fs::write(Self::path(&self.pod), serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?)
+    }
+    pub fn load_all() -> Vec<Self> {
+        let Ok(dir) = std::fs::read_dir(RECORD_DIR) else { return Vec::new() };
+        dir.flatten()
+            .filter_map(|e| std::fs::read(e.path()).ok())
+            .filter_map(|b| serde_json::from_slice(&b).ok())
+            .collect()
+    }
+}

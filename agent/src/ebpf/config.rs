@@ -1,0 +1,268 @@
+//! From a capture configuration (istio-iptables' flags) to what the kernel programs
+//! read: a [`PodConfig`], the pod's CIDR and DNS lists, and the inbound classifier's
+//! [`InboundConfig`]. Pure; limits of the fixed-size kernel structs are errors here,
+//! named after the flag that exceeds them.
+
+use std::net::IpAddr;
+
+use weir_ebpf_common::{
+    capture::{MAX_IDS, MAX_PORTS, NO_ID, PodConfig, flags},
+    inbound::{self, InboundConfig},
+};
+use weir_iptables::{
+    config::{CaptureConfig, Cidr, InboundPorts, IpRanges, PortSpec},
+    decisions::Decisions,
+};
+
+/// The agent's DNS listener port (Istio's 15053).
+pub const DNS_PROXY_PORT: u16 = 15053;
+
+/// A configuration eBPF capture cannot express.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("eBPF capture: {input}: {problem}")]
+pub struct EbpfConfigError {
+    pub input: &'static str,
+    pub problem: String,
+}
+
+fn err(input: &'static str, problem: impl Into<String>) -> EbpfConfigError {
+    EbpfConfigError { input, problem: problem.into() }
+}
+
+/// Everything registered for one pod.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PodCapture {
+    pub config: PodConfig,
+    /// `-x` prefixes.
+    pub exclude: Vec<Cidr>,
+    /// The pod's own addresses: never captured for the app; the proxy's connections to
+    /// them go to Envoy's inbound port.
+    pub own_addresses: Vec<IpAddr>,
+    /// `-i` prefixes (empty with the wildcard).
+    pub include: Vec<Cidr>,
+    pub dns_servers: Vec<IpAddr>,
+    /// Inbound capture, if any inbound port is captured.
+    pub inbound: Option<InboundConfig>,
+}
+
+/// Options that are Weir's own rather than istio-iptables'.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EbpfOptions {
+    /// Pass data between local socket pairs with sk_msg.
+    pub accelerate: bool,
+    /// The kernel needs getsockopt's optlen clamped (before Linux 6.5).
+    pub clamp_optlen: bool,
+}
+
+fn ids(input: &'static str, list: &[String]) -> Result<[u32; MAX_IDS], EbpfConfigError> {
+    if list.len() > MAX_IDS {
+        return Err(err(input, format!("at most {MAX_IDS} ids, got {}", list.len())));
+    }
+    let mut out = [NO_ID; MAX_IDS];
+    for (slot, id) in out.iter_mut().zip(list) {
+        *slot = match id.parse() {
+            Ok(n) => n,
+            Err(_) => match input {
+                "-u/--proxy-uid" => nix::unistd::User::from_name(id).ok().flatten().map(|u| u.uid.as_raw()),
+                _ => nix::unistd::Group::from_name(id).ok().flatten().map(|g| g.gid.as_raw()),
+            }
+            .ok_or_else(|| err(input, format!("{id:?} is not a number or a known name")))?,
+        };
+    }
+    Ok(out)
+}
+
+fn ports<const N: usize>(input: &'static str, list: &[PortSpec]) -> Result<[u16; N], EbpfConfigError> {
+    if list.len() > N {
+        return Err(err(input, format!("at most {N} ports, got {}", list.len())));
+    }
+    let mut out = [0u16; N];
+    for (slot, p) in out.iter_mut().zip(list) {
+        if p.last.is_some() {
+            return Err(err(input, format!("port ranges ({p}) are not supported; list the ports")));
+        }
+        *slot = p.first;
+    }
+    Ok(out)
+}
+
+impl PodCapture {
+    /// Translates `cfg` for a pod whose own addresses are `own_addresses`.
+    pub fn new(
+        cfg: &CaptureConfig,
+        own_addresses: Vec<IpAddr>,
+        options: EbpfOptions,
+    ) -> Result<Self, EbpfConfigError> {
+        if !cfg.reroute_virtual_interfaces.is_empty() {
+            return Err(err(
+                "-k/--kube-virt-interfaces",
+                "not supported with eBPF capture (use iptables or nftables)",
+            ));
+        }
+        if !cfg.exclude_interfaces.is_empty() {
+            return Err(err(
+                "-c/--istio-exclude-interfaces",
+                "not supported with eBPF capture (use iptables or nftables)",
+            ));
+        }
+        let decisions = Decisions::of(cfg);
+        let mut bits = 0;
+        if matches!(cfg.outbound_ip_ranges_include, IpRanges::All) {
+            bits |= flags::CAPTURE_ALL_OUTBOUND;
+        }
+        if decisions.redirect_dns {
+            bits |= flags::REDIRECT_DNS;
+        }
+        if cfg.capture_all_dns {
+            bits |= flags::CAPTURE_ALL_DNS;
+        }
+        if options.accelerate {
+            bits |= flags::ACCELERATE;
+        }
+        if options.clamp_optlen {
+            bits |= flags::CLAMP_OPTLEN;
+        }
+        let config = PodConfig {
+            proxy_uids: ids("-u/--proxy-uid", &cfg.proxy_uids)?,
+            proxy_gids: ids("-g/--proxy-gid", &cfg.proxy_gids)?,
+            include_ports: ports::<MAX_PORTS>("-q/--istio-outbound-ports", &cfg.outbound_ports_include)?,
+            exclude_ports: ports::<MAX_PORTS>(
+                "-o/--istio-local-outbound-ports-exclude",
+                &cfg.outbound_ports_exclude,
+            )?,
+            outbound_port: cfg.proxy_port,
+            inbound_port: cfg.inbound_capture_port,
+            tunnel_port: cfg.inbound_tunnel_port,
+            dns_port: DNS_PROXY_PORT,
+            flags: bits,
+            _reserved: 0,
+        };
+        let include = match &cfg.outbound_ip_ranges_include {
+            IpRanges::All => Vec::new(),
+            IpRanges::Only(cidrs) => cidrs.clone(),
+        };
+        let dns_servers = cfg
+            .dns_servers_v4
+            .iter()
+            .chain(&cfg.dns_servers_v6)
+            .map(|s| {
+                s.parse::<IpAddr>()
+                    .map_err(|_| err("/etc/resolv.conf", format!("nameserver {s:?} is not an address")))
+            })
+            .collect::<Result<_, _>>()?;
+        let none = [0u16; inbound::MAX_PORTS];
+        let inbound = match &cfg.inbound_ports {
+            InboundPorts::None => None,
+            InboundPorts::All => Some(InboundConfig {
+                capture_port: cfg.inbound_capture_port,
+                tunnel_port: cfg.inbound_tunnel_port,
+                mode: inbound::mode::ALL,
+                _reserved: 0,
+                include_ports: none,
+                exclude_ports: ports::<{ inbound::MAX_PORTS }>(
+                    "-d/--istio-local-exclude-ports",
+                    &cfg.inbound_ports_exclude,
+                )?,
+            }),
+            InboundPorts::Only(list) => Some(InboundConfig {
+                capture_port: cfg.inbound_capture_port,
+                tunnel_port: cfg.inbound_tunnel_port,
+                mode: inbound::mode::ONLY,
+                _reserved: 0,
+                include_ports: ports::<{ inbound::MAX_PORTS }>("-b/--istio-inbound-ports", list)?,
+                exclude_ports: none,
+            }),
+        };
+        Ok(Self {
+            config,
+            exclude: decisions.exclude_v4.iter().chain(&decisions.exclude_v6).copied().collect(),
+            own_addresses,
+            include,
+            dns_servers,
+            inbound,
+        })
+    }
+}
+
+/// Whether this kernel (from `uname -r`, e.g. "6.1.0-18-amd64") fails getsockopt
+/// buffers over a page unless the program clamps optlen (fixed in 6.5).
+pub fn kernel_needs_optlen_clamp(release: &str) -> bool {
+    let mut parts = release.split(|c: char| !c.is_ascii_digit()).filter(|p| !p.is_empty());
+    let major: u32 = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+    let minor: u32 = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+    (major, minor) < (6, 5)
+}
+
+#[cfg(test)]
+mod tests {
+    use weir_iptables::config::{InterceptionMode, parse_ports};
+
+    use super::*;
+
+    fn injector() -> CaptureConfig {
+        CaptureConfig {
+            outbound_ip_ranges_include: IpRanges::All,
+            inbound_ports: InboundPorts::All,
+            inbound_ports_exclude: parse_ports("-d", "15090,15021,15020").unwrap(),
+            ..CaptureConfig::default()
+        }
+    }
+
+    const OPTS: EbpfOptions = EbpfOptions { accelerate: true, clamp_optlen: false };
+
+    #[test]
+    fn the_injector_line_translates() {
+        let pod = PodCapture::new(&injector(), vec!["10.66.0.10".parse().unwrap()], OPTS).unwrap();
+        assert_eq!(pod.config.proxy_uids, [1337, NO_ID, NO_ID, NO_ID]);
+        assert!(pod.config.has(flags::CAPTURE_ALL_OUTBOUND));
+        assert!(pod.config.has(flags::ACCELERATE));
+        assert!(!pod.config.has(flags::REDIRECT_DNS));
+        assert_eq!(
+            (pod.config.outbound_port, pod.config.inbound_port, pod.config.tunnel_port),
+            (15001, 15006, 15008)
+        );
+        let inbound = pod.inbound.unwrap();
+        assert!(inbound.captures(8080) && !inbound.captures(15021));
+    }
+
+    #[test]
+    fn dns_only_with_servers_or_capture_all() {
+        let mut cfg = injector();
+        cfg.redirect_dns = true;
+        assert!(!PodCapture::new(&cfg, vec![], OPTS).unwrap().config.has(flags::REDIRECT_DNS));
+        cfg.dns_servers_v4 = vec!["10.96.0.10".into()];
+        let pod = PodCapture::new(&cfg, vec![], OPTS).unwrap();
+        assert!(pod.config.has(flags::REDIRECT_DNS));
+        assert_eq!(pod.dns_servers, vec!["10.96.0.10".parse::<IpAddr>().unwrap()]);
+    }
+
+    #[test]
+    fn what_ebpf_cannot_express_is_an_error_naming_the_flag() {
+        let mut cfg = injector();
+        cfg.outbound_ports_exclude = parse_ports("-o", "8000:8080").unwrap();
+        let e = PodCapture::new(&cfg, vec![], OPTS).unwrap_err();
+        assert_eq!(e.input, "-o/--istio-local-outbound-ports-exclude");
+        let mut cfg = injector();
+        cfg.proxy_uids = (0..5).map(|i| i.to_string()).collect();
+        assert_eq!(PodCapture::new(&cfg, vec![], OPTS).unwrap_err().input, "-u/--proxy-uid");
+        let mut cfg = injector();
+        cfg.exclude_interfaces = vec!["eth1".into()];
+        assert!(
+            PodCapture::new(&cfg, vec![], OPTS)
+                .unwrap_err()
+                .to_string()
+                .contains("-c/--istio-exclude-interfaces")
+        );
+        let mut cfg = injector();
+        cfg.interception_mode = InterceptionMode::Tproxy;
+        assert!(PodCapture::new(&cfg, vec![], OPTS).is_ok(), "TPROXY semantics are what sk_assign gives");
+    }
+
+    #[test]
+    fn optlen_clamp_by_kernel() {
+        assert!(kernel_needs_optlen_clamp("5.15.0-91-generic"));
+        assert!(kernel_needs_optlen_clamp("6.1.0-18-amd64"));
+        assert!(!kernel_needs_optlen_clamp("6.5.0"));
+        assert!(!kernel_needs_optlen_clamp("6.18.44-fc-v769"));
+    }
+}

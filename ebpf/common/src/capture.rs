@@ -1,0 +1,238 @@
+//! The capture object (`weir-capture`): cgroup programs that redirect a pod's outbound
+//! TCP to Envoy, answer Envoy's `SO_ORIGINAL_DST`, redirect DNS to the agent, and pass
+//! data directly between local socket pairs. All per-pod state is keyed by the pod's
+//! network-namespace cookie, so one loaded copy can serve one pod (sidecar mode) or
+//! every pod on a node (CNI mode).
+
+/// Object file name in the agent's embedded objects.
+pub const OBJECT: &str = "weir-capture";
+
+/// Program names (the function names in `ebpf/programs/src/capture`).
+pub mod prog {
+    pub const CONNECT4: &str = "weir_connect4";
+    pub const CONNECT6: &str = "weir_connect6";
+    pub const SENDMSG4: &str = "weir_sendmsg4";
+    pub const SENDMSG6: &str = "weir_sendmsg6";
+    pub const RECVMSG4: &str = "weir_recvmsg4";
+    pub const RECVMSG6: &str = "weir_recvmsg6";
+    pub const GETSOCKOPT: &str = "weir_getsockopt";
+    pub const SOCKOPS: &str = "weir_sockops";
+    pub const SK_MSG: &str = "weir_sk_msg";
+}
+
+/// Map names (the statics in `ebpf/programs/src/capture/maps.rs`).
+pub mod map {
+    pub const POD_CONFIG: &str = "POD_CONFIG";
+    pub const EXCLUDE_V4: &str = "EXCLUDE_V4";
+    pub const EXCLUDE_V6: &str = "EXCLUDE_V6";
+    pub const INCLUDE_V4: &str = "INCLUDE_V4";
+    pub const INCLUDE_V6: &str = "INCLUDE_V6";
+    pub const DNS_V4: &str = "DNS_V4";
+    pub const DNS_V6: &str = "DNS_V6";
+    pub const ORIG_BY_COOKIE: &str = "ORIG_BY_COOKIE";
+    pub const ORIG_BY_PAIR: &str = "ORIG_BY_PAIR";
+    pub const DNS_BY_COOKIE: &str = "DNS_BY_COOKIE";
+    pub const SOCK_PAIRS: &str = "SOCK_PAIRS";
+    pub const COUNTERS: &str = "COUNTERS";
+    pub const CONTROL: &str = "CONTROL";
+    /// Every map, for pinning and status.
+    pub const ALL: &[&str] = &[
+        POD_CONFIG,
+        EXCLUDE_V4,
+        EXCLUDE_V6,
+        INCLUDE_V4,
+        INCLUDE_V6,
+        DNS_V4,
+        DNS_V6,
+        ORIG_BY_COOKIE,
+        ORIG_BY_PAIR,
+        DNS_BY_COOKIE,
+        SOCK_PAIRS,
+        COUNTERS,
+        CONTROL,
+    ];
+}
+
+/// Map sizes.
+pub const MAX_PODS: u32 = 4096;
+pub const MAX_CIDRS: u32 = 16384;
+pub const MAX_TRACKED_CONNECTIONS: u32 = 65536;
+
+/// Slots for proxy uids/gids and port lists in [`PodConfig`].
+pub const MAX_IDS: usize = 4;
+pub const MAX_PORTS: usize = 16;
+/// An unused uid/gid slot.
+pub const NO_ID: u32 = u32::MAX;
+
+/// [`PodConfig::flags`] bits.
+pub mod flags {
+    /// `-i '*'`: capture every outbound destination not excluded.
+    pub const CAPTURE_ALL_OUTBOUND: u32 = 1 << 0;
+    /// `--redirect-dns`: DNS to the pod's resolv.conf servers goes to the agent.
+    pub const REDIRECT_DNS: u32 = 1 << 1;
+    /// `--capture-all-dns`: every DNS destination, not only the resolv.conf servers.
+    pub const CAPTURE_ALL_DNS: u32 = 1 << 2;
+    /// Register local socket pairs so sk_msg passes data socket to socket.
+    pub const ACCELERATE: u32 = 1 << 3;
+    /// The kernel returns EFAULT for getsockopt buffers over a page unless the program
+    /// clamps optlen (before Linux 6.5).
+    pub const CLAMP_OPTLEN: u32 = 1 << 4;
+}
+
+/// One pod's capture settings (`POD_CONFIG[netns cookie]`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PodConfig {
+    /// Proxy uids whose connections are never captured; unused slots are [`NO_ID`].
+    pub proxy_uids: [u32; MAX_IDS],
+    pub proxy_gids: [u32; MAX_IDS],
+    /// `-q`: outbound ports always captured (0 = unused slot).
+    pub include_ports: [u16; MAX_PORTS],
+    /// `-o`: outbound ports never captured (0 = unused slot).
+    pub exclude_ports: [u16; MAX_PORTS],
+    /// Envoy's outbound listener (15001).
+    pub outbound_port: u16,
+    /// Envoy's inbound listener (15006).
+    pub inbound_port: u16,
+    /// The tunnel port, never captured (15008).
+    pub tunnel_port: u16,
+    /// The agent's DNS listener (15053).
+    pub dns_port: u16,
+    pub flags: u32,
+    pub _reserved: u32,
+}
+
+const _: () = assert!(core::mem::size_of::<PodConfig>() == 112);
+
+impl PodConfig {
+    pub const fn has(&self, flag: u32) -> bool {
+        self.flags & flag != 0
+    }
+
+    pub fn is_proxy(&self, uid: u32, gid: u32) -> bool {
+        let mut i = 0;
+        while i < MAX_IDS {
+            if (self.proxy_uids[i] != NO_ID && self.proxy_uids[i] == uid)
+                || (self.proxy_gids[i] != NO_ID && self.proxy_gids[i] == gid)
+            {
+                return true;
+            }
+            i += 1;
+        }
+        false
+    }
+}
+
+/// A connection's original destination. Address and port in network byte order; an
+/// IPv4 address is in `addr[0]` (the rest zero).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct OrigDst {
+    pub addr: [u32; 4],
+    pub port: u16,
+    /// AF_INET (2) or AF_INET6 (10).
+    pub family: u16,
+}
+
+const _: () = assert!(core::mem::size_of::<OrigDst>() == 20);
+
+/// A TCP connection seen from one end, within one network namespace. Addresses in
+/// network byte order, ports in host byte order.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PairKey {
+    pub netns: u64,
+    pub local_addr: [u32; 4],
+    pub remote_addr: [u32; 4],
+    pub local_port: u16,
+    pub remote_port: u16,
+    pub family: u32,
+}
+
+const _: () = assert!(core::mem::size_of::<PairKey>() == 48);
+
+impl PairKey {
+    /// The same connection seen from the other end.
+    pub const fn peer(&self) -> Self {
+        Self {
+            netns: self.netns,
+            local_addr: self.remote_addr,
+            remote_addr: self.local_addr,
+            local_port: self.remote_port,
+            remote_port: self.local_port,
+            family: self.family,
+        }
+    }
+}
+
+/// LPM-trie data for IPv4 entries: the pod's netns cookie (big-endian), then the
+/// address; the prefix length covers the 64 cookie bits plus the CIDR's bits.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CidrV4 {
+    pub netns: [u8; 8],
+    pub addr: [u8; 4],
+}
+
+const _: () = assert!(core::mem::size_of::<CidrV4>() == 12);
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CidrV6 {
+    pub netns: [u8; 8],
+    pub addr: [u8; 16],
+}
+
+const _: () = assert!(core::mem::size_of::<CidrV6>() == 24);
+
+/// Bits of an LPM prefix taken by the netns cookie.
+pub const NETNS_PREFIX_BITS: u32 = 64;
+
+/// `COUNTERS` slots (per-CPU u64, summed by user space).
+pub mod counter {
+    pub const REDIRECTED: u32 = 0;
+    pub const BYPASS_PROXY: u32 = 1;
+    pub const BYPASS_EXCLUDED: u32 = 2;
+    pub const NOT_INCLUDED: u32 = 3;
+    pub const ORIG_DST_ANSWERED: u32 = 4;
+    pub const ORIG_DST_MISSING: u32 = 5;
+    pub const DNS_REDIRECTED: u32 = 6;
+    pub const DNS_RESTORED: u32 = 7;
+    pub const PAIRS_REGISTERED: u32 = 8;
+    pub const SKMSG_REDIRECTED: u32 = 9;
+    pub const SKMSG_BYTES: u32 = 10;
+    pub const UNKNOWN_POD: u32 = 11;
+    pub const COUNT: u32 = 12;
+    /// Names, in slot order, for status output.
+    pub const NAMES: [&str; COUNT as usize] = [
+        "redirected",
+        "bypass_proxy",
+        "bypass_excluded",
+        "not_included",
+        "orig_dst_answered",
+        "orig_dst_missing",
+        "dns_redirected",
+        "dns_restored",
+        "pairs_registered",
+        "skmsg_redirected",
+        "skmsg_bytes",
+        "unknown_pod",
+    ];
+}
+
+/// `CONTROL` slots (u32).
+pub mod control {
+    /// Non-zero: programs emit aya-log records.
+    pub const LOG: u32 = 0;
+    pub const COUNT: u32 = 4;
+}
+
+#[cfg(feature = "user")]
+mod pod {
+    // SAFETY: plain #[repr(C)] data with no padding-sensitive invariants.
+    unsafe impl aya::Pod for super::PodConfig {}
+    unsafe impl aya::Pod for super::OrigDst {}
+    unsafe impl aya::Pod for super::PairKey {}
+    unsafe impl aya::Pod for super::CidrV4 {}
+    unsafe impl aya::Pod for super::CidrV6 {}
+}

@@ -1,0 +1,264 @@
+//! The outbound capture decision, as a pure function shared by the connect programs
+//! (compiled for the kernel) and host tests. It reproduces Istio's ISTIO_OUTPUT order:
+//! excluded ports; the proxy's own traffic (passed, except to the pod's own address,
+//! which goes to Envoy's inbound side as Istio's ISTIO_IN_REDIRECT does); loopback and
+//! the tunnel port; excluded CIDRs and the pod's own addresses; included ports;
+//! included CIDRs. Lookups are closures so the kernel does only the ones needed.
+
+use crate::capture::{MAX_PORTS, PodConfig, flags};
+
+/// What a connect should do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Leave it alone; the reason is counted.
+    Pass(Reason),
+    /// Rewrite the destination to the local port given.
+    Redirect(u16),
+}
+
+/// What the pod's exclusion trie says about a destination.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DstClass {
+    Other,
+    /// In `-x`.
+    Excluded,
+    /// One of the pod's own addresses.
+    OwnPod,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    Proxy,
+    Excluded,
+    NotIncluded,
+}
+
+fn in_list(list: &[u16; MAX_PORTS], port: u16) -> bool {
+    let mut i = 0;
+    while i < MAX_PORTS {
+        if list[i] != 0 && list[i] == port {
+            return true;
+        }
+        i += 1;
+    }
+    false
+}
+
+/// The decision for a TCP connect to `dst_port` (host order) by a process with
+/// `uid`/`gid`. `loopback` is whether the destination is a loopback address;
+/// `classify`/`included` look the destination up in the pod's CIDR lists.
+pub fn outbound_tcp(
+    cfg: &PodConfig,
+    uid: u32,
+    gid: u32,
+    dst_port: u16,
+    loopback: bool,
+    classify: impl FnOnce() -> DstClass,
+    included: impl FnOnce() -> bool,
+) -> Verdict {
+    if in_list(&cfg.exclude_ports, dst_port) {
+        return Verdict::Pass(Reason::Excluded);
+    }
+    let special = loopback || dst_port == cfg.tunnel_port;
+    if cfg.is_proxy(uid, gid) {
+        if !special && dst_port != 53 && classify() == DstClass::OwnPod {
+            return Verdict::Redirect(cfg.inbound_port);
+        }
+        return Verdict::Pass(Reason::Proxy);
+    }
+    if special || classify() != DstClass::Other {
+        return Verdict::Pass(Reason::Excluded);
+    }
+    if in_list(&cfg.include_ports, dst_port) || cfg.has(flags::CAPTURE_ALL_OUTBOUND) || included() {
+        return Verdict::Redirect(cfg.outbound_port);
+    }
+    Verdict::Pass(Reason::NotIncluded)
+}
+
+/// Whether a DNS packet or connect (port 53) by `uid`/`gid` goes to the agent.
+pub fn dns(cfg: &PodConfig, uid: u32, gid: u32, dst_port: u16, is_dns_server: impl FnOnce() -> bool) -> bool {
+    dst_port == 53
+        && cfg.has(flags::REDIRECT_DNS)
+        && !cfg.is_proxy(uid, gid)
+        && (cfg.has(flags::CAPTURE_ALL_DNS) || is_dns_server())
+}
+
+#[cfg(test)]
+mod tests {
+    extern crate std;
+
+    use super::*;
+    use crate::capture::{MAX_IDS, NO_ID};
+
+    fn cfg(flags: u32) -> PodConfig {
+        let mut ids = [NO_ID; MAX_IDS];
+        ids[0] = 1337;
+        let mut exclude = [0; MAX_PORTS];
+        exclude[0] = 9090;
+        let mut include = [0; MAX_PORTS];
+        include[0] = 3306;
+        PodConfig {
+            proxy_uids: ids,
+            proxy_gids: ids,
+            include_ports: include,
+            exclude_ports: exclude,
+            outbound_port: 15001,
+            inbound_port: 15006,
+            tunnel_port: 15008,
+            dns_port: 15053,
+            flags,
+            _reserved: 0,
+        }
+    }
+
+    const ALL: u32 = flags::CAPTURE_ALL_OUTBOUND;
+
+    #[test]
+    fn apps_are_redirected_and_the_proxy_is_not() {
+        assert_eq!(
+            outbound_tcp(&cfg(ALL), 1000, 1000, 80, false, || DstClass::Other, || false),
+            Verdict::Redirect(15001)
+        );
+        assert_eq!(
+            outbound_tcp(&cfg(ALL), 1337, 1000, 80, false, || DstClass::Other, || false),
+            Verdict::Pass(Reason::Proxy)
+        );
+        assert_eq!(
+            outbound_tcp(&cfg(ALL), 1000, 1337, 80, false, || DstClass::Other, || false),
+            Verdict::Pass(Reason::Proxy)
+        );
+    }
+
+    #[test]
+    fn exclusions_win_over_inclusions_as_in_istio() {
+        let c = cfg(ALL);
+        let other = || DstClass::Other;
+        assert_eq!(
+            outbound_tcp(&c, 1000, 1000, 9090, false, other, || true),
+            Verdict::Pass(Reason::Excluded)
+        );
+        assert_eq!(
+            outbound_tcp(&c, 1000, 1000, 80, false, || DstClass::Excluded, || true),
+            Verdict::Pass(Reason::Excluded)
+        );
+        assert_eq!(
+            outbound_tcp(&c, 1000, 1000, 3306, false, || DstClass::Excluded, || false),
+            Verdict::Pass(Reason::Excluded)
+        );
+        assert_eq!(
+            outbound_tcp(&c, 1000, 1000, 80, true, other, || true),
+            Verdict::Pass(Reason::Excluded),
+            "loopback"
+        );
+        assert_eq!(
+            outbound_tcp(&c, 1000, 1000, 15008, false, other, || true),
+            Verdict::Pass(Reason::Excluded),
+            "tunnel"
+        );
+        assert_eq!(
+            outbound_tcp(&c, 1000, 1000, 80, false, || DstClass::OwnPod, || true),
+            Verdict::Pass(Reason::Excluded),
+            "app to itself"
+        );
+    }
+
+    #[test]
+    fn without_the_wildcard_only_included_ports_and_cidrs_are_captured() {
+        let c = cfg(0);
+        let other = || DstClass::Other;
+        assert_eq!(
+            outbound_tcp(&c, 1000, 1000, 80, false, other, || false),
+            Verdict::Pass(Reason::NotIncluded)
+        );
+        assert_eq!(outbound_tcp(&c, 1000, 1000, 80, false, other, || true), Verdict::Redirect(15001));
+        assert_eq!(outbound_tcp(&c, 1000, 1000, 3306, false, other, || false), Verdict::Redirect(15001));
+    }
+
+    #[test]
+    fn the_proxy_calling_its_own_pod_goes_to_the_inbound_side() {
+        let c = cfg(ALL);
+        assert_eq!(
+            outbound_tcp(&c, 1337, 1337, 8080, false, || DstClass::OwnPod, || false),
+            Verdict::Redirect(15006)
+        );
+        assert_eq!(
+            outbound_tcp(&c, 1337, 1337, 15008, false, || DstClass::OwnPod, || false),
+            Verdict::Pass(Reason::Proxy)
+        );
+        assert_eq!(
+            outbound_tcp(&c, 1337, 1337, 53, false, || DstClass::OwnPod, || false),
+            Verdict::Pass(Reason::Proxy)
+        );
+    }
+
+    #[test]
+    fn lookups_run_only_when_needed() {
+        let c = cfg(ALL);
+        let verdict = outbound_tcp(
+            &c,
+            1337,
+            0,
+            80,
+            true,
+            || panic!("no lookup for loopback"),
+            || panic!("no include lookup"),
+        );
+        assert_eq!(verdict, Verdict::Pass(Reason::Proxy));
+        let verdict = outbound_tcp(
+            &c,
+            1000,
+            0,
+            9090,
+            false,
+            || panic!("excluded port decides"),
+            || panic!("no include lookup"),
+        );
+        assert_eq!(verdict, Verdict::Pass(Reason::Excluded));
+    }
+
+    #[test]
+    fn dns_goes_to_the_agent_only_when_asked() {
+        let on = cfg(flags::REDIRECT_DNS);
+        assert!(dns(&on, 1000, 1000, 53, || true));
+        assert!(!dns(&on, 1000, 1000, 53, || false), "not a resolv.conf server");
+        assert!(!dns(&on, 1337, 1337, 53, || true), "the agent's own upstream queries");
+        assert!(!dns(&on, 1000, 1000, 5353, || true));
+        assert!(!dns(&cfg(0), 1000, 1000, 53, || true));
+        assert!(dns(&cfg(flags::REDIRECT_DNS | flags::CAPTURE_ALL_DNS), 1000, 1000, 53, || false));
+    }
+
+    #[test]
+    fn pair_keys_flip() {
+        let k = crate::capture::PairKey {
+            netns: 7,
+            local_addr: [1, 0, 0, 0],
+            remote_addr: [2, 0, 0, 0],
+            local_port: 40000,
+            remote_port: 15001,
+            family: 2,
+        };
+        assert_eq!(k.peer().peer(), k);
+        assert_eq!(k.peer().local_port, 15001);
+    }
+
+    #[test]
+    fn inbound_ports() {
+        use crate::inbound::{InboundConfig, MAX_PORTS, mode};
+        let mut c = InboundConfig {
+            capture_port: 15006,
+            tunnel_port: 15008,
+            mode: mode::ALL,
+            _reserved: 0,
+            include_ports: [0; MAX_PORTS],
+            exclude_ports: [0; MAX_PORTS],
+        };
+        c.exclude_ports[0] = 15021;
+        assert!(c.captures(8080));
+        assert!(!c.captures(15021) && !c.captures(15008) && !c.captures(15006));
+        c.mode = mode::ONLY;
+        c.include_ports[0] = 8080;
+        assert!(c.captures(8080) && !c.captures(9090));
+        c.mode = mode::NONE;
+        assert!(!c.captures(8080));
+    }
+}

@@ -1,0 +1,163 @@
+//! `cgroup/connect4` and `connect6`: a TCP connect to a captured destination is
+//! rewritten to Envoy's outbound port on loopback, and the original destination is
+//! recorded by socket cookie. DNS connects (TCP or UDP, port 53) go to the agent.
+
+use aya_ebpf::{EbpfContext as _, macros::cgroup_sock_addr, programs::SockAddrContext};
+use aya_log_ebpf::info;
+use weir_ebpf_common::{
+    capture::{OrigDst, counter},
+    policy::{self, DstClass, Reason, Verdict},
+};
+
+use crate::{
+    dns,
+    maps::{self, EXCLUDE_V4, EXCLUDE_V6, INCLUDE_V4, INCLUDE_V6, ORIG_BY_COOKIE, POD_CONFIG},
+    net::{self, AF_INET, AF_INET6, ALLOW, LOOPBACK4, OWN_POD_ADDRESS, SOCK_STREAM, field},
+};
+
+fn class(found: Option<u8>) -> DstClass {
+    match found {
+        None => DstClass::Other,
+        Some(OWN_POD_ADDRESS) => DstClass::OwnPod,
+        Some(_) => DstClass::Excluded,
+    }
+}
+
+fn count_pass(reason: Reason) {
+    maps::count(match reason {
+        Reason::Proxy => counter::BYPASS_PROXY,
+        Reason::Excluded => counter::BYPASS_EXCLUDED,
+        Reason::NotIncluded => counter::NOT_INCLUDED,
+    });
+}
+
+#[cgroup_sock_addr(connect4)]
+pub fn weir_connect4(ctx: SockAddrContext) -> i32 {
+    connect4(&ctx);
+    ALLOW
+}
+
+#[inline(always)]
+fn connect4(ctx: &SockAddrContext) {
+    let netns = net::netns_cookie(ctx.as_ptr());
+    let Some(cfg) = (unsafe { POD_CONFIG.get(&netns) }) else { return };
+    let sa = ctx.sock_addr;
+    let (dst, port_be, sock_type) =
+        unsafe { (field!(sa, user_ip4), field!(sa, user_port) as u16, field!(sa, type_)) };
+    let port = u16::from_be(port_be);
+    let (uid, gid) = net::uid_gid();
+    if dns::redirect_v4(ctx, cfg, netns, uid, gid, dst, port, sock_type == SOCK_STREAM) {
+        return;
+    }
+    if sock_type != SOCK_STREAM {
+        return;
+    }
+    let verdict = policy::outbound_tcp(
+        cfg,
+        uid,
+        gid,
+        port,
+        net::is_loopback4(dst),
+        || class(net::lookup_v4(&EXCLUDE_V4, netns, dst)),
+        || net::lookup_v4(&INCLUDE_V4, netns, dst).is_some(),
+    );
+    match verdict {
+        Verdict::Pass(reason) => count_pass(reason),
+        Verdict::Redirect(to) => {
+            let orig = OrigDst { addr: [dst, 0, 0, 0], port: port_be, family: AF_INET };
+            if ORIG_BY_COOKIE.insert(&net::socket_cookie(ctx.as_ptr()), &orig, 0).is_err() {
+                return;
+            }
+            unsafe {
+                (*sa).user_ip4 = LOOPBACK4;
+                (*sa).user_port = u32::from(to.to_be());
+            }
+            maps::count(counter::REDIRECTED);
+            if maps::log_enabled() {
+                info!(ctx, "connect4 {:i}:{} -> 127.0.0.1:{}", u32::from_be(dst), port, to);
+            }
+        }
+    }
+}
+
+#[cgroup_sock_addr(connect6)]
+pub fn weir_connect6(ctx: SockAddrContext) -> i32 {
+    connect6(&ctx);
+    ALLOW
+}
+
+#[inline(always)]
+fn connect6(ctx: &SockAddrContext) {
+    let netns = net::netns_cookie(ctx.as_ptr());
+    let Some(cfg) = (unsafe { POD_CONFIG.get(&netns) }) else { return };
+    let sa = ctx.sock_addr;
+    let (dst, port_be, sock_type) = unsafe {
+        (
+            [
+                field!(sa, user_ip6[0]),
+                field!(sa, user_ip6[1]),
+                field!(sa, user_ip6[2]),
+                field!(sa, user_ip6[3]),
+            ],
+            field!(sa, user_port) as u16,
+            field!(sa, type_),
+        )
+    };
+    let port = u16::from_be(port_be);
+    let (uid, gid) = net::uid_gid();
+    // A dual-stack socket connecting to ::ffff:a.b.c.d is IPv4 traffic.
+    let mapped = net::mapped_v4(&dst);
+    if dns::redirect_v6(ctx, cfg, netns, uid, gid, &dst, mapped, port, sock_type == SOCK_STREAM) {
+        return;
+    }
+    if sock_type != SOCK_STREAM {
+        return;
+    }
+    let verdict = match mapped {
+        Some(v4) => policy::outbound_tcp(
+            cfg,
+            uid,
+            gid,
+            port,
+            net::is_loopback4(v4),
+            || class(net::lookup_v4(&EXCLUDE_V4, netns, v4)),
+            || net::lookup_v4(&INCLUDE_V4, netns, v4).is_some(),
+        ),
+        None => policy::outbound_tcp(
+            cfg,
+            uid,
+            gid,
+            port,
+            net::is_loopback6(&dst),
+            || class(net::lookup_v6(&EXCLUDE_V6, netns, &dst)),
+            || net::lookup_v6(&INCLUDE_V6, netns, &dst).is_some(),
+        ),
+    };
+    match verdict {
+        Verdict::Pass(reason) => count_pass(reason),
+        Verdict::Redirect(to) => {
+            let orig = match mapped {
+                Some(v4) => OrigDst { addr: [v4, 0, 0, 0], port: port_be, family: AF_INET },
+                None => OrigDst { addr: dst, port: port_be, family: AF_INET6 },
+            };
+            if ORIG_BY_COOKIE.insert(&net::socket_cookie(ctx.as_ptr()), &orig, 0).is_err() {
+                return;
+            }
+            let loopback = match mapped {
+                Some(_) => [0, 0, u32::from_ne_bytes([0, 0, 0xff, 0xff]), LOOPBACK4],
+                None => [0, 0, 0, u32::from_ne_bytes([0, 0, 0, 1])],
+            };
+            unsafe {
+                (*sa).user_ip6[0] = loopback[0];
+                (*sa).user_ip6[1] = loopback[1];
+                (*sa).user_ip6[2] = loopback[2];
+                (*sa).user_ip6[3] = loopback[3];
+                (*sa).user_port = u32::from(to.to_be());
+            }
+            maps::count(counter::REDIRECTED);
+            if maps::log_enabled() {
+                info!(ctx, "connect6 port {} -> [::1]:{}", port, to);
+            }
+        }
+    }
+}

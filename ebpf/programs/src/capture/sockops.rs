@@ -1,0 +1,94 @@
+//! `sockops`: when a connection is established, move a redirected connection's
+//! original destination from its socket cookie to its 4-tuple (which is all Envoy's
+//! getsockopt can see), and register local socket pairs for sk_msg.
+
+use aya_ebpf::{EbpfContext as _, macros::sock_ops, programs::SockOpsContext};
+use weir_ebpf_common::capture::{PairKey, counter, flags};
+
+use crate::{
+    maps::{self, ORIG_BY_COOKIE, ORIG_BY_PAIR, POD_CONFIG, SOCK_PAIRS},
+    net::{self, AF_INET, AF_INET6, field},
+};
+
+const ACTIVE_ESTABLISHED_CB: u32 = 4;
+const PASSIVE_ESTABLISHED_CB: u32 = 5;
+/// BPF_NOEXIST
+const NO_EXIST: u64 = 1;
+
+#[sock_ops]
+pub fn weir_sockops(ctx: SockOpsContext) -> u32 {
+    let op = unsafe { field!(ctx.ops, op) };
+    if op == ACTIVE_ESTABLISHED_CB || op == PASSIVE_ESTABLISHED_CB {
+        established(&ctx, op == ACTIVE_ESTABLISHED_CB);
+    }
+    0
+}
+
+/// This end of the connection, as a [`PairKey`].
+#[inline(always)]
+fn pair(ctx: &SockOpsContext, netns: u64) -> Option<PairKey> {
+    let ops = ctx.ops;
+    unsafe {
+        let family = field!(ops, family) as u16;
+        let (local, remote) = match family {
+            AF_INET => ([field!(ops, local_ip4), 0, 0, 0], [field!(ops, remote_ip4), 0, 0, 0]),
+            AF_INET6 => (
+                [
+                    field!(ops, local_ip6[0]),
+                    field!(ops, local_ip6[1]),
+                    field!(ops, local_ip6[2]),
+                    field!(ops, local_ip6[3]),
+                ],
+                [
+                    field!(ops, remote_ip6[0]),
+                    field!(ops, remote_ip6[1]),
+                    field!(ops, remote_ip6[2]),
+                    field!(ops, remote_ip6[3]),
+                ],
+            ),
+            _ => return None,
+        };
+        Some(PairKey {
+            netns,
+            local_addr: local,
+            remote_addr: remote,
+            local_port: field!(ops, local_port) as u16,
+            // remote_port holds the network-order port in its upper 16 bits.
+            remote_port: u16::from_be((field!(ops, remote_port) >> 16) as u16),
+            family: u32::from(family),
+        })
+    }
+}
+
+#[inline(always)]
+fn established(ctx: &SockOpsContext, active: bool) {
+    let netns = net::netns_cookie(ctx.as_ptr());
+    let Some(cfg) = (unsafe { POD_CONFIG.get(&netns) }) else { return };
+    let Some(key) = pair(ctx, netns) else { return };
+    if active {
+        let cookie = net::socket_cookie(ctx.as_ptr());
+        if let Some(orig) = unsafe { ORIG_BY_COOKIE.get(&cookie) } {
+            let orig = *orig;
+            let _ = ORIG_BY_PAIR.insert(&key, &orig, 0);
+            let _ = ORIG_BY_COOKIE.remove(&cookie);
+        }
+    }
+    if cfg.has(flags::ACCELERATE) && is_local(&key) {
+        let mut key = key;
+        if SOCK_PAIRS.update(&mut key, unsafe { &mut *ctx.ops }, NO_EXIST).is_ok() {
+            maps::count(counter::PAIRS_REGISTERED);
+        }
+    }
+}
+
+/// Both ends on this host: the peer is a loopback address.
+#[inline(always)]
+fn is_local(key: &PairKey) -> bool {
+    match key.family as u16 {
+        AF_INET => net::is_loopback4(key.remote_addr[0]),
+        _ => {
+            net::is_loopback6(&key.remote_addr)
+                || net::mapped_v4(&key.remote_addr).is_some_and(net::is_loopback4)
+        }
+    }
+}
