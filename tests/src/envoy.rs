@@ -62,6 +62,21 @@ impl Envoy {
     /// Starts Envoy in `pod` as `uid` with the YAML bootstrap `config`, whose admin
     /// listener must be `admin`; returns once `/ready` answers LIVE (30 s at most).
     pub fn start(pod: &Pod, config: &str, admin: SocketAddr, uid: u32) -> anyhow::Result<Self> {
+        Self::start_placed(
+            pod,
+            config,
+            admin,
+            crate::Placement { user: Some((uid, uid)), ..Default::default() },
+        )
+    }
+
+    /// As [`Envoy::start`], with a cgroup (eBPF capture) and user from `placement`.
+    pub fn start_placed(
+        pod: &Pod,
+        config: &str,
+        admin: SocketAddr,
+        placement: crate::Placement<'_>,
+    ) -> anyhow::Result<Self> {
         let dir = tempfile_dir::Dir::new("envoy")?;
         let config_path = dir.path().join("envoy.yaml");
         std::fs::write(&config_path, config)?;
@@ -73,7 +88,7 @@ impl Envoy {
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log);
-        let child = pod.spawn(&mut cmd, uid)?;
+        let child = pod.spawn_placed(&mut cmd, placement)?;
         let mut envoy = Self { admin, child, dir };
         envoy.wait_live(Duration::from_secs(30), pod)?;
         Ok(envoy)

@@ -94,3 +94,220 @@ fn ebpf_capture_ipv6() {
     require_root!();
     matrix(&test_name!(), Family::V6);
 }
+
+/// Programs, links and classifiers on `cgroup` and the pod's eth0, as bpftool and tc
+/// report them.
+fn attached(cgroup: &weir_tests::Cgroup, pod: &weir_tests::Pod) -> String {
+    let cg =
+        std::process::Command::new("bpftool").args(["cgroup", "show"]).arg(cgroup.path()).output().unwrap();
+    let mut out =
+        String::from_utf8_lossy(&cg.stdout).lines().skip(1).map(|l| format!("{l}\n")).collect::<String>();
+    for name in weir_agent::ebpf::capture::inbound_programs(pod.netns().path(), "eth0").unwrap() {
+        out.push_str(&format!("eth0 ingress {name}\n"));
+    }
+    out
+}
+
+#[test]
+fn a_sibling_cgroup_is_never_redirected_and_detach_removes_everything() {
+    require_root!();
+    let test = test_name!();
+    let cgroup = test_cgroup(&test);
+    let sibling = test_cgroup(&format!("{test}-sibling"));
+    let s = CaptureScene::in_cgroup(&test, Family::V4, &cgroup);
+    let c = capture(&s, &cgroup, &injector_config(None), false);
+    let server = s.addr(&s.server, 8080);
+    let app = Placement { user: Some((1000, 1000)), cgroup: Some(&cgroup), ..Placement::default() };
+    let neighbour = Placement { user: Some((1000, 1000)), cgroup: Some(&sibling), ..Placement::default() };
+    assert!(captured(&ask_placed(&s.client, app, server)).is_some());
+    assert!(
+        ask_placed(&s.client, neighbour, server).starts_with("hello server "),
+        "a sibling cgroup in the same pod is untouched"
+    );
+    let before = attached(&cgroup, &s.client);
+    assert!(
+        before.contains("weir_connect4")
+            && before.contains("weir_getsockopt")
+            && before.contains("weir_sockops"),
+        "{before}"
+    );
+    assert!(before.contains("weir_inbound"), "tc classifier on eth0: {before}");
+
+    drop(c);
+    assert_eq!(attached(&cgroup, &s.client), "", "nothing left attached");
+    assert!(ask_placed(&s.client, app, server).starts_with("hello server "), "uncaptured after detach");
+    assert!(
+        ask(&s.server, 0, s.addr(&s.client, 8080)).starts_with("hello app "),
+        "inbound uncaptured after detach"
+    );
+}
+
+fn dns_redirect(test: &str, connected: bool) {
+    let cgroup = test_cgroup(test);
+    let s = CaptureScene::in_cgroup(test, Family::V4, &cgroup);
+    let server = std::net::SocketAddr::new(s.server.ipv4().into(), 53);
+    let _upstream =
+        weir_tests::capture::start_server(&s.server, 0, &["dns-serve", &server.to_string(), "9.9.9.9"]);
+    let agent = Placement { user: Some((1337, 1337)), cgroup: Some(&cgroup), ..Placement::default() };
+    let _agent = weir_tests::capture::start_server_placed(
+        &s.client,
+        agent,
+        &["dns-serve", "127.0.0.1:15053", "1.2.3.4"],
+    );
+    let mut cfg = injector_config(None);
+    cfg.redirect_dns = true;
+    cfg.dns_servers_v4 = vec![s.server.ipv4().to_string()];
+    let c = capture(&s, &cgroup, &cfg, false);
+
+    let mut args = vec!["dns-query".to_string(), server.to_string(), "echo.ns.svc.cluster.local".to_string()];
+    if connected {
+        args.push("--connected".into());
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let app = Placement { user: Some((1000, 1000)), cgroup: Some(&cgroup), ..Placement::default() };
+    let reply = weir_tests::capture::run_testkit(&s.client, app, &args);
+    assert_eq!(
+        reply,
+        format!("answer 1.2.3.4 from {server}"),
+        "answered by the agent, from the server's address"
+    );
+    let reply = weir_tests::capture::run_testkit(&s.client, agent, &args);
+    assert_eq!(reply, format!("answer 9.9.9.9 from {server}"), "the agent's own upstream query goes out");
+    let counters = c.programs.counters().unwrap();
+    assert!(counters.get("dns_redirected") >= 1 && counters.get("dns_restored") >= 1, "{counters:?}");
+}
+
+#[test]
+fn dns_over_udp_goes_to_the_agent_and_replies_come_from_the_server() {
+    require_root!();
+    dns_redirect(&test_name!(), false);
+}
+
+#[test]
+fn dns_on_a_connected_udp_socket_goes_to_the_agent() {
+    require_root!();
+    dns_redirect(&test_name!(), true);
+}
+
+/// sk_msg: an 8 MiB echo through the redirected local pair arrives intact, and the
+/// counters show the data took the socket-to-socket path (and not without it).
+fn transfer(test: &str, accelerate: bool) -> weir_agent::ebpf::capture::Counters {
+    let cgroup = test_cgroup(test);
+    let mesh = weir_tests::Mesh::new(test).unwrap();
+    let pod = mesh.pod("client").unwrap();
+    let server = mesh.pod("server").unwrap();
+    let envoy = Placement { user: Some((1337, 1337)), cgroup: Some(&cgroup), ..Placement::default() };
+    let _echo = weir_tests::capture::start_server_placed(&pod, envoy, &["serve-echo", "127.0.0.1:15001"]);
+    let mut programs = CapturePrograms::load().unwrap();
+    programs.attach(cgroup.path()).unwrap();
+    let own: Vec<IpAddr> = vec![pod.ipv4().into(), pod.ipv6().into()];
+    let cfg = CaptureConfig { inbound_ports: InboundPorts::None, ..injector_config(None) };
+    let capture = PodCapture::new(&cfg, own, EbpfOptions { accelerate, clamp_optlen: false }).unwrap();
+    programs.register(netns_cookie(Some(pod.netns().path())).unwrap(), &capture).unwrap();
+    let app = Placement { user: Some((1000, 1000)), cgroup: Some(&cgroup), ..Placement::default() };
+    let target = std::net::SocketAddr::new(server.ipv4().into(), 8080).to_string();
+    let out = weir_tests::capture::run_testkit(&pod, app, &["transfer", &target, "8388608"]);
+    let counters = programs.counters().unwrap();
+    assert_eq!(out, "ok 8388608", "every byte came back in order ({counters:?})");
+    counters
+}
+
+#[test]
+fn sk_msg_passes_local_pairs_socket_to_socket_and_keeps_data_intact() {
+    require_root!();
+    let fast = transfer(&test_name!(), true);
+    assert!(fast.get("pairs_registered") >= 2, "both ends registered: {fast:?}");
+    assert!(
+        fast.get("skmsg_redirected") > 0 && fast.get("skmsg_bytes") > 1_000_000,
+        "data went socket to socket: {fast:?}"
+    );
+    let plain = transfer(&format!("{}-plain", test_name!()), false);
+    assert_eq!(plain.get("skmsg_redirected"), 0, "without acceleration nothing is redirected: {plain:?}");
+}
+
+/// Envoy's sidecar shape in miniature: an outbound listener on 15001 that restores the
+/// original destination and an ORIGINAL_DST cluster that connects to it.
+const ENVOY_OUTBOUND: &str = r#"
+admin:
+  address: { socket_address: { address: 127.0.0.1, port_value: 15000 } }
+static_resources:
+  listeners:
+  - name: virtualOutbound
+    address: { socket_address: { address: 0.0.0.0, port_value: 15001 } }
+    listener_filters:
+    - name: envoy.filters.listener.original_dst
+      typed_config: { "@type": type.googleapis.com/envoy.extensions.filters.listener.original_dst.v3.OriginalDst }
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.tcp_proxy
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy
+          stat_prefix: outbound
+          cluster: PassthroughCluster
+  clusters:
+  - name: PassthroughCluster
+    type: ORIGINAL_DST
+    lb_policy: CLUSTER_PROVIDED
+    connect_timeout: 5s
+"#;
+
+#[test]
+fn real_envoy_forwards_captured_traffic_to_the_original_destination() {
+    require_root!();
+    let test = test_name!();
+    let cgroup = test_cgroup(&test);
+    let mesh = weir_tests::Mesh::new(&test).unwrap();
+    let client = mesh.pod("client").unwrap();
+    let server = mesh.pod("server").unwrap();
+    let server_addr = std::net::SocketAddr::new(server.ipv4().into(), 8080);
+    let _hello =
+        weir_tests::capture::start_server(&server, 0, &["serve-hello", &server_addr.to_string(), "server"]);
+
+    let mut programs = CapturePrograms::load().unwrap();
+    programs.attach(cgroup.path()).unwrap();
+    let cfg = CaptureConfig { inbound_ports: InboundPorts::None, ..injector_config(None) };
+    let pod = PodCapture::new(
+        &cfg,
+        vec![client.ipv4().into(), client.ipv6().into()],
+        EbpfOptions { accelerate: false, clamp_optlen: false },
+    )
+    .unwrap();
+    programs.register(netns_cookie(Some(client.netns().path())).unwrap(), &pod).unwrap();
+
+    let sidecar = Placement { user: Some((1337, 1337)), cgroup: Some(&cgroup), ..Placement::default() };
+    let envoy = weir_tests::envoy::Envoy::start_placed(
+        &client,
+        ENVOY_OUTBOUND,
+        "127.0.0.1:15000".parse().unwrap(),
+        sidecar,
+    )
+    .expect("envoy starts");
+
+    let app = Placement { user: Some((1000, 1000)), cgroup: Some(&cgroup), ..Placement::default() };
+    for _ in 0..3 {
+        let reply = ask_placed(&client, app, server_addr);
+        assert!(reply.starts_with("hello server "), "the server answered through Envoy: {reply:?}");
+        assert!(
+            reply.contains(&format!("local={server_addr}")),
+            "Envoy connected to the original destination: {reply}"
+        );
+    }
+    assert_eq!(
+        envoy.stat(&client, "tcp.outbound.downstream_cx_total").unwrap(),
+        Some(3),
+        "Envoy carried the app's connections"
+    );
+    assert_eq!(
+        envoy.stat(&client, "cluster.PassthroughCluster.upstream_cx_total").unwrap(),
+        Some(3),
+        "and opened its own upstream ones"
+    );
+    let counters = programs.counters().unwrap();
+    assert_eq!(counters.get("redirected"), 3, "{counters:?}");
+    assert_eq!(
+        counters.get("orig_dst_answered"),
+        3,
+        "Envoy's original_dst filter got its answer: {counters:?}"
+    );
+    assert!(counters.get("bypass_proxy") >= 3, "Envoy's upstream connects were not captured: {counters:?}");
+}

@@ -227,6 +227,13 @@ impl CapturePrograms {
         }
     }
 
+    /// Keys currently in the sockhash (registered local sockets).
+    pub fn registered_pairs(&self) -> Result<Vec<PairKey>, EbpfError> {
+        let m = self.ebpf.map(map::SOCK_PAIRS).ok_or_else(|| missing_map(map::SOCK_PAIRS))?;
+        let hash: SockHash<_, PairKey> = SockHash::try_from(m).map_err(map_err(map::SOCK_PAIRS))?;
+        Ok(hash.keys().filter_map(Result::ok).collect())
+    }
+
     pub fn cgroup(&self) -> &Path {
         &self.cgroup
     }
@@ -552,6 +559,16 @@ impl Drop for InboundProgram {
         }
         let _ = &self.interface;
     }
+}
+
+/// Names of the programs attached to `interface`'s ingress in `netns` through TCX
+/// (Linux 6.6+); older kernels use a tc filter, which `tc filter show` lists.
+pub fn inbound_programs(netns: &Path, interface: &str) -> std::io::Result<Vec<String>> {
+    in_netns(netns, || {
+        let (_, programs) =
+            SchedClassifier::query_tcx(interface, TcAttachType::Ingress).map_err(std::io::Error::other)?;
+        Ok(programs.iter().filter_map(|p| p.name_as_str().map(String::from)).collect())
+    })
 }
 
 /// Removes a pinned or legacy inbound classifier from `interface` in `netns`.

@@ -202,7 +202,9 @@ pub mod counter {
     pub const SKMSG_REDIRECTED: u32 = 9;
     pub const SKMSG_BYTES: u32 = 10;
     pub const UNKNOWN_POD: u32 = 11;
-    pub const COUNT: u32 = 12;
+    /// sk_msg found no registered peer: the sender stays on the stack.
+    pub const SKMSG_PASSED: u32 = 12;
+    pub const COUNT: u32 = 13;
     /// Names, in slot order, for status output.
     pub const NAMES: [&str; COUNT as usize] = [
         "redirected",
@@ -217,6 +219,7 @@ pub mod counter {
         "skmsg_redirected",
         "skmsg_bytes",
         "unknown_pod",
+        "skmsg_passed",
     ];
 }
 

@@ -12,7 +12,9 @@
 //!   transfer <addr> <bytes>             sends `bytes` pseudo-random bytes to an echo
 //!                                       server and checks every byte comes back
 //!   dns-serve <addr> <ipv4>             UDP DNS: answers every A query with <ipv4>
-//!   dns-query <server> <name>           prints `answer <ip> from <server addr>`
+//!   dns-query <server> <name> [--connected]
+//!                                       prints `answer <ip> from <server addr>`; with
+//!                                       --connected, connect()s first (as glibc does)
 use std::{
     io::{BufRead as _, BufReader, Read as _, Write as _},
     net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket},
@@ -74,7 +76,7 @@ fn main() -> ExitCode {
             }
             "transfer" => transfer(addr(arg(1)?)?, arg(2)?.parse().map_err(|e| format!("bytes: {e}"))?),
             "dns-serve" => dns_serve(addr(arg(1)?)?, arg(2)?.parse().map_err(|e| format!("ipv4: {e}"))?),
-            "dns-query" => dns_query(addr(arg(1)?)?, arg(2)?),
+            "dns-query" => dns_query(addr(arg(1)?)?, arg(2)?, args.iter().any(|a| a == "--connected")),
             other => Err(format!("unknown command {other:?}")),
         }
     })();
@@ -174,13 +176,28 @@ fn transfer(addr: SocketAddr, bytes: usize) -> Result<(), String> {
     let sender = std::thread::spawn(move || {
         writer.write_all(&to_send).map(|_| writer.shutdown(std::net::Shutdown::Write))
     });
+    // A socket in a sockmap can return EAGAIN from a *blocking* read when another
+    // thread's writes wake it without data (tcp_bpf_recvmsg); retry those, and say so.
     let mut back = Vec::with_capacity(bytes);
     let mut reader = stream;
-    reader.read_to_end(&mut back).map_err(|e| format!("read: {e}"))?;
+    let mut buf = vec![0u8; 256 * 1024];
+    let mut spurious = 0u64;
+    loop {
+        match reader.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => back.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => spurious += 1,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(format!("read: {e}")),
+        }
+    }
     sender.join().map_err(|_| "sender panicked")?.map_err(|e| format!("write: {e}"))?.ok();
     if back != data {
         let at = back.iter().zip(&data).position(|(a, b)| a != b).unwrap_or(back.len().min(data.len()));
         return Err(format!("data differs at byte {at} (got {} of {bytes} bytes)", back.len()));
+    }
+    if spurious > 0 {
+        eprintln!("weir-testkit: {spurious} spurious EAGAIN on a blocking read (retried)");
     }
     println!("ok {bytes}");
     Ok(())
@@ -214,7 +231,7 @@ fn dns_serve(addr: SocketAddr, answer: std::net::Ipv4Addr) -> Result<(), String>
     }
 }
 
-fn dns_query(server: SocketAddr, name: &str) -> Result<(), String> {
+fn dns_query(server: SocketAddr, name: &str, connected: bool) -> Result<(), String> {
     let bind: SocketAddr =
         if server.is_ipv6() { "[::]:0".parse().unwrap() } else { "0.0.0.0:0".parse().unwrap() };
     let socket = UdpSocket::bind(bind).map_err(|e| e.to_string())?;
@@ -225,7 +242,12 @@ fn dns_query(server: SocketAddr, name: &str) -> Result<(), String> {
         q.extend_from_slice(label.as_bytes());
     }
     q.extend_from_slice(&[0, 0, 1, 0, 1]);
-    socket.send_to(&q, server).map_err(|e| format!("send to {server}: {e}"))?;
+    if connected {
+        socket.connect(server).map_err(|e| format!("connect {server}: {e}"))?;
+        socket.send(&q).map_err(|e| format!("send to {server}: {e}"))?;
+    } else {
+        socket.send_to(&q, server).map_err(|e| format!("send to {server}: {e}"))?;
+    }
     let mut buf = [0u8; 512];
     let (n, from) = socket.recv_from(&mut buf).map_err(|e| format!("no reply from {server}: {e}"))?;
     if n < 4 || buf[..2] != [0x12, 0x34] {

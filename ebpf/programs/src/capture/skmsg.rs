@@ -56,6 +56,18 @@ pub fn weir_sk_msg(ctx: SkMsgContext) -> u32 {
         maps::count(counter::SKMSG_REDIRECTED);
         maps::add(counter::SKMSG_BYTES, u64::from(size));
     } else {
+        maps::count(counter::SKMSG_PASSED);
+        if maps::log_enabled() {
+            aya_log_ebpf::info!(
+                &ctx,
+                "sk_msg: no peer for {:i}:{} -> {:i}:{} ({} bytes)",
+                u32::from_be(me.local_addr[0]),
+                me.local_port,
+                u32::from_be(me.remote_addr[0]),
+                me.remote_port,
+                size
+            );
+        }
         let _ = NO_REDIRECT.insert(&me, &1, 0);
     }
     SK_PASS

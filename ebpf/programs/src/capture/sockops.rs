@@ -75,8 +75,21 @@ fn established(ctx: &SockOpsContext, active: bool) {
     }
     if cfg.has(flags::ACCELERATE) && is_local(&key) {
         let mut key = key;
-        if SOCK_PAIRS.update(&mut key, unsafe { &mut *ctx.ops }, NO_EXIST).is_ok() {
+        let r = SOCK_PAIRS.update(&mut key, unsafe { &mut *ctx.ops }, NO_EXIST);
+        if r.is_ok() {
             maps::count(counter::PAIRS_REGISTERED);
+        }
+        if maps::log_enabled() {
+            aya_log_ebpf::info!(
+                ctx,
+                "sockops: {} {:i}:{} -> {:i}:{} registered={}",
+                if active { 1 } else { 0 },
+                u32::from_be(key.local_addr[0]),
+                key.local_port,
+                u32::from_be(key.remote_addr[0]),
+                key.remote_port,
+                if r.is_ok() { 1 } else { 0 }
+            );
         }
     }
 }
