@@ -43,7 +43,7 @@ pub enum WeirCommand {
     #[command(name = "istio-iptables")]
     IstioIptables(Box<IstioIptablesArgs>),
     /// eBPF capture: attach, inspect and remove Weir's programs.
-    Capture(PassThrough),
+    Capture(crate::capture_cmd::CaptureArgs),
     /// Wait until Envoy reports ready (pilot-agent wait).
     Wait(PassThrough),
     /// Send a request to Envoy's admin or the agent's status port (pilot-agent request).

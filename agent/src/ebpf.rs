@@ -4,6 +4,7 @@
 
 pub mod capture;
 pub mod config;
+pub mod detect;
 pub mod link;
 pub mod objects;
 pub mod probe;

@@ -3,6 +3,7 @@
 //! `main.rs` only parses the command line and calls into the modules here.
 
 pub mod build_info;
+pub mod capture_cmd;
 pub mod cli;
 pub mod demo;
 pub mod ebpf;
@@ -10,3 +11,15 @@ pub mod exit;
 pub mod istio_iptables;
 pub mod privileges;
 pub mod sandbox;
+
+/// An error and its sources on one line: `outer: inner: innermost`.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
+}

@@ -6,6 +6,7 @@ use std::{ffi::OsString, process::ExitCode};
 use clap::Parser as _;
 use weir_agent::{
     build_info::BUILD_INFO,
+    capture_cmd,
     cli::{
         Personality, PilotAgentCli, PilotAgentCommand, SandboxCommand, VersionArgs, VersionFormat, WeirCli,
         WeirCommand,
@@ -49,7 +50,7 @@ fn run_weir(cli: WeirCli) -> u8 {
             not_built("`proxy`", "Envoy lifecycle, status server and pilot-agent's command line")
         }
         WeirCommand::IstioIptables(args) => istio_iptables::run(&args),
-        WeirCommand::Capture(_) => not_built("`capture`", "eBPF capture"),
+        WeirCommand::Capture(args) => edge(capture_cmd::run(args)),
         WeirCommand::Wait(_) => not_built("`wait`", "Envoy lifecycle and status server"),
         WeirCommand::Request(_) => not_built("`request`", "Envoy lifecycle and status server"),
         WeirCommand::Config(_) => not_built("`config`", "Envoy lifecycle and pilot-agent configuration"),

@@ -2,9 +2,11 @@
 //! cgroup programs to one cgroup (a pod's, or a node's in CNI mode), register pods by
 //! network-namespace cookie, read counters, pin everything so it outlives this process
 //! (init-container use), and remove it again. The tc inbound classifier is
-//! [`InboundProgram`], one per pod interface.
+//! [`InboundProgram`], one per pod interface. [`MapSet`] gives the same operations on
+//! maps held by a loader or opened from pins.
 
 use std::{
+    collections::BTreeMap,
     fs::File,
     net::IpAddr,
     os::fd::AsFd as _,
@@ -35,6 +37,8 @@ pub const PIN_ROOT: &str = "/sys/fs/bpf/weir";
 /// Trie value for `-x` prefixes, and for the pod's own addresses.
 const EXCLUDED: u8 = 1;
 const OWN_ADDRESS: u8 = 2;
+/// A map the kernel side uses internally (sk_msg's reorder guard).
+const NO_REDIRECT: &str = "NO_REDIRECT";
 
 /// The socket-address hooks, in attach order: the hooks that rewrite connections last,
 /// so a redirect never happens before the hooks that complete it are in place.
@@ -48,7 +52,7 @@ const CGROUP_SOCK_ADDR: &[(&str, u32)] = &[
 ];
 
 /// Counter values, by name.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
 pub struct Counters(pub Vec<(&'static str, u64)>);
 
 impl Counters {
@@ -57,10 +61,200 @@ impl Counters {
     }
 }
 
+fn map_err(map: &'static str) -> impl FnOnce(aya::maps::MapError) -> EbpfError {
+    move |source| EbpfError::Map { map, source }
+}
+
+fn missing_map(map: &'static str) -> EbpfError {
+    EbpfError::MissingMap { object: objects::CAPTURE_NAME, map }
+}
+
+fn pin_error(path: &Path) -> impl FnOnce(std::io::Error) -> EbpfError {
+    let path = path.display().to_string();
+    move |source| EbpfError::Pin { path, source }
+}
+
+/// The capture object's maps, by name.
+pub struct MapSet {
+    maps: BTreeMap<&'static str, Map>,
+}
+
+impl MapSet {
+    fn take(ebpf: &mut Ebpf) -> Result<Self, EbpfError> {
+        let mut maps = BTreeMap::new();
+        for name in map::ALL.iter().copied().chain([NO_REDIRECT]) {
+            maps.insert(name, ebpf.take_map(name).ok_or_else(|| missing_map(name))?);
+        }
+        Ok(Self { maps })
+    }
+
+    /// Opens the maps pinned under `<dir>/maps`.
+    pub fn open_pinned(dir: &Path) -> Result<Self, EbpfError> {
+        let mut maps = BTreeMap::new();
+        for name in map::ALL.iter().copied() {
+            let path = dir.join("maps").join(name);
+            let data = MapData::from_pin(&path).map_err(map_err(name))?;
+            maps.insert(name, Map::from_map_data(data).map_err(map_err(name))?);
+        }
+        Ok(Self { maps })
+    }
+
+    fn get(&self, name: &'static str) -> Result<&Map, EbpfError> {
+        self.maps.get(name).ok_or_else(|| missing_map(name))
+    }
+
+    fn get_mut(&mut self, name: &'static str) -> Result<&mut Map, EbpfError> {
+        self.maps.get_mut(name).ok_or_else(|| missing_map(name))
+    }
+
+    fn trie4(&mut self, name: &'static str) -> Result<LpmTrie<&mut MapData, CidrV4, u8>, EbpfError> {
+        LpmTrie::try_from(self.get_mut(name)?).map_err(map_err(name))
+    }
+
+    fn trie6(&mut self, name: &'static str) -> Result<LpmTrie<&mut MapData, CidrV6, u8>, EbpfError> {
+        LpmTrie::try_from(self.get_mut(name)?).map_err(map_err(name))
+    }
+
+    fn put(
+        &mut self,
+        v4: &'static str,
+        v6: &'static str,
+        netns: u64,
+        cidr: Cidr,
+        value: u8,
+    ) -> Result<(), EbpfError> {
+        let prefix = NETNS_PREFIX_BITS + u32::from(cidr.bits);
+        match cidr.addr {
+            IpAddr::V4(a) => self
+                .trie4(v4)?
+                .insert(&Key::new(prefix, CidrV4 { netns: netns.to_be_bytes(), addr: a.octets() }), value, 0)
+                .map_err(map_err(v4)),
+            IpAddr::V6(a) => self
+                .trie6(v6)?
+                .insert(&Key::new(prefix, CidrV6 { netns: netns.to_be_bytes(), addr: a.octets() }), value, 0)
+                .map_err(map_err(v6)),
+        }
+    }
+
+    /// Registers (or replaces) one pod: its lists first, its config last, so the
+    /// programs never see a pod half configured.
+    pub fn register(&mut self, netns: u64, pod: &PodCapture) -> Result<(), EbpfError> {
+        self.remove_lists(netns)?;
+        let host = |addr: IpAddr| Cidr { addr, bits: if addr.is_ipv4() { 32 } else { 128 } };
+        for cidr in &pod.exclude {
+            self.put(map::EXCLUDE_V4, map::EXCLUDE_V6, netns, *cidr, EXCLUDED)?;
+        }
+        for addr in &pod.own_addresses {
+            self.put(map::EXCLUDE_V4, map::EXCLUDE_V6, netns, host(*addr), OWN_ADDRESS)?;
+        }
+        for cidr in &pod.include {
+            self.put(map::INCLUDE_V4, map::INCLUDE_V6, netns, *cidr, 1)?;
+        }
+        for addr in &pod.dns_servers {
+            self.put(map::DNS_V4, map::DNS_V6, netns, host(*addr), 1)?;
+        }
+        let mut configs: HashMap<_, u64, PodConfig> =
+            HashMap::try_from(self.get_mut(map::POD_CONFIG)?).map_err(map_err(map::POD_CONFIG))?;
+        configs.insert(netns, pod.config, 0).map_err(map_err(map::POD_CONFIG))
+    }
+
+    /// Removes a pod: its config first (programs stop acting at once), then its lists.
+    pub fn unregister(&mut self, netns: u64) -> Result<(), EbpfError> {
+        let mut configs: HashMap<_, u64, PodConfig> =
+            HashMap::try_from(self.get_mut(map::POD_CONFIG)?).map_err(map_err(map::POD_CONFIG))?;
+        match configs.remove(&netns) {
+            Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
+            Err(source) => return Err(EbpfError::Map { map: map::POD_CONFIG, source }),
+        }
+        self.remove_lists(netns)
+    }
+
+    fn remove_lists(&mut self, netns: u64) -> Result<(), EbpfError> {
+        let prefix = netns.to_be_bytes();
+        for m in [map::EXCLUDE_V4, map::INCLUDE_V4, map::DNS_V4] {
+            let mut trie = self.trie4(m)?;
+            let keys: Vec<_> =
+                trie.keys().filter_map(Result::ok).filter(|k| k.data().netns == prefix).collect();
+            for k in keys {
+                let _ = trie.remove(&k);
+            }
+        }
+        for m in [map::EXCLUDE_V6, map::INCLUDE_V6, map::DNS_V6] {
+            let mut trie = self.trie6(m)?;
+            let keys: Vec<_> =
+                trie.keys().filter_map(Result::ok).filter(|k| k.data().netns == prefix).collect();
+            for k in keys {
+                let _ = trie.remove(&k);
+            }
+        }
+        Ok(())
+    }
+
+    /// Network-namespace cookies of the registered pods.
+    pub fn pods(&self) -> Result<Vec<u64>, EbpfError> {
+        let configs: HashMap<_, u64, PodConfig> =
+            HashMap::try_from(self.get(map::POD_CONFIG)?).map_err(map_err(map::POD_CONFIG))?;
+        Ok(configs.keys().filter_map(Result::ok).collect())
+    }
+
+    /// Connections redirected whose original destination Envoy has not asked for yet.
+    pub fn pending_original_destinations(&self) -> Result<usize, EbpfError> {
+        let pairs: HashMap<_, PairKey, weir_ebpf_common::capture::OrigDst> =
+            HashMap::try_from(self.get(map::ORIG_BY_PAIR)?).map_err(map_err(map::ORIG_BY_PAIR))?;
+        Ok(pairs.keys().filter_map(Result::ok).count())
+    }
+
+    pub fn counters(&self) -> Result<Counters, EbpfError> {
+        let counters: PerCpuArray<_, u64> =
+            PerCpuArray::try_from(self.get(map::COUNTERS)?).map_err(map_err(map::COUNTERS))?;
+        let mut out = Vec::new();
+        for (i, name) in counter::NAMES.iter().enumerate() {
+            let v = counters.get(&(i as u32), 0).map_err(map_err(map::COUNTERS))?;
+            out.push((*name, v.iter().sum()));
+        }
+        Ok(Counters(out))
+    }
+
+    /// Turns the programs' aya-log records on or off.
+    pub fn set_logging(&mut self, on: bool) -> Result<(), EbpfError> {
+        let mut control: Array<_, u32> =
+            Array::try_from(self.get_mut(map::CONTROL)?).map_err(map_err(map::CONTROL))?;
+        control.set(control::LOG, u32::from(on), 0).map_err(map_err(map::CONTROL))
+    }
+
+    /// Keys currently in the sockhash (registered local sockets).
+    pub fn registered_pairs(&self) -> Result<Vec<PairKey>, EbpfError> {
+        let hash: SockHash<_, PairKey> =
+            SockHash::try_from(self.get(map::SOCK_PAIRS)?).map_err(map_err(map::SOCK_PAIRS))?;
+        Ok(hash.keys().filter_map(Result::ok).collect())
+    }
+
+    fn pin(&self, dir: &Path) -> Result<(), EbpfError> {
+        for (name, m) in &self.maps {
+            let path = dir.join(name);
+            let data = match m {
+                Map::HashMap(d)
+                | Map::LruHashMap(d)
+                | Map::LpmTrie(d)
+                | Map::PerCpuArray(d)
+                | Map::Array(d)
+                | Map::SockHash(d) => d,
+                _ => continue,
+            };
+            data.pin(&path).map_err(|e| EbpfError::Pin {
+                path: path.display().to_string(),
+                source: std::io::Error::other(e.to_string()),
+            })?;
+        }
+        Ok(())
+    }
+}
+
 /// The capture object loaded and attached to one cgroup. Dropping it detaches
 /// everything that was not pinned.
 pub struct CapturePrograms {
     ebpf: Ebpf,
+    maps: MapSet,
     cgroup: PathBuf,
     links: Vec<(&'static str, CgroupLink)>,
     /// sk_msg's attachment to the sockhash (not a bpf_link on every kernel).
@@ -69,12 +263,14 @@ pub struct CapturePrograms {
     logger: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
 }
 
-fn map_err(map: &'static str) -> impl FnOnce(aya::maps::MapError) -> EbpfError {
-    move |source| EbpfError::Map { map, source }
-}
-
-fn missing_map(map: &'static str) -> EbpfError {
-    EbpfError::MissingMap { object: objects::CAPTURE_NAME, map }
+fn program<'a, T>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut T, EbpfError>
+where
+    &'a mut T: TryFrom<&'a mut aya::programs::Program, Error = aya::programs::ProgramError>,
+{
+    ebpf.program_mut(name)
+        .ok_or(EbpfError::MissingProgram { object: objects::CAPTURE_NAME, program: name })?
+        .try_into()
+        .map_err(|source| EbpfError::Verify { program: name, source })
 }
 
 impl CapturePrograms {
@@ -103,7 +299,8 @@ impl CapturePrograms {
         p.load().map_err(|source| EbpfError::Verify { program: prog::SOCKOPS, source })?;
         let p: &mut SkMsg = program(&mut ebpf, prog::SK_MSG)?;
         p.load().map_err(|source| EbpfError::Verify { program: prog::SK_MSG, source })?;
-        Ok(Self { ebpf, cgroup: PathBuf::new(), links: Vec::new(), sk_msg: None, logger })
+        let maps = MapSet::take(&mut ebpf)?;
+        Ok(Self { ebpf, maps, cgroup: PathBuf::new(), links: Vec::new(), sk_msg: None, logger })
     }
 
     /// Attaches every program: the cgroup hooks to `cgroup`, sk_msg to the sockhash.
@@ -116,8 +313,7 @@ impl CapturePrograms {
         };
         // sk_msg first: sockops registers sockets in the map it runs on.
         let sock_pairs: SockHash<_, PairKey> =
-            SockHash::try_from(self.ebpf.map(map::SOCK_PAIRS).ok_or_else(|| missing_map(map::SOCK_PAIRS))?)
-                .map_err(map_err(map::SOCK_PAIRS))?;
+            SockHash::try_from(self.maps.get(map::SOCK_PAIRS)?).map_err(map_err(map::SOCK_PAIRS))?;
         let fd = sock_pairs
             .fd()
             .try_clone()
@@ -144,94 +340,36 @@ impl CapturePrograms {
         Ok(())
     }
 
-    /// Registers (or replaces) one pod: its lists first, its config last, so the
-    /// programs never see a pod half configured.
+    pub fn maps(&self) -> &MapSet {
+        &self.maps
+    }
+
+    pub fn maps_mut(&mut self) -> &mut MapSet {
+        &mut self.maps
+    }
+
+    /// Registers (or replaces) one pod; see [`MapSet::register`].
     pub fn register(&mut self, netns: u64, pod: &PodCapture) -> Result<(), EbpfError> {
-        self.unregister_lists(netns)?;
-        let put = |v4: &'static str,
-                   v6: &'static str,
-                   cidr: Cidr,
-                   value: u8,
-                   e: &mut Ebpf|
-         -> Result<(), EbpfError> {
-            match cidr.addr {
-                IpAddr::V4(a) => trie4(v4, e)?
-                    .insert(
-                        &Key::new(
-                            NETNS_PREFIX_BITS + u32::from(cidr.bits),
-                            CidrV4 { netns: netns.to_be_bytes(), addr: a.octets() },
-                        ),
-                        value,
-                        0,
-                    )
-                    .map_err(map_err(v4)),
-                IpAddr::V6(a) => trie6(v6, e)?
-                    .insert(
-                        &Key::new(
-                            NETNS_PREFIX_BITS + u32::from(cidr.bits),
-                            CidrV6 { netns: netns.to_be_bytes(), addr: a.octets() },
-                        ),
-                        value,
-                        0,
-                    )
-                    .map_err(map_err(v6)),
-            }
-        };
-        let host = |addr: IpAddr| Cidr { addr, bits: if addr.is_ipv4() { 32 } else { 128 } };
-        for cidr in &pod.exclude {
-            put(map::EXCLUDE_V4, map::EXCLUDE_V6, *cidr, EXCLUDED, &mut self.ebpf)?;
-        }
-        for addr in &pod.own_addresses {
-            put(map::EXCLUDE_V4, map::EXCLUDE_V6, host(*addr), OWN_ADDRESS, &mut self.ebpf)?;
-        }
-        for cidr in &pod.include {
-            put(map::INCLUDE_V4, map::INCLUDE_V6, *cidr, 1, &mut self.ebpf)?;
-        }
-        for addr in &pod.dns_servers {
-            put(map::DNS_V4, map::DNS_V6, host(*addr), 1, &mut self.ebpf)?;
-        }
-        let mut configs: HashMap<_, u64, PodConfig> = HashMap::try_from(
-            self.ebpf.map_mut(map::POD_CONFIG).ok_or_else(|| missing_map(map::POD_CONFIG))?,
-        )
-        .map_err(map_err(map::POD_CONFIG))?;
-        configs.insert(netns, pod.config, 0).map_err(map_err(map::POD_CONFIG))?;
-        Ok(())
+        self.maps.register(netns, pod)
     }
 
-    /// Removes a pod: its config first (programs stop acting at once), then its lists.
     pub fn unregister(&mut self, netns: u64) -> Result<(), EbpfError> {
-        unregister_pod(&mut self.ebpf, netns)
-    }
-
-    fn unregister_lists(&mut self, netns: u64) -> Result<(), EbpfError> {
-        remove_lists(&mut self.ebpf, netns)
+        self.maps.unregister(netns)
     }
 
     pub fn counters(&self) -> Result<Counters, EbpfError> {
-        read_counters(self.ebpf.map(map::COUNTERS).ok_or_else(|| missing_map(map::COUNTERS))?)
+        self.maps.counters()
     }
 
-    /// Turns aya-log records on or off (read them with RUST_LOG/WEIR_LOG at debug).
     pub fn set_logging(&mut self, on: bool) -> Result<(), EbpfError> {
-        let mut control: Array<_, u32> =
-            Array::try_from(self.ebpf.map_mut(map::CONTROL).ok_or_else(|| missing_map(map::CONTROL))?)
-                .map_err(map_err(map::CONTROL))?;
-        control.set(control::LOG, u32::from(on), 0).map_err(map_err(map::CONTROL))
+        self.maps.set_logging(on)
     }
 
-    /// Writes pending program log records to the log (they are produced only while
-    /// logging is on).
+    /// Writes pending program log records to the log (produced only while logging is on).
     pub fn flush_logs(&mut self) {
         if let Some(l) = &mut self.logger {
             l.flush();
         }
-    }
-
-    /// Keys currently in the sockhash (registered local sockets).
-    pub fn registered_pairs(&self) -> Result<Vec<PairKey>, EbpfError> {
-        let m = self.ebpf.map(map::SOCK_PAIRS).ok_or_else(|| missing_map(map::SOCK_PAIRS))?;
-        let hash: SockHash<_, PairKey> = SockHash::try_from(m).map_err(map_err(map::SOCK_PAIRS))?;
-        Ok(hash.keys().filter_map(Result::ok).collect())
     }
 
     pub fn cgroup(&self) -> &Path {
@@ -242,166 +380,33 @@ impl CapturePrograms {
     /// exits; [`unpin`] removes them (which detaches the programs).
     pub fn pin(mut self, dir: &Path) -> Result<(), EbpfError> {
         mount_bpffs()?;
-        let pin = |what: String| move |source: std::io::Error| EbpfError::Pin { path: what, source };
         for sub in ["maps", "links"] {
-            std::fs::create_dir_all(dir.join(sub)).map_err(pin(dir.join(sub).display().to_string()))?;
+            std::fs::create_dir_all(dir.join(sub)).map_err(pin_error(&dir.join(sub)))?;
         }
-        for name in map::ALL.iter().chain(std::iter::once(&"NO_REDIRECT")) {
-            if let Some(m) = self.ebpf.map(name) {
-                let path = dir.join("maps").join(name);
-                pin_map(m, &path)?;
-            }
-        }
+        self.maps.pin(&dir.join("maps"))?;
         for (name, link) in self.links.drain(..) {
             let path = dir.join("links").join(name);
-            link.pin(&path).map_err(|source| EbpfError::Pin { path: path.display().to_string(), source })?;
+            link.pin(&path).map_err(pin_error(&path))?;
         }
-        // The sk_msg attachment lives as long as the (now pinned) sockhash.
+        // The sk_msg attachment lives as long as the (now pinned) sockhash; the log
+        // ring buffer as long as the programs that write it.
         std::mem::forget(self.sk_msg.take());
         std::mem::forget(self.logger.take());
         Ok(())
     }
 }
 
-fn trie4<'a>(m: &'static str, e: &'a mut Ebpf) -> Result<LpmTrie<&'a mut MapData, CidrV4, u8>, EbpfError> {
-    LpmTrie::try_from(e.map_mut(m).ok_or_else(|| missing_map(m))?).map_err(map_err(m))
-}
-
-fn trie6<'a>(m: &'static str, e: &'a mut Ebpf) -> Result<LpmTrie<&'a mut MapData, CidrV6, u8>, EbpfError> {
-    LpmTrie::try_from(e.map_mut(m).ok_or_else(|| missing_map(m))?).map_err(map_err(m))
-}
-
-impl Drop for CapturePrograms {
-    fn drop(&mut self) {
-        // Links detach on drop; the sk_msg attachment with its map.
-        self.links.clear();
-    }
-}
-
-fn program<'a, T>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut T, EbpfError>
-where
-    &'a mut T: TryFrom<&'a mut aya::programs::Program, Error = aya::programs::ProgramError>,
-{
-    ebpf.program_mut(name)
-        .ok_or(EbpfError::MissingProgram { object: objects::CAPTURE_NAME, program: name })?
-        .try_into()
-        .map_err(|source| EbpfError::Verify { program: name, source })
-}
-
-fn pin_map(m: &Map, path: &Path) -> Result<(), EbpfError> {
-    let r = match m {
-        Map::HashMap(d)
-        | Map::LruHashMap(d)
-        | Map::LpmTrie(d)
-        | Map::PerCpuArray(d)
-        | Map::Array(d)
-        | Map::SockHash(d) => d.pin(path),
-        _ => return Ok(()),
-    };
-    r.map_err(|e| EbpfError::Pin {
-        path: path.display().to_string(),
-        source: std::io::Error::other(e.to_string()),
-    })
-}
-
-fn remove_lists(ebpf: &mut Ebpf, netns: u64) -> Result<(), EbpfError> {
-    let prefix = netns.to_be_bytes();
-    for m in [map::EXCLUDE_V4, map::INCLUDE_V4, map::DNS_V4] {
-        let mut trie: LpmTrie<_, CidrV4, u8> =
-            LpmTrie::try_from(ebpf.map_mut(m).ok_or_else(|| missing_map(m))?).map_err(map_err(m))?;
-        let keys: Vec<_> = trie.keys().filter_map(Result::ok).filter(|k| k.data().netns == prefix).collect();
-        for k in keys {
-            let _ = trie.remove(&k);
-        }
-    }
-    for m in [map::EXCLUDE_V6, map::INCLUDE_V6, map::DNS_V6] {
-        let mut trie: LpmTrie<_, CidrV6, u8> =
-            LpmTrie::try_from(ebpf.map_mut(m).ok_or_else(|| missing_map(m))?).map_err(map_err(m))?;
-        let keys: Vec<_> = trie.keys().filter_map(Result::ok).filter(|k| k.data().netns == prefix).collect();
-        for k in keys {
-            let _ = trie.remove(&k);
-        }
-    }
-    Ok(())
-}
-
-fn unregister_pod(ebpf: &mut Ebpf, netns: u64) -> Result<(), EbpfError> {
-    let mut configs: HashMap<_, u64, PodConfig> =
-        HashMap::try_from(ebpf.map_mut(map::POD_CONFIG).ok_or_else(|| missing_map(map::POD_CONFIG))?)
-            .map_err(map_err(map::POD_CONFIG))?;
-    match configs.remove(&netns) {
-        Ok(()) | Err(aya::maps::MapError::KeyNotFound) => {}
-        Err(source) => return Err(EbpfError::Map { map: map::POD_CONFIG, source }),
-    }
-    remove_lists(ebpf, netns)
-}
-
-fn read_counters(m: &Map) -> Result<Counters, EbpfError> {
-    let counters: PerCpuArray<_, u64> = PerCpuArray::try_from(m).map_err(map_err(map::COUNTERS))?;
-    let mut out = Vec::new();
-    for (i, name) in counter::NAMES.iter().enumerate() {
-        let v = counters.get(&(i as u32), 0).map_err(map_err(map::COUNTERS))?;
-        out.push((*name, v.iter().sum()));
-    }
-    Ok(Counters(out))
-}
-
 /// Mounts bpffs at /sys/fs/bpf if nothing is mounted there yet.
 pub fn mount_bpffs() -> Result<(), EbpfError> {
     let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
-    if mounts.lines().any(|l| l.split_whitespace().nth(1) == Some("/sys/fs/bpf") && l.contains(" bpf ")) {
+    if mounts.lines().any(|l| {
+        let mut f = l.split_whitespace();
+        f.nth(1) == Some("/sys/fs/bpf") && f.next() == Some("bpf")
+    }) {
         return Ok(());
     }
     nix::mount::mount(Some("bpf"), "/sys/fs/bpf", Some("bpf"), nix::mount::MsFlags::empty(), None::<&str>)
         .map_err(|e| EbpfError::Pin { path: "/sys/fs/bpf (mount bpffs)".into(), source: e.into() })
-}
-
-/// A pinned capture, opened from bpffs: read counters, switch logging, unregister.
-pub struct PinnedCapture {
-    pub dir: PathBuf,
-}
-
-impl PinnedCapture {
-    fn map(&self, name: &str) -> Result<Map, EbpfError> {
-        let path = self.dir.join("maps").join(name);
-        let data = MapData::from_pin(&path).map_err(|source| EbpfError::Map { map: "pinned map", source })?;
-        Map::from_map_data(data).map_err(|source| EbpfError::Map { map: "pinned map", source })
-    }
-
-    pub fn counters(&self) -> Result<Counters, EbpfError> {
-        read_counters(&self.map(map::COUNTERS)?)
-    }
-
-    pub fn set_logging(&self, on: bool) -> Result<(), EbpfError> {
-        let mut m = self.map(map::CONTROL)?;
-        let mut control: Array<_, u32> = Array::try_from(&mut m).map_err(map_err(map::CONTROL))?;
-        control.set(control::LOG, u32::from(on), 0).map_err(map_err(map::CONTROL))
-    }
-
-    /// Entries in a pinned hash map (e.g. connections awaiting Envoy's getsockopt).
-    pub fn entries(&self, name: &'static str) -> Result<usize, EbpfError> {
-        let m = self.map(name)?;
-        let data = match &m {
-            Map::HashMap(d) | Map::LruHashMap(d) => d,
-            _ => return Ok(0),
-        };
-        let info = data.info().map_err(map_err(name))?;
-        let _ = info;
-        let n = match name {
-            map::POD_CONFIG => {
-                HashMap::<_, u64, PodConfig>::try_from(&m).map_err(map_err(name))?.keys().count()
-            }
-            map::ORIG_BY_PAIR => HashMap::<_, PairKey, weir_ebpf_common::capture::OrigDst>::try_from(&m)
-                .map_err(map_err(name))?
-                .keys()
-                .count(),
-            _ => HashMap::<_, u64, weir_ebpf_common::capture::OrigDst>::try_from(&m)
-                .map_err(map_err(name))?
-                .keys()
-                .count(),
-        };
-        Ok(n)
-    }
 }
 
 /// Removes every pin under `dir` (links first, which detaches the programs) and the
@@ -410,22 +415,28 @@ pub fn unpin(dir: &Path) -> Result<(), EbpfError> {
     if !dir.exists() {
         return Ok(());
     }
-    let rm = |p: &Path| match std::fs::remove_file(p) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(source) => Err(EbpfError::Pin { path: p.display().to_string(), source }),
-    };
     for sub in ["links", "maps"] {
         if let Ok(entries) = std::fs::read_dir(dir.join(sub)) {
             for e in entries.flatten() {
-                rm(&e.path())?;
+                match std::fs::remove_file(e.path()) {
+                    Ok(()) => {}
+                    Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(err) => return Err(pin_error(&e.path())(err)),
+                }
             }
         }
         let _ = std::fs::remove_dir(dir.join(sub));
     }
-    std::fs::remove_dir(dir)
-        .or_else(|e| if e.kind() == std::io::ErrorKind::NotFound { Ok(()) } else { Err(e) })
-        .map_err(|source| EbpfError::Pin { path: dir.display().to_string(), source })
+    match std::fs::remove_dir(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(pin_error(dir)(e)),
+    }
+    // The shared root goes when its last capture does (fails harmlessly otherwise).
+    if let Some(root) = dir.parent().filter(|p| *p == Path::new(PIN_ROOT)) {
+        let _ = std::fs::remove_dir(root);
+    }
+    Ok(())
 }
 
 /// The network-namespace cookie of the namespace at `netns` (or the caller's), as the
@@ -476,7 +487,6 @@ pub fn in_netns<T: Send>(path: &Path, f: impl FnOnce() -> std::io::Result<T> + S
 pub struct InboundProgram {
     ebpf: Option<Ebpf>,
     netns: PathBuf,
-    interface: String,
     link: Option<aya::programs::tc::SchedClassifierLink>,
 }
 
@@ -487,12 +497,11 @@ impl InboundProgram {
         let data = objects::bytes(objects::INBOUND_NAME, objects::INBOUND)?;
         let mut ebpf =
             Ebpf::load(data).map_err(|source| EbpfError::Load { object: objects::INBOUND_NAME, source })?;
+        let missing = |map| EbpfError::MissingMap { object: objects::INBOUND_NAME, map };
         {
-            let mut cfg: Array<_, InboundConfig> = Array::try_from(
-                ebpf.map_mut(inbound::CONFIG)
-                    .ok_or(EbpfError::MissingMap { object: objects::INBOUND_NAME, map: inbound::CONFIG })?,
-            )
-            .map_err(map_err(inbound::CONFIG))?;
+            let mut cfg: Array<_, InboundConfig> =
+                Array::try_from(ebpf.map_mut(inbound::CONFIG).ok_or_else(|| missing(inbound::CONFIG))?)
+                    .map_err(map_err(inbound::CONFIG))?;
             cfg.set(0, config, 0).map_err(map_err(inbound::CONFIG))?;
         }
         let classifier: &mut SchedClassifier = ebpf
@@ -501,26 +510,23 @@ impl InboundProgram {
             .try_into()
             .map_err(|source| EbpfError::Verify { program: inbound::PROG, source })?;
         classifier.load().map_err(|source| EbpfError::Verify { program: inbound::PROG, source })?;
-        let attach_err =
-            |source| EbpfError::Attach { program: inbound::PROG, path: PathBuf::from(interface), source };
         // Interface lookups and (legacy) tc netlink calls happen inside the pod.
         let link = in_netns(netns, || {
             let _ = aya::programs::tc::qdisc_add_clsact(interface);
             let id = classifier.attach(interface, TcAttachType::Ingress).map_err(std::io::Error::other)?;
             classifier.take_link(id).map_err(std::io::Error::other)
         })
-        .map_err(|e| attach_err(aya::programs::ProgramError::IOError(e)))?;
-        Ok(Self {
-            ebpf: Some(ebpf),
-            netns: netns.to_path_buf(),
-            interface: interface.to_string(),
-            link: Some(link),
-        })
+        .map_err(|e| EbpfError::Attach {
+            program: inbound::PROG,
+            path: PathBuf::from(interface),
+            source: aya::programs::ProgramError::IOError(e),
+        })?;
+        Ok(Self { ebpf: Some(ebpf), netns: netns.to_path_buf(), link: Some(link) })
     }
 
     /// New connections assigned to Envoy so far.
     pub fn assigned(&self) -> Result<u64, EbpfError> {
-        let ebpf = self.ebpf.as_ref().expect("loaded");
+        let ebpf = self.ebpf.as_ref().expect("loaded until pinned");
         let m = ebpf
             .map(inbound::COUNTERS)
             .ok_or(EbpfError::MissingMap { object: objects::INBOUND_NAME, map: inbound::COUNTERS })?;
@@ -529,21 +535,31 @@ impl InboundProgram {
     }
 
     /// Keeps the classifier attached after this process exits: a TCX link is pinned at
-    /// `path`; a legacy tc filter simply stays (remove it with [`detach_inbound`]).
-    pub fn pin(mut self, path: &Path) -> Result<(), EbpfError> {
-        let link = self.link.take().expect("attached");
-        match FdLink::try_from(link) {
-            Ok(fd) => {
-                fd.pin(path).map_err(|e| EbpfError::Pin {
-                    path: path.display().to_string(),
-                    source: std::io::Error::other(e.to_string()),
-                })?;
-            }
-            Err(_) => {
-                // Legacy netlink filter: it persists on its own.
-            }
+    /// `dir/links/inbound` (and its counters at `dir/maps/INBOUND_COUNTERS`); a legacy tc
+    /// filter simply stays (removed by [`detach_inbound`]).
+    pub fn pin(mut self, dir: &Path) -> Result<(), EbpfError> {
+        mount_bpffs()?;
+        for sub in ["maps", "links"] {
+            std::fs::create_dir_all(dir.join(sub)).map_err(pin_error(&dir.join(sub)))?;
         }
-        std::mem::forget(self.ebpf.take());
+        let mut ebpf = self.ebpf.take().expect("loaded until pinned");
+        if let Some(Map::PerCpuArray(data)) = ebpf.map_mut(inbound::COUNTERS) {
+            let path = dir.join("maps").join(inbound::COUNTERS);
+            data.pin(&path).map_err(|e| EbpfError::Pin {
+                path: path.display().to_string(),
+                source: std::io::Error::other(e.to_string()),
+            })?;
+        }
+        let link = self.link.take().expect("attached until pinned");
+        if let Ok(fd) = FdLink::try_from(link) {
+            let path = dir.join("links").join("inbound");
+            fd.pin(&path).map_err(|e| EbpfError::Pin {
+                path: path.display().to_string(),
+                source: std::io::Error::other(e.to_string()),
+            })?;
+        }
+        // A legacy netlink filter persists on its own; keep the program loaded for it.
+        std::mem::forget(ebpf);
         Ok(())
     }
 }
@@ -557,7 +573,6 @@ impl Drop for InboundProgram {
                 Ok(())
             });
         }
-        let _ = &self.interface;
     }
 }
 
@@ -571,9 +586,9 @@ pub fn inbound_programs(netns: &Path, interface: &str) -> std::io::Result<Vec<St
     })
 }
 
-/// Removes a pinned or legacy inbound classifier from `interface` in `netns`.
-pub fn detach_inbound(netns: Option<&Path>, interface: &str, pin: &Path) {
-    let _ = std::fs::remove_file(pin);
+/// Removes a legacy (netlink) inbound classifier from `interface` in `netns`; a pinned
+/// TCX link is removed with the pin directory.
+pub fn detach_inbound(netns: Option<&Path>, interface: &str) {
     let detach = || {
         let _ = aya::programs::tc::qdisc_detach_program(interface, TcAttachType::Ingress, inbound::PROG);
         Ok(())
@@ -583,6 +598,14 @@ pub fn detach_inbound(netns: Option<&Path>, interface: &str, pin: &Path) {
         Some(_) => Ok(()),
         None => detach(),
     };
+}
+
+/// Inbound assignments counted by a pinned classifier, if it has pinned counters.
+pub fn pinned_inbound_assigned(dir: &Path) -> Option<u64> {
+    let data = MapData::from_pin(dir.join("maps").join(inbound::COUNTERS)).ok()?;
+    let m = Map::from_map_data(data).ok()?;
+    let counters: PerCpuArray<_, u64> = PerCpuArray::try_from(&m).ok()?;
+    Some(counters.get(&inbound::counter::ASSIGNED, 0).ok()?.iter().sum())
 }
 
 /// What a pod's pinned capture is made of, recorded next to the pins.
@@ -600,20 +623,48 @@ pub const RECORD_DIR: &str = "/run/weir/capture";
 
 impl PinRecord {
     pub fn pin_dir(&self) -> PathBuf {
-        Path::new(PIN_ROOT).join(&self.pod)
+        pin_dir(&self.pod)
     }
+
     pub fn path(pod: &str) -> PathBuf {
         Path::new(RECORD_DIR).join(format!("{pod}.json"))
     }
+
     pub fn save(&self) -> std::io::Result<()> {
         std::fs::create_dir_all(RECORD_DIR)?;
         std::fs::write(Self::path(&self.pod), serde_json::to_vec_pretty(self).map_err(std::io::Error::other)?)
     }
+
+    pub fn load(pod: &str) -> Option<Self> {
+        serde_json::from_slice(&std::fs::read(Self::path(pod)).ok()?).ok()
+    }
+
     pub fn load_all() -> Vec<Self> {
         let Ok(dir) = std::fs::read_dir(RECORD_DIR) else { return Vec::new() };
-        dir.flatten()
+        let mut all: Vec<Self> = dir
+            .flatten()
             .filter_map(|e| std::fs::read(e.path()).ok())
             .filter_map(|b| serde_json::from_slice(&b).ok())
-            .collect()
+            .collect();
+        all.sort_by(|a, b| a.pod.cmp(&b.pod));
+        all
     }
+
+    /// Detaches and removes everything recorded for this pod; idempotent.
+    pub fn remove(&self) -> Result<(), EbpfError> {
+        if let Some(interface) = &self.interface {
+            detach_inbound(self.netns.as_deref(), interface);
+        }
+        unpin(&self.pin_dir())?;
+        match std::fs::remove_file(Self::path(&self.pod)) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(source) => Err(EbpfError::Io { what: "remove the capture record", source }),
+        }
+    }
+}
+
+/// The pin directory for a pod name.
+pub fn pin_dir(pod: &str) -> PathBuf {
+    Path::new(PIN_ROOT).join(pod)
 }

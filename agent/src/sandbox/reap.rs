@@ -14,8 +14,19 @@ use super::{NAME_PREFIX, SandboxError, cgroup, netns, owner_pid};
 /// Something a sandbox left behind.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Leftover {
-    Netns { path: PathBuf, owner: u32 },
-    Cgroup { path: PathBuf, owner: u32 },
+    Netns {
+        path: PathBuf,
+        owner: u32,
+    },
+    Cgroup {
+        path: PathBuf,
+        owner: u32,
+    },
+    /// Pinned eBPF capture (/sys/fs/bpf/weir/<name>).
+    Capture {
+        name: String,
+        owner: u32,
+    },
 }
 
 impl std::fmt::Display for Leftover {
@@ -23,6 +34,7 @@ impl std::fmt::Display for Leftover {
         match self {
             Leftover::Netns { path, owner } => write!(f, "netns {} (pid {owner})", path.display()),
             Leftover::Cgroup { path, owner } => write!(f, "cgroup {} (pid {owner})", path.display()),
+            Leftover::Capture { name, owner } => write!(f, "pinned eBPF capture {name} (pid {owner})"),
         }
     }
 }
@@ -57,12 +69,22 @@ pub fn leftovers(only_orphans: bool) -> Vec<Leftover> {
             }
         }
     }
+    if let Ok(dir) = fs::read_dir(crate::ebpf::capture::PIN_ROOT) {
+        for entry in dir.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if let Some(owner) = owner_pid(&name).filter(|p| keep(*p)) {
+                out.push(Leftover::Capture { name, owner });
+            }
+        }
+    }
     out
 }
 
-/// Removes every orphaned sandbox object; returns what was removed.
+/// Removes every orphaned sandbox object; returns what was removed. Pinned captures go
+/// first: their classifiers live in the namespaces removed after them.
 pub fn reap() -> Result<Vec<Leftover>, SandboxError> {
-    let found = leftovers(true);
+    let mut found = leftovers(true);
+    found.sort_by_key(|l| !matches!(l, Leftover::Capture { .. }));
     for item in &found {
         match item {
             Leftover::Netns { path, .. } => {
@@ -72,6 +94,16 @@ pub fn reap() -> Result<Vec<Leftover>, SandboxError> {
                 netns::remove(path)?;
             }
             Leftover::Cgroup { path, .. } => cgroup::remove(path)?,
+            Leftover::Capture { name, .. } => {
+                let removed = match crate::ebpf::capture::PinRecord::load(name) {
+                    Some(record) => record.remove(),
+                    None => crate::ebpf::capture::unpin(&crate::ebpf::capture::pin_dir(name)),
+                };
+                removed.map_err(|e| SandboxError::Sys {
+                    what: format!("remove pinned capture {name}"),
+                    source: std::io::Error::other(crate::error_chain(&e)),
+                })?;
+            }
         }
         tracing::info!(leftover = %item, "reaped");
     }

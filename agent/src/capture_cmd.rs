@@ -1,0 +1,371 @@
+//! `weir capture`: program capture for one pod with the best backend (or the one asked
+//! for), and manage eBPF captures left pinned by init containers: status, clean, and
+//! the programs' runtime log switch.
+
+use std::{
+    net::IpAddr,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use anyhow::{Context as _, bail};
+use clap::{Args, Subcommand};
+use weir_iptables::{detect::HostFacts as _, detect::SystemFacts, flags::IstioIptablesArgs};
+
+use crate::{
+    ebpf::{
+        capture::{self, CapturePrograms, InboundProgram, MapSet, PinRecord, netns_cookie},
+        config::{EbpfOptions, PodCapture, kernel_needs_optlen_clamp},
+        detect::{self, Backend, CaptureMode},
+    },
+    privileges::{self, Capability},
+};
+
+#[derive(Debug, Args)]
+pub struct CaptureArgs {
+    #[command(subcommand)]
+    pub command: CaptureCommand,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum CaptureCommand {
+    /// Attach eBPF capture to a pod's cgroup; exits 0 once capture is live (pinned).
+    Ebpf(Box<RunArgs>),
+    /// Program capture with the best backend this machine offers (or --capture-mode).
+    Apply(Box<ApplyArgs>),
+    /// Print the backend this machine supports and why.
+    Detect {
+        #[arg(long, value_enum, default_value_t = CaptureMode::Auto)]
+        capture_mode: CaptureMode,
+    },
+    /// What eBPF capture is attached where: pods, maps, counters.
+    Status {
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove pinned eBPF capture (programs, links, maps, classifier).
+    Clean(CleanArgs),
+    /// Switch the programs' log records on or off at run time.
+    Log {
+        #[arg(value_parser = ["on", "off"])]
+        state: String,
+        /// The pod whose capture to switch (default: every pinned capture).
+        #[arg(long)]
+        pod: Option<String>,
+    },
+}
+
+/// Where and how to capture one pod with eBPF.
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// The pod's cgroup v2 directory (programs see only processes in it).
+    #[arg(long)]
+    pub cgroup: PathBuf,
+    /// A name for the pins (/sys/fs/bpf/weir/<pod>); default: the cgroup's name.
+    #[arg(long)]
+    pub pod: Option<String>,
+    /// The pod's network namespace (a path); default: this process's.
+    #[arg(long)]
+    pub netns: Option<PathBuf>,
+    /// The pod interface inbound capture attaches to.
+    #[arg(long, default_value = "eth0")]
+    pub interface: String,
+    /// Pass data between local socket pairs with sk_msg (see ARCHITECTURE.md for the
+    /// kernel's blocking-read caveat).
+    #[arg(long)]
+    pub accelerate: bool,
+    /// Stay attached until SIGTERM/SIGINT instead of pinning and exiting.
+    #[arg(long)]
+    pub foreground: bool,
+    #[command(flatten)]
+    pub capture: IstioIptablesArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct ApplyArgs {
+    #[arg(long, value_enum, default_value_t = CaptureMode::Auto)]
+    pub capture_mode: CaptureMode,
+    #[command(flatten)]
+    pub run: RunArgs,
+}
+
+#[derive(Debug, Args)]
+#[group(required = true, multiple = false)]
+pub struct CleanArgs {
+    #[arg(long)]
+    pub cgroup: Option<PathBuf>,
+    #[arg(long)]
+    pub pod: Option<String>,
+    #[arg(long)]
+    pub all: bool,
+}
+
+pub fn run(args: CaptureArgs) -> anyhow::Result<()> {
+    match args.command {
+        CaptureCommand::Ebpf(run) => ebpf(&run),
+        CaptureCommand::Apply(apply) => {
+            let choice = detect::choose(apply.capture_mode)?;
+            eprintln!("weir: {choice}");
+            match choice.backend {
+                Backend::Ebpf => ebpf(&apply.run),
+                Backend::Nftables | Backend::Iptables => {
+                    rules(&apply.run, choice.backend == Backend::Nftables)
+                }
+            }
+        }
+        CaptureCommand::Detect { capture_mode } => {
+            let choice = detect::choose(capture_mode)?;
+            println!("{}", choice.backend);
+            for reason in &choice.reasons {
+                println!("  {reason}");
+            }
+            Ok(())
+        }
+        CaptureCommand::Status { json } => status(json),
+        CaptureCommand::Clean(args) => clean(&args),
+        CaptureCommand::Log { state, pod } => log_switch(state == "on", pod.as_deref()),
+    }
+}
+
+/// The netfilter backends, through weir-iptables (with the run's network namespace).
+fn rules(run: &RunArgs, nft: bool) -> anyhow::Result<()> {
+    let env = |n: &str| std::env::var(n).ok();
+    let facts = SystemFacts { netns: run.netns.clone() };
+    let (cfg, mut opts) = run.capture.resolve(&env, &facts)?;
+    opts.native_nftables = nft;
+    if opts.network_namespace.is_none() {
+        opts.network_namespace = run.netns.clone();
+    }
+    privileges::require(&[Capability::NetAdmin, Capability::NetRaw], "weir capture")?;
+    let report = weir_iptables::program(&cfg, &opts)?;
+    eprintln!("weir: {} capture {:?}", report.backend, report.action);
+    Ok(())
+}
+
+fn pod_name(run: &RunArgs) -> anyhow::Result<String> {
+    match &run.pod {
+        Some(p) => Ok(p.clone()),
+        None => run
+            .cgroup
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .filter(|n| !n.is_empty())
+            .with_context(|| {
+                format!("--pod is needed: cannot name the capture after {}", run.cgroup.display())
+            }),
+    }
+}
+
+fn ebpf(run: &RunArgs) -> anyhow::Result<()> {
+    let env = |n: &str| std::env::var(n).ok();
+    let facts = SystemFacts { netns: run.netns.clone() };
+    let (cfg, opts) = run.capture.resolve(&env, &facts)?;
+    let own: Vec<IpAddr> = facts
+        .addresses()
+        .context("read the pod's addresses")?
+        .into_iter()
+        .filter(|a| !a.is_loopback())
+        .collect();
+    let release =
+        nix::sys::utsname::uname().map(|u| u.release().to_string_lossy().into_owned()).unwrap_or_default();
+    let pod = PodCapture::new(
+        &cfg,
+        own,
+        EbpfOptions { accelerate: run.accelerate, clamp_optlen: kernel_needs_optlen_clamp(&release) },
+    )?;
+    let name = pod_name(run)?;
+    if opts.dry_run {
+        println!("{}", serde_json::to_string_pretty(&describe(&name, run, &pod))?);
+        return Ok(());
+    }
+    privileges::require(&[Capability::SysAdmin, Capability::NetAdmin, Capability::Bpf], "weir capture ebpf")?;
+    if opts.cleanup_only {
+        return clean(&CleanArgs { cgroup: None, pod: Some(name), all: false });
+    }
+    if let Some(why) = detect::ebpf_unavailable() {
+        bail!(
+            "eBPF capture cannot work here: {why} (use `weir capture apply` to fall back to nftables or iptables)"
+        );
+    }
+    let cookie = netns_cookie(run.netns.as_deref()).context("read the pod's network namespace cookie")?;
+
+    // An existing pinned capture of this pod is updated in place: no gap in capture.
+    if let Some(record) = PinRecord::load(&name).filter(|r| r.pin_dir().exists()) {
+        if record.cgroup != run.cgroup || record.netns_cookie != cookie {
+            bail!(
+                "a capture named {name} already exists for cgroup {} (clean it first with `weir capture clean --pod {name}`)",
+                record.cgroup.display()
+            );
+        }
+        let mut maps = MapSet::open_pinned(&record.pin_dir())?;
+        maps.register(cookie, &pod)?;
+        eprintln!("weir: eBPF capture of {name} updated in place");
+        return Ok(());
+    }
+
+    let mut programs = CapturePrograms::load()?;
+    programs.attach(&run.cgroup)?;
+    programs.register(cookie, &pod)?;
+    let netns_path = run.netns.clone().unwrap_or_else(|| PathBuf::from("/proc/self/ns/net"));
+    let inbound = match &pod.inbound {
+        Some(cfg) => Some(InboundProgram::attach(&netns_path, &run.interface, cfg)?),
+        None => None,
+    };
+    eprintln!("weir: eBPF capture live on {} (pod {name}, netns cookie {cookie})", run.cgroup.display());
+    if run.foreground {
+        return hold(programs, inbound);
+    }
+    let record = PinRecord {
+        pod: name.clone(),
+        cgroup: run.cgroup.clone(),
+        netns: run.netns.clone(),
+        netns_cookie: cookie,
+        interface: pod.inbound.map(|_| run.interface.clone()),
+    };
+    let dir = record.pin_dir();
+    programs.pin(&dir)?;
+    if let Some(inbound) = inbound {
+        inbound.pin(&dir)?;
+    }
+    record.save().context("write the capture record")?;
+    eprintln!("weir: pinned under {}", dir.display());
+    Ok(())
+}
+
+/// Foreground mode: keep the programs attached, forward their logs, detach on a signal.
+fn hold(mut programs: CapturePrograms, inbound: Option<InboundProgram>) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    runtime.block_on(async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        let mut tick = tokio::time::interval(Duration::from_millis(200));
+        loop {
+            tokio::select! {
+                _ = term.recv() => break,
+                _ = tokio::signal::ctrl_c() => break,
+                _ = tick.tick() => programs.flush_logs(),
+            }
+        }
+        anyhow::Ok(())
+    })?;
+    drop(inbound);
+    drop(programs);
+    eprintln!("weir: eBPF capture detached");
+    Ok(())
+}
+
+fn describe(name: &str, run: &RunArgs, pod: &PodCapture) -> serde_json::Value {
+    serde_json::json!({
+        "pod": name,
+        "cgroup": run.cgroup,
+        "netns": run.netns,
+        "proxy_uids": pod.config.proxy_uids.iter().filter(|u| **u != u32::MAX).collect::<Vec<_>>(),
+        "proxy_gids": pod.config.proxy_gids.iter().filter(|u| **u != u32::MAX).collect::<Vec<_>>(),
+        "outbound_port": pod.config.outbound_port,
+        "inbound_port": pod.config.inbound_port,
+        "flags": pod.config.flags,
+        "exclude": pod.exclude.iter().map(ToString::to_string).collect::<Vec<_>>(),
+        "include": pod.include.iter().map(ToString::to_string).collect::<Vec<_>>(),
+        "own_addresses": pod.own_addresses,
+        "dns_servers": pod.dns_servers,
+        "inbound": pod.inbound.map(|c| serde_json::json!({"mode": c.mode, "capture_port": c.capture_port})),
+    })
+}
+
+fn status(json: bool) -> anyhow::Result<()> {
+    let mut pods = Vec::new();
+    for record in PinRecord::load_all() {
+        let dir = record.pin_dir();
+        let links: Vec<String> = std::fs::read_dir(dir.join("links"))
+            .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+            .unwrap_or_default();
+        let maps = MapSet::open_pinned(&dir);
+        let (counters, registered, pending) = match &maps {
+            Ok(m) => {
+                (m.counters().ok(), m.pods().map(|p| p.len()).ok(), m.pending_original_destinations().ok())
+            }
+            Err(_) => (None, None, None),
+        };
+        pods.push(serde_json::json!({
+            "pod": record.pod,
+            "cgroup": record.cgroup,
+            "netns": record.netns,
+            "netns_cookie": record.netns_cookie,
+            "interface": record.interface,
+            "pins": dir,
+            "links": links,
+            "registered_pods": registered,
+            "pending_original_destinations": pending,
+            "inbound_assigned": capture::pinned_inbound_assigned(&dir),
+            "counters": counters.map(|c| c.0.into_iter().collect::<std::collections::BTreeMap<_, _>>()),
+            "maps_error": maps.err().map(|e| crate::error_chain(&e)),
+        }));
+    }
+    if json {
+        println!("{}", serde_json::to_string_pretty(&pods)?);
+        return Ok(());
+    }
+    if pods.is_empty() {
+        println!("no pinned eBPF capture");
+    }
+    for p in &pods {
+        println!("pod {}  cgroup {}  interface {}", p["pod"], p["cgroup"], p["interface"]);
+        println!("  attached: {}", p["links"]);
+        println!(
+            "  registered pods: {}  pending original destinations: {}  inbound assigned: {}",
+            p["registered_pods"], p["pending_original_destinations"], p["inbound_assigned"]
+        );
+        if let Some(counters) = p["counters"].as_object() {
+            let line: Vec<String> = counters.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            println!("  counters: {}", line.join(" "));
+        }
+    }
+    Ok(())
+}
+
+fn clean(args: &CleanArgs) -> anyhow::Result<()> {
+    privileges::require(
+        &[Capability::SysAdmin, Capability::NetAdmin, Capability::Bpf],
+        "weir capture clean",
+    )?;
+    let records: Vec<PinRecord> = PinRecord::load_all()
+        .into_iter()
+        .filter(|r| {
+            args.all
+                || args.pod.as_deref() == Some(r.pod.as_str())
+                || args.cgroup.as_deref() == Some(r.cgroup.as_path())
+        })
+        .collect();
+    if records.is_empty() {
+        // Pins without a record (a crash between pinning and recording) still go.
+        if let Some(pod) = &args.pod {
+            capture::unpin(&capture::pin_dir(pod))?;
+        }
+        eprintln!("weir: nothing to clean");
+        return Ok(());
+    }
+    for record in records {
+        record.remove()?;
+        eprintln!("weir: removed eBPF capture of {} ({})", record.pod, record.cgroup.display());
+    }
+    Ok(())
+}
+
+fn log_switch(on: bool, pod: Option<&str>) -> anyhow::Result<()> {
+    let records: Vec<PinRecord> =
+        PinRecord::load_all().into_iter().filter(|r| pod.is_none_or(|p| p == r.pod)).collect();
+    if records.is_empty() {
+        bail!("no pinned eBPF capture{}", pod.map(|p| format!(" named {p}")).unwrap_or_default());
+    }
+    for record in records {
+        MapSet::open_pinned(&record.pin_dir())?.set_logging(on)?;
+        eprintln!("weir: program logs {} for {}", if on { "on" } else { "off" }, record.pod);
+    }
+    Ok(())
+}
+
+/// True if `path` is a pinned capture's directory whose pod name says its creator (a
+/// sandbox) is gone; used by sandbox reaping.
+pub fn orphaned(pod: &str) -> bool {
+    crate::sandbox::owner_pid(pod).is_some_and(|pid| !Path::new(&format!("/proc/{pid}")).exists())
+}
