@@ -71,8 +71,9 @@ pub struct RunArgs {
     /// The pod interface inbound capture attaches to.
     #[arg(long, default_value = "eth0")]
     pub interface: String,
-    /// Pass data between local socket pairs with sk_msg (see ARCHITECTURE.md for the
-    /// kernel's blocking-read caveat).
+    /// Experimental: pass data between local socket pairs with sk_msg. The kernel gives
+    /// sockmap ingress no flow control (a sender outpacing its reader gets ENOMEM); see
+    /// ARCHITECTURE.md.
     #[arg(long)]
     pub accelerate: bool,
     /// Stay attached until SIGTERM/SIGINT instead of pinning and exiting.

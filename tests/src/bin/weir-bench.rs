@@ -1,0 +1,47 @@
+//! weir-bench: Weir's benchmarks, each measured against its floor in the same run, printed
+//! as one table (markdown with --markdown). Needs root; builds sandbox pods like the tests.
+//!
+//!   weir-bench capture [--runs N] [--duration SECS] [--connections N] [--markdown]
+//!       requests/s and p50/p99 through a real Envoy for: no capture (the app calls
+//!       Envoy directly: the floor), iptables REDIRECT, nftables, eBPF, eBPF + sk_msg;
+//!       new connections/s; raw TCP throughput (iperf3) app -> Envoy -> server.
+use std::process::ExitCode;
+
+#[path = "../bench/capture.rs"]
+mod capture;
+#[path = "../bench/report.rs"]
+mod report;
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let flag = |name: &str| args.iter().any(|a| a == name);
+    let value = |name: &str, default: u64| -> u64 {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let opts = report::Options {
+        runs: value("--runs", 3) as usize,
+        duration_secs: value("--duration", 5),
+        connections: value("--connections", 16) as u32,
+        markdown: flag("--markdown"),
+    };
+    let result = match args.first().map(String::as_str) {
+        Some("capture") => capture::run(&opts),
+        _ => Err(anyhow::anyhow!(
+            "usage: weir-bench capture [--runs N] [--duration SECS] [--connections N] [--markdown]"
+        )),
+    };
+    match result {
+        Ok(table) => {
+            println!("{table}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("weir-bench: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
