@@ -10,6 +10,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "envoy/extensions/transport_sockets/tls/v3/secret.proto",
         "istio/v1/auth/ca.proto",
         "istio/networking/nds/v1/nds.proto",
+        "envoy/config/listener/v3/listener.proto",
+        "envoy/config/cluster/v3/cluster.proto",
+        "envoy/config/endpoint/v3/endpoint.proto",
+        "envoy/config/route/v3/route.proto",
+        "envoy/config/core/v3/extension.proto",
+        "envoy/extensions/filters/network/http_connection_manager/v3/http_connection_manager.proto",
+        "envoy/extensions/filters/network/tcp_proxy/v3/tcp_proxy.proto",
+        "envoy/extensions/filters/http/router/v3/router.proto",
+        "envoy/extensions/filters/listener/original_dst/v3/original_dst.proto",
+        "envoy/extensions/transport_sockets/tls/v3/tls.proto",
     ];
     println!("cargo:rerun-if-changed={}", root.display());
     let fds = protox::compile(files, [&root])?;

@@ -6,9 +6,11 @@ pub mod build_info;
 pub mod capture_cmd;
 pub mod cli;
 pub mod demo;
+pub mod dns;
 pub mod ebpf;
 pub mod exit;
 pub mod istio_iptables;
+pub mod metrics;
 pub mod privileges;
 pub mod sandbox;
 

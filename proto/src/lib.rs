@@ -17,6 +17,26 @@ pub mod envoy {
                 tonic::include_proto!("envoy.config.core.v3");
             }
         }
+        pub mod listener {
+            pub mod v3 {
+                tonic::include_proto!("envoy.config.listener.v3");
+            }
+        }
+        pub mod cluster {
+            pub mod v3 {
+                tonic::include_proto!("envoy.config.cluster.v3");
+            }
+        }
+        pub mod endpoint {
+            pub mod v3 {
+                tonic::include_proto!("envoy.config.endpoint.v3");
+            }
+        }
+        pub mod route {
+            pub mod v3 {
+                tonic::include_proto!("envoy.config.route.v3");
+            }
+        }
     }
     pub mod r#type {
         pub mod matcher {
@@ -38,6 +58,34 @@ pub mod envoy {
         }
     }
     pub mod extensions {
+        pub mod filters {
+            pub mod network {
+                pub mod http_connection_manager {
+                    pub mod v3 {
+                        tonic::include_proto!("envoy.extensions.filters.network.http_connection_manager.v3");
+                    }
+                }
+                pub mod tcp_proxy {
+                    pub mod v3 {
+                        tonic::include_proto!("envoy.extensions.filters.network.tcp_proxy.v3");
+                    }
+                }
+            }
+            pub mod http {
+                pub mod router {
+                    pub mod v3 {
+                        tonic::include_proto!("envoy.extensions.filters.http.router.v3");
+                    }
+                }
+            }
+            pub mod listener {
+                pub mod original_dst {
+                    pub mod v3 {
+                        tonic::include_proto!("envoy.extensions.filters.listener.original_dst.v3");
+                    }
+                }
+            }
+        }
         pub mod transport_sockets {
             pub mod tls {
                 pub mod v3 {
