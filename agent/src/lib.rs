@@ -2,9 +2,12 @@
 //! Istio's pilot-agent (xDS relay, SDS, Envoy lifecycle, status server, DNS proxy).
 //! `main.rs` only parses the command line and calls into the modules here.
 
+pub mod app;
 pub mod build_info;
 pub mod capture_cmd;
 pub mod cli;
+pub mod config;
+pub mod controlplane;
 pub mod demo;
 pub mod dns;
 pub mod ebpf;
@@ -13,6 +16,8 @@ pub mod istio_iptables;
 pub mod metrics;
 pub mod privileges;
 pub mod sandbox;
+pub mod status;
+pub mod xds;
 
 /// An error and its sources on one line: `outer: inner: innermost`.
 pub fn error_chain(e: &dyn std::error::Error) -> String {

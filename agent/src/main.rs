@@ -5,13 +5,14 @@ use std::{ffi::OsString, process::ExitCode};
 
 use clap::Parser as _;
 use weir_agent::{
+    app,
     build_info::BUILD_INFO,
     capture_cmd,
     cli::{
         Personality, PilotAgentCli, PilotAgentCommand, SandboxCommand, VersionArgs, VersionFormat, WeirCli,
         WeirCommand,
     },
-    demo, exit, istio_iptables, sandbox,
+    config, demo, exit, istio_iptables, sandbox,
 };
 
 fn main() -> ExitCode {
@@ -46,14 +47,18 @@ fn init_tracing(argv: &[OsString]) {
 
 fn run_weir(cli: WeirCli) -> u8 {
     match cli.command {
-        WeirCommand::Proxy(_) => {
-            not_built("`proxy`", "Envoy lifecycle, status server and pilot-agent's command line")
-        }
+        WeirCommand::Proxy(args) => proxy(&args.args),
         WeirCommand::IstioIptables(args) => istio_iptables::run(&args),
         WeirCommand::Capture(args) => edge(capture_cmd::run(args)),
         WeirCommand::Wait(_) => not_built("`wait`", "Envoy lifecycle and status server"),
         WeirCommand::Request(_) => not_built("`request`", "Envoy lifecycle and status server"),
-        WeirCommand::Config(_) => not_built("`config`", "Envoy lifecycle and pilot-agent configuration"),
+        WeirCommand::Config(args) => match load_config(&args.args) {
+            Ok(config) => {
+                print!("{}", config.to_yaml());
+                exit::OK
+            }
+            Err(code) => code,
+        },
         WeirCommand::Cni(_) => not_built("`cni`", "CNI-chained node plugin"),
         WeirCommand::Demo(args) => edge(demo::run(&args)),
         WeirCommand::Sandbox(args) => edge(run_sandbox(args.command)),
@@ -64,13 +69,59 @@ fn run_weir(cli: WeirCli) -> u8 {
 
 fn run_pilot_agent(cli: PilotAgentCli) -> u8 {
     match cli.command {
-        PilotAgentCommand::Proxy(_) => {
-            not_built("`proxy`", "Envoy lifecycle, status server and pilot-agent's command line")
-        }
+        PilotAgentCommand::Proxy(args) => proxy(&args.args),
         PilotAgentCommand::IstioIptables(args) => istio_iptables::run(&args),
         PilotAgentCommand::Wait(_) => not_built("`wait`", "Envoy lifecycle and status server"),
         PilotAgentCommand::Request(_) => not_built("`request`", "Envoy lifecycle and status server"),
         PilotAgentCommand::Version(args) => version(&args),
+    }
+}
+
+/// Loads the agent configuration; on error prints it and returns the exit code.
+fn load_config(args: &[String]) -> Result<config::AgentConfig, u8> {
+    match config::AgentConfig::load(args) {
+        Ok(c) => Ok(c),
+        Err(config::ConfigError::Help) => {
+            println!("{}", config::args::USAGE);
+            Err(exit::OK)
+        }
+        Err(e) => {
+            eprintln!("weir: invalid configuration: {}", weir_agent::error_chain(&e));
+            Err(exit::USAGE)
+        }
+    }
+}
+
+/// `proxy sidecar|router ...`: the agent.
+fn proxy(args: &[String]) -> u8 {
+    let config = match load_config(args) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    for flag in &config.args.ignored {
+        tracing::warn!(flag, "ignoring unknown flag (as pilot-agent does)");
+    }
+    if !config.disable_envoy {
+        return not_built(
+            "starting Envoy from `proxy`",
+            "Envoy lifecycle; DISABLE_ENVOY=true runs the agent's services without Envoy",
+        );
+    }
+    tracing::info!("Effective config:\n{}", config.to_yaml());
+    let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("weir: cannot start the runtime: {e}");
+            return exit::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async move { app::Agent::new(config)?.run().await });
+    match result {
+        Ok(()) => exit::OK,
+        Err(e) => {
+            eprintln!("weir: {}", weir_agent::error_chain(&e));
+            exit::FAILURE
+        }
     }
 }
 

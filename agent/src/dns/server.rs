@@ -28,38 +28,95 @@ pub const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(5);
 const MIN_UDP: usize = 512;
 const MAX_TCP: usize = 65535;
 
+/// Istio's `DNS_PROXY_ADDR` default.
+pub const DEFAULT_ADDRESS: &str = "localhost:15053";
+
 #[derive(Debug, Clone)]
 pub struct DnsConfig {
-    pub listen: SocketAddr,
+    /// Where to listen (UDP and TCP on each).
+    pub listen: Vec<SocketAddr>,
     pub scope: ProxyScope,
-    /// resolv.conf nameservers (port 53 unless given).
+    /// resolv.conf nameservers, port 53.
     pub upstreams: Vec<SocketAddr>,
     pub upstream_timeout: Duration,
+    /// `DNS_FORWARD_PARALLEL`: ask every upstream at once, take the first answer.
+    pub forward_parallel: bool,
+    /// Forward instead of SERVFAIL before the first NDS table (Istio does this when the
+    /// proxy owns port 53, so the pod resolves while the agent starts).
+    pub respond_before_sync: bool,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum DnsConfigError {
+    #[error("DNS_PROXY_ADDR {0:?} must be host:port (e.g. localhost:15053)")]
+    Address(String),
+}
+
+/// What resolv.conf says: nameservers (port 53) and search domains.
+pub fn parse_resolv_conf(text: &str) -> (Vec<SocketAddr>, Vec<String>) {
+    let mut servers = Vec::new();
+    let mut search = Vec::new();
+    for line in text.lines() {
+        let mut words = line.split_whitespace();
+        match words.next() {
+            Some("nameserver") => {
+                if let Some(ip) = words.next().and_then(|w| w.parse::<std::net::IpAddr>().ok()) {
+                    servers.push(SocketAddr::new(ip, 53));
+                }
+            }
+            Some("search") | Some("domain") => search = words.map(String::from).collect(),
+            _ => {}
+        }
+    }
+    (servers, search)
 }
 
 impl DnsConfig {
-    /// Reads nameservers and search domains from a resolv.conf text.
-    pub fn from_resolv_conf(listen: SocketAddr, namespace: &str, domain: &str, resolv_conf: &str) -> Self {
-        let mut upstreams = Vec::new();
-        let mut search = Vec::new();
-        for line in resolv_conf.lines() {
-            let mut words = line.split_whitespace();
-            match words.next() {
-                Some("nameserver") => {
-                    if let Some(ip) = words.next().and_then(|w| w.parse::<std::net::IpAddr>().ok()) {
-                        upstreams.push(SocketAddr::new(ip, 53));
-                    }
-                }
-                Some("search") | Some("domain") => search = words.map(String::from).collect(),
-                _ => {}
+    /// Istio's rules: `localhost:<port>` listens on 127.0.0.1 and/or ::1 depending on
+    /// the families of the resolv.conf servers; a `:53` address is honoured only for
+    /// root (else the default) and then answers before the first table.
+    pub fn resolve(
+        address: &str,
+        namespace: &str,
+        domain: &str,
+        resolv_conf: &str,
+        is_root: bool,
+    ) -> Result<Self, DnsConfigError> {
+        let (upstreams, search) = parse_resolv_conf(resolv_conf);
+        let mut address = if address.is_empty() { DEFAULT_ADDRESS } else { address };
+        let mut respond_before_sync = false;
+        if address.ends_with(":53") {
+            if is_root {
+                respond_before_sync = true;
+            } else {
+                tracing::error!(address, "DNS address :53 and not running as root, using the default");
+                address = DEFAULT_ADDRESS;
             }
         }
-        Self {
+        let bad = || DnsConfigError::Address(address.to_string());
+        let (host, port) = address.rsplit_once(':').ok_or_else(bad)?;
+        let port: u16 = port.parse().map_err(|_| bad())?;
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        let listen = if host == "localhost" {
+            let mut out = Vec::new();
+            if upstreams.iter().any(SocketAddr::is_ipv4) || upstreams.is_empty() {
+                out.push(SocketAddr::from(([127, 0, 0, 1], port)));
+            }
+            if upstreams.iter().any(SocketAddr::is_ipv6) {
+                out.push(SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, port)));
+            }
+            out
+        } else {
+            vec![SocketAddr::new(host.parse().map_err(|_| bad())?, port)]
+        };
+        Ok(Self {
             listen,
             scope: ProxyScope { namespace: namespace.into(), domain: domain.into(), search },
             upstreams,
             upstream_timeout: UPSTREAM_TIMEOUT,
-        }
+            forward_parallel: false,
+            respond_before_sync,
+        })
     }
 }
 
@@ -84,6 +141,25 @@ impl DnsProxy {
         *self.name_table.write().expect("table lock") = Some(table.clone());
     }
 
+    /// The relay's handler for NDS responses: decodes the `NameTable` and installs it;
+    /// a table that does not decode is NACKed with the decode error.
+    pub fn nds_handler(self: &Arc<Self>) -> crate::xds::Handler {
+        let me = self.clone();
+        Arc::new(move |resource| {
+            if resource.type_url != weir_proto::type_url::NAME_TABLE {
+                return Err(format!(
+                    "expected a {} resource, got {}",
+                    weir_proto::type_url::NAME_TABLE,
+                    resource.type_url
+                ));
+            }
+            let table = <NameTable as prost::Message>::decode(resource.value.as_slice())
+                .map_err(|e| format!("NameTable does not decode: {e}"))?;
+            me.update(&table);
+            Ok(())
+        })
+    }
+
     /// True once a table has arrived (readiness when DNS capture is on).
     pub fn is_ready(&self) -> bool {
         self.table.read().expect("table lock").is_some()
@@ -94,12 +170,29 @@ impl DnsProxy {
         self.name_table.read().expect("table lock").clone()
     }
 
-    /// Binds UDP and TCP and serves until the task is dropped.
-    pub async fn serve(self: Arc<Self>) -> std::io::Result<()> {
-        let udp = UdpSocket::bind(self.config.listen).await?;
-        let tcp = TcpListener::bind(self.config.listen).await?;
-        tracing::info!(address = %self.config.listen, upstreams = ?self.config.upstreams, "DNS proxy listening");
-        self.serve_on(udp, tcp).await
+    /// Binds UDP and TCP on every listen address (all or nothing) and returns the
+    /// task serving them until dropped/aborted.
+    pub async fn bind(self: &Arc<Self>) -> Result<tokio::task::JoinSet<std::io::Result<()>>, DnsBindError> {
+        let mut sockets = Vec::new();
+        for address in &self.config.listen {
+            let udp = UdpSocket::bind(address).await.map_err(|source| DnsBindError {
+                address: *address,
+                protocol: "udp",
+                source,
+            })?;
+            let tcp = TcpListener::bind(address).await.map_err(|source| DnsBindError {
+                address: *address,
+                protocol: "tcp",
+                source,
+            })?;
+            sockets.push((udp, tcp));
+        }
+        tracing::info!(addresses = ?self.config.listen, upstreams = ?self.config.upstreams, search = ?self.config.scope.search, "DNS proxy listening");
+        let mut tasks = tokio::task::JoinSet::new();
+        for (udp, tcp) in sockets {
+            tasks.spawn(self.clone().serve_on(udp, tcp));
+        }
+        Ok(tasks)
     }
 
     pub async fn serve_on(self: Arc<Self>, udp: UdpSocket, tcp: TcpListener) -> std::io::Result<()> {
@@ -172,6 +265,9 @@ impl DnsProxy {
         let qtype = question.query_type();
         let table = self.table.read().expect("table lock").clone();
         let Some(table) = table else {
+            if self.config.respond_before_sync {
+                return encode_within(self.forward(&request, query, tcp).await, limit);
+            }
             tracing::debug!(name, "DNS request before the lookup table arrived");
             return reply(&request, ResponseCode::ServFail, false, vec![]).to_vec().ok();
         };
@@ -188,26 +284,67 @@ impl DnsProxy {
     async fn forward(&self, request: &Message, raw: &[u8], tcp: bool) -> Message {
         self.metrics.dns_upstream_requests.inc();
         let started = Instant::now();
-        let mut servers = self.config.upstreams.clone();
-        servers.shuffle(&mut rand::rng());
-        for server in servers {
-            let result = tokio::time::timeout(self.config.upstream_timeout, exchange(server, raw, tcp)).await;
-            match result {
-                Ok(Ok(bytes)) => match Message::from_vec(&bytes) {
-                    Ok(m) if m.metadata.id == request.metadata.id => {
-                        self.metrics.dns_upstream_request_duration.observe(started.elapsed().as_secs_f64());
-                        return m;
-                    }
-                    Ok(_) => tracing::info!(%server, "upstream DNS reply with a different id"),
-                    Err(e) => tracing::info!(%server, error = %e, "upstream DNS reply does not parse"),
-                },
-                Ok(Err(e)) => tracing::info!(%server, error = %e, "upstream DNS failure"),
-                Err(_) => tracing::info!(%server, "upstream DNS timeout"),
+        let answer = if self.config.forward_parallel {
+            let mut all = tokio::task::JoinSet::new();
+            for server in self.config.upstreams.clone() {
+                let (raw, timeout, id) = (raw.to_vec(), self.config.upstream_timeout, request.metadata.id);
+                all.spawn(async move { ask(server, &raw, tcp, timeout, id).await });
+            }
+            let mut first = None;
+            while let Some(result) = all.join_next().await {
+                if let Ok(Some(m)) = result {
+                    first = Some(m);
+                    break;
+                }
+            }
+            first
+        } else {
+            let mut first = None;
+            for server in &self.config.upstreams {
+                if let Some(m) =
+                    ask(*server, raw, tcp, self.config.upstream_timeout, request.metadata.id).await
+                {
+                    first = Some(m);
+                    break;
+                }
+            }
+            first
+        };
+        match answer {
+            Some(m) => {
+                self.metrics.dns_upstream_request_duration.observe(started.elapsed().as_secs_f64());
+                m
+            }
+            None => {
+                self.metrics.dns_upstream_failures.inc();
+                reply(request, ResponseCode::ServFail, false, vec![])
             }
         }
-        self.metrics.dns_upstream_failures.inc();
-        reply(request, ResponseCode::ServFail, false, vec![])
     }
+}
+
+/// A DNS listener that could not be bound.
+#[derive(Debug, thiserror::Error)]
+#[error("DNS proxy cannot listen on {protocol} {address}")]
+pub struct DnsBindError {
+    pub address: SocketAddr,
+    pub protocol: &'static str,
+    #[source]
+    pub source: std::io::Error,
+}
+
+/// One upstream exchange; `None` (logged) on failure, timeout or a mismatched reply.
+async fn ask(server: SocketAddr, raw: &[u8], tcp: bool, timeout: Duration, id: u16) -> Option<Message> {
+    match tokio::time::timeout(timeout, exchange(server, raw, tcp)).await {
+        Ok(Ok(bytes)) => match Message::from_vec(&bytes) {
+            Ok(m) if m.metadata.id == id => return Some(m),
+            Ok(_) => tracing::info!(%server, "upstream DNS reply with a different id"),
+            Err(e) => tracing::info!(%server, error = %e, "upstream DNS reply does not parse"),
+        },
+        Ok(Err(e)) => tracing::info!(%server, error = %e, "upstream failure"),
+        Err(_) => tracing::info!(%server, "upstream DNS timeout"),
+    }
+    None
 }
 
 async fn exchange(server: SocketAddr, query: &[u8], tcp: bool) -> std::io::Result<Vec<u8>> {
@@ -307,7 +444,9 @@ mod tests {
 
     fn proxy(upstreams: Vec<SocketAddr>) -> Arc<DnsProxy> {
         let config = DnsConfig {
-            listen: "127.0.0.1:0".parse().unwrap(),
+            listen: vec!["127.0.0.1:0".parse().unwrap()],
+            forward_parallel: false,
+            respond_before_sync: false,
             scope: ProxyScope {
                 namespace: "app".into(),
                 domain: "app.svc.cluster.local".into(),
@@ -386,14 +525,25 @@ mod tests {
     }
 
     #[test]
-    fn resolv_conf_parsing() {
-        let c = DnsConfig::from_resolv_conf(
-            "127.0.0.1:15053".parse().unwrap(),
-            "app",
-            "app.svc.cluster.local",
-            "nameserver 10.96.0.10\nsearch app.svc.cluster.local svc.cluster.local\noptions ndots:5\n",
-        );
-        assert_eq!(c.upstreams, vec!["10.96.0.10:53".parse().unwrap()]);
+    fn listen_addresses_follow_istio() {
+        let rc = "nameserver 10.96.0.10\nnameserver fd00::10\nsearch app.svc.cluster.local svc.cluster.local\noptions ndots:5\n";
+        let c = DnsConfig::resolve("localhost:15053", "app", "app.svc.cluster.local", rc, false).unwrap();
+        assert_eq!(c.listen, vec!["127.0.0.1:15053".parse().unwrap(), "[::1]:15053".parse().unwrap()]);
+        assert_eq!(c.upstreams, vec!["10.96.0.10:53".parse().unwrap(), "[fd00::10]:53".parse().unwrap()]);
         assert_eq!(c.scope.search.len(), 2);
+        let v4 = DnsConfig::resolve("", "app", "", "nameserver 10.96.0.10\n", false).unwrap();
+        assert_eq!(v4.listen, vec!["127.0.0.1:15053".parse().unwrap()]);
+        // :53 only for root.
+        let c = DnsConfig::resolve("127.0.0.1:53", "app", "", rc, false).unwrap();
+        assert_eq!(c.listen[0].port(), 15053);
+        assert!(!c.respond_before_sync);
+        let c = DnsConfig::resolve("127.0.0.1:53", "app", "", rc, true).unwrap();
+        assert_eq!(c.listen, vec!["127.0.0.1:53".parse().unwrap()]);
+        assert!(c.respond_before_sync);
+        assert_eq!(
+            DnsConfig::resolve("15053", "app", "", rc, false).unwrap_err(),
+            DnsConfigError::Address("15053".into())
+        );
+        assert!(DnsConfig::resolve("dns.local:15053", "app", "", rc, false).is_err());
     }
 }

@@ -135,9 +135,12 @@ pub fn parse_wrk(text: &str) -> Option<(f64, f64, f64)> {
 
 /// wrk's "1.23ms" / "456.00us" / "1.02s" as milliseconds.
 fn duration_ms(v: &str) -> Option<f64> {
-    let (num, scale) = if let Some(n) = v.strip_suffix("us") {
-        (n, 0.001)
-    } else if let Some(n) = v.strip_suffix("ms") {
+    // Divide microseconds rather than multiply by 0.001: 412/1000 rounds to
+    // the same f64 as the literal 0.412, 412*0.001 does not.
+    if let Some(n) = v.strip_suffix("us") {
+        return n.parse::<f64>().ok().map(|n| n / 1000.0);
+    }
+    let (num, scale) = if let Some(n) = v.strip_suffix("ms") {
         (n, 1.0)
     } else if let Some(n) = v.strip_suffix('s') {
         (n, 1000.0)

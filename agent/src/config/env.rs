@@ -1,0 +1,159 @@
+//! Where environment variables come from: the process, or a map in tests (no
+//! `set_var`). Typed getters parse as Go's `strconv`/`time` do, since Istio's env
+//! values are written for pilot-agent, and name the variable when a value is wrong.
+
+use std::{collections::BTreeMap, time::Duration};
+
+use super::ConfigError;
+
+pub trait Env {
+    fn var(&self, name: &str) -> Option<String>;
+    /// Every variable, for prefixed families (`XDS_HEADER_*`).
+    fn vars(&self) -> Vec<(String, String)>;
+
+    /// A non-empty value.
+    fn text(&self, name: &str) -> Option<String> {
+        self.var(name).filter(|v| !v.is_empty())
+    }
+
+    fn bool_or(&self, name: &str, default: bool) -> Result<bool, ConfigError> {
+        match self.text(name) {
+            None => Ok(default),
+            Some(v) => parse_bool(&v).ok_or(ConfigError::Env {
+                name: name.into(),
+                value: v,
+                expected: "a boolean (true/false/1/0)",
+            }),
+        }
+    }
+
+    fn duration_or(&self, name: &str, default: Duration) -> Result<Duration, ConfigError> {
+        match self.text(name) {
+            None => Ok(default),
+            Some(v) => parse_duration(&v).ok_or(ConfigError::Env {
+                name: name.into(),
+                value: v,
+                expected: "a duration such as 5s, 100ms or 1m30s",
+            }),
+        }
+    }
+
+    fn u16_or(&self, name: &str, default: u16) -> Result<u16, ConfigError> {
+        match self.text(name) {
+            None => Ok(default),
+            Some(v) => v.parse().map_err(|_| ConfigError::Env {
+                name: name.into(),
+                value: v,
+                expected: "a port number (0-65535)",
+            }),
+        }
+    }
+}
+
+/// The process environment.
+pub struct ProcessEnv;
+
+impl Env for ProcessEnv {
+    fn var(&self, name: &str) -> Option<String> {
+        std::env::var(name).ok()
+    }
+    fn vars(&self) -> Vec<(String, String)> {
+        std::env::vars().collect()
+    }
+}
+
+/// A fixed environment (tests, or a config printed for another pod).
+#[derive(Debug, Default, Clone)]
+pub struct MapEnv(pub BTreeMap<String, String>);
+
+impl<const N: usize> From<[(&str, &str); N]> for MapEnv {
+    fn from(pairs: [(&str, &str); N]) -> Self {
+        Self(pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect())
+    }
+}
+
+impl Env for MapEnv {
+    fn var(&self, name: &str) -> Option<String> {
+        self.0.get(name).cloned()
+    }
+    fn vars(&self) -> Vec<(String, String)> {
+        self.0.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+    }
+}
+
+/// Go's `strconv.ParseBool`.
+pub fn parse_bool(v: &str) -> Option<bool> {
+    match v {
+        "1" | "t" | "T" | "true" | "TRUE" | "True" => Some(true),
+        "0" | "f" | "F" | "false" | "FALSE" | "False" => Some(false),
+        _ => None,
+    }
+}
+
+/// Go's `time.ParseDuration` (units ns, us, µs, ms, s, m, h; decimals; "0").
+pub fn parse_duration(v: &str) -> Option<Duration> {
+    let v = v.trim();
+    if v == "0" {
+        return Some(Duration::ZERO);
+    }
+    let mut rest = v;
+    let mut total = 0f64;
+    if rest.is_empty() {
+        return None;
+    }
+    while !rest.is_empty() {
+        let number_len = rest.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(rest.len());
+        if number_len == 0 {
+            return None;
+        }
+        let number: f64 = rest[..number_len].parse().ok()?;
+        rest = &rest[number_len..];
+        let unit_len = rest.find(|c: char| c.is_ascii_digit() || c == '.').unwrap_or(rest.len());
+        let seconds = match &rest[..unit_len] {
+            "ns" => 1e-9,
+            "us" | "µs" => 1e-6,
+            "ms" => 1e-3,
+            "s" => 1.0,
+            "m" => 60.0,
+            "h" => 3600.0,
+            _ => return None,
+        };
+        rest = &rest[unit_len..];
+        total += number * seconds;
+    }
+    Some(Duration::from_secs_f64(total))
+}
+
+/// Renders a duration as Go and protobuf JSON do (`45s`, `0.5s`).
+pub fn format_duration(d: Duration) -> String {
+    let secs = d.as_secs_f64();
+    if secs.fract() == 0.0 { format!("{}s", d.as_secs()) } else { format!("{secs}s") }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn go_durations_and_bools() {
+        assert_eq!(parse_duration("45s"), Some(Duration::from_secs(45)));
+        assert_eq!(parse_duration("1m30s"), Some(Duration::from_secs(90)));
+        assert_eq!(parse_duration("100ms"), Some(Duration::from_millis(100)));
+        assert_eq!(parse_duration("1.5h"), Some(Duration::from_secs(5400)));
+        assert_eq!(parse_duration("0"), Some(Duration::ZERO));
+        for bad in ["", "5", "s", "5x", "-1s"] {
+            assert_eq!(parse_duration(bad), None, "{bad}");
+        }
+        assert_eq!(parse_bool("True"), Some(true));
+        assert_eq!(parse_bool("yes"), None);
+        assert_eq!(format_duration(Duration::from_secs(45)), "45s");
+        assert_eq!(format_duration(Duration::from_millis(500)), "0.5s");
+    }
+
+    #[test]
+    fn errors_name_the_variable() {
+        let env = MapEnv::from([("DNS_FORWARD_TIMEOUT", "soon")]);
+        let e = env.duration_or("DNS_FORWARD_TIMEOUT", Duration::from_secs(5)).unwrap_err();
+        assert!(e.to_string().contains("DNS_FORWARD_TIMEOUT") && e.to_string().contains("soon"), "{e}");
+    }
+}

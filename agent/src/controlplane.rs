@@ -1,0 +1,62 @@
+//! A small local control plane: an ADS server (SotW and Delta) that serves a snapshot
+//! of resources and the checks istiod makes on a stream (bearer token, `ClusterID`),
+//! keeping a log of what it saw. It stands in for istiod as the relay's upstream in
+//! `weir demo` and in tests; it does no config translation (no Kubernetes, no
+//! Istio APIs): callers hand it Envoy resources.
+
+pub mod ads;
+pub mod log;
+pub mod snapshot;
+
+use std::future::Future;
+
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+use weir_proto::envoy::service::discovery::v3::aggregated_discovery_service_server::AggregatedDiscoveryServiceServer;
+
+pub use ads::{AdsServer, AuthPolicy};
+pub use log::{RecordedRequest, RecordedStream, RequestLog};
+pub use snapshot::{Snapshot, TypeSnapshot};
+
+/// The server's TLS: its certificate chain and key (PEM), and optionally the roots
+/// client certificates are checked against (clients without one are still admitted,
+/// as istiod admits token-only clients).
+#[derive(Debug, Clone)]
+pub struct ServerTls {
+    pub cert_chain: Vec<u8>,
+    pub key: Vec<u8>,
+    pub client_roots: Option<Vec<u8>>,
+}
+
+impl AdsServer {
+    /// Serves on `listener` (TLS when `tls` is given) until `shutdown`; open streams
+    /// are ended first so shutdown does not wait on them.
+    pub async fn serve(
+        self,
+        listener: TcpListener,
+        tls: Option<ServerTls>,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<(), tonic::transport::Error> {
+        let mut builder = tonic::transport::Server::builder();
+        if let Some(tls) = tls {
+            let mut config = ServerTlsConfig::new().identity(Identity::from_pem(tls.cert_chain, tls.key));
+            if let Some(roots) = tls.client_roots {
+                config = config.client_ca_root(Certificate::from_pem(roots)).client_auth_optional(true);
+            }
+            builder = builder.tls_config(config)?;
+        }
+        let me = self.clone();
+        builder
+            .add_service(
+                AggregatedDiscoveryServiceServer::new(self)
+                    .max_decoding_message_size(usize::MAX)
+                    .max_encoding_message_size(usize::MAX),
+            )
+            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
+                shutdown.await;
+                me.drop_streams(tonic::Status::unavailable("control plane shutting down"));
+            })
+            .await
+    }
+}
