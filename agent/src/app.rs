@@ -98,14 +98,18 @@ impl Agent {
             status_port = self.config.proxy_config.status_port,
             "agent started"
         );
+        let shutdown = tokio_util::sync::CancellationToken::new();
         if let Some(listener) = status {
             let server = StatusServer { metrics: self.metrics.clone(), dns: self.dns.clone() };
+            let stop = shutdown.clone();
             tasks.spawn(async move {
-                server.serve(listener).await;
+                tokio::select! {
+                    _ = server.serve(listener) => {}
+                    _ = stop.cancelled() => {}
+                }
                 Ok(())
             });
         }
-        let shutdown = tokio_util::sync::CancellationToken::new();
         let stop = shutdown.clone();
         let xds = self.xds.clone();
         let path = uds_path.clone();

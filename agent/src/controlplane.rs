@@ -6,6 +6,7 @@
 
 pub mod ads;
 pub mod log;
+pub mod resources;
 pub mod snapshot;
 
 use std::future::Future;

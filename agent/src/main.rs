@@ -42,7 +42,13 @@ fn init_tracing(argv: &[OsString]) {
     });
     let filter = EnvFilter::try_from_env("WEIR_LOG")
         .unwrap_or_else(|_| EnvFilter::new(istio_level.unwrap_or_else(|| "info".into())));
-    fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).init();
+    use std::io::IsTerminal as _;
+    fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_target(false)
+        .init();
 }
 
 fn run_weir(cli: WeirCli) -> u8 {

@@ -77,6 +77,27 @@ impl Envoy {
         admin: SocketAddr,
         placement: crate::Placement<'_>,
     ) -> anyhow::Result<Self> {
+        Self::launch(pod, config, admin, placement, true)
+    }
+
+    /// As [`Envoy::start_placed`], but returns once the admin endpoint answers at all:
+    /// for an Envoy that is expected to stay in initialization (no config yet).
+    pub fn start_uninitialized(
+        pod: &Pod,
+        config: &str,
+        admin: SocketAddr,
+        placement: crate::Placement<'_>,
+    ) -> anyhow::Result<Self> {
+        Self::launch(pod, config, admin, placement, false)
+    }
+
+    fn launch(
+        pod: &Pod,
+        config: &str,
+        admin: SocketAddr,
+        placement: crate::Placement<'_>,
+        live: bool,
+    ) -> anyhow::Result<Self> {
         let dir = tempfile_dir::Dir::new("envoy")?;
         let config_path = dir.path().join("envoy.yaml");
         std::fs::write(&config_path, config)?;
@@ -90,11 +111,11 @@ impl Envoy {
             .stderr(log);
         let child = pod.spawn_placed(&mut cmd, placement)?;
         let mut envoy = Self { admin, child, dir };
-        envoy.wait_live(Duration::from_secs(30), pod)?;
+        envoy.wait_live(Duration::from_secs(30), pod, live)?;
         Ok(envoy)
     }
 
-    fn wait_live(&mut self, timeout: Duration, pod: &Pod) -> anyhow::Result<()> {
+    fn wait_live(&mut self, timeout: Duration, pod: &Pod, live: bool) -> anyhow::Result<()> {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(status) = self.child.child_mut().try_wait()? {
@@ -102,7 +123,7 @@ impl Envoy {
             }
             let admin = self.admin;
             let ready = pod.run(|| async move { http::get(admin, "/ready").await })?;
-            if matches!(&ready, Ok((200, body)) if body.trim() == "LIVE") {
+            if matches!(&ready, Ok((200, body)) if body.trim() == "LIVE") || (!live && ready.is_ok()) {
                 return Ok(());
             }
             if Instant::now() > deadline {
@@ -151,4 +172,39 @@ impl std::fmt::Debug for Envoy {
 pub fn version() -> anyhow::Result<String> {
     let out = Command::new(binary()?).arg("--version").output().context("run envoy --version")?;
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// A bootstrap that takes all of Envoy's config over ADS from the agent's XDS socket,
+/// as Istio's does (`xds-grpc` cluster over a pipe, HTTP/2), SotW (`GRPC`) or Delta.
+pub fn ads_bootstrap(xds_socket: &std::path::Path, delta: bool, node_id: &str, admin: SocketAddr) -> String {
+    let api_type = if delta { "DELTA_GRPC" } else { "GRPC" };
+    format!(
+        r#"node: {{ id: "{node_id}", cluster: "app.default" }}
+admin:
+  address: {{ socket_address: {{ address: "{admin_ip}", port_value: {admin_port} }} }}
+dynamic_resources:
+  ads_config:
+    api_type: {api_type}
+    transport_api_version: V3
+    set_node_on_first_message_only: true
+    grpc_services: [{{ envoy_grpc: {{ cluster_name: xds-grpc }} }}]
+  lds_config: {{ ads: {{}}, resource_api_version: V3 }}
+  cds_config: {{ ads: {{}}, resource_api_version: V3 }}
+static_resources:
+  clusters:
+  - name: xds-grpc
+    type: STATIC
+    connect_timeout: 1s
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: {{ http2_protocol_options: {{}} }}
+    load_assignment:
+      cluster_name: xds-grpc
+      endpoints: [{{ lb_endpoints: [{{ endpoint: {{ address: {{ pipe: {{ path: "{socket}" }} }} }} }}] }}]
+"#,
+        admin_ip = admin.ip(),
+        admin_port = admin.port(),
+        socket = xds_socket.display(),
+    )
 }

@@ -15,9 +15,11 @@
 //! ```
 
 pub mod capture;
+pub mod control_plane;
 pub mod envoy;
 pub mod http;
 pub mod privilege;
+pub mod sidecar;
 pub mod tools;
 
 pub use weir_agent::sandbox::{Cgroup, Mesh, Placement, Pod, PodChild, leftovers, reap};

@@ -64,12 +64,26 @@ fn commands_not_built_yet_exit_2_naming_their_area() {
         (&pilot, &["wait"], "status server"),
     ];
     for (bin, args, area) in cases {
-        let out = Command::new(bin).args(*args).output().unwrap();
+        let out = Command::new(bin).args(*args).env("XDS_ROOT_CA", "SYSTEM").output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{args:?}");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains("not built yet") && err.contains(area), "{args:?}: {err}");
         assert!(!err.contains("panicked"), "{err}");
     }
+}
+
+#[test]
+fn proxy_with_a_missing_root_certificate_exits_64_naming_it() {
+    let (dir, pilot) = as_named("pilot-agent");
+    let out = Command::new(&pilot)
+        .args(["proxy", "sidecar", "--domain", "ns.svc.cluster.local"])
+        .current_dir(&dir.0)
+        .env_remove("XDS_ROOT_CA")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(64));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("./var/run/secrets/istio/root-cert.pem") && err.contains("XDS_ROOT_CA"), "{err}");
 }
 
 #[test]

@@ -1,0 +1,163 @@
+//! The relay's upstream in tests: Weir's own ADS server (`weir_agent::controlplane`)
+//! standing in for istiod in an "istiod" pod, behind TLS from a test CA, with istiod's
+//! token and `ClusterID` checks. It can be stopped and started again on the same
+//! address, and its request log is what tests assert on.
+
+use std::{
+    net::SocketAddr,
+    sync::mpsc,
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, anyhow};
+use tokio_util::sync::CancellationToken;
+use weir_agent::controlplane::{AdsServer, RecordedRequest, RecordedStream, ServerTls};
+
+use crate::Pod;
+
+/// The SAN istiod's serving certificate carries (and Weir checks by default).
+pub const ISTIOD_SAN: &str = "istiod.istio-system.svc";
+/// istiod's secure xDS port.
+pub const XDS_PORT: u16 = 15012;
+/// The token the control plane accepts.
+pub const TOKEN: &str = "weir-test-token";
+/// The cluster the control plane serves.
+pub const CLUSTER_ID: &str = "Kubernetes";
+
+/// A self-signed CA for tests, and certificates it signs.
+pub struct TestCa {
+    issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
+    root_pem: String,
+}
+
+impl TestCa {
+    pub fn new(name: &str) -> anyhow::Result<Self> {
+        let key = rcgen::KeyPair::generate()?;
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new())?;
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params.distinguished_name.push(rcgen::DnType::OrganizationName, name);
+        params.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign, rcgen::KeyUsagePurpose::CrlSign];
+        let cert = params.self_signed(&key)?;
+        let root_pem = cert.pem();
+        Ok(Self { issuer: rcgen::Issuer::new(params, key), root_pem })
+    }
+
+    pub fn root_pem(&self) -> &str {
+        &self.root_pem
+    }
+
+    /// A serving certificate for `dns_names`: (chain PEM, key PEM).
+    pub fn server_cert(&self, dns_names: &[&str]) -> anyhow::Result<(String, String)> {
+        let key = rcgen::KeyPair::generate()?;
+        let names: Vec<String> = dns_names.iter().map(|s| s.to_string()).collect();
+        let mut params = rcgen::CertificateParams::new(names)?;
+        params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
+        let cert = params.signed_by(&key, &self.issuer)?;
+        Ok((cert.pem(), key.serialize_pem()))
+    }
+}
+
+/// An ADS server running in a pod.
+pub struct ControlPlane {
+    pub ads: AdsServer,
+    pub addr: SocketAddr,
+    tls: Option<ServerTls>,
+    netns: weir_agent::sandbox::NetNs,
+    running: Option<(CancellationToken, JoinHandle<anyhow::Result<()>>)>,
+}
+
+impl ControlPlane {
+    /// Serves `ads` on `addr` inside `pod`, over TLS when given. Returns once listening.
+    pub fn start(
+        pod: &Pod,
+        addr: SocketAddr,
+        ads: AdsServer,
+        tls: Option<ServerTls>,
+    ) -> anyhow::Result<Self> {
+        let netns = weir_agent::sandbox::NetNs::open(pod.netns().path())?;
+        let mut cp = Self { ads, addr, tls, netns, running: None };
+        cp.resume()?;
+        Ok(cp)
+    }
+
+    /// The istiod stand-in: TLS with a certificate for [`ISTIOD_SAN`] from `ca`, token
+    /// and cluster checks, on `pod`'s IPv4 address, port 15012.
+    pub fn istiod(pod: &Pod, ca: &TestCa, ads: AdsServer) -> anyhow::Result<Self> {
+        let (chain, key) = ca.server_cert(&[ISTIOD_SAN, &format!("{ISTIOD_SAN}.cluster.local")])?;
+        let tls = ServerTls { cert_chain: chain.into_bytes(), key: key.into_bytes(), client_roots: None };
+        Self::start(pod, SocketAddr::new(pod.ipv4().into(), XDS_PORT), ads, Some(tls))
+    }
+
+    /// Stops serving: open streams end with UNAVAILABLE, the port is closed.
+    pub fn stop(&mut self) {
+        if let Some((stop, thread)) = self.running.take() {
+            stop.cancel();
+            let _ = thread.join();
+        }
+    }
+
+    /// Serves again on the same address (after [`ControlPlane::stop`]).
+    pub fn resume(&mut self) -> anyhow::Result<()> {
+        self.stop();
+        let (ready_tx, ready_rx) = mpsc::channel();
+        let stop = CancellationToken::new();
+        let (ads, tls, addr, cancelled) = (self.ads.clone(), self.tls.clone(), self.addr, stop.clone());
+        let thread = self.netns.spawn_thread(move || async move {
+            let listener = match tokio::net::TcpListener::bind(addr).await {
+                Ok(l) => {
+                    let _ = ready_tx.send(Ok(()));
+                    l
+                }
+                Err(e) => {
+                    let _ = ready_tx.send(Err(anyhow!("bind control plane on {addr}: {e}")));
+                    return Ok(());
+                }
+            };
+            ads.serve(listener, tls, cancelled.cancelled_owned()).await.context("control plane")
+        })?;
+        ready_rx.recv_timeout(Duration::from_secs(10)).context("control plane did not start")??;
+        self.running = Some((stop, thread));
+        Ok(())
+    }
+
+    /// Waits (blocking) until `check` over the request and stream logs says `Some`.
+    pub fn wait_for<T>(
+        &self,
+        timeout: Duration,
+        check: impl FnMut(&[RecordedRequest], &[RecordedStream]) -> Option<T>,
+    ) -> Option<T> {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_time().build().expect("runtime");
+        runtime.block_on(self.ads.log().wait_for(timeout, check))
+    }
+
+    /// Waits for an ACK of `type_url` at `version` (SotW) on any stream.
+    pub fn wait_for_ack(&self, type_url: &str, version: &str, timeout: Duration) -> bool {
+        self.wait_for(timeout, |reqs, _| {
+            reqs.iter()
+                .any(|r| r.type_url == type_url && r.is_ack() && r.version_info == version)
+                .then_some(())
+        })
+        .is_some()
+    }
+}
+
+impl Drop for ControlPlane {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Polls `f` every 100 ms until it returns `Some` or `timeout` passes.
+pub fn eventually<T>(timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return Some(v);
+        }
+        if Instant::now() > deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}

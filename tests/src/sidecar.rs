@@ -1,0 +1,139 @@
+//! An injected pod's file system and its agent for tests: a root directory laid out as
+//! Istio's injector mounts it (`etc/istio/proxy`, the istiod root certificate, the
+//! service-account token), and `weir proxy sidecar` started there as the proxy user,
+//! the way the `istio-proxy` container runs `pilot-agent`.
+
+use std::{
+    os::unix::fs::PermissionsExt as _,
+    path::{Path, PathBuf},
+    process::{Command, ExitStatus, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::bail;
+
+use crate::{Placement, Pod, PodChild, envoy::tempfile_dir::Dir, tools};
+
+/// The proxy user (istio-proxy's uid).
+pub const PROXY_UID: u32 = 1337;
+
+/// A pod's root as the sidecar sees it (the agent's working directory).
+pub struct SidecarRoot {
+    dir: Dir,
+}
+
+impl SidecarRoot {
+    /// Lays out the mounts: `etc/istio/proxy` (writable by the proxy user),
+    /// `var/run/secrets/istio/root-cert.pem` and `var/run/secrets/tokens/istio-token`.
+    pub fn new(root_cert_pem: &str, token: &str) -> anyhow::Result<Self> {
+        let dir = Dir::new("pod-root")?;
+        let root = dir.path();
+        let proxy_dir = root.join("etc/istio/proxy");
+        std::fs::create_dir_all(&proxy_dir)?;
+        std::os::unix::fs::chown(&proxy_dir, Some(PROXY_UID), Some(PROXY_UID))?;
+        for (path, text) in [
+            ("var/run/secrets/istio/root-cert.pem", root_cert_pem),
+            ("var/run/secrets/tokens/istio-token", token),
+        ] {
+            let path = root.join(path);
+            std::fs::create_dir_all(path.parent().expect("has a parent"))?;
+            std::fs::write(&path, text)?;
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644))?;
+        }
+        // Every directory on the way must be searchable by the proxy user.
+        for d in [
+            "etc",
+            "etc/istio",
+            "var",
+            "var/run",
+            "var/run/secrets",
+            "var/run/secrets/istio",
+            "var/run/secrets/tokens",
+        ] {
+            std::fs::set_permissions(root.join(d), std::fs::Permissions::from_mode(0o755))?;
+        }
+        Ok(Self { dir })
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Where the agent serves xDS to Envoy.
+    pub fn xds_socket(&self) -> PathBuf {
+        self.path().join("etc/istio/proxy/XDS")
+    }
+
+    /// Rewrites the token file (the kubelet rotating it).
+    pub fn set_token(&self, token: &str) -> std::io::Result<()> {
+        std::fs::write(self.path().join("var/run/secrets/tokens/istio-token"), token)
+    }
+}
+
+/// `weir proxy sidecar` running in a pod.
+pub struct AgentProcess {
+    pub child: PodChild,
+    log: PathBuf,
+}
+
+impl AgentProcess {
+    /// Starts the agent in `pod` as the proxy user with `root` as its working directory
+    /// and `env` added to a clean environment; returns once its XDS socket exists.
+    pub fn start(
+        pod: &Pod,
+        root: &SidecarRoot,
+        env: &[(&str, &str)],
+        resolv_conf: Option<&Path>,
+    ) -> anyhow::Result<Self> {
+        let log = root.path().join("agent.log");
+        let file = std::fs::File::create(&log)?;
+        let mut cmd = Command::new(tools::weir());
+        cmd.args(["proxy", "sidecar", "--domain", "default.svc.cluster.local"])
+            .current_dir(root.path())
+            .env_clear()
+            .env("WEIR_LOG", "info")
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(file.try_clone()?)
+            .stderr(file);
+        let child = pod.spawn_placed(
+            &mut cmd,
+            Placement { user: Some((PROXY_UID, PROXY_UID)), resolv_conf, ..Placement::default() },
+        )?;
+        let mut agent = Self { child, log };
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while !root.xds_socket().exists() {
+            if let Some(status) = agent.child.child_mut().try_wait()? {
+                bail!("weir proxy exited with {status} during start; log:\n{}", agent.log());
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "weir proxy did not create {} in 15s; log:\n{}",
+                    root.xds_socket().display(),
+                    agent.log()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(agent)
+    }
+
+    /// What the agent logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Whether the agent is still running.
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.child_mut().try_wait(), Ok(None))
+    }
+
+    /// SIGTERM, then waits up to 10 s for it to exit.
+    pub fn terminate(&mut self) -> anyhow::Result<ExitStatus> {
+        self.child.signal(libc::SIGTERM)?;
+        match self.child.wait_timeout(Duration::from_secs(10))? {
+            Some(status) => Ok(status),
+            None => bail!("weir proxy still running 10s after SIGTERM; log:\n{}", self.log()),
+        }
+    }
+}
