@@ -174,10 +174,55 @@ pub fn version() -> anyhow::Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
+/// Where an ADS bootstrap points Envoy.
+pub enum XdsTarget<'a> {
+    /// The agent's XDS socket (the sidecar setup).
+    Uds(&'a std::path::Path),
+    /// A control plane directly, over TLS with istiod's credentials (the floor the relay
+    /// is measured against).
+    Direct {
+        address: SocketAddr,
+        ca_file: &'a std::path::Path,
+        sni: &'a str,
+        token: &'a str,
+        cluster_id: &'a str,
+    },
+}
+
 /// A bootstrap that takes all of Envoy's config over ADS from the agent's XDS socket,
 /// as Istio's does (`xds-grpc` cluster over a pipe, HTTP/2), SotW (`GRPC`) or Delta.
 pub fn ads_bootstrap(xds_socket: &std::path::Path, delta: bool, node_id: &str, admin: SocketAddr) -> String {
+    ads_bootstrap_to(&XdsTarget::Uds(xds_socket), delta, node_id, admin)
+}
+
+/// As [`ads_bootstrap`], to any [`XdsTarget`].
+pub fn ads_bootstrap_to(target: &XdsTarget<'_>, delta: bool, node_id: &str, admin: SocketAddr) -> String {
     let api_type = if delta { "DELTA_GRPC" } else { "GRPC" };
+    let (metadata, address, transport) = match target {
+        XdsTarget::Uds(path) => {
+            (String::new(), format!("pipe: {{ path: \"{}\" }}", path.display()), String::new())
+        }
+        XdsTarget::Direct { address, ca_file, sni, token, cluster_id } => (
+            format!(
+                ", initial_metadata: [{{ key: authorization, value: \"Bearer {token}\" }}, {{ key: clusterid, value: \"{cluster_id}\" }}]"
+            ),
+            format!("socket_address: {{ address: \"{}\", port_value: {} }}", address.ip(), address.port()),
+            format!(
+                r#"    transport_socket:
+      name: envoy.transport_sockets.tls
+      typed_config:
+        "@type": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext
+        sni: "{sni}"
+        common_tls_context:
+          alpn_protocols: [h2]
+          validation_context:
+            trusted_ca: {{ filename: "{ca}" }}
+            match_typed_subject_alt_names: [{{ san_type: DNS, matcher: {{ exact: "{sni}" }} }}]
+"#,
+                ca = ca_file.display()
+            ),
+        ),
+    };
     format!(
         r#"node: {{ id: "{node_id}", cluster: "app.default" }}
 admin:
@@ -187,7 +232,7 @@ dynamic_resources:
     api_type: {api_type}
     transport_api_version: V3
     set_node_on_first_message_only: true
-    grpc_services: [{{ envoy_grpc: {{ cluster_name: xds-grpc }} }}]
+    grpc_services: [{{ envoy_grpc: {{ cluster_name: xds-grpc }}{metadata} }}]
   lds_config: {{ ads: {{}}, resource_api_version: V3 }}
   cds_config: {{ ads: {{}}, resource_api_version: V3 }}
 static_resources:
@@ -201,10 +246,9 @@ static_resources:
         explicit_http_config: {{ http2_protocol_options: {{}} }}
     load_assignment:
       cluster_name: xds-grpc
-      endpoints: [{{ lb_endpoints: [{{ endpoint: {{ address: {{ pipe: {{ path: "{socket}" }} }} }} }}] }}]
-"#,
+      endpoints: [{{ lb_endpoints: [{{ endpoint: {{ address: {{ {address} }} }} }}] }}]
+{transport}"#,
         admin_ip = admin.ip(),
         admin_port = admin.port(),
-        socket = xds_socket.display(),
     )
 }

@@ -5,12 +5,19 @@
 //!       requests/s and p50/p99 through a real Envoy for: no capture (the app calls
 //!       Envoy directly: the floor), iptables REDIRECT, nftables, eBPF, eBPF + sk_msg;
 //!       new connections/s; raw TCP throughput (iperf3) app -> Envoy -> server.
+//!
+//!   weir-bench xds [--runs N] [--markdown]
+//!       push -> ACK latency (p50/p99 of small pushes, one 10 000-cluster push) with a
+//!       real Envoy through the Weir relay (SotW, Delta) vs Envoy talking to the control
+//!       plane directly (the floor); the agent's CPU time and peak RSS.
 use std::process::ExitCode;
 
 #[path = "../bench/capture.rs"]
 mod capture;
 #[path = "../bench/report.rs"]
 mod report;
+#[path = "../bench/xds.rs"]
+mod xds;
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -30,8 +37,9 @@ fn main() -> ExitCode {
     };
     let result = match args.first().map(String::as_str) {
         Some("capture") => capture::run(&opts),
+        Some("xds") => xds::run(&opts),
         _ => Err(anyhow::anyhow!(
-            "usage: weir-bench capture [--runs N] [--duration SECS] [--connections N] [--markdown]"
+            "usage: weir-bench capture [--runs N] [--duration SECS] [--connections N] [--markdown]\n       weir-bench xds [--runs N] [--markdown]"
         )),
     };
     match result {
