@@ -1,10 +1,11 @@
 //! A small local control plane: an ADS server (SotW and Delta) that serves a snapshot
-//! of resources and the checks istiod makes on a stream (bearer token, `ClusterID`),
-//! keeping a log of what it saw. It stands in for istiod as the relay's upstream in
-//! `weir demo` and in tests; it does no config translation (no Kubernetes, no
-//! Istio APIs): callers hand it Envoy resources.
+//! of resources with the checks istiod makes on a stream (bearer token, `ClusterID`),
+//! keeping a log of what it saw, and a CA that signs workload CSRs (`ca`). It stands
+//! in for istiod in tests (and will in standalone mode); it does no config translation
+//! (no Kubernetes, no Istio APIs): callers hand it Envoy resources.
 
 pub mod ads;
+pub mod ca;
 pub mod log;
 pub mod resources;
 pub mod snapshot;
@@ -14,9 +15,13 @@ use std::future::Future;
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::transport::{Certificate, Identity, ServerTlsConfig};
-use weir_proto::envoy::service::discovery::v3::aggregated_discovery_service_server::AggregatedDiscoveryServiceServer;
+use weir_proto::{
+    envoy::service::discovery::v3::aggregated_discovery_service_server::AggregatedDiscoveryServiceServer,
+    istio::v1::auth::istio_certificate_service_server::IstioCertificateServiceServer,
+};
 
 pub use ads::{AdsServer, AuthPolicy};
+pub use ca::{CaBehaviour, CaRequest, CaServer};
 pub use log::{RecordedRequest, RecordedStream, RequestLog};
 pub use snapshot::{Snapshot, TypeSnapshot};
 
@@ -31,33 +36,45 @@ pub struct ServerTls {
 }
 
 impl AdsServer {
-    /// Serves on `listener` (TLS when `tls` is given) until `shutdown`; open streams
-    /// are ended first so shutdown does not wait on them.
+    /// Serves xDS on `listener` (TLS when `tls` is given) until `shutdown`; open
+    /// streams are ended first so shutdown does not wait on them.
     pub async fn serve(
         self,
         listener: TcpListener,
         tls: Option<ServerTls>,
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<(), tonic::transport::Error> {
-        let mut builder = tonic::transport::Server::builder();
-        if let Some(tls) = tls {
-            let mut config = ServerTlsConfig::new().identity(Identity::from_pem(tls.cert_chain, tls.key));
-            if let Some(roots) = tls.client_roots {
-                config = config.client_ca_root(Certificate::from_pem(roots)).client_auth_optional(true);
-            }
-            builder = builder.tls_config(config)?;
-        }
-        let me = self.clone();
-        builder
-            .add_service(
-                AggregatedDiscoveryServiceServer::new(self)
-                    .max_decoding_message_size(usize::MAX)
-                    .max_encoding_message_size(usize::MAX),
-            )
-            .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
-                shutdown.await;
-                me.drop_streams(tonic::Status::unavailable("control plane shutting down"));
-            })
-            .await
+        serve(listener, tls, self, None, shutdown).await
     }
+}
+
+/// Serves xDS and, when given, the CA on one port, as istiod serves both on 15012.
+pub async fn serve(
+    listener: TcpListener,
+    tls: Option<ServerTls>,
+    ads: AdsServer,
+    ca: Option<CaServer>,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), tonic::transport::Error> {
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        let mut config = ServerTlsConfig::new().identity(Identity::from_pem(tls.cert_chain, tls.key));
+        if let Some(roots) = tls.client_roots {
+            config = config.client_ca_root(Certificate::from_pem(roots)).client_auth_optional(true);
+        }
+        builder = builder.tls_config(config)?;
+    }
+    let me = ads.clone();
+    builder
+        .add_service(
+            AggregatedDiscoveryServiceServer::new(ads)
+                .max_decoding_message_size(usize::MAX)
+                .max_encoding_message_size(usize::MAX),
+        )
+        .add_optional_service(ca.map(IstioCertificateServiceServer::new))
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
+            shutdown.await;
+            me.drop_streams(tonic::Status::unavailable("control plane shutting down"));
+        })
+        .await
 }

@@ -1,0 +1,256 @@
+//! The control plane's certificate authority: `istio.v1.auth.IstioCertificateService`
+//! `CreateCertificate`, signing CSRs with a root held in memory, as istiod's CA does for
+//! workloads. It checks the bearer token, caps the validity at the requested duration
+//! (or a forced short lifetime), and can be told to fail or to answer slowly — the
+//! failure modes the agent's CA client must survive. Every request is recorded.
+
+use std::{
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use tonic::{Request, Response, Status};
+use weir_proto::istio::v1::auth::{
+    IstioCertificateRequest, IstioCertificateResponse,
+    istio_certificate_service_server::IstioCertificateService,
+};
+
+/// What the CA does with the next requests.
+#[derive(Debug, Clone, Default)]
+pub enum CaBehaviour {
+    /// Sign.
+    #[default]
+    Sign,
+    /// Answer with this status.
+    Fail(tonic::Code, String),
+    /// Answer with only the leaf (a chain istiod would never send).
+    LeafOnly,
+    /// Answer with text that is not PEM.
+    Garbage,
+}
+
+/// One CreateCertificate call as received.
+#[derive(Debug, Clone)]
+pub struct CaRequest {
+    pub authorization: Option<String>,
+    pub validity_seconds: i64,
+    /// The URI SANs the CSR asked for.
+    pub uri_sans: Vec<String>,
+    pub cert_signer: Option<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CaError {
+    #[error("create the CA root")]
+    Root(#[source] rcgen::Error),
+}
+
+struct State {
+    behaviour: CaBehaviour,
+    delay: Duration,
+    /// When set, every certificate lives this long, whatever was asked.
+    forced_lifetime: Option<Duration>,
+    requests: Vec<CaRequest>,
+}
+
+/// The CA service. Clones share state.
+#[derive(Clone)]
+pub struct CaServer {
+    issuer: Arc<rcgen::Issuer<'static, rcgen::KeyPair>>,
+    root_pem: Arc<str>,
+    token: Option<Arc<str>>,
+    state: Arc<Mutex<State>>,
+}
+
+impl CaServer {
+    /// A CA with a fresh self-signed ECDSA P-256 root named `org`, accepting only
+    /// `token` (when given).
+    pub fn new(org: &str, token: Option<String>) -> Result<Self, CaError> {
+        let key = rcgen::KeyPair::generate().map_err(CaError::Root)?;
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).map_err(CaError::Root)?;
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params.distinguished_name.push(rcgen::DnType::OrganizationName, org);
+        params.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign, rcgen::KeyUsagePurpose::CrlSign];
+        let now = time::OffsetDateTime::now_utc();
+        params.not_before = now - time::Duration::hours(1);
+        params.not_after = now + time::Duration::days(3650);
+        let cert = params.self_signed(&key).map_err(CaError::Root)?;
+        Ok(Self {
+            root_pem: cert.pem().into(),
+            issuer: Arc::new(rcgen::Issuer::new(params, key)),
+            token: token.map(Into::into),
+            state: Arc::new(Mutex::new(State {
+                behaviour: CaBehaviour::Sign,
+                delay: Duration::ZERO,
+                forced_lifetime: None,
+                requests: Vec::new(),
+            })),
+        })
+    }
+
+    /// The root certificate (PEM).
+    pub fn root_pem(&self) -> &str {
+        &self.root_pem
+    }
+
+    pub fn set_behaviour(&self, behaviour: CaBehaviour) {
+        self.state.lock().expect("ca state").behaviour = behaviour;
+    }
+
+    pub fn set_delay(&self, delay: Duration) {
+        self.state.lock().expect("ca state").delay = delay;
+    }
+
+    pub fn force_lifetime(&self, lifetime: Option<Duration>) {
+        self.state.lock().expect("ca state").forced_lifetime = lifetime;
+    }
+
+    pub fn requests(&self) -> Vec<CaRequest> {
+        self.state.lock().expect("ca state").requests.clone()
+    }
+
+    /// Signs `csr_pem` for `lifetime`; returns the leaf PEM.
+    fn sign(&self, csr_pem: &str, lifetime: Duration) -> Result<String, Status> {
+        let mut csr = rcgen::CertificateSigningRequestParams::from_pem(csr_pem).map_err(|e| {
+            Status::invalid_argument(format!("CSR is not a valid PEM certificate request: {e}"))
+        })?;
+        let now = time::OffsetDateTime::now_utc();
+        csr.params.not_before = now - time::Duration::minutes(1);
+        csr.params.not_after = now + time::Duration::try_from(lifetime).unwrap_or(time::Duration::days(1));
+        csr.params.is_ca = rcgen::IsCa::ExplicitNoCa;
+        csr.params.key_usages =
+            vec![rcgen::KeyUsagePurpose::DigitalSignature, rcgen::KeyUsagePurpose::KeyEncipherment];
+        csr.params.extended_key_usages =
+            vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth, rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+        csr.params.serial_number = Some(rcgen::SerialNumber::from_slice(&rand::random::<[u8; 16]>()));
+        let cert =
+            csr.signed_by(&self.issuer).map_err(|e| Status::internal(format!("signing failed: {e}")))?;
+        Ok(cert.pem())
+    }
+}
+
+fn uri_sans(csr_pem: &str) -> Vec<String> {
+    rcgen::CertificateSigningRequestParams::from_pem(csr_pem)
+        .map(|csr| {
+            csr.params
+                .subject_alt_names
+                .iter()
+                .filter_map(|san| match san {
+                    rcgen::SanType::URI(uri) => Some(uri.as_str().to_string()),
+                    _ => None,
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[tonic::async_trait]
+impl IstioCertificateService for CaServer {
+    async fn create_certificate(
+        &self,
+        request: Request<IstioCertificateRequest>,
+    ) -> Result<Response<IstioCertificateResponse>, Status> {
+        let authorization =
+            request.metadata().get("authorization").and_then(|v| v.to_str().ok()).map(str::to_string);
+        let body = request.into_inner();
+        let cert_signer =
+            body.metadata.as_ref().and_then(|m| m.fields.get("CertSigner")).and_then(|v| match &v.kind {
+                Some(prost_types::value::Kind::StringValue(s)) => Some(s.clone()),
+                _ => None,
+            });
+        let (behaviour, delay, forced) = {
+            let mut state = self.state.lock().expect("ca state");
+            state.requests.push(CaRequest {
+                authorization: authorization.clone(),
+                validity_seconds: body.validity_duration,
+                uri_sans: uri_sans(&body.csr),
+                cert_signer,
+            });
+            (state.behaviour.clone(), state.delay, state.forced_lifetime)
+        };
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
+        if let Some(token) = &self.token
+            && authorization.as_deref() != Some(&format!("Bearer {token}"))
+        {
+            return Err(Status::unauthenticated("authenticate failure: the bearer token is not valid"));
+        }
+        let lifetime = forced.unwrap_or_else(|| {
+            Duration::from_secs(
+                u64::try_from(body.validity_duration).ok().filter(|s| *s > 0).unwrap_or(86_400),
+            )
+        });
+        match behaviour {
+            CaBehaviour::Fail(code, message) => Err(Status::new(code, message)),
+            CaBehaviour::Garbage => Ok(Response::new(IstioCertificateResponse {
+                cert_chain: vec!["not a certificate".into(), "still not one".into()],
+            })),
+            CaBehaviour::LeafOnly => Ok(Response::new(IstioCertificateResponse {
+                cert_chain: vec![self.sign(&body.csr, lifetime)?],
+            })),
+            CaBehaviour::Sign => Ok(Response::new(IstioCertificateResponse {
+                cert_chain: vec![self.sign(&body.csr, lifetime)?, self.root_pem.to_string()],
+            })),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use weir_proto::istio::v1::auth::istio_certificate_service_server::IstioCertificateService as _;
+
+    use super::*;
+
+    fn csr(spiffe: &str) -> String {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.subject_alt_names = vec![rcgen::SanType::URI(spiffe.try_into().unwrap())];
+        params.serialize_request(&key).unwrap().pem().unwrap()
+    }
+
+    fn request(csr: String, token: &str) -> Request<IstioCertificateRequest> {
+        let mut r = Request::new(IstioCertificateRequest { csr, validity_duration: 3600, metadata: None });
+        r.metadata_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
+        r
+    }
+
+    #[tokio::test]
+    async fn signs_a_csr_into_a_leaf_and_root_chain_for_the_asked_lifetime() {
+        let ca = CaServer::new("test", Some("t".into())).unwrap();
+        let id = "spiffe://cluster.local/ns/default/sa/app";
+        let chain = ca.create_certificate(request(csr(id), "t")).await.unwrap().into_inner().cert_chain;
+        assert_eq!(chain.len(), 2);
+        assert_eq!(chain[1], ca.root_pem());
+        let (_, pem) = x509_parser::pem::parse_x509_pem(chain[0].as_bytes()).unwrap();
+        let leaf = pem.parse_x509().unwrap();
+        let san = leaf.subject_alternative_name().unwrap().unwrap();
+        assert!(format!("{:?}", san.value.general_names).contains(id));
+        let lifetime = leaf.validity().not_after.timestamp() - leaf.validity().not_before.timestamp();
+        assert_eq!(lifetime, 3600 + 60, "asked validity plus the minute of back-dating");
+        assert_eq!(ca.requests()[0].uri_sans, vec![id.to_string()]);
+    }
+
+    #[tokio::test]
+    async fn refuses_bad_tokens_and_csrs_and_obeys_its_failure_modes() {
+        let ca = CaServer::new("test", Some("t".into())).unwrap();
+        let e = ca.create_certificate(request(csr("spiffe://a/b"), "wrong")).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated);
+        let e = ca.create_certificate(request("junk".into(), "t")).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        ca.set_behaviour(CaBehaviour::LeafOnly);
+        let chain =
+            ca.create_certificate(request(csr("spiffe://a/b"), "t")).await.unwrap().into_inner().cert_chain;
+        assert_eq!(chain.len(), 1);
+        ca.set_behaviour(CaBehaviour::Fail(tonic::Code::Unavailable, "down".into()));
+        let e = ca.create_certificate(request(csr("spiffe://a/b"), "t")).await.unwrap_err();
+        assert_eq!((e.code(), e.message()), (tonic::Code::Unavailable, "down"));
+        ca.set_behaviour(CaBehaviour::Sign);
+        ca.force_lifetime(Some(Duration::from_secs(10)));
+        let chain =
+            ca.create_certificate(request(csr("spiffe://a/b"), "t")).await.unwrap().into_inner().cert_chain;
+        let (_, pem) = x509_parser::pem::parse_x509_pem(chain[0].as_bytes()).unwrap();
+        let leaf = pem.parse_x509().unwrap();
+        assert_eq!(leaf.validity().not_after.timestamp() - leaf.validity().not_before.timestamp(), 70);
+    }
+}
