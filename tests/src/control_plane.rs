@@ -12,7 +12,7 @@ use std::{
 
 use anyhow::{Context as _, anyhow};
 use tokio_util::sync::CancellationToken;
-use weir_agent::controlplane::{AdsServer, RecordedRequest, RecordedStream, ServerTls};
+use weir_agent::controlplane::{AdsServer, CaServer, RecordedRequest, RecordedStream, ServerTls};
 
 use crate::Pod;
 
@@ -61,6 +61,8 @@ impl TestCa {
 /// An ADS server running in a pod.
 pub struct ControlPlane {
     pub ads: AdsServer,
+    /// istiod's CA on the same port, when the test asked for one.
+    pub ca: Option<CaServer>,
     pub addr: SocketAddr,
     tls: Option<ServerTls>,
     netns: weir_agent::sandbox::NetNs,
@@ -76,7 +78,7 @@ impl ControlPlane {
         tls: Option<ServerTls>,
     ) -> anyhow::Result<Self> {
         let netns = weir_agent::sandbox::NetNs::open(pod.netns().path())?;
-        let mut cp = Self { ads, addr, tls, netns, running: None };
+        let mut cp = Self { ads, ca: None, addr, tls, netns, running: None };
         cp.resume()?;
         Ok(cp)
     }
@@ -87,6 +89,13 @@ impl ControlPlane {
         let (chain, key) = ca.server_cert(&[ISTIOD_SAN, &format!("{ISTIOD_SAN}.cluster.local")])?;
         let tls = ServerTls { cert_chain: chain.into_bytes(), key: key.into_bytes(), client_roots: None };
         Self::start(pod, SocketAddr::new(pod.ipv4().into(), XDS_PORT), ads, Some(tls))
+    }
+
+    /// Adds `ca` (served from the next [`ControlPlane::resume`], which this calls).
+    pub fn with_ca(mut self, ca: CaServer) -> anyhow::Result<Self> {
+        self.ca = Some(ca);
+        self.resume()?;
+        Ok(self)
     }
 
     /// Stops serving: open streams end with UNAVAILABLE, the port is closed.
@@ -102,7 +111,8 @@ impl ControlPlane {
         self.stop();
         let (ready_tx, ready_rx) = mpsc::channel();
         let stop = CancellationToken::new();
-        let (ads, tls, addr, cancelled) = (self.ads.clone(), self.tls.clone(), self.addr, stop.clone());
+        let (ads, ca, tls, addr, cancelled) =
+            (self.ads.clone(), self.ca.clone(), self.tls.clone(), self.addr, stop.clone());
         let thread = self.netns.spawn_thread(move || async move {
             let listener = match tokio::net::TcpListener::bind(addr).await {
                 Ok(l) => {
@@ -114,7 +124,9 @@ impl ControlPlane {
                     return Ok(());
                 }
             };
-            ads.serve(listener, tls, cancelled.cancelled_owned()).await.context("control plane")
+            weir_agent::controlplane::serve(listener, tls, ads, ca, cancelled.cancelled_owned())
+                .await
+                .context("control plane")
         })?;
         ready_rx.recv_timeout(Duration::from_secs(10)).context("control plane did not start")??;
         self.running = Some((stop, thread));
