@@ -160,6 +160,21 @@ impl Drop for ControlPlane {
     }
 }
 
+/// `count` static clusters (`filler-00000`, ...) pointing at `endpoint`, plus an EDS
+/// cluster `hello`: the large CDS snapshot the relay tests and benchmark push.
+pub fn filler_clusters(count: usize, endpoint: SocketAddr) -> Vec<(String, prost_types::Any)> {
+    use weir_agent::controlplane::resources;
+    let mut clusters: Vec<(String, prost_types::Any)> = (0..count)
+        .map(|i| {
+            let name = format!("filler-{i:05}");
+            let cluster = resources::static_cluster(&name, &[endpoint], Duration::from_secs(1));
+            (name, cluster)
+        })
+        .collect();
+    clusters.push(("hello".into(), resources::eds_cluster("hello", Duration::from_secs(1))));
+    clusters
+}
+
 /// Polls `f` every 100 ms until it returns `Some` or `timeout` passes.
 pub fn eventually<T>(timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Option<T> {
     let deadline = Instant::now() + timeout;

@@ -137,3 +137,13 @@ impl AgentProcess {
         }
     }
 }
+
+/// Peak resident set size (`VmHWM`) of `pid`, in KiB.
+pub fn peak_rss_kib(pid: u32) -> anyhow::Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("no VmHWM in /proc/{pid}/status"))
+}

@@ -16,10 +16,10 @@ use weir_proto::{istio::networking::nds::v1::NameTable, to_any, type_url};
 use weir_tests::{
     Mesh, Placement, Pod, PodChild,
     capture::{ask, start_server},
-    control_plane::{CLUSTER_ID, ControlPlane, TOKEN, TestCa, eventually},
+    control_plane::{CLUSTER_ID, ControlPlane, TOKEN, TestCa, eventually, filler_clusters},
     envoy::{Envoy, ads_bootstrap},
     http, require_root,
-    sidecar::{AgentProcess, PROXY_UID, SidecarRoot},
+    sidecar::{AgentProcess, PROXY_UID, SidecarRoot, peak_rss_kib},
     test_name,
 };
 
@@ -435,15 +435,7 @@ fn ten_thousand_clusters_and_a_thousand_pushes_do_not_wedge_the_relay() {
     rig.expect_served_by("v1");
     let filler = SocketAddr::new(rig.server.ipv4().into(), 9);
     rig.cp.ads.update(|s| {
-        let mut clusters: Vec<(String, prost_types::Any)> = (0..10_000)
-            .map(|i| {
-                let name = format!("filler-{i:05}");
-                let c = resources::static_cluster(&name, &[filler], Duration::from_secs(1));
-                (name, c)
-            })
-            .collect();
-        clusters.push(("hello".into(), resources::eds_cluster("hello", Duration::from_secs(1))));
-        s.set(type_url::CLUSTER, "big", clusters);
+        s.set(type_url::CLUSTER, "big", filler_clusters(10_000, filler));
     });
     assert!(
         rig.cp.wait_for_ack(type_url::CLUSTER, "big", Duration::from_secs(120)),
@@ -466,15 +458,6 @@ fn ten_thousand_clusters_and_a_thousand_pushes_do_not_wedge_the_relay() {
         rig.agent.log()
     );
     rig.expect_served_by("v2");
-    let hwm_kib = vm_hwm_kib(rig.agent.child.pid());
+    let hwm_kib = peak_rss_kib(rig.agent.child.pid()).unwrap();
     assert!(hwm_kib < 256 * 1024, "agent peak RSS {hwm_kib} KiB");
-}
-
-fn vm_hwm_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("VmHWM")
 }

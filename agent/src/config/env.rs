@@ -81,48 +81,12 @@ impl Env for MapEnv {
     }
 }
 
-/// Go's `strconv.ParseBool`.
-pub fn parse_bool(v: &str) -> Option<bool> {
-    match v {
-        "1" | "t" | "T" | "true" | "TRUE" | "True" => Some(true),
-        "0" | "f" | "F" | "false" | "FALSE" | "False" => Some(false),
-        _ => None,
-    }
-}
+/// Go's `strconv.ParseBool` (the same forms pflag takes).
+pub use weir_iptables::flags::parse_bool;
 
-/// Go's `time.ParseDuration` (units ns, us, µs, ms, s, m, h; decimals; "0").
-pub fn parse_duration(v: &str) -> Option<Duration> {
-    let v = v.trim();
-    if v == "0" {
-        return Some(Duration::ZERO);
-    }
-    let mut rest = v;
-    let mut total = 0f64;
-    if rest.is_empty() {
-        return None;
-    }
-    while !rest.is_empty() {
-        let number_len = rest.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(rest.len());
-        if number_len == 0 {
-            return None;
-        }
-        let number: f64 = rest[..number_len].parse().ok()?;
-        rest = &rest[number_len..];
-        let unit_len = rest.find(|c: char| c.is_ascii_digit() || c == '.').unwrap_or(rest.len());
-        let seconds = match &rest[..unit_len] {
-            "ns" => 1e-9,
-            "us" | "µs" => 1e-6,
-            "ms" => 1e-3,
-            "s" => 1.0,
-            "m" => 60.0,
-            "h" => 3600.0,
-            _ => return None,
-        };
-        rest = &rest[unit_len..];
-        total += number * seconds;
-    }
-    Some(Duration::from_secs_f64(total))
-}
+/// Go's `time.ParseDuration` (units ns, us, µs, ms, s, m, h; decimals; "0"), shared
+/// with `istio-iptables`' flag parsing.
+pub use weir_iptables::flags::parse_go_duration as parse_duration;
 
 /// Renders a duration as Go and protobuf JSON do (`45s`, `0.5s`).
 pub fn format_duration(d: Duration) -> String {

@@ -16,9 +16,9 @@ use weir_proto::type_url;
 use weir_tests::{
     Mesh, Placement, Pod,
     capture::start_server,
-    control_plane::{CLUSTER_ID, ControlPlane, ISTIOD_SAN, TOKEN, TestCa},
+    control_plane::{CLUSTER_ID, ControlPlane, ISTIOD_SAN, TOKEN, TestCa, filler_clusters},
     envoy::{Envoy, XdsTarget, ads_bootstrap_to},
-    sidecar::{AgentProcess, PROXY_UID, SidecarRoot},
+    sidecar::{AgentProcess, PROXY_UID, SidecarRoot, peak_rss_kib},
 };
 
 use crate::report::{Options, Row, Samples, Table};
@@ -91,12 +91,7 @@ fn cpu_and_peak(pid: u32) -> anyhow::Result<(f64, f64)> {
     let fields: Vec<&str> = stat.rsplit_once(") ").context("stat")?.1.split_whitespace().collect();
     let ticks: f64 = fields[11].parse::<f64>()? + fields[12].parse::<f64>()?;
     let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)?.unwrap_or(100) as f64;
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let hwm_kib: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .context("VmHWM")?;
+    let hwm_kib = peak_rss_kib(pid)? as f64;
     Ok((ticks * 1000.0 / hz, hwm_kib / 1024.0))
 }
 
@@ -175,15 +170,7 @@ fn run_once(path: Path) -> anyhow::Result<RunResult> {
     small.sort_by(f64::total_cmp);
     let filler = SocketAddr::new(server.ipv4().into(), 9);
     let big_ms = push_and_wait(&cp, type_url::CLUSTER, move |s| {
-        let mut clusters: Vec<(String, prost_types::Any)> = (0..BIG)
-            .map(|i| {
-                let name = format!("filler-{i:05}");
-                let c = resources::static_cluster(&name, &[filler], Duration::from_secs(1));
-                (name, c)
-            })
-            .collect();
-        clusters.push(("hello".into(), resources::eds_cluster("hello", Duration::from_secs(1))));
-        s.set(type_url::CLUSTER, "big", clusters);
+        s.set(type_url::CLUSTER, "big", filler_clusters(BIG, filler));
     })?;
     let clusters = envoy.admin_get(&app, "/clusters")?;
     if !clusters.contains(&format!("filler-{:05}::", BIG - 1)) {
