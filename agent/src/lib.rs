@@ -12,6 +12,7 @@ pub mod demo;
 pub mod dns;
 pub mod ebpf;
 pub mod exit;
+pub mod identity;
 pub mod istio_iptables;
 pub mod metrics;
 pub mod privileges;

@@ -6,12 +6,30 @@ use prometheus_client::{
     metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},
     registry::Registry,
 };
-use std::sync::atomic::AtomicU64;
+use std::{
+    collections::BTreeMap,
+    sync::{Mutex, atomic::AtomicU64},
+    time::SystemTime,
+};
 
 /// How a connection ended: Istio's `type` label.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct Termination {
     pub r#type: &'static str,
+}
+
+/// Which outgoing request: Istio's `request_type` label (`csr` for the CA).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestType {
+    pub request_type: &'static str,
+}
+
+pub const CSR: RequestType = RequestType { request_type: "csr" };
+
+/// Which secret: Istio's `resource_name` label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResourceName {
+    pub resource_name: String,
 }
 
 pub const CANCELLED: Termination = Termination { r#type: "cancelled" };
@@ -29,10 +47,13 @@ pub struct Metrics {
     pub dns_upstream_requests: Counter,
     pub dns_upstream_failures: Counter,
     pub dns_upstream_request_duration: Histogram,
-    pub cert_expiry_seconds: Gauge<f64, AtomicU64>,
-    pub outgoing_latency: Counter<f64, AtomicU64>,
-    pub num_outgoing_requests: Counter,
-    pub num_failed_outgoing_requests: Counter,
+    /// Derived at scrape time from `cert_expiries`, as Istio's derived gauge.
+    cert_expiry_seconds: Family<ResourceName, Gauge<f64, AtomicU64>>,
+    cert_expiries: Mutex<BTreeMap<String, SystemTime>>,
+    /// Milliseconds, summed.
+    pub outgoing_latency: Family<RequestType, Counter<f64, AtomicU64>>,
+    pub num_outgoing_requests: Family<RequestType, Counter>,
+    pub num_failed_outgoing_requests: Family<RequestType, Counter>,
 }
 
 impl Default for Metrics {
@@ -55,10 +76,11 @@ impl Metrics {
             dns_upstream_requests: Counter::default(),
             dns_upstream_failures: Counter::default(),
             dns_upstream_request_duration: Histogram::new([0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0]),
-            cert_expiry_seconds: Gauge::default(),
-            outgoing_latency: Counter::default(),
-            num_outgoing_requests: Counter::default(),
-            num_failed_outgoing_requests: Counter::default(),
+            cert_expiry_seconds: Family::default(),
+            cert_expiries: Mutex::default(),
+            outgoing_latency: Family::default(),
+            num_outgoing_requests: Family::default(),
+            num_failed_outgoing_requests: Family::default(),
         };
         root.register(
             "xds_proxy_requests",
@@ -103,7 +125,7 @@ impl Metrics {
         );
         root.register(
             "cert_expiry_seconds",
-            "The time remaining, in seconds, before the certificate chain will expire.",
+            "The time remaining, in seconds, before the certificate chain will expire. A negative value indicates the cert is expired.",
             m.cert_expiry_seconds.clone(),
         );
         root.register(
@@ -124,8 +146,23 @@ impl Metrics {
         Self { registry: root, ..m }
     }
 
+    /// Records when the certificate served as `resource` expires.
+    pub fn set_cert_expiry(&self, resource: &str, not_after: SystemTime) {
+        self.cert_expiries.lock().expect("metrics lock").insert(resource.into(), not_after);
+    }
+
     /// The metrics in Prometheus text format.
     pub fn encode(&self) -> String {
+        let now = SystemTime::now();
+        for (resource, not_after) in self.cert_expiries.lock().expect("metrics lock").iter() {
+            let left = match not_after.duration_since(now) {
+                Ok(d) => d.as_secs_f64(),
+                Err(e) => -e.duration().as_secs_f64(),
+            };
+            self.cert_expiry_seconds
+                .get_or_create(&ResourceName { resource_name: resource.clone() })
+                .set(left);
+        }
         let mut out = String::new();
         let _ = encode(&mut out, &self.registry);
         out
@@ -150,5 +187,14 @@ mod tests {
         );
         assert!(text.contains("istio_agent_dns_requests_total 1"), "{text}");
         assert!(text.contains("istio_agent_dns_upstream_failures_total 0"), "{text}");
+        m.num_failed_outgoing_requests.get_or_create(&CSR).inc();
+        m.set_cert_expiry("default", SystemTime::now() + std::time::Duration::from_secs(100));
+        let text = m.encode();
+        assert!(
+            text.contains("istio_agent_num_failed_outgoing_requests_total{request_type=\"csr\"} 1"),
+            "{text}"
+        );
+        let line = text.lines().find(|l| l.starts_with("istio_agent_cert_expiry_seconds{")).unwrap();
+        assert!(line.starts_with("istio_agent_cert_expiry_seconds{resource_name=\"default\"} 99."), "{line}");
     }
 }

@@ -1,4 +1,4 @@
-//! The connection to istiod, as pilot-agent dials it: one fresh gRPC channel per Envoy
+//! The connection to istiod (for xDS, and for its CA), as pilot-agent dials it: one fresh gRPC channel per Envoy
 //! stream, TLS (rustls) with the mesh root or the system roots, the server name from
 //! the address (`localhost` → `istiod.istio-system.svc`) or `ISTIOD_SAN`, an optional
 //! client certificate, keepalive 30 s/10 s, 1 MiB windows, no receive limit; and the
@@ -190,16 +190,21 @@ impl UpstreamConfig {
             .map_err(|source| UpstreamError::Tls { address: self.address.clone(), source })
     }
 
-    /// Dials istiod: a new HTTP/2 connection (TLS handshake included).
-    pub async fn connect(&self) -> Result<AdsClient, UpstreamError> {
+    /// Dials the address: a new HTTP/2 connection (TLS handshake included).
+    pub async fn channel(&self) -> Result<Channel, UpstreamError> {
         let endpoint = self.endpoint()?;
-        let channel = tokio::time::timeout(self.connect_timeout + Duration::from_secs(1), endpoint.connect())
+        tokio::time::timeout(self.connect_timeout + Duration::from_secs(1), endpoint.connect())
             .await
             .map_err(|_| UpstreamError::ConnectTimeout {
                 address: self.address.clone(),
                 timeout: self.connect_timeout,
             })?
-            .map_err(|source| UpstreamError::Connect { address: self.address.clone(), source })?;
+            .map_err(|source| UpstreamError::Connect { address: self.address.clone(), source })
+    }
+
+    /// Dials istiod for ADS.
+    pub async fn connect(&self) -> Result<AdsClient, UpstreamError> {
+        let channel = self.channel().await?;
         Ok(AggregatedDiscoveryServiceClient::new(channel)
             .max_decoding_message_size(usize::MAX)
             .max_encoding_message_size(usize::MAX))

@@ -1,0 +1,462 @@
+//! The secret manager: owns the workload certificate and every file-backed secret, and
+//! says when one changes. With a CA it issues the workload certificate at start (one
+//! CSR at a time, so concurrent SDS requests share it), rotates it at
+//! `lifetime × SECRET_GRACE_PERIOD_RATIO` (± jitter) and, when the CA fails, keeps the
+//! still-valid certificate and retries with backoff. With mounted files it reads them
+//! and polls them for changes (Kubernetes' `..data` symlink swaps included).
+
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex},
+    time::{Duration, SystemTime},
+};
+
+use tokio::sync::{broadcast, watch};
+use tokio_util::sync::CancellationToken;
+
+use super::{
+    caclient::{CaClient, CaClientError},
+    chain::{self, ChainError, LeafInfo},
+    keys::{self, KeyError, KeyOptions, WorkloadIdentity},
+    names::{self, SecretName},
+};
+use crate::metrics::Metrics;
+
+/// When to renew, as pilot-agent's `SECRET_GRACE_PERIOD_RATIO(_JITTER)`.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RotationPolicy {
+    /// Renew when this fraction of the lifetime is left.
+    pub grace_ratio: f64,
+    /// Randomise the ratio up or down by up to this much.
+    pub grace_ratio_jitter: f64,
+}
+
+impl Default for RotationPolicy {
+    fn default() -> Self {
+        Self { grace_ratio: 0.5, grace_ratio_jitter: 0.01 }
+    }
+}
+
+impl RotationPolicy {
+    /// When a certificate issued at `issued` and valid until `not_after` is renewed.
+    pub fn rotate_at(&self, issued: SystemTime, not_after: SystemTime) -> SystemTime {
+        let lifetime = not_after.duration_since(issued).unwrap_or_default();
+        let sign = if rand::random::<bool>() { 1.0 } else { -1.0 };
+        let ratio =
+            (self.grace_ratio + sign * rand::random::<f64>() * self.grace_ratio_jitter).clamp(0.0, 1.0);
+        not_after - lifetime.mul_f64(ratio)
+    }
+}
+
+/// The three files of a mounted workload certificate.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CertFiles {
+    pub cert_chain: PathBuf,
+    pub key: PathBuf,
+    pub root: PathBuf,
+}
+
+impl CertFiles {
+    /// `cert-chain.pem`, `key.pem` and `root-cert.pem` in `dir`.
+    pub fn in_dir(dir: &Path) -> Self {
+        Self {
+            cert_chain: dir.join("cert-chain.pem"),
+            key: dir.join("key.pem"),
+            root: dir.join("root-cert.pem"),
+        }
+    }
+
+    pub fn all_exist(&self) -> bool {
+        self.cert_chain.is_file() && self.key.is_file() && self.root.is_file()
+    }
+}
+
+/// Where the workload certificate comes from.
+pub enum WorkloadSource {
+    /// Issued by the CA for this identity.
+    Ca { client: CaClient, identity: WorkloadIdentity, keys: KeyOptions },
+    /// Mounted files (`FILE_MOUNTED_CERTS`, `./var/run/secrets/workload-spiffe-credentials`).
+    Files(CertFiles),
+    /// None: another SDS server serves `default` and `ROOTCA`; only file resources here.
+    None,
+}
+
+/// A key and chain, or a root bundle: what one SDS resource carries.
+#[derive(Clone, PartialEq, Eq)]
+pub enum SecretData {
+    KeyCert { chain_pem: String, key_pem: String },
+    Root { pem: String },
+}
+
+impl std::fmt::Debug for SecretData {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::KeyCert { chain_pem, .. } => {
+                f.debug_struct("KeyCert").field("chain_pem", chain_pem).finish_non_exhaustive()
+            }
+            Self::Root { pem } => f.debug_struct("Root").field("pem", pem).finish(),
+        }
+    }
+}
+
+/// The workload certificate the agent holds.
+#[derive(Clone)]
+pub struct WorkloadSecret {
+    pub chain_pem: String,
+    pub key_pem: String,
+    pub root_pem: String,
+    pub leaf: LeafInfo,
+    pub issued: SystemTime,
+    pub rotate_at: SystemTime,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SecretError {
+    #[error(transparent)]
+    Unknown(#[from] names::UnknownSecret),
+    #[error("cannot read {path} for SDS resource {resource}")]
+    Read {
+        resource: String,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path} for SDS resource {resource}")]
+    BadFile {
+        resource: String,
+        path: PathBuf,
+        #[source]
+        source: ChainError,
+    },
+    #[error("{path} for SDS resource {resource} holds no PEM private key")]
+    BadKey { resource: String, path: PathBuf },
+    #[error("SDS resource {0} is served by the external SDS server, not by this agent")]
+    External(String),
+    #[error("the secret manager stopped")]
+    Stopped,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum IssueError {
+    #[error(transparent)]
+    Key(#[from] KeyError),
+    #[error(transparent)]
+    Ca(#[from] CaClientError),
+    #[error("write certificates to {path}")]
+    Output {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// First and largest pause between failed issuances (the largest also bounded by a
+/// quarter of the current certificate's lifetime, so several retries fit before it
+/// expires).
+pub const RETRY_MIN: Duration = Duration::from_millis(200);
+pub const RETRY_MAX: Duration = Duration::from_secs(30);
+/// How often mounted files are checked.
+pub const FILE_POLL: Duration = Duration::from_millis(500);
+
+struct WatchedFiles {
+    paths: Vec<PathBuf>,
+    digest: u64,
+}
+
+struct Inner {
+    source: WorkloadSource,
+    policy: RotationPolicy,
+    output_dir: Option<PathBuf>,
+    file_debounce: Duration,
+    current: watch::Sender<Option<Arc<WorkloadSecret>>>,
+    updates: broadcast::Sender<SecretName>,
+    watched: Mutex<BTreeMap<SecretName, WatchedFiles>>,
+    metrics: Arc<Metrics>,
+}
+
+/// Shared by the SDS server and the rotation task.
+#[derive(Clone)]
+pub struct SecretManager {
+    inner: Arc<Inner>,
+}
+
+impl SecretManager {
+    pub fn new(
+        source: WorkloadSource,
+        policy: RotationPolicy,
+        output_dir: Option<PathBuf>,
+        file_debounce: Duration,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                source,
+                policy,
+                output_dir,
+                file_debounce,
+                current: watch::Sender::new(None),
+                updates: broadcast::Sender::new(64),
+                watched: Mutex::default(),
+                metrics,
+            }),
+        }
+    }
+
+    /// Changed secrets, by name (a lagging receiver should re-send everything it holds).
+    pub fn subscribe(&self) -> broadcast::Receiver<SecretName> {
+        self.inner.updates.subscribe()
+    }
+
+    /// The workload certificate now held, if any.
+    pub fn workload(&self) -> Option<Arc<WorkloadSecret>> {
+        self.inner.current.borrow().clone()
+    }
+
+    /// The secret for one SDS resource. The CA-issued workload certificate and root
+    /// wait until the first issuance succeeds.
+    pub async fn secret(&self, name: &SecretName) -> Result<SecretData, SecretError> {
+        let resource = name.to_string();
+        match (name, &self.inner.source) {
+            (SecretName::Workload | SecretName::RootCa, WorkloadSource::Ca { .. }) => {
+                let mut rx = self.inner.current.subscribe();
+                let secret = rx.wait_for(Option::is_some).await.map_err(|_| SecretError::Stopped)?;
+                let s = secret.as_ref().expect("waited for Some");
+                Ok(match name {
+                    SecretName::Workload => {
+                        SecretData::KeyCert { chain_pem: s.chain_pem.clone(), key_pem: s.key_pem.clone() }
+                    }
+                    _ => SecretData::Root { pem: s.root_pem.clone() },
+                })
+            }
+            (SecretName::Workload | SecretName::RootCa, WorkloadSource::None) => {
+                Err(SecretError::External(resource))
+            }
+            (SecretName::Workload, WorkloadSource::Files(files)) => {
+                self.key_cert_from_files(name, &files.cert_chain, &files.key)
+            }
+            (SecretName::RootCa, WorkloadSource::Files(files)) => self.root_from_file(name, &files.root),
+            (SecretName::FileCert { cert, key }, _) => self.key_cert_from_files(name, cert, key),
+            (SecretName::FileRoot(path), _) => self.root_from_file(name, path),
+        }
+    }
+
+    fn key_cert_from_files(
+        &self,
+        name: &SecretName,
+        cert: &Path,
+        key: &Path,
+    ) -> Result<SecretData, SecretError> {
+        let resource = name.to_string();
+        let chain_pem = read(&resource, cert)?;
+        let leaf = chain::check_bundle(&cert.display().to_string(), &chain_pem, SystemTime::now()).map_err(
+            |source| SecretError::BadFile { resource: resource.clone(), path: cert.into(), source },
+        )?;
+        let key_pem = read(&resource, key)?;
+        if !key_pem.contains("PRIVATE KEY-----") {
+            return Err(SecretError::BadKey { resource, path: key.into() });
+        }
+        self.inner.metrics.set_cert_expiry(&resource, leaf.not_after);
+        self.watch(name, &[cert, key]);
+        Ok(SecretData::KeyCert { chain_pem, key_pem })
+    }
+
+    fn root_from_file(&self, name: &SecretName, path: &Path) -> Result<SecretData, SecretError> {
+        let resource = name.to_string();
+        let pem = read(&resource, path)?;
+        chain::check_bundle(&path.display().to_string(), &pem, SystemTime::now())
+            .map_err(|source| SecretError::BadFile { resource, path: path.into(), source })?;
+        self.watch(name, &[path]);
+        Ok(SecretData::Root { pem })
+    }
+
+    fn watch(&self, name: &SecretName, paths: &[&Path]) {
+        let paths: Vec<PathBuf> = paths.iter().map(|p| p.to_path_buf()).collect();
+        let digest = digest(&paths);
+        self.inner.watched.lock().expect("watch lock").insert(name.clone(), WatchedFiles { paths, digest });
+    }
+
+    /// Runs issuance and rotation (with a CA) and the file poller until `shutdown`.
+    pub async fn run(self, shutdown: CancellationToken) {
+        tokio::select! {
+            _ = shutdown.cancelled() => {}
+            _ = self.rotate_forever() => {}
+            _ = self.poll_files() => {}
+        }
+    }
+
+    async fn rotate_forever(&self) {
+        let WorkloadSource::Ca { client, identity, keys } = &self.inner.source else {
+            return std::future::pending().await;
+        };
+        let mut retry = RETRY_MIN;
+        loop {
+            if let Some(current) = self.workload() {
+                let wait = current.rotate_at.duration_since(SystemTime::now()).unwrap_or_default();
+                tokio::time::sleep(wait).await;
+            }
+            match self.issue(client, identity, keys).await {
+                Ok(secret) => {
+                    retry = RETRY_MIN;
+                    self.install(secret);
+                }
+                Err(e) => {
+                    let current = self.workload();
+                    let cap = current
+                        .as_ref()
+                        .and_then(|c| c.leaf.not_after.duration_since(c.issued).ok())
+                        .map(|lifetime| (lifetime / 4).clamp(RETRY_MIN, RETRY_MAX))
+                        .unwrap_or(RETRY_MAX);
+                    let wait = super::jitter(retry.min(cap), 0.2);
+                    tracing::error!(
+                        resource = names::WORKLOAD,
+                        ca = client.address(),
+                        error = %crate::error_chain(&e),
+                        retry_in = ?wait,
+                        serving = current.as_ref().map(|c| c.leaf.serial.as_str()).unwrap_or("nothing"),
+                        "cannot issue the workload certificate"
+                    );
+                    tokio::time::sleep(wait).await;
+                    retry = (retry * 2).min(cap);
+                }
+            }
+        }
+    }
+
+    async fn issue(
+        &self,
+        client: &CaClient,
+        identity: &WorkloadIdentity,
+        options: &KeyOptions,
+    ) -> Result<WorkloadSecret, IssueError> {
+        let started = std::time::Instant::now();
+        let (id, opts) = (identity.clone(), *options);
+        let key = tokio::task::spawn_blocking(move || keys::generate(&id, &opts))
+            .await
+            .expect("key generation does not panic")?;
+        let issued = SystemTime::now();
+        let answer = client.sign(&key.csr_pem, &key.public_key_der).await?;
+        let rotate_at = self.inner.policy.rotate_at(issued, answer.leaf.not_after);
+        let secret = WorkloadSecret {
+            chain_pem: chain::concat(&answer.chain),
+            key_pem: key.key_pem,
+            root_pem: chain::concat(&answer.chain[answer.chain.len() - 1..]),
+            leaf: answer.leaf,
+            issued,
+            rotate_at,
+        };
+        if let Some(dir) = &self.inner.output_dir {
+            write_output(dir, &secret).map_err(|(path, source)| IssueError::Output { path, source })?;
+        }
+        tracing::info!(
+            resource = names::WORKLOAD,
+            identity = %identity,
+            serial = %secret.leaf.serial,
+            ttl = ?secret.leaf.not_after.duration_since(issued).unwrap_or_default(),
+            rotate_in = ?rotate_at.duration_since(issued).unwrap_or_default(),
+            latency = ?started.elapsed(),
+            "generated new workload certificate"
+        );
+        Ok(secret)
+    }
+
+    fn install(&self, secret: WorkloadSecret) {
+        let root_changed = self.workload().is_some_and(|old| old.root_pem != secret.root_pem);
+        let first = self.workload().is_none();
+        self.inner.metrics.set_cert_expiry(names::WORKLOAD, secret.leaf.not_after);
+        self.inner.current.send_replace(Some(Arc::new(secret)));
+        if !first {
+            let _ = self.inner.updates.send(SecretName::Workload);
+        }
+        if root_changed {
+            tracing::info!(resource = names::ROOT_CA, "the CA's root changed");
+            let _ = self.inner.updates.send(SecretName::RootCa);
+        }
+    }
+
+    async fn poll_files(&self) {
+        loop {
+            tokio::time::sleep(FILE_POLL).await;
+            let changed: Vec<SecretName> = {
+                let watched = self.inner.watched.lock().expect("watch lock");
+                watched.iter().filter(|(_, w)| digest(&w.paths) != w.digest).map(|(n, _)| n.clone()).collect()
+            };
+            if changed.is_empty() {
+                continue;
+            }
+            // Let a multi-file update (key and chain, a symlink swap) finish.
+            tokio::time::sleep(self.inner.file_debounce).await;
+            for name in changed {
+                if let Some(w) = self.inner.watched.lock().expect("watch lock").get_mut(&name) {
+                    w.digest = digest(&w.paths);
+                }
+                tracing::info!(resource = %name, "mounted certificate files changed; pushing");
+                let _ = self.inner.updates.send(name);
+            }
+        }
+    }
+}
+
+fn read(resource: &str, path: &Path) -> Result<String, SecretError> {
+    std::fs::read_to_string(path).map_err(|source| SecretError::Read {
+        resource: resource.into(),
+        path: path.into(),
+        source,
+    })
+}
+
+/// A digest of the files' contents (a missing file hashes as missing).
+fn digest(paths: &[PathBuf]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for p in paths {
+        std::fs::read(p).ok().hash(&mut h);
+    }
+    h.finish()
+}
+
+/// `OUTPUT_CERTS`: the key (0600), chain and root, each replaced atomically.
+fn write_output(dir: &Path, s: &WorkloadSecret) -> Result<(), (PathBuf, std::io::Error)> {
+    use std::{io::Write, os::unix::fs::OpenOptionsExt};
+    std::fs::create_dir_all(dir).map_err(|e| (dir.to_path_buf(), e))?;
+    for (name, text, mode) in [
+        ("key.pem", &s.key_pem, 0o600),
+        ("cert-chain.pem", &s.chain_pem, 0o644),
+        ("root-cert.pem", &s.root_pem, 0o644),
+    ] {
+        let path = dir.join(name);
+        let tmp = dir.join(format!(".{name}.tmp"));
+        let _ = std::fs::remove_file(&tmp);
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(mode)
+            .open(&tmp)
+            .map_err(|e| (tmp.clone(), e))?;
+        f.write_all(text.as_bytes()).map_err(|e| (tmp.clone(), e))?;
+        std::fs::rename(&tmp, &path).map_err(|e| (path.clone(), e))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rotation_lands_at_the_grace_ratio() {
+        let issued = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let not_after = issued + Duration::from_secs(24 * 3600);
+        let exact = RotationPolicy { grace_ratio: 0.5, grace_ratio_jitter: 0.0 };
+        assert_eq!(exact.rotate_at(issued, not_after), issued + Duration::from_secs(12 * 3600));
+        let jittered = RotationPolicy::default();
+        for _ in 0..100 {
+            let at = jittered.rotate_at(issued, not_after).duration_since(issued).unwrap().as_secs_f64();
+            assert!((0.49 * 86400.0..=0.51 * 86400.0).contains(&at), "{at}");
+        }
+        let all = RotationPolicy { grace_ratio: 1.0, grace_ratio_jitter: 0.5 };
+        assert!(all.rotate_at(issued, not_after) >= issued);
+    }
+}
