@@ -1,12 +1,16 @@
 //! The agent's wiring (`proxy sidecar`): from an `AgentConfig`, start the DNS proxy,
-//! the xDS relay on its Unix socket and the status server, then run until a signal.
+//! the xDS relay and the SDS server on their Unix sockets, the secret manager and the
+//! status server, then run until a signal.
 //! Every component is built with `new(..)` and started here; nothing else wires.
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
+use futures::FutureExt as _;
+
 use crate::{
     config::AgentConfig,
     dns::{DnsConfig, DnsProxy},
+    identity::{CaClient, SdsServer, SecretManager, WorkloadSource},
     metrics::Metrics,
     status::StatusServer,
     xds::{XdsProxy, relay::Handler},
@@ -28,6 +32,14 @@ pub enum AgentError {
     Uds(#[from] crate::xds::uds::UdsError),
     #[error(transparent)]
     Status(#[from] crate::status::StatusBindError),
+    #[error("SDS socket")]
+    SdsUds(#[source] crate::xds::uds::UdsError),
+    #[error("SDS server on {path}")]
+    SdsServe {
+        path: std::path::PathBuf,
+        #[source]
+        source: tonic::transport::Error,
+    },
     #[error("XDS server on {path}")]
     XdsServe {
         path: std::path::PathBuf,
@@ -44,6 +56,7 @@ pub struct Agent {
     pub metrics: Arc<Metrics>,
     pub dns: Option<Arc<DnsProxy>>,
     pub xds: XdsProxy,
+    pub secrets: SecretManager,
 }
 
 impl Agent {
@@ -73,7 +86,24 @@ impl Agent {
             handlers.insert(weir_proto::type_url::NAME_TABLE.into(), dns.nds_handler());
         }
         let xds = XdsProxy::new(config.xds.upstream(&config.pod.cluster_id), handlers, metrics.clone());
-        Ok(Self { config, metrics, dns, xds })
+        let id = &config.identity;
+        let source = match (&id.mounted, &id.ca) {
+            (Some(files), _) => WorkloadSource::Files(files.clone()),
+            (None, Some(ca)) => WorkloadSource::Ca {
+                client: CaClient::new(
+                    ca.upstream(&id.token_path, &id.cluster_id),
+                    id.secret_ttl,
+                    ca.cert_signer.clone(),
+                    metrics.clone(),
+                ),
+                identity: id.identity.clone(),
+                keys: id.keys,
+            },
+            (None, None) => WorkloadSource::None,
+        };
+        let secrets =
+            SecretManager::new(source, id.rotation, id.output_dir.clone(), id.file_debounce, metrics.clone());
+        Ok(Self { config, metrics, dns, xds, secrets })
     }
 
     /// Binds everything (all or nothing), then serves until SIGTERM/SIGINT.
@@ -85,6 +115,14 @@ impl Agent {
         };
         let uds_path = self.config.xds.uds_path.clone();
         let listener = crate::xds::uds::bind(&uds_path, None)?;
+        let sds_path = self.config.identity.sds_socket.clone();
+        let external = external_sds(&sds_path).await;
+        let sds_listener = if external {
+            tracing::info!(path = %sds_path.display(), "existing workload SDS socket found (SPIRE or similar): using it, not serving SDS");
+            None
+        } else {
+            Some(crate::xds::uds::bind(&sds_path, None).map_err(AgentError::SdsUds)?)
+        };
         let status = if self.config.proxy_config.status_port > 0 {
             let address = SocketAddr::from(([0, 0, 0, 0], self.config.proxy_config.status_port));
             Some(StatusServer::bind(address).await?)
@@ -93,6 +131,9 @@ impl Agent {
         };
         tracing::info!(
             uds = %uds_path.display(),
+            sds = %sds_path.display(),
+            identity = %self.config.identity.identity,
+            ca = self.config.identity.ca.as_ref().map(|c| c.address.as_str()).unwrap_or("none (mounted certificates)"),
             upstream = %self.config.xds.discovery_address,
             dns = self.dns.is_some(),
             status_port = self.config.proxy_config.status_port,
@@ -108,6 +149,18 @@ impl Agent {
                     _ = stop.cancelled() => {}
                 }
                 Ok(())
+            });
+        }
+        if let Some(listener) = sds_listener {
+            tasks.spawn(self.secrets.clone().run(shutdown.clone()).map(Ok));
+            let stop = shutdown.clone();
+            let server = SdsServer::new(self.secrets.clone());
+            let path = sds_path.clone();
+            tasks.spawn(async move {
+                server
+                    .serve(listener, stop.cancelled_owned())
+                    .await
+                    .map_err(|source| AgentError::SdsServe { path, source })
             });
         }
         let stop = shutdown.clone();
@@ -140,6 +193,20 @@ impl Agent {
             t.abort_all();
         }
         let _ = std::fs::remove_file(&uds_path);
+        if !external {
+            let _ = std::fs::remove_file(&sds_path);
+        }
         result
     }
+}
+
+/// An SDS server already listens on `path` (SPIRE's agent, mounted into the pod). A
+/// socket nobody answers on is stale and will be replaced.
+async fn external_sds(path: &std::path::Path) -> bool {
+    use std::os::unix::fs::FileTypeExt as _;
+    let is_socket = std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket());
+    is_socket
+        && tokio::time::timeout(Duration::from_secs(1), tokio::net::UnixStream::connect(path))
+            .await
+            .is_ok_and(|r| r.is_ok())
 }

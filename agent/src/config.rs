@@ -21,7 +21,10 @@ pub use args::{ProxyArgs, ProxyType};
 pub use env::{Env, MapEnv, ProcessEnv};
 pub use proxy_config::{ControlPlaneAuthPolicy, ProxyConfig};
 
-use crate::xds::{ClientIdentity, RootCerts, Transport, UpstreamConfig};
+use crate::{
+    identity::{CertFiles, KeyAlgorithm, KeyOptions, RotationPolicy, WorkloadIdentity},
+    xds::{ClientIdentity, RootCerts, Transport, UpstreamConfig},
+};
 
 /// Where pilot-agent looks for things (relative to the working directory).
 pub mod paths {
@@ -32,6 +35,13 @@ pub mod paths {
     /// The `istio-ca-root-cert` ConfigMap mount.
     pub const CA_ROOT_CERT: &str = "./var/run/secrets/istio/root-cert.pem";
     pub const RESOLV_CONF: &str = "/etc/resolv.conf";
+    /// Where Envoy dials SDS (`WORKLOAD_IDENTITY_SOCKET_FILE` renames the socket).
+    pub const SDS_SOCKET_DIR: &str = "./var/run/secrets/workload-spiffe-uds";
+    pub const SDS_SOCKET_FILE: &str = "socket";
+    /// Mounted workload certificates (SPIFFE CSI drivers and the like).
+    pub const WORKLOAD_CREDENTIALS: &str = "./var/run/secrets/workload-spiffe-credentials";
+    /// The old mounted-certificate directory (`FILE_MOUNTED_CERTS`, `OUTPUT_CERTS` on VMs).
+    pub const ETC_CERTS: &str = "./etc/certs";
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -54,6 +64,12 @@ pub enum ConfigError {
     XdsRootCa(PathBuf),
     #[error("root CA file for XDS required but PILOT_CERT_PROVIDER is none")]
     XdsRootCaRequired,
+    #[error(
+        "root CA file for the CA does not exist: {0} (set CA_ROOT_CA to a file, or SYSTEM for the system roots)"
+    )]
+    CaRootCa(PathBuf),
+    #[error("root CA file for the CA required but PILOT_CERT_PROVIDER is none")]
+    CaRootCaRequired,
     #[error("discovery address {0:?} is not host:port")]
     DiscoveryAddress(String),
     #[error("{name}: {message}")]
@@ -151,6 +167,56 @@ fn serialize_duration<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok,
     s.serialize_str(&env::format_duration(*d))
 }
 
+/// The connection to the CA (istiod's, by default on the discovery address).
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CaSettings {
+    /// `CA_ADDR`, else the discovery address.
+    pub address: String,
+    /// Port 15010: no TLS, as pilot-agent.
+    pub plaintext: bool,
+    /// `None`: the system roots (`CA_ROOT_CA=SYSTEM`) or plaintext.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub root_ca: Option<PathBuf>,
+    /// `ISTIOD_SAN`, when the CA is istiod (no `CA_ADDR`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub san: Option<String>,
+    /// `CA_HEADER_<name>` → `<name>`.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub headers: BTreeMap<String, String>,
+    /// `ISTIO_META_CERT_SIGNER`, sent as `CertSigner` metadata.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cert_signer: Option<String>,
+}
+
+/// Workload certificates: whose, what key, from where, how long, served where.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct IdentitySettings {
+    pub identity: WorkloadIdentity,
+    pub keys: KeyOptions,
+    /// `None` when certificates are mounted (no CA client).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ca: Option<CaSettings>,
+    /// Mounted workload certificates, when present.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mounted: Option<CertFiles>,
+    /// `SECRET_TTL`: the validity asked of the CA.
+    #[serde(serialize_with = "serialize_duration")]
+    pub secret_ttl: Duration,
+    pub rotation: RotationPolicy,
+    /// The SDS socket Envoy dials.
+    pub sds_socket: PathBuf,
+    /// `OUTPUT_CERTS`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub output_dir: Option<PathBuf>,
+    /// `FILE_DEBOUNCE_DURATION`.
+    #[serde(serialize_with = "serialize_duration")]
+    pub file_debounce: Duration,
+    pub token_path: PathBuf,
+    pub cluster_id: String,
+}
+
 #[derive(Debug, Clone, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct AgentConfig {
@@ -159,6 +225,7 @@ pub struct AgentConfig {
     pub proxy_config: ProxyConfig,
     pub xds: XdsSettings,
     pub dns: DnsSettings,
+    pub identity: IdentitySettings,
     /// `DISABLE_ENVOY`: run the agent's services without starting Envoy.
     pub disable_envoy: bool,
 }
@@ -237,8 +304,9 @@ impl AgentConfig {
             forward_timeout: env.duration_or("DNS_FORWARD_TIMEOUT", crate::dns::server::UPSTREAM_TIMEOUT)?,
             resolv_conf: paths::RESOLV_CONF.into(),
         };
+        let identity = Self::identity(env, files, &pod, &proxy_config)?;
         let disable_envoy = env.bool_or("DISABLE_ENVOY", false)?;
-        Ok(Self { args, pod, proxy_config, xds, dns, disable_envoy })
+        Ok(Self { args, pod, proxy_config, xds, dns, identity, disable_envoy })
     }
 
     fn proxy_config(args: &ProxyArgs, env: &dyn Env, files: &dyn Files) -> Result<ProxyConfig, ConfigError> {
@@ -287,6 +355,134 @@ impl AgentConfig {
             })?;
         }
         Ok(config)
+    }
+
+    fn identity(
+        env: &dyn Env,
+        files: &dyn Files,
+        pod: &PodIdentity,
+        pc: &ProxyConfig,
+    ) -> Result<IdentitySettings, ConfigError> {
+        let invalid = |name: &'static str, value: String, expected: &'static str| ConfigError::Env {
+            name: name.into(),
+            value,
+            expected,
+        };
+        let algorithm = match env.text("ECC_SIGNATURE_ALGORITHM").as_deref() {
+            None => KeyAlgorithm::Rsa(env.u32_or("WORKLOAD_RSA_KEY_SIZE", 2048)?),
+            Some("ECDSA") => match env.text("ECC_CURVE").as_deref() {
+                None | Some("P256") => KeyAlgorithm::EcdsaP256,
+                Some(other) => return Err(invalid("ECC_CURVE", other.into(), "P256")),
+            },
+            Some(other) => {
+                return Err(invalid("ECC_SIGNATURE_ALGORITHM", other.into(), "ECDSA, or unset for RSA"));
+            }
+        };
+        let keys = KeyOptions { algorithm, pkcs8: env.bool_or("PKCS8_KEY", false)? };
+        keys.validate()
+            .map_err(|e| ConfigError::Invalid { name: "WORKLOAD_RSA_KEY_SIZE", message: e.to_string() })?;
+        let rotation = RotationPolicy {
+            grace_ratio: env.f64_in("SECRET_GRACE_PERIOD_RATIO", 0.5, 0.0..=1.0)?,
+            grace_ratio_jitter: env.f64_in("SECRET_GRACE_PERIOD_RATIO_JITTER", 0.01, 0.0..=1.0)?,
+        };
+        let secret_ttl = env.duration_or("SECRET_TTL", Duration::from_secs(24 * 3600))?;
+        if secret_ttl < Duration::from_secs(1) {
+            return Err(invalid("SECRET_TTL", env::format_duration(secret_ttl), "at least 1s"));
+        }
+        let socket_file =
+            env.text("WORKLOAD_IDENTITY_SOCKET_FILE").unwrap_or_else(|| paths::SDS_SOCKET_FILE.into());
+        if socket_file.contains('/') {
+            return Err(invalid(
+                "WORKLOAD_IDENTITY_SOCKET_FILE",
+                socket_file,
+                "a file name (the socket lives in ./var/run/secrets/workload-spiffe-uds)",
+            ));
+        }
+        let output_dir = env.text("OUTPUT_CERTS").map(PathBuf::from);
+
+        // Mounted certificates: the SPIFFE credentials directory, else ./etc/certs
+        // (unless the agent itself writes there, or it would never rotate).
+        let spiffe = CertFiles::in_dir(Path::new(paths::WORKLOAD_CREDENTIALS));
+        let etc = CertFiles::in_dir(Path::new(paths::ETC_CERTS));
+        let exists =
+            |c: &CertFiles| files.is_file(&c.cert_chain) && files.is_file(&c.key) && files.is_file(&c.root);
+        let writes_etc = output_dir
+            .as_deref()
+            .is_some_and(|d| d.components().eq(Path::new(paths::ETC_CERTS).components()));
+        let mounted = if exists(&spiffe) {
+            Some(spiffe)
+        } else if env.bool_or("FILE_MOUNTED_CERTS", false)? || (exists(&etc) && !writes_etc) {
+            Some(etc)
+        } else {
+            None
+        };
+
+        let ca = if mounted.is_some() {
+            None
+        } else {
+            if let Some(provider) = env.text("CA_PROVIDER").filter(|p| p != "Citadel") {
+                return Err(invalid("CA_PROVIDER", provider, "Citadel (the only CA provider Weir speaks)"));
+            }
+            let ca_addr = env.text("CA_ADDR");
+            let address = ca_addr.clone().unwrap_or_else(|| pc.discovery_address.clone());
+            let plaintext = address.ends_with(":15010");
+            let root_ca = if plaintext { None } else { Self::ca_root_ca(env, files)? };
+            let headers = env
+                .vars()
+                .into_iter()
+                .filter_map(|(k, v)| k.strip_prefix("CA_HEADER_").map(|name| (name.to_string(), v)))
+                .collect();
+            let settings = CaSettings {
+                address,
+                plaintext,
+                root_ca,
+                san: if ca_addr.is_none() { env.text("ISTIOD_SAN") } else { None },
+                headers,
+                cert_signer: env.text("ISTIO_META_CERT_SIGNER"),
+            };
+            settings
+                .upstream(Path::new(paths::TOKEN), &pod.cluster_id)
+                .validate()
+                .map_err(|e| ConfigError::Invalid { name: "CA_ADDR", message: crate::error_chain(&e) })?;
+            Some(settings)
+        };
+        Ok(IdentitySettings {
+            identity: WorkloadIdentity {
+                trust_domain: env.text("TRUST_DOMAIN").unwrap_or_else(|| "cluster.local".into()),
+                namespace: pod.namespace.clone(),
+                service_account: pod.service_account.clone(),
+            },
+            keys,
+            ca,
+            mounted,
+            secret_ttl,
+            rotation,
+            sds_socket: Path::new(paths::SDS_SOCKET_DIR).join(socket_file),
+            output_dir,
+            file_debounce: env.duration_or("FILE_DEBOUNCE_DURATION", Duration::from_millis(100))?,
+            token_path: paths::TOKEN.into(),
+            cluster_id: pod.cluster_id.clone(),
+        })
+    }
+
+    /// pilot-agent's `FindRootCAForCA`.
+    fn ca_root_ca(env: &dyn Env, files: &dyn Files) -> Result<Option<PathBuf>, ConfigError> {
+        let path = match env.text("CA_ROOT_CA") {
+            Some(v) if v == "SYSTEM" => return Ok(None),
+            Some(v) => PathBuf::from(v),
+            None => match env.text("PILOT_CERT_PROVIDER").as_deref() {
+                Some("custom") => PathBuf::from(paths::MOUNTED_ROOT_CERT),
+                _ if env.text("PROV_CERT").is_some() => {
+                    // Provisioned VMs: the file may appear later; pilot-agent does not check.
+                    return Ok(Some(
+                        Path::new(&env.text("PROV_CERT").unwrap_or_default()).join("root-cert.pem"),
+                    ));
+                }
+                Some("none") => return Err(ConfigError::CaRootCaRequired),
+                _ => PathBuf::from(paths::CA_ROOT_CERT),
+            },
+        };
+        if files.is_file(&path) { Ok(Some(path)) } else { Err(ConfigError::CaRootCa(path)) }
     }
 
     /// pilot-agent's `FindRootCAForXDS`.
@@ -339,6 +535,28 @@ impl AgentConfig {
     /// The effective configuration as YAML.
     pub fn to_yaml(&self) -> String {
         serde_yaml_ng::to_string(self).expect("config serializes")
+    }
+}
+
+impl CaSettings {
+    /// The CA client's connection (the token and cluster id as for xDS).
+    pub fn upstream(&self, token_path: &Path, cluster_id: &str) -> UpstreamConfig {
+        UpstreamConfig {
+            address: self.address.clone(),
+            transport: if self.plaintext {
+                Transport::Plaintext
+            } else {
+                Transport::Tls {
+                    roots: self.root_ca.clone().map(RootCerts::File).unwrap_or(RootCerts::System),
+                    identity: None,
+                }
+            },
+            san: self.san.clone(),
+            token_path: Some(token_path.into()),
+            cluster_id: cluster_id.into(),
+            headers: self.headers.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            connect_timeout: crate::xds::upstream::CONNECT_TIMEOUT,
+        }
     }
 }
 
@@ -415,8 +633,10 @@ mod tests {
         let e = resolve(&[], &[], &[]).unwrap_err();
         assert!(matches!(e, ConfigError::XdsRootCa(_)), "{e}");
         assert!(e.to_string().contains("root-cert.pem"));
-        let c = resolve(&[], &[("XDS_ROOT_CA", "SYSTEM")], &[]).unwrap();
+        let c = resolve(&[], &[("XDS_ROOT_CA", "SYSTEM"), ("CA_ROOT_CA", "SYSTEM")], &[]).unwrap();
         assert_eq!(c.xds.root_ca, None);
+        let e = resolve(&[], &[("XDS_ROOT_CA", "SYSTEM")], &[]).unwrap_err();
+        assert!(matches!(e, ConfigError::CaRootCa(_)), "the CA's root is looked up on its own: {e}");
         let c = resolve(&[], &[], &[ROOT, (paths::MOUNTED_ROOT_CERT, "x")]).unwrap();
         assert_eq!(c.xds.root_ca, Some(PathBuf::from(paths::MOUNTED_ROOT_CERT)));
         let e = resolve(&[], &[("PILOT_CERT_PROVIDER", "none")], &[]).unwrap_err();
@@ -430,7 +650,10 @@ mod tests {
         let c = resolve(&[], &[("PROXY_CONFIG", "discoveryAddress: istiod.istio-system.svc:15010")], &[])
             .unwrap();
         assert!(c.xds.plaintext);
-        let c = resolve(&[], &[("PROXY_CONFIG", "controlPlaneAuthPolicy: NONE")], &[]).unwrap();
+        assert!(c.identity.ca.as_ref().unwrap().plaintext, "the CA on 15010 is plaintext too");
+        let c =
+            resolve(&[], &[("PROXY_CONFIG", "controlPlaneAuthPolicy: NONE"), ("CA_ROOT_CA", "SYSTEM")], &[])
+                .unwrap();
         assert!(c.xds.plaintext);
     }
 
@@ -438,7 +661,11 @@ mod tests {
     fn mesh_file_env_and_annotations_layer() {
         let c = resolve(
             &["--meshConfig", "/etc/mesh"],
-            &[("PROXY_CONFIG", "{\"drainDuration\": \"20s\"}"), ("XDS_ROOT_CA", "SYSTEM")],
+            &[
+                ("PROXY_CONFIG", "{\"drainDuration\": \"20s\"}"),
+                ("XDS_ROOT_CA", "SYSTEM"),
+                ("CA_ROOT_CA", "SYSTEM"),
+            ],
             &[
                 (
                     "/etc/mesh",
@@ -453,6 +680,70 @@ mod tests {
     }
 
     #[test]
+    fn workload_certificates_follow_pilot_agent() {
+        let env = [("POD_NAMESPACE", "app"), ("SERVICE_ACCOUNT", "echo"), ("ISTIO_META_CLUSTER_ID", "east")];
+        let c = resolve(&[], &env, &[ROOT]).unwrap();
+        let id = &c.identity;
+        assert_eq!(id.identity.to_string(), "spiffe://cluster.local/ns/app/sa/echo");
+        assert_eq!(id.keys, KeyOptions { algorithm: KeyAlgorithm::Rsa(2048), pkcs8: false });
+        assert_eq!(id.secret_ttl, Duration::from_secs(86400));
+        assert_eq!(id.rotation, RotationPolicy::default());
+        assert_eq!(id.sds_socket, PathBuf::from("./var/run/secrets/workload-spiffe-uds/socket"));
+        let ca = id.ca.as_ref().unwrap();
+        assert_eq!(ca.address, "istiod.istio-system.svc:15012");
+        assert_eq!(ca.root_ca, Some(PathBuf::from(paths::CA_ROOT_CERT)));
+        assert!(c.to_yaml().contains("spiffe") || c.to_yaml().contains("serviceAccount: echo"));
+
+        let mut env = env.to_vec();
+        env.extend([
+            ("TRUST_DOMAIN", "example.org"),
+            ("ECC_SIGNATURE_ALGORITHM", "ECDSA"),
+            ("PKCS8_KEY", "true"),
+            ("CA_ADDR", "ca.example:443"),
+            ("CA_ROOT_CA", "SYSTEM"),
+            ("CA_HEADER_X-Tenant", "a"),
+            ("SECRET_TTL", "1h"),
+            ("SECRET_GRACE_PERIOD_RATIO", "0.25"),
+            ("ISTIOD_SAN", "ignored.for.ca"),
+            ("OUTPUT_CERTS", "/out"),
+        ]);
+        let c = resolve(&[], &env, &[ROOT]).unwrap();
+        let id = &c.identity;
+        assert_eq!(id.identity.trust_domain, "example.org");
+        assert_eq!(id.keys, KeyOptions { algorithm: KeyAlgorithm::EcdsaP256, pkcs8: true });
+        assert_eq!(id.secret_ttl, Duration::from_secs(3600));
+        assert_eq!(id.rotation.grace_ratio, 0.25);
+        let ca = id.ca.as_ref().unwrap();
+        assert_eq!(
+            (ca.address.as_str(), ca.root_ca.as_ref(), ca.san.as_ref()),
+            ("ca.example:443", None, None)
+        );
+        assert_eq!(ca.headers.get("X-Tenant").unwrap(), "a");
+        assert_eq!(id.output_dir, Some(PathBuf::from("/out")));
+
+        // Mounted SPIFFE credentials: no CA client, and no CA root needed.
+        let spiffe = CertFiles::in_dir(Path::new(paths::WORKLOAD_CREDENTIALS));
+        let fs = [
+            (spiffe.cert_chain.to_str().unwrap(), "x"),
+            (spiffe.key.to_str().unwrap(), "x"),
+            (spiffe.root.to_str().unwrap(), "x"),
+        ];
+        let c = resolve(&[], &[("XDS_ROOT_CA", "SYSTEM")], &fs).unwrap();
+        assert!(c.identity.ca.is_none());
+        assert_eq!(c.identity.mounted, Some(spiffe.clone()));
+        // ./etc/certs is not "mounted" when the agent writes its own certificates there.
+        let etc = CertFiles::in_dir(Path::new(paths::ETC_CERTS));
+        let fs = [
+            (etc.cert_chain.to_str().unwrap(), "x"),
+            (etc.key.to_str().unwrap(), "x"),
+            (etc.root.to_str().unwrap(), "x"),
+            ROOT,
+        ];
+        assert_eq!(resolve(&[], &[], &fs).unwrap().identity.mounted, Some(etc.clone()));
+        assert_eq!(resolve(&[], &[("OUTPUT_CERTS", "./etc/certs")], &fs).unwrap().identity.mounted, None);
+    }
+
+    #[test]
     fn bad_input_is_named() {
         let cases: &[(&[(&str, &str)], &str)] = &[
             (&[("ISTIO_META_DNS_CAPTURE", "yes")], "ISTIO_META_DNS_CAPTURE"),
@@ -461,10 +752,20 @@ mod tests {
             (&[("PROXY_CONFIG", "discoveryAddress: istiod")], "istiod"),
             (&[("PROXY_CONFIG", "nope: 1")], "PROXY_CONFIG"),
             (&[("XDS_HEADER_bad name", "x")], "bad name"),
+            (&[("CA_HEADER_bad name", "x")], "bad name"),
+            (&[("ECC_SIGNATURE_ALGORITHM", "ED25519")], "ECC_SIGNATURE_ALGORITHM"),
+            (&[("ECC_SIGNATURE_ALGORITHM", "ECDSA"), ("ECC_CURVE", "P384")], "ECC_CURVE"),
+            (&[("WORKLOAD_RSA_KEY_SIZE", "1024")], "1024"),
+            (&[("WORKLOAD_RSA_KEY_SIZE", "big")], "WORKLOAD_RSA_KEY_SIZE"),
+            (&[("SECRET_GRACE_PERIOD_RATIO", "1.5")], "SECRET_GRACE_PERIOD_RATIO"),
+            (&[("SECRET_TTL", "24")], "SECRET_TTL"),
+            (&[("CA_PROVIDER", "GoogleCA")], "CA_PROVIDER"),
+            (&[("WORKLOAD_IDENTITY_SOCKET_FILE", "../x")], "WORKLOAD_IDENTITY_SOCKET_FILE"),
         ];
         for (env, needle) in cases {
             let mut env = env.to_vec();
             env.push(("XDS_ROOT_CA", "SYSTEM"));
+            env.push(("CA_ROOT_CA", "SYSTEM"));
             let e = resolve(&[], &env, &[]).unwrap_err();
             let text = crate::error_chain(&e);
             assert!(text.contains(needle), "{needle}: {text}");

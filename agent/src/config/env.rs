@@ -38,6 +38,34 @@ pub trait Env {
         }
     }
 
+    fn u32_or(&self, name: &str, default: u32) -> Result<u32, ConfigError> {
+        match self.text(name) {
+            None => Ok(default),
+            Some(v) => v.parse().map_err(|_| ConfigError::Env {
+                name: name.into(),
+                value: v,
+                expected: "a whole number",
+            }),
+        }
+    }
+
+    /// A float in `range` (Go's `strconv.ParseFloat` forms).
+    fn f64_in(
+        &self,
+        name: &str,
+        default: f64,
+        range: std::ops::RangeInclusive<f64>,
+    ) -> Result<f64, ConfigError> {
+        match self.text(name) {
+            None => Ok(default),
+            Some(v) => v.parse::<f64>().ok().filter(|f| range.contains(f)).ok_or(ConfigError::Env {
+                name: name.into(),
+                value: v,
+                expected: "a number between 0 and 1",
+            }),
+        }
+    }
+
     fn u16_or(&self, name: &str, default: u16) -> Result<u16, ConfigError> {
         match self.text(name) {
             None => Ok(default),

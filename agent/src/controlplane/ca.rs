@@ -27,6 +27,8 @@ pub enum CaBehaviour {
     LeafOnly,
     /// Answer with text that is not PEM.
     Garbage,
+    /// Sign, but send an expired root as the chain's last element.
+    ExpiredRoot,
 }
 
 /// One CreateCertificate call as received.
@@ -53,11 +55,33 @@ struct State {
     requests: Vec<CaRequest>,
 }
 
+struct Root {
+    issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
+    pem: String,
+}
+
+impl Root {
+    /// A self-signed ECDSA P-256 CA named `org`, valid from `days_from` to `days_to`
+    /// (days relative to now).
+    fn new(org: &str, days_from: i64, days_to: i64) -> Result<Self, CaError> {
+        let key = rcgen::KeyPair::generate().map_err(CaError::Root)?;
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).map_err(CaError::Root)?;
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params.distinguished_name.push(rcgen::DnType::OrganizationName, org);
+        params.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign, rcgen::KeyUsagePurpose::CrlSign];
+        let now = time::OffsetDateTime::now_utc();
+        params.not_before = now + time::Duration::days(days_from) - time::Duration::hours(1);
+        params.not_after = now + time::Duration::days(days_to);
+        let cert = params.self_signed(&key).map_err(CaError::Root)?;
+        Ok(Self { pem: cert.pem(), issuer: rcgen::Issuer::new(params, key) })
+    }
+}
+
 /// The CA service. Clones share state.
 #[derive(Clone)]
 pub struct CaServer {
-    issuer: Arc<rcgen::Issuer<'static, rcgen::KeyPair>>,
-    root_pem: Arc<str>,
+    org: Arc<str>,
+    root: Arc<Mutex<Arc<Root>>>,
     token: Option<Arc<str>>,
     state: Arc<Mutex<State>>,
 }
@@ -66,18 +90,9 @@ impl CaServer {
     /// A CA with a fresh self-signed ECDSA P-256 root named `org`, accepting only
     /// `token` (when given).
     pub fn new(org: &str, token: Option<String>) -> Result<Self, CaError> {
-        let key = rcgen::KeyPair::generate().map_err(CaError::Root)?;
-        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).map_err(CaError::Root)?;
-        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        params.distinguished_name.push(rcgen::DnType::OrganizationName, org);
-        params.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign, rcgen::KeyUsagePurpose::CrlSign];
-        let now = time::OffsetDateTime::now_utc();
-        params.not_before = now - time::Duration::hours(1);
-        params.not_after = now + time::Duration::days(3650);
-        let cert = params.self_signed(&key).map_err(CaError::Root)?;
         Ok(Self {
-            root_pem: cert.pem().into(),
-            issuer: Arc::new(rcgen::Issuer::new(params, key)),
+            org: org.into(),
+            root: Arc::new(Mutex::new(Arc::new(Root::new(org, 0, 3650)?))),
             token: token.map(Into::into),
             state: Arc::new(Mutex::new(State {
                 behaviour: CaBehaviour::Sign,
@@ -89,8 +104,15 @@ impl CaServer {
     }
 
     /// The root certificate (PEM).
-    pub fn root_pem(&self) -> &str {
-        &self.root_pem
+    pub fn root_pem(&self) -> String {
+        self.root.lock().expect("ca root").pem.clone()
+    }
+
+    /// Replaces the root with a new one (a CA key rotation): later certificates are
+    /// signed by, and chain to, the new root.
+    pub fn rotate_root(&self) -> Result<(), CaError> {
+        *self.root.lock().expect("ca root") = Arc::new(Root::new(&self.org, 0, 3650)?);
+        Ok(())
     }
 
     pub fn set_behaviour(&self, behaviour: CaBehaviour) {
@@ -123,8 +145,9 @@ impl CaServer {
         csr.params.extended_key_usages =
             vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth, rcgen::ExtendedKeyUsagePurpose::ClientAuth];
         csr.params.serial_number = Some(rcgen::SerialNumber::from_slice(&rand::random::<[u8; 16]>()));
+        let root = self.root.lock().expect("ca root").clone();
         let cert =
-            csr.signed_by(&self.issuer).map_err(|e| Status::internal(format!("signing failed: {e}")))?;
+            csr.signed_by(&root.issuer).map_err(|e| Status::internal(format!("signing failed: {e}")))?;
         Ok(cert.pem())
     }
 }
@@ -155,7 +178,7 @@ impl IstioCertificateService for CaServer {
         let body = request.into_inner();
         let cert_signer =
             body.metadata.as_ref().and_then(|m| m.fields.get("CertSigner")).and_then(|v| match &v.kind {
-                Some(prost_types::value::Kind::StringValue(s)) => Some(s.clone()),
+                Some(prost_types::value::Kind::StringValue(s)) if !s.is_empty() => Some(s.clone()),
                 _ => None,
             });
         let (behaviour, delay, forced) = {
@@ -190,8 +213,14 @@ impl IstioCertificateService for CaServer {
                 cert_chain: vec![self.sign(&body.csr, lifetime)?],
             })),
             CaBehaviour::Sign => Ok(Response::new(IstioCertificateResponse {
-                cert_chain: vec![self.sign(&body.csr, lifetime)?, self.root_pem.to_string()],
+                cert_chain: vec![self.sign(&body.csr, lifetime)?, self.root_pem()],
             })),
+            CaBehaviour::ExpiredRoot => {
+                let expired = Root::new(&self.org, -20, -10).map_err(|e| Status::internal(e.to_string()))?;
+                Ok(Response::new(IstioCertificateResponse {
+                    cert_chain: vec![self.sign(&body.csr, lifetime)?, expired.pem],
+                }))
+            }
         }
     }
 }

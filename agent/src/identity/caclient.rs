@@ -145,9 +145,10 @@ impl CaClient {
                 }
             }
         };
-        let metadata = self.cert_signer.as_ref().map(|signer| Struct {
-            fields: [("CertSigner".to_string(), Value { kind: Some(Kind::StringValue(signer.clone())) })]
-                .into(),
+        // Always present, empty when unset, as pilot-agent sends it.
+        let signer = self.cert_signer.clone().unwrap_or_default();
+        let metadata = Some(Struct {
+            fields: [("CertSigner".to_string(), Value { kind: Some(Kind::StringValue(signer)) })].into(),
         });
         let body = IstioCertificateRequest {
             csr: csr_pem.into(),
