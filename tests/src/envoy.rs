@@ -189,6 +189,26 @@ pub enum XdsTarget<'a> {
     },
 }
 
+/// Istio's `sds-grpc` bootstrap cluster (HTTP/2 over a pipe to the agent's SDS
+/// socket), as a `static_resources.clusters` entry to append to a bootstrap from
+/// [`ads_bootstrap`].
+pub fn sds_cluster(socket: &std::path::Path) -> String {
+    format!(
+        r#"  - name: sds-grpc
+    type: STATIC
+    connect_timeout: 1s
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: {{ http2_protocol_options: {{}} }}
+    load_assignment:
+      cluster_name: sds-grpc
+      endpoints: [{{ lb_endpoints: [{{ endpoint: {{ address: {{ pipe: {{ path: "{}" }} }} }} }}] }}]
+"#,
+        socket.display()
+    )
+}
+
 /// A bootstrap that takes all of Envoy's config over ADS from the agent's XDS socket,
 /// as Istio's does (`xds-grpc` cluster over a pipe, HTTP/2), SotW (`GRPC`) or Delta.
 pub fn ads_bootstrap(xds_socket: &std::path::Path, delta: bool, node_id: &str, admin: SocketAddr) -> String {

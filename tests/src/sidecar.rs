@@ -23,14 +23,17 @@ pub struct SidecarRoot {
 }
 
 impl SidecarRoot {
-    /// Lays out the mounts: `etc/istio/proxy` (writable by the proxy user),
+    /// Lays out the mounts: `etc/istio/proxy` and `var/run/secrets/workload-spiffe-uds`
+    /// (the injector's emptyDirs, writable by the proxy user),
     /// `var/run/secrets/istio/root-cert.pem` and `var/run/secrets/tokens/istio-token`.
     pub fn new(root_cert_pem: &str, token: &str) -> anyhow::Result<Self> {
         let dir = Dir::new("pod-root")?;
         let root = dir.path();
-        let proxy_dir = root.join("etc/istio/proxy");
-        std::fs::create_dir_all(&proxy_dir)?;
-        std::os::unix::fs::chown(&proxy_dir, Some(PROXY_UID), Some(PROXY_UID))?;
+        for dir in ["etc/istio/proxy", "var/run/secrets/workload-spiffe-uds"] {
+            let dir = root.join(dir);
+            std::fs::create_dir_all(&dir)?;
+            std::os::unix::fs::chown(&dir, Some(PROXY_UID), Some(PROXY_UID))?;
+        }
         for (path, text) in [
             ("var/run/secrets/istio/root-cert.pem", root_cert_pem),
             ("var/run/secrets/tokens/istio-token", token),
@@ -62,6 +65,11 @@ impl SidecarRoot {
     /// Where the agent serves xDS to Envoy.
     pub fn xds_socket(&self) -> PathBuf {
         self.path().join("etc/istio/proxy/XDS")
+    }
+
+    /// Where the agent serves SDS to Envoy.
+    pub fn sds_socket(&self) -> PathBuf {
+        self.path().join("var/run/secrets/workload-spiffe-uds/socket")
     }
 
     /// Rewrites the token file (the kubelet rotating it).

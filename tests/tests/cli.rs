@@ -64,7 +64,12 @@ fn commands_not_built_yet_exit_2_naming_their_area() {
         (&pilot, &["wait"], "status server"),
     ];
     for (bin, args, area) in cases {
-        let out = Command::new(bin).args(*args).env("XDS_ROOT_CA", "SYSTEM").output().unwrap();
+        let out = Command::new(bin)
+            .args(*args)
+            .env("XDS_ROOT_CA", "SYSTEM")
+            .env("CA_ROOT_CA", "SYSTEM")
+            .output()
+            .unwrap();
         assert_eq!(out.status.code(), Some(2), "{args:?}");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains("not built yet") && err.contains(area), "{args:?}: {err}");

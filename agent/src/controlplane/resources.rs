@@ -1,6 +1,7 @@
 //! Builders for the Envoy resources the local control plane serves: TCP and HTTP
 //! listeners, static and EDS clusters, load assignments and route configurations,
-//! each wrapped as `Any` under its type URL. Only the fields Envoy needs to carry
+//! and Istio-style mutual TLS over SDS for clusters and listeners, each wrapped as
+//! `Any` under its type URL. Only the fields Envoy needs to carry
 //! real traffic are set; the rest keep Envoy's defaults.
 
 use std::{net::SocketAddr, time::Duration};
@@ -11,8 +12,9 @@ use weir_proto::{
         config::{
             cluster::v3::{Cluster, cluster},
             core::v3::{
-                AggregatedConfigSource, ApiVersion, ConfigSource, DataSource, address, config_source,
-                data_source, socket_address,
+                AggregatedConfigSource, ApiConfigSource, ApiVersion, ConfigSource, DataSource, GrpcService,
+                TransportSocket, address, api_config_source, config_source, data_source, grpc_service,
+                socket_address, transport_socket,
             },
             endpoint::v3::{ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints, lb_endpoint},
             listener::v3::{Filter, FilterChain, Listener, filter},
@@ -30,6 +32,11 @@ use weir_proto::{
                 tcp_proxy::v3::{TcpProxy, tcp_proxy},
             },
         },
+        extensions::transport_sockets::tls::v3::{
+            CertificateValidationContext, CommonTlsContext, DownstreamTlsContext, SdsSecretConfig,
+            SubjectAltNameMatcher, UpstreamTlsContext, common_tls_context, subject_alt_name_matcher,
+        },
+        r#type::matcher::v3::{StringMatcher, string_matcher},
     },
     to_any, type_url,
 };
@@ -62,30 +69,151 @@ fn ads() -> ConfigSource {
 }
 
 fn listener(name: &str, bind: SocketAddr, filter: Filter) -> Any {
-    let listener = Listener {
+    to_any(type_url::LISTENER, &listener_message(name, bind, filter, None))
+}
+
+fn listener_message(name: &str, bind: SocketAddr, filter: Filter, tls: Option<TransportSocket>) -> Listener {
+    Listener {
         name: name.to_string(),
         address: Some(socket(bind)),
-        filter_chains: vec![FilterChain { filters: vec![filter], ..Default::default() }],
+        filter_chains: vec![FilterChain {
+            filters: vec![filter],
+            transport_socket: tls,
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
+/// The cluster Istio's bootstrap defines for SDS (a pipe to the agent's SDS socket).
+pub const SDS_CLUSTER: &str = "sds-grpc";
+/// Istio's names for the workload certificate and the mesh root.
+pub const WORKLOAD_SECRET: &str = "default";
+pub const ROOT_SECRET: &str = "ROOTCA";
+const UPSTREAM_TLS: &str = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext";
+const DOWNSTREAM_TLS: &str =
+    "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext";
+
+fn sds_secret(name: &str) -> SdsSecretConfig {
+    SdsSecretConfig {
+        name: name.into(),
+        sds_config: Some(ConfigSource {
+            config_source_specifier: Some(config_source::ConfigSourceSpecifier::ApiConfigSource(
+                ApiConfigSource {
+                    api_type: api_config_source::ApiType::Grpc as i32,
+                    transport_api_version: ApiVersion::V3 as i32,
+                    grpc_services: vec![GrpcService {
+                        target_specifier: Some(grpc_service::TargetSpecifier::EnvoyGrpc(
+                            grpc_service::EnvoyGrpc {
+                                cluster_name: SDS_CLUSTER.into(),
+                                ..Default::default()
+                            },
+                        )),
+                        ..Default::default()
+                    }],
+                    set_node_on_first_message_only: true,
+                    ..Default::default()
+                },
+            )),
+            // Istio's: wait for the certificate as long as it takes.
+            initial_fetch_timeout: Some(duration(Duration::ZERO)),
+            resource_api_version: ApiVersion::V3 as i32,
+        }),
+    }
+}
+
+/// Istio's mutual TLS: the certificate `default` and the roots `ROOTCA` over SDS; the
+/// peer's certificate must carry one of `peer_sans` (SPIFFE IDs) as a URI SAN.
+fn istio_mtls(peer_sans: &[&str], cert_secret: &str, root_secret: &str) -> CommonTlsContext {
+    CommonTlsContext {
+        tls_certificate_sds_secret_configs: vec![sds_secret(cert_secret)],
+        validation_context_type: Some(common_tls_context::ValidationContextType::CombinedValidationContext(
+            common_tls_context::CombinedCertificateValidationContext {
+                default_validation_context: Some(CertificateValidationContext {
+                    match_typed_subject_alt_names: peer_sans
+                        .iter()
+                        .map(|san| SubjectAltNameMatcher {
+                            san_type: subject_alt_name_matcher::SanType::Uri as i32,
+                            matcher: Some(StringMatcher {
+                                match_pattern: Some(string_matcher::MatchPattern::Exact(san.to_string())),
+                                ..Default::default()
+                            }),
+                        })
+                        .collect(),
+                    ..Default::default()
+                }),
+                validation_context_sds_secret_config: Some(sds_secret(root_secret)),
+            },
+        )),
+        ..Default::default()
+    }
+}
+
+fn tls_socket(type_url: &str, config: &impl prost::Message) -> TransportSocket {
+    TransportSocket {
+        name: "envoy.transport_sockets.tls".into(),
+        config_type: Some(transport_socket::ConfigType::TypedConfig(to_any(type_url, config))),
+    }
+}
+
+/// A static cluster whose connections originate Istio mutual TLS, accepting only a
+/// server certificate for one of `peer_sans`.
+pub fn mtls_static_cluster(
+    name: &str,
+    endpoints: &[SocketAddr],
+    connect_timeout: Duration,
+    peer_sans: &[&str],
+) -> Any {
+    tls_static_cluster(name, endpoints, connect_timeout, peer_sans, (WORKLOAD_SECRET, ROOT_SECRET))
+}
+
+/// As [`mtls_static_cluster`], with other SDS secret names for the certificate and
+/// the roots (`file-cert:...`, `file-root:...`, as DestinationRules produce).
+pub fn tls_static_cluster(
+    name: &str,
+    endpoints: &[SocketAddr],
+    connect_timeout: Duration,
+    peer_sans: &[&str],
+    (cert_secret, root_secret): (&str, &str),
+) -> Any {
+    let tls = UpstreamTlsContext {
+        common_tls_context: Some(istio_mtls(peer_sans, cert_secret, root_secret)),
         ..Default::default()
     };
+    let cluster = Cluster {
+        transport_socket: Some(tls_socket(UPSTREAM_TLS, &tls)),
+        ..static_cluster_message(name, endpoints, connect_timeout)
+    };
+    to_any(type_url::CLUSTER, &cluster)
+}
+
+/// A TCP proxy listener that terminates Istio mutual TLS: a client certificate is
+/// required and must be for one of `peer_sans`.
+pub fn mtls_tcp_proxy_listener(name: &str, bind: SocketAddr, cluster: &str, peer_sans: &[&str]) -> Any {
+    let tls = DownstreamTlsContext {
+        common_tls_context: Some(istio_mtls(peer_sans, WORKLOAD_SECRET, ROOT_SECRET)),
+        require_client_certificate: Some(true),
+    };
+    let listener =
+        listener_message(name, bind, tcp_proxy_filter(name, cluster), Some(tls_socket(DOWNSTREAM_TLS, &tls)));
     to_any(type_url::LISTENER, &listener)
 }
 
 /// A listener on `bind` that proxies every connection to `cluster`.
 pub fn tcp_proxy_listener(name: &str, bind: SocketAddr, cluster: &str) -> Any {
+    listener(name, bind, tcp_proxy_filter(name, cluster))
+}
+
+fn tcp_proxy_filter(name: &str, cluster: &str) -> Filter {
     let proxy = TcpProxy {
         stat_prefix: name.to_string(),
         cluster_specifier: Some(tcp_proxy::ClusterSpecifier::Cluster(cluster.to_string())),
         ..Default::default()
     };
-    listener(
-        name,
-        bind,
-        Filter {
-            name: "envoy.filters.network.tcp_proxy".into(),
-            config_type: Some(filter::ConfigType::TypedConfig(to_any(TCP_PROXY, &proxy))),
-        },
-    )
+    Filter {
+        name: "envoy.filters.network.tcp_proxy".into(),
+        config_type: Some(filter::ConfigType::TypedConfig(to_any(TCP_PROXY, &proxy))),
+    }
 }
 
 /// An HTTP listener on `bind` whose routes come over ADS as `route_config`.
@@ -134,7 +262,11 @@ fn load_assignment_message(cluster: &str, endpoints: &[SocketAddr]) -> ClusterLo
 
 /// A cluster whose endpoints are inline.
 pub fn static_cluster(name: &str, endpoints: &[SocketAddr], connect_timeout: Duration) -> Any {
-    let cluster = Cluster {
+    to_any(type_url::CLUSTER, &static_cluster_message(name, endpoints, connect_timeout))
+}
+
+fn static_cluster_message(name: &str, endpoints: &[SocketAddr], connect_timeout: Duration) -> Cluster {
+    Cluster {
         name: name.to_string(),
         cluster_discovery_type: Some(cluster::ClusterDiscoveryType::Type(
             cluster::DiscoveryType::Static as i32,
@@ -142,8 +274,7 @@ pub fn static_cluster(name: &str, endpoints: &[SocketAddr], connect_timeout: Dur
         connect_timeout: Some(duration(connect_timeout)),
         load_assignment: Some(load_assignment_message(name, endpoints)),
         ..Default::default()
-    };
-    to_any(type_url::CLUSTER, &cluster)
+    }
 }
 
 /// A cluster whose endpoints come over ADS (EDS) under its own name.

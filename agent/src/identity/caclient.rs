@@ -38,7 +38,7 @@ pub enum CaClientError {
         #[source]
         source: UpstreamError,
     },
-    #[error("CA at {address} refused the CSR: {code:?}: {message}")]
+    #[error("CA at {address}: CreateCertificate failed with {code:?}: {message}")]
     Status { address: String, code: Code, message: String },
     #[error("CA at {address} answered with a bad certificate chain")]
     Chain {

@@ -1,0 +1,415 @@
+//! Workload certificates end to end: two sidecar pods, each with `weir proxy sidecar`
+//! serving SDS to a real Envoy, certificates issued by the test CA that istiod's
+//! stand-in serves beside xDS (over TLS, on 15012). The client Envoy originates mutual
+//! TLS with `default` + `ROOTCA`; the server Envoy requires it and checks the client's
+//! SPIFFE ID. Real TCP requests cross it while certificates rotate and the CA goes away.
+
+use std::{
+    net::SocketAddr,
+    time::{Duration, Instant},
+};
+
+use tokio::io::AsyncBufReadExt as _;
+use weir_agent::controlplane::{AdsServer, AuthPolicy, CaServer, Snapshot, resources};
+use weir_proto::type_url;
+use weir_tests::{
+    Mesh, Placement, Pod, PodChild,
+    capture::{ask, start_server},
+    control_plane::{CLUSTER_ID, ControlPlane, TOKEN, TestCa, eventually},
+    envoy::{Envoy, ads_bootstrap, sds_cluster},
+    http, require_root,
+    sidecar::{AgentProcess, PROXY_UID, SidecarRoot},
+    test_name,
+};
+
+const APP_UID: u32 = 1000;
+/// The client app's way out: Envoy's plaintext listener in the client pod.
+const OUTBOUND: &str = "127.0.0.1:18000";
+/// The server Envoy's mutual-TLS listener (Istio's inbound port).
+const INBOUND_PORT: u16 = 15006;
+const APP: &str = "127.0.0.1:8080";
+const ADMIN: &str = "127.0.0.1:15000";
+const CONVERGE: Duration = Duration::from_secs(30);
+
+fn spiffe(sa: &str) -> String {
+    format!("spiffe://cluster.local/ns/default/sa/{sa}")
+}
+
+/// One snapshot for both Envoys (each binds both listeners; only one is used in each
+/// pod): outbound → mTLS cluster to the server pod, expecting the server's identity;
+/// inbound mTLS listener requiring `client_sa`'s identity → the local app.
+fn snapshot(server: &Pod, version: &str, client_sa: &str) -> Snapshot {
+    snapshot_with(server, version, client_sa, Vec::new())
+}
+
+fn snapshot_with(
+    server: &Pod,
+    version: &str,
+    client_sa: &str,
+    extra: Vec<(&str, prost_types::Any)>,
+) -> Snapshot {
+    let inbound = SocketAddr::new(server.ipv4().into(), INBOUND_PORT);
+    let mut s = Snapshot::new();
+    s.set(
+        type_url::LISTENER,
+        version,
+        [
+            ("outbound", resources::tcp_proxy_listener("outbound", OUTBOUND.parse().unwrap(), "server-mtls")),
+            (
+                "inbound",
+                resources::mtls_tcp_proxy_listener(
+                    "inbound",
+                    SocketAddr::from(([0, 0, 0, 0], INBOUND_PORT)),
+                    "local-app",
+                    &[&spiffe(client_sa)],
+                ),
+            ),
+        ],
+    );
+    s.set(
+        type_url::CLUSTER,
+        version,
+        [
+            (
+                "server-mtls",
+                resources::mtls_static_cluster(
+                    "server-mtls",
+                    &[inbound],
+                    Duration::from_secs(1),
+                    &[&spiffe("server")],
+                ),
+            ),
+            (
+                "local-app",
+                resources::static_cluster("local-app", &[APP.parse().unwrap()], Duration::from_secs(1)),
+            ),
+        ]
+        .into_iter()
+        .chain(extra),
+    );
+    s
+}
+
+struct Sidecar {
+    envoy: Option<Envoy>,
+    agent: AgentProcess,
+    _root: SidecarRoot,
+    pod: Pod,
+}
+
+impl Sidecar {
+    fn start(pod: Pod, sa: &str, cp: &ControlPlane, istiod_root: &str) -> Self {
+        let root = SidecarRoot::new(istiod_root, TOKEN).unwrap();
+        let proxy_config = format!("{{\"discoveryAddress\": \"{}\"}}", cp.addr);
+        let ip = pod.ipv4().to_string();
+        let env = [
+            ("DISABLE_ENVOY", "true"),
+            ("PROXY_CONFIG", proxy_config.as_str()),
+            ("ISTIOD_SAN", weir_tests::control_plane::ISTIOD_SAN),
+            ("ISTIO_META_CLUSTER_ID", CLUSTER_ID),
+            ("POD_NAME", sa),
+            ("POD_NAMESPACE", "default"),
+            ("SERVICE_ACCOUNT", sa),
+            ("INSTANCE_IP", ip.as_str()),
+        ];
+        let agent = AgentProcess::start(&pod, &root, &env, None).unwrap();
+        let node = format!("sidecar~{ip}~{sa}.default~default.svc.cluster.local");
+        let mut bootstrap = ads_bootstrap(&root.xds_socket(), false, &node, ADMIN.parse().unwrap());
+        bootstrap.push_str(&sds_cluster(&root.sds_socket()));
+        let placement = Placement { user: Some((PROXY_UID, PROXY_UID)), ..Placement::default() };
+        let envoy = Envoy::start_placed(&pod, &bootstrap, ADMIN.parse().unwrap(), placement)
+            .unwrap_or_else(|e| panic!("{e:#}\nagent log:\n{}", agent.log()));
+        Self { envoy: Some(envoy), agent, _root: root, pod }
+    }
+
+    fn envoy(&self) -> &Envoy {
+        self.envoy.as_ref().expect("Envoy running")
+    }
+
+    /// Serial numbers of the workload certificates Envoy holds now (admin `/certs`;
+    /// sorted, each once: every TLS context lists the one it uses).
+    fn serials(&self) -> Vec<String> {
+        let body = self.envoy().admin_get(&self.pod, "/certs").unwrap();
+        let json: serde_json::Value = serde_json::from_str(&body).unwrap();
+        json["certificates"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|c| c["cert_chain"].as_array().cloned().unwrap_or_default())
+            .filter(|c| c["subject_alt_names"].to_string().contains("spiffe://"))
+            .filter_map(|c| c["serial_number"].as_str().map(str::to_string))
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect()
+    }
+
+    /// The one SPIFFE leaf serial Envoy uses, once it holds exactly one.
+    fn serial(&self) -> String {
+        let mut s = self.serials();
+        assert_eq!(s.len(), 1, "one workload certificate in /certs: {s:?}");
+        s.remove(0)
+    }
+
+    fn metrics(&self) -> String {
+        let (status, body) = self
+            .pod
+            .run(|| async { http::get("127.0.0.1:15020".parse().unwrap(), "/stats/prometheus").await })
+            .unwrap()
+            .unwrap();
+        assert_eq!(status, 200);
+        body
+    }
+
+    fn issued(&self) -> usize {
+        self.agent.log().matches("generated new workload certificate").count()
+    }
+
+    fn logs(&self) -> String {
+        format!("agent log:\n{}\nEnvoy log:\n{}", self.agent.log(), self.envoy().log())
+    }
+}
+
+/// Sum of every sample of `name` (any labels) in Prometheus text.
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| {
+            l.starts_with(name) && (l[name.len()..].starts_with('{') || l[name.len()..].starts_with(' '))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// Fields drop in order: sidecars (Envoy, agent), app server, control plane, pods.
+struct Rig {
+    client: Sidecar,
+    server: Sidecar,
+    _app: PodChild,
+    cp: ControlPlane,
+    ca: CaServer,
+    _istiod: Pod,
+    _mesh: Mesh,
+}
+
+impl Rig {
+    /// `lifetime`: every workload certificate lives this long.
+    fn new(test: &str, lifetime: Option<Duration>) -> Self {
+        let mesh = Mesh::new(test).unwrap();
+        let istiod = mesh.pod("istiod").unwrap();
+        let client_pod = mesh.pod("client").unwrap();
+        let server_pod = mesh.pod("server").unwrap();
+        let app = start_server(&server_pod, APP_UID, &["serve-hello", APP, "v1"]);
+        let tls_ca = TestCa::new("istiod serving CA").unwrap();
+        let ca = CaServer::new("mesh workload CA", Some(TOKEN.into())).unwrap();
+        ca.force_lifetime(lifetime);
+        let ads = AdsServer::new(
+            snapshot(&server_pod, "1", "client"),
+            AuthPolicy { token: Some(TOKEN.into()), cluster_id: Some(CLUSTER_ID.into()) },
+        );
+        let cp = ControlPlane::istiod(&istiod, &tls_ca, ads).unwrap().with_ca(ca.clone()).unwrap();
+        let server = Sidecar::start(server_pod, "server", &cp, tls_ca.root_pem());
+        let client = Sidecar::start(client_pod, "client", &cp, tls_ca.root_pem());
+        Self { client, server, _app: app, cp, ca, _istiod: istiod, _mesh: mesh }
+    }
+
+    fn call(&self) -> String {
+        ask(&self.client.pod, APP_UID, OUTBOUND.parse().unwrap())
+    }
+
+    fn expect_calls_pass(&self) {
+        let mut last = String::new();
+        if eventually(CONVERGE, || {
+            last = self.call();
+            last.starts_with("hello v1 ").then_some(())
+        })
+        .is_none()
+        {
+            panic!(
+                "no call passed (last: {last:?})\nCLIENT {}\nSERVER {}",
+                self.client.logs(),
+                self.server.logs()
+            );
+        }
+    }
+
+    fn logs(&self) -> String {
+        format!("CLIENT {}\nSERVER {}", self.client.logs(), self.server.logs())
+    }
+}
+
+/// Load from the client pod: `workers` connections at a time through Envoy for
+/// `duration`, each reading the app's greeting. Returns (passed, failures).
+fn load(pod: &Pod, workers: usize, duration: Duration) -> std::thread::JoinHandle<(u64, Vec<String>)> {
+    let netns = weir_agent::sandbox::NetNs::open(pod.netns().path()).unwrap();
+    netns
+        .spawn_thread(move || async move {
+            let deadline = Instant::now() + duration;
+            let mut tasks = tokio::task::JoinSet::new();
+            for _ in 0..workers {
+                tasks.spawn(async move {
+                    let (mut ok, mut failed) = (0u64, Vec::new());
+                    while Instant::now() < deadline {
+                        let attempt = async {
+                            let s = tokio::net::TcpStream::connect(OUTBOUND).await?;
+                            let mut line = String::new();
+                            tokio::io::BufReader::new(s).read_line(&mut line).await?;
+                            Ok::<_, std::io::Error>(line)
+                        };
+                        match tokio::time::timeout(Duration::from_secs(5), attempt).await {
+                            Ok(Ok(line)) if line.starts_with("hello v1 ") => ok += 1,
+                            Ok(Ok(line)) => failed.push(format!("unexpected answer {line:?}")),
+                            Ok(Err(e)) => failed.push(e.to_string()),
+                            Err(_) => failed.push("no answer in 5s".into()),
+                        }
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    (ok, failed)
+                });
+            }
+            let (mut ok, mut failed) = (0, Vec::new());
+            while let Some(Ok((o, f))) = tasks.join_next().await {
+                ok += o;
+                failed.extend(f);
+            }
+            (ok, failed)
+        })
+        .unwrap()
+}
+
+#[test]
+fn mutual_tls_between_two_sidecars_checks_the_spiffe_identity() {
+    require_root!();
+    let rig = Rig::new(&test_name!(), None);
+    rig.expect_calls_pass();
+
+    // Each agent made one CSR with its own SPIFFE ID and istiod's credentials.
+    let requests = rig.ca.requests();
+    let mut sans: Vec<_> = requests.iter().flat_map(|r| r.uri_sans.clone()).collect();
+    sans.sort();
+    assert_eq!(sans, [spiffe("client"), spiffe("server")], "{requests:?}");
+    assert!(requests.iter().all(|r| r.authorization.as_deref() == Some(&*format!("Bearer {TOKEN}"))));
+    assert!(requests.iter().all(|r| r.validity_seconds == 86_400), "SECRET_TTL defaults to 24h");
+    // Envoy holds a certificate for its own identity, chained to the mesh root.
+    let certs = rig.server.envoy().admin_get(&rig.server.pod, "/certs").unwrap();
+    assert!(certs.contains(&spiffe("server")) && !certs.contains(&spiffe("client")), "{certs}");
+    let expiry = metric(&rig.client.metrics(), "istio_agent_cert_expiry_seconds");
+    assert!(expiry > 80_000.0 && expiry <= 86_400.0, "cert expiry gauge {expiry}");
+
+    // The server accepts only the identity it is told to: require another one and the
+    // same client is refused at the handshake; restore it and calls pass again.
+    rig.cp.ads.push(snapshot(&rig.server.pod, "2", "somebody-else"));
+    assert!(rig.cp.wait_for_ack(type_url::LISTENER, "2", CONVERGE), "{}", rig.logs());
+    let refused = eventually(CONVERGE, || {
+        let answer = rig.call();
+        (!answer.starts_with("hello")).then_some(answer)
+    });
+    assert!(refused.is_some(), "a client with the wrong identity still got through\n{}", rig.logs());
+    let handshake_errors =
+        rig.server.envoy().stat(&rig.server.pod, "listener.0.0.0.0_15006.ssl.fail_verify_san").unwrap();
+    assert!(handshake_errors.unwrap_or(0) > 0, "server counted SAN verification failures");
+    rig.cp.ads.push(snapshot(&rig.server.pod, "3", "client"));
+    rig.expect_calls_pass();
+}
+
+#[test]
+fn ten_second_certificates_rotate_under_load_without_a_failed_request() {
+    require_root!();
+    let rig = Rig::new(&test_name!(), Some(Duration::from_secs(10)));
+    rig.expect_calls_pass();
+    let (client_before, server_before) = (rig.client.serial(), rig.server.serial());
+    let issued_before = (rig.client.issued(), rig.server.issued());
+
+    // 13 s of load spans at least two rotations (each at ~half the 10 s lifetime).
+    let (passed, failed) = load(&rig.client.pod, 4, Duration::from_secs(13)).join().unwrap();
+    assert!(
+        failed.is_empty(),
+        "{} of {} requests failed during rotation: {:?}\n{}",
+        failed.len(),
+        passed + failed.len() as u64,
+        &failed[..failed.len().min(5)],
+        rig.logs()
+    );
+    assert!(passed > 100, "the load ran ({passed} requests)");
+
+    assert!(rig.client.issued() >= issued_before.0 + 2, "client rotated twice\n{}", rig.logs());
+    assert!(rig.server.issued() >= issued_before.1 + 2, "server rotated twice\n{}", rig.logs());
+    let new = eventually(CONVERGE, || {
+        let (c, s) = (rig.client.serials(), rig.server.serials());
+        (!c.is_empty() && !s.is_empty() && !c.contains(&client_before) && !s.contains(&server_before))
+            .then_some((c, s))
+    });
+    assert!(new.is_some(), "Envoy /certs still shows the first certificates\n{}", rig.logs());
+    rig.expect_calls_pass();
+}
+
+#[test]
+fn a_ca_outage_at_rotation_keeps_the_old_certificate_until_the_ca_returns() {
+    require_root!();
+    let mut rig = Rig::new(&test_name!(), Some(Duration::from_secs(12)));
+    rig.expect_calls_pass();
+    // Start the clock on a fresh certificate, then take istiod (xDS and CA) down.
+    let first = rig.client.serial();
+    let fresh = eventually(CONVERGE, || {
+        let s = rig.client.serials();
+        (s.len() == 1 && s[0] != first).then(|| s[0].clone())
+    })
+    .expect("a rotation");
+    let since = Instant::now();
+    rig.cp.stop();
+
+    // Rotation (at ~6 s) fails; the agent keeps the still-valid certificate.
+    let failures = eventually(Duration::from_secs(11), || {
+        let f = metric(&rig.client.metrics(), "istio_agent_num_failed_outgoing_requests_total");
+        (f > 0.0 && rig.client.agent.log().contains("cannot issue the workload certificate")).then_some(f)
+    });
+    assert!(failures.is_some(), "no failed CSR counted and logged\n{}", rig.logs());
+    assert!(since.elapsed() < Duration::from_secs(12), "checked before the old certificate expired");
+    assert_eq!(rig.client.serial(), fresh, "Envoy still holds the certificate it had");
+    assert!(
+        rig.call().starts_with("hello v1 "),
+        "traffic still flows on the valid certificate\n{}",
+        rig.logs()
+    );
+
+    rig.cp.resume().unwrap();
+    let renewed = eventually(CONVERGE, || {
+        let s = rig.client.serials();
+        (s.len() == 1 && s[0] != fresh).then(|| s[0].clone())
+    });
+    assert!(renewed.is_some(), "no new certificate after the CA came back\n{}", rig.logs());
+    rig.expect_calls_pass();
+    assert!(rig.client.agent.is_running() && rig.server.agent.is_running());
+}
+
+#[test]
+fn the_agent_survives_sds_requests_it_cannot_serve() {
+    require_root!();
+    let mut rig = Rig::new(&test_name!(), None);
+    rig.expect_calls_pass();
+    // Clusters asking for a secret name the agent does not know, and for a root file
+    // that does not exist: those never warm; the agent names each, keeps running,
+    // and everything else keeps working.
+    let app: SocketAddr = APP.parse().unwrap();
+    let timeout = Duration::from_secs(1);
+    let bad_name = ("kubernetes://my-credential", "ROOTCA");
+    let bad_file = ("default", "file-root:/nonexistent/root-cert.pem");
+    rig.cp.ads.push(snapshot_with(
+        &rig.server.pod,
+        "2",
+        "client",
+        vec![
+            ("bad-name", resources::tls_static_cluster("bad-name", &[app], timeout, &[], bad_name)),
+            ("bad-file", resources::tls_static_cluster("bad-file", &[app], timeout, &[], bad_file)),
+        ],
+    ));
+    let named = eventually(CONVERGE, || {
+        let log = rig.client.agent.log();
+        (log.contains("unknown SDS resource \"kubernetes://my-credential\"")
+            && log.contains("/nonexistent/root-cert.pem"))
+        .then_some(())
+    });
+    assert!(named.is_some(), "the agent did not name both bad resources\n{}", rig.logs());
+    assert!(!rig.client.agent.log().contains("panicked"));
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(rig.client.agent.is_running(), "{}", rig.logs());
+    rig.expect_calls_pass();
+}
