@@ -34,6 +34,14 @@ pub enum AgentError {
     Status(#[from] crate::status::StatusBindError),
     #[error("SDS socket")]
     SdsUds(#[source] crate::xds::uds::UdsError),
+    #[error(
+        "an SDS socket exists at {path} but cannot be checked (is another SDS server's socket readable by this user?)"
+    )]
+    SdsSocketCheck {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("SDS server on {path}")]
     SdsServe {
         path: std::path::PathBuf,
@@ -116,7 +124,7 @@ impl Agent {
         let uds_path = self.config.xds.uds_path.clone();
         let listener = crate::xds::uds::bind(&uds_path, None)?;
         let sds_path = self.config.identity.sds_socket.clone();
-        let external = external_sds(&sds_path).await;
+        let external = external_sds(&sds_path).await?;
         let sds_listener = if external {
             tracing::info!(path = %sds_path.display(), "existing workload SDS socket found (SPIRE or similar): using it, not serving SDS");
             None
@@ -201,12 +209,18 @@ impl Agent {
 }
 
 /// An SDS server already listens on `path` (SPIRE's agent, mounted into the pod). A
-/// socket nobody answers on is stale and will be replaced.
-async fn external_sds(path: &std::path::Path) -> bool {
+/// socket nobody listens on is stale and will be replaced; one that cannot be tried
+/// (permissions) is an error, never deleted.
+async fn external_sds(path: &std::path::Path) -> Result<bool, AgentError> {
     use std::os::unix::fs::FileTypeExt as _;
-    let is_socket = std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket());
-    is_socket
-        && tokio::time::timeout(Duration::from_secs(1), tokio::net::UnixStream::connect(path))
-            .await
-            .is_ok_and(|r| r.is_ok())
+    if !std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket()) {
+        return Ok(false);
+    }
+    let check = |source| AgentError::SdsSocketCheck { path: path.into(), source };
+    match tokio::time::timeout(Duration::from_secs(1), tokio::net::UnixStream::connect(path)).await {
+        Ok(Ok(_)) => Ok(true),
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => Ok(false),
+        Ok(Err(e)) => Err(check(e)),
+        Err(_) => Err(check(std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer within 1s"))),
+    }
 }

@@ -413,3 +413,58 @@ fn the_agent_survives_sds_requests_it_cannot_serve() {
     assert!(rig.client.agent.is_running(), "{}", rig.logs());
     rig.expect_calls_pass();
 }
+
+/// A SPIRE agent (or any SDS server) already listening on the workload socket is used
+/// as it is: Weir neither replaces it nor asks the CA. A socket nobody answers on is
+/// stale and is replaced by Weir's own.
+#[test]
+fn an_existing_sds_socket_is_left_to_its_owner_and_a_stale_one_replaced() {
+    require_root!();
+    let mesh = Mesh::new(&test_name!()).unwrap();
+    let istiod = mesh.pod("istiod").unwrap();
+    let app = mesh.pod("app").unwrap();
+    let tls_ca = TestCa::new("istiod serving CA").unwrap();
+    let ca = CaServer::new("mesh workload CA", Some(TOKEN.into())).unwrap();
+    let ads = AdsServer::new(Snapshot::new(), AuthPolicy::default());
+    let cp = ControlPlane::istiod(&istiod, &tls_ca, ads).unwrap().with_ca(ca.clone()).unwrap();
+    let proxy_config = format!("{{\"discoveryAddress\": \"{}\"}}", cp.addr);
+    let env = [
+        ("DISABLE_ENVOY", "true"),
+        ("PROXY_CONFIG", proxy_config.as_str()),
+        ("ISTIOD_SAN", weir_tests::control_plane::ISTIOD_SAN),
+        ("ISTIO_META_CLUSTER_ID", CLUSTER_ID),
+        ("POD_NAMESPACE", "default"),
+        ("SERVICE_ACCOUNT", "app"),
+    ];
+
+    // "SPIRE": a listener the test owns on the socket path.
+    let root = SidecarRoot::new(tls_ca.root_pem(), TOKEN).unwrap();
+    let spire = std::os::unix::net::UnixListener::bind(root.sds_socket()).unwrap();
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(root.sds_socket(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let mut agent = AgentProcess::start(&app, &root, &env, None).unwrap();
+    let used =
+        eventually(CONVERGE, || agent.log().contains("existing workload SDS socket found").then_some(()));
+    assert!(used.is_some(), "{}", agent.log());
+    spire.set_nonblocking(false).unwrap();
+    let dialer = std::thread::spawn({
+        let path = root.sds_socket();
+        move || std::os::unix::net::UnixStream::connect(path).is_ok()
+    });
+    assert!(spire.accept().is_ok() && dialer.join().unwrap(), "the socket still belongs to SPIRE");
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(ca.requests().is_empty(), "no CSR while another SDS server owns the identity");
+    agent.terminate().unwrap();
+    assert!(root.sds_socket().exists(), "Weir does not remove a socket it does not own");
+    drop(spire);
+
+    // The listener is gone; the socket file stays behind: stale, so Weir takes over.
+    let mut agent = AgentProcess::start(&app, &root, &env, None).unwrap();
+    let issued =
+        eventually(CONVERGE, || agent.log().contains("generated new workload certificate").then_some(()));
+    assert!(issued.is_some(), "{}", agent.log());
+    assert!(!agent.log().contains("existing workload SDS socket found"), "{}", agent.log());
+    assert_eq!(ca.requests().len(), 1);
+    agent.terminate().unwrap();
+    assert!(!root.sds_socket().exists(), "Weir removes its own socket on exit");
+}
