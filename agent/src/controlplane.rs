@@ -65,6 +65,12 @@ pub async fn serve(
         builder = builder.tls_config(config)?;
     }
     let me = ads.clone();
+    // Small gRPC answers (a signed certificate) must not wait out Nagle + delayed ACK.
+    let incoming = tokio_stream::StreamExt::map(TcpListenerStream::new(listener), |stream| {
+        stream.inspect(|s| {
+            let _ = s.set_nodelay(true);
+        })
+    });
     builder
         .add_service(
             AggregatedDiscoveryServiceServer::new(ads)
@@ -72,7 +78,7 @@ pub async fn serve(
                 .max_encoding_message_size(usize::MAX),
         )
         .add_optional_service(ca.map(IstioCertificateServiceServer::new))
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move {
+        .serve_with_incoming_shutdown(incoming, async move {
             shutdown.await;
             me.drop_streams(tonic::Status::unavailable("control plane shutting down"));
         })

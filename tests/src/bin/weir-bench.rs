@@ -10,12 +10,18 @@
 //!       push -> ACK latency (p50/p99 of small pushes, one 10 000-cluster push) with a
 //!       real Envoy through the Weir relay (SotW, Delta) vs Envoy talking to the control
 //!       plane directly (the floor); the agent's CPU time and peak RSS.
+//!
+//!   weir-bench sds [--runs N] [--markdown]
+//!       workload certificate issuance (key + CSR + CreateCertificate + chain checks)
+//!       for ECDSA P-256 and RSA 2048 vs the CA round trip alone (the floor).
 use std::process::ExitCode;
 
 #[path = "../bench/capture.rs"]
 mod capture;
 #[path = "../bench/report.rs"]
 mod report;
+#[path = "../bench/sds.rs"]
+mod sds;
 #[path = "../bench/xds.rs"]
 mod xds;
 
@@ -38,8 +44,9 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         Some("capture") => capture::run(&opts),
         Some("xds") => xds::run(&opts),
+        Some("sds") => sds::run(&opts),
         _ => Err(anyhow::anyhow!(
-            "usage: weir-bench capture [--runs N] [--duration SECS] [--connections N] [--markdown]\n       weir-bench xds [--runs N] [--markdown]"
+            "usage: weir-bench capture [--runs N] [--duration SECS] [--connections N] [--markdown]\n       weir-bench xds [--runs N] [--markdown]\n       weir-bench sds [--runs N] [--markdown]"
         )),
     };
     match result {
