@@ -22,6 +22,7 @@ pub use env::{Env, MapEnv, ProcessEnv};
 pub use proxy_config::{ControlPlaneAuthPolicy, ProxyConfig};
 
 use crate::{
+    envoy::{DrainPolicy, EnvoySettings},
     identity::{CertFiles, KeyAlgorithm, KeyOptions, RotationPolicy, WorkloadIdentity},
     xds::{ClientIdentity, RootCerts, Transport, UpstreamConfig},
 };
@@ -163,7 +164,7 @@ pub struct DnsSettings {
     pub resolv_conf: PathBuf,
 }
 
-fn serialize_duration<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+pub(crate) fn serialize_duration<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_str(&env::format_duration(*d))
 }
 
@@ -217,6 +218,18 @@ pub struct IdentitySettings {
     pub cluster_id: String,
 }
 
+/// Envoy's node: id, cluster and metadata (`ISTIO_META_*`, `ISTIO_METAJSON_*`, and
+/// what pilot-agent adds itself).
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeSettings {
+    pub id: String,
+    pub cluster: String,
+    pub metadata: BTreeMap<String, serde_json::Value>,
+    /// `ISTIO_DELTA_XDS` (default true): Delta ADS, else state of the world.
+    pub delta_xds: bool,
+}
+
 #[derive(Debug, Clone, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct AgentConfig {
@@ -226,6 +239,9 @@ pub struct AgentConfig {
     pub xds: XdsSettings,
     pub dns: DnsSettings,
     pub identity: IdentitySettings,
+    pub envoy: EnvoySettings,
+    /// What Envoy tells istiod about itself.
+    pub node: NodeSettings,
     /// `DISABLE_ENVOY`: run the agent's services without starting Envoy.
     pub disable_envoy: bool,
 }
@@ -305,8 +321,10 @@ impl AgentConfig {
             resolv_conf: paths::RESOLV_CONF.into(),
         };
         let identity = Self::identity(env, files, &pod, &proxy_config)?;
+        let envoy = Self::envoy(env, &args, &pod, &proxy_config)?;
+        let node = Self::node(env, &args, &pod, &proxy_config)?;
         let disable_envoy = env.bool_or("DISABLE_ENVOY", false)?;
-        Ok(Self { args, pod, proxy_config, xds, dns, identity, disable_envoy })
+        Ok(Self { args, pod, proxy_config, xds, dns, identity, envoy, node, disable_envoy })
     }
 
     fn proxy_config(args: &ProxyArgs, env: &dyn Env, files: &dyn Files) -> Result<ProxyConfig, ConfigError> {
@@ -462,6 +480,79 @@ impl AgentConfig {
             file_debounce: env.duration_or("FILE_DEBOUNCE_DURATION", Duration::from_millis(100))?,
             token_path: paths::TOKEN.into(),
             cluster_id: pod.cluster_id.clone(),
+        })
+    }
+
+    fn envoy(env: &dyn Env, args: &ProxyArgs, pod: &PodIdentity, pc: &ProxyConfig) -> Result<EnvoySettings, ConfigError> {
+        let (log_level, component_log_level) =
+            crate::envoy::process::log_levels(&args.proxy_log_level, &args.proxy_component_log_level);
+        let drain = if env.bool_or("EXIT_ON_ZERO_ACTIVE_CONNECTIONS", false)? {
+            DrainPolicy::UntilIdle { minimum: env.duration_or("MINIMUM_DRAIN_DURATION", Duration::from_secs(5))? }
+        } else {
+            DrainPolicy::Fixed { wait: pc.termination_drain_duration }
+        };
+        let v6 = pod.instance_ip.as_deref().and_then(|ip| ip.parse::<std::net::IpAddr>().ok()).is_some_and(|ip| ip.is_ipv6());
+        let custom = !pc.custom_config_file.is_empty();
+        Ok(EnvoySettings {
+            binary: pc.binary_path.clone().into(),
+            bootstrap: if custom {
+                pc.custom_config_file.clone().into()
+            } else {
+                Path::new(&pc.config_path).join("envoy-rev.json")
+            },
+            custom_bootstrap: custom,
+            bootstrap_override: env.text("ISTIO_BOOTSTRAP_OVERRIDE").map(PathBuf::from),
+            drain_duration: pc.drain_duration,
+            drain,
+            log_level,
+            component_log_level,
+            concurrency: pc.concurrency,
+            local_address_ip_version: if v6 { "v6" } else { "v4" },
+            admin_port: pc.proxy_admin_port,
+            restart: env.bool_or("WEIR_RESTART_ENVOY", false)?,
+        })
+    }
+
+    fn node(env: &dyn Env, args: &ProxyArgs, pod: &PodIdentity, pc: &ProxyConfig) -> Result<NodeSettings, ConfigError> {
+        use serde_json::Value;
+        let mut metadata = BTreeMap::new();
+        // proxyMetadata entries act as env vars (Istio applies them to the agent's env).
+        let mut vars: Vec<(String, String)> = pc.proxy_metadata.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        vars.extend(env.vars());
+        for (name, value) in vars {
+            if let Some(key) = name.strip_prefix("ISTIO_METAJSON_") {
+                let parsed: Value = serde_json::from_str(&value).map_err(|_| ConfigError::Env {
+                    name: name.clone(),
+                    value: value.clone(),
+                    expected: "a JSON value",
+                })?;
+                metadata.insert(key.to_string(), parsed);
+            } else if let Some(key) = name.strip_prefix("ISTIO_META_") {
+                metadata.insert(key.to_string(), Value::String(value));
+            }
+        }
+        let ip = pod.instance_ip.clone().unwrap_or_else(|| "127.0.0.1".into());
+        for (key, value) in [
+            ("NAMESPACE", pod.namespace.clone()),
+            ("NAME", pod.name.clone()),
+            ("INSTANCE_IPS", ip.clone()),
+            ("SERVICE_ACCOUNT", pod.service_account.clone()),
+            ("CLUSTER_ID", pod.cluster_id.clone()),
+            ("ISTIO_VERSION", crate::build_info::BUILD_INFO.version.to_string()),
+        ] {
+            if !value.is_empty() {
+                metadata.entry(key.to_string()).or_insert(Value::String(value));
+            }
+        }
+        let proxy_type = match args.proxy_type {
+            ProxyType::Sidecar => "sidecar",
+            ProxyType::Router => "router",
+        };
+        Ok(NodeSettings {
+            id: crate::envoy::bootstrap::node_id(proxy_type, &ip, &pod.name, &pod.namespace, &pod.domain),
+            cluster: pc.service_cluster.clone(),
+            metadata,
+            delta_xds: env.bool_or("ISTIO_DELTA_XDS", true)?,
         })
     }
 

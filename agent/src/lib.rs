@@ -10,6 +10,7 @@ pub mod config;
 pub mod controlplane;
 pub mod demo;
 pub mod dns;
+pub mod envoy;
 pub mod ebpf;
 pub mod exit;
 pub mod identity;

@@ -1,0 +1,292 @@
+//! Envoy as the agent's child: its command line as pilot-agent builds it, launched as
+//! the proxy user when the agent is root, watched until it exits, and stopped the
+//! Istio way on termination: drain inbound listeners, wait `terminationDrainDuration`
+//! (or, with `EXIT_ON_ZERO_ACTIVE_CONNECTIONS`, `MINIMUM_DRAIN_DURATION` and then
+//! until no user connection is left), then end it.
+
+use std::{
+    path::PathBuf,
+    process::{ExitStatus, Stdio},
+    time::Duration,
+};
+
+use serde::Serialize;
+use tokio::process::{Child, Command};
+
+use super::admin::EnvoyAdmin;
+
+/// How the agent ends Envoy on SIGTERM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase", tag = "mode")]
+pub enum DrainPolicy {
+    /// Drain, then wait this long (`terminationDrainDuration`, 5 s).
+    Fixed {
+        #[serde(serialize_with = "crate::config::serialize_duration")]
+        wait: Duration,
+    },
+    /// Drain, wait `minimum`, then poll until no user connection is active
+    /// (`EXIT_ON_ZERO_ACTIVE_CONNECTIONS`, `MINIMUM_DRAIN_DURATION`).
+    UntilIdle {
+        #[serde(serialize_with = "crate::config::serialize_duration")]
+        minimum: Duration,
+    },
+}
+
+/// What Envoy is started with.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct EnvoySettings {
+    pub binary: PathBuf,
+    /// Where the bootstrap is written (`<configPath>/envoy-rev.json`), or
+    /// `customConfigFile` used as is.
+    pub bootstrap: PathBuf,
+    pub custom_bootstrap: bool,
+    /// `ISTIO_BOOTSTRAP_OVERRIDE`: merged by Envoy (`--config-yaml`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bootstrap_override: Option<PathBuf>,
+    #[serde(serialize_with = "crate::config::serialize_duration")]
+    pub drain_duration: Duration,
+    pub drain: DrainPolicy,
+    pub log_level: String,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub component_log_level: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub concurrency: Option<u32>,
+    /// `v4` unless every node IP is IPv6.
+    pub local_address_ip_version: &'static str,
+    pub admin_port: u16,
+    /// Start Envoy again (with backoff) when it exits on its own, instead of exiting
+    /// (`WEIR_RESTART_ENVOY`, for VMs without a kubelet).
+    pub restart: bool,
+}
+
+/// pilot-agent's Envoy command line.
+pub fn args(s: &EnvoySettings, override_json: Option<&str>) -> Vec<String> {
+    let mut args = vec![
+        "-c".to_string(),
+        s.bootstrap.display().to_string(),
+        "--drain-time-s".into(),
+        s.drain_duration.as_secs().to_string(),
+        "--drain-strategy".into(),
+        "immediate".into(),
+        "--local-address-ip-version".into(),
+        s.local_address_ip_version.into(),
+        "--file-flush-interval-msec".into(),
+        "1000".into(),
+        "--disable-hot-restart".into(),
+        "--allow-unknown-static-fields".into(),
+        "-l".into(),
+        s.log_level.clone(),
+    ];
+    if !s.component_log_level.is_empty() {
+        args.extend(["--component-log-level".into(), s.component_log_level.clone()]);
+    }
+    if let Some(json) = override_json {
+        args.extend(["--config-yaml".into(), json.into()]);
+    }
+    if let Some(n) = s.concurrency.filter(|n| *n > 0) {
+        args.extend(["--concurrency".into(), n.to_string()]);
+    }
+    args
+}
+
+/// Splits pilot-agent's `--proxyLogLevel` (`level` or `level,component:level,...`) and
+/// `--proxyComponentLogLevel` into Envoy's `-l` and `--component-log-level`.
+pub fn log_levels(proxy_log_level: &str, component_log_level: &str) -> (String, String) {
+    let mut level = "warning".to_string();
+    let mut components = Vec::new();
+    for part in proxy_log_level.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        if part.contains(':') {
+            components.push(part.to_string());
+        } else {
+            level = part.to_string();
+        }
+    }
+    components.extend(component_log_level.split(',').map(str::trim).filter(|p| !p.is_empty()).map(String::from));
+    (level, components.join(","))
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum EnvoyError {
+    #[error("start Envoy {binary}")]
+    Spawn {
+        binary: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("read ISTIO_BOOTSTRAP_OVERRIDE {path}")]
+    Override {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("write the Envoy bootstrap {path}")]
+    WriteBootstrap {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("wait for Envoy")]
+    Wait(#[source] std::io::Error),
+}
+
+/// A running Envoy.
+pub struct EnvoyProcess {
+    child: Child,
+    pub pid: u32,
+    admin: EnvoyAdmin,
+}
+
+impl EnvoyProcess {
+    /// Starts Envoy with `args`; as `run_as` (uid, gid) when given. Envoy inherits the
+    /// agent's stdout/stderr (its logs are the container's logs, as in Istio) and dies
+    /// with the agent.
+    pub fn spawn(s: &EnvoySettings, args: &[String], run_as: Option<(u32, u32)>) -> Result<Self, EnvoyError> {
+        let mut cmd = Command::new(&s.binary);
+        cmd.args(args).stdin(Stdio::null()).kill_on_drop(true);
+        // SAFETY: the closure runs between fork and exec and only makes
+        // async-signal-safe calls (prctl, setgroups, setgid, setuid).
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if let Some((uid, gid)) = run_as {
+                    if libc::setgroups(0, std::ptr::null()) != 0
+                        || libc::setgid(gid) != 0
+                        || libc::setuid(uid) != 0
+                    {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                Ok(())
+            });
+        }
+        let child = cmd.spawn().map_err(|source| EnvoyError::Spawn { binary: s.binary.clone(), source })?;
+        let pid = child.id().unwrap_or_default();
+        tracing::info!(pid, binary = %s.binary.display(), args = ?args, "Envoy started");
+        Ok(Self { child, pid, admin: EnvoyAdmin::new(s.admin_port) })
+    }
+
+    /// Waits for Envoy to exit on its own.
+    pub async fn wait(&mut self) -> Result<ExitStatus, EnvoyError> {
+        self.child.wait().await.map_err(EnvoyError::Wait)
+    }
+
+    /// Istio's termination: drain inbound listeners, wait per `policy`, then end Envoy.
+    /// Returns how Envoy exited.
+    pub async fn terminate(mut self, policy: DrainPolicy, user_listener_ignored: &[String]) -> ExitStatus {
+        if let Err(e) = self.admin.drain_inbound().await {
+            tracing::warn!(error = %crate::error_chain(&e), "cannot start draining Envoy's listeners");
+        }
+        let waited = match policy {
+            DrainPolicy::Fixed { wait } => {
+                tracing::info!(drain = ?wait, "graceful termination period starting");
+                tokio::time::timeout(wait, self.child.wait()).await.ok()
+            }
+            DrainPolicy::UntilIdle { minimum } => {
+                tracing::info!(minimum = ?minimum, "draining, then waiting for active connections to end");
+                match tokio::time::timeout(minimum, self.child.wait()).await {
+                    Ok(done) => Some(done),
+                    Err(_) => {
+                        tokio::select! {
+                            done = self.child.wait() => Some(done),
+                            _ = wait_until_idle(self.admin, user_listener_ignored) => None,
+                        }
+                    }
+                }
+            }
+        };
+        if let Some(Ok(status)) = waited {
+            tracing::warn!(%status, "Envoy exited before the drain ended");
+            return status;
+        }
+        tracing::info!("drain complete; stopping Envoy");
+        let _ = self.child.start_kill();
+        match self.child.wait().await {
+            Ok(status) => status,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot reap Envoy");
+                std::os::unix::process::ExitStatusExt::from_raw(0)
+            }
+        }
+    }
+}
+
+/// Polls `downstream_cx_active` of user listeners every second until it is zero (or
+/// Envoy stops answering five times in a row).
+async fn wait_until_idle(admin: EnvoyAdmin, ignored: &[String]) {
+    let mut failures = 0;
+    loop {
+        match admin.stats("downstream_cx_active$").await {
+            Ok(stats) => {
+                failures = 0;
+                let active: u64 = stats
+                    .iter()
+                    .filter(|(name, _)| {
+                        name.starts_with("listener.")
+                            && !name.contains("worker_")
+                            && !name.starts_with("listener.admin.")
+                            && !name.starts_with("listener.envoy_internal_")
+                            && !ignored.iter().any(|i| i == *name)
+                    })
+                    .map(|(_, v)| *v)
+                    .sum();
+                if active == 0 {
+                    tracing::info!("no active connections left");
+                    return;
+                }
+                tracing::info!(active, "still draining active connections");
+            }
+            Err(e) => {
+                failures += 1;
+                tracing::warn!(error = %crate::error_chain(&e), failures, "cannot read active connections");
+                if failures >= 5 {
+                    return;
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings() -> EnvoySettings {
+        EnvoySettings {
+            binary: "/usr/local/bin/envoy".into(),
+            bootstrap: "./etc/istio/proxy/envoy-rev.json".into(),
+            custom_bootstrap: false,
+            bootstrap_override: None,
+            drain_duration: Duration::from_secs(45),
+            drain: DrainPolicy::Fixed { wait: Duration::from_secs(5) },
+            log_level: "warning".into(),
+            component_log_level: "misc:error".into(),
+            concurrency: Some(2),
+            local_address_ip_version: "v4",
+            admin_port: 15000,
+            restart: false,
+        }
+    }
+
+    #[test]
+    fn the_command_line_is_pilot_agents() {
+        let a = args(&settings(), Some("{\"a\":1}"));
+        assert_eq!(
+            a.join(" "),
+            "-c ./etc/istio/proxy/envoy-rev.json --drain-time-s 45 --drain-strategy immediate \
+             --local-address-ip-version v4 --file-flush-interval-msec 1000 --disable-hot-restart \
+             --allow-unknown-static-fields -l warning --component-log-level misc:error \
+             --config-yaml {\"a\":1} --concurrency 2"
+        );
+    }
+
+    #[test]
+    fn log_levels_split_as_pilot_agent() {
+        assert_eq!(log_levels("warning", ""), ("warning".into(), "".into()));
+        assert_eq!(log_levels("info,misc:error", "upstream:debug"), ("info".into(), "misc:error,upstream:debug".into()));
+        assert_eq!(log_levels("", "misc:error"), ("warning".into(), "misc:error".into()));
+    }
+}
