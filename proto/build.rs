@@ -20,6 +20,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "envoy/extensions/filters/http/router/v3/router.proto",
         "envoy/extensions/filters/listener/original_dst/v3/original_dst.proto",
         "envoy/extensions/transport_sockets/tls/v3/tls.proto",
+        "grpc/health/v1/health.proto",
     ];
     println!("cargo:rerun-if-changed={}", root.display());
     let fds = protox::compile(files, [&root])?;

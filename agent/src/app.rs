@@ -1,6 +1,8 @@
 //! The agent's wiring (`proxy sidecar`): from an `AgentConfig`, start the DNS proxy,
 //! the xDS relay and the SDS server on their Unix sockets, the secret manager and the
-//! status server, then run until a signal.
+//! status server, write Envoy's bootstrap and start Envoy under supervision; then run
+//! until SIGTERM/SIGINT or `/quitquitquit` (drain Envoy, exit 0) or until Envoy exits
+//! on its own (report it, exit non-zero).
 //! Every component is built with `new(..)` and started here; nothing else wires.
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
@@ -8,11 +10,17 @@ use std::{net::SocketAddr, sync::Arc, time::Duration};
 use futures::FutureExt as _;
 
 use crate::{
-    config::AgentConfig,
+    config::{AgentConfig, args::ProxyType},
     dns::{DnsConfig, DnsProxy},
+    envoy::{
+        EnvoyAdmin, LifecycleControl, Readiness, Supervisor,
+        bootstrap::{self, BootstrapError, BootstrapParams},
+        process::RunAs,
+        supervisor::SupervisorError,
+    },
     identity::{CaClient, SdsServer, SecretManager, WorkloadSource},
     metrics::Metrics,
-    status::StatusServer,
+    status::{AppProber, MetricsMerge, StatusServer},
     xds::{XdsProxy, relay::Handler},
 };
 
@@ -56,6 +64,18 @@ pub enum AgentError {
     },
     #[error("signal handler")]
     Signal(#[source] std::io::Error),
+    #[error(transparent)]
+    Bootstrap(#[from] BootstrapError),
+    #[error("custom Envoy bootstrap {path} (customConfigFile) cannot be read")]
+    CustomBootstrap {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Envoy(#[from] SupervisorError),
+    #[error("Envoy needs {missing} for {why}, but the agent lacks it")]
+    EnvoyCapability { missing: crate::privileges::MissingCapabilities, why: &'static str },
 }
 
 /// The running agent's handles (for tests and the Envoy lifecycle).
@@ -131,12 +151,17 @@ impl Agent {
         } else {
             Some(crate::xds::uds::bind(&sds_path, None).map_err(AgentError::SdsUds)?)
         };
-        let status = if self.config.proxy_config.status_port > 0 {
-            let address = SocketAddr::from(([0, 0, 0, 0], self.config.proxy_config.status_port));
+        let status = if self.config.status.port > 0 {
+            let address = SocketAddr::from(([0, 0, 0, 0], self.config.status.port));
             Some(StatusServer::bind(address).await?)
         } else {
             None
         };
+        let envoy = !self.config.disable_envoy;
+        let supervisor = if envoy { Some(self.prepare_envoy()?) } else { None };
+        let admin = envoy.then(|| EnvoyAdmin::new(self.config.envoy.admin_port));
+        let readiness = supervisor.as_ref().map(|s| s.readiness.clone()).unwrap_or_else(|| Arc::new(Readiness::new(None)));
+        let lifecycle = LifecycleControl::new(admin, self.config.args.proxy_type == ProxyType::Sidecar);
         tracing::info!(
             uds = %uds_path.display(),
             sds = %sds_path.display(),
@@ -144,12 +169,23 @@ impl Agent {
             ca = self.config.identity.ca.as_ref().map(|c| c.address.as_str()).unwrap_or("none (mounted certificates)"),
             upstream = %self.config.xds.discovery_address,
             dns = self.dns.is_some(),
-            status_port = self.config.proxy_config.status_port,
+            status_port = self.config.status.port,
+            envoy,
             "agent started"
         );
         let shutdown = tokio_util::sync::CancellationToken::new();
         if let Some(listener) = status {
-            let server = StatusServer { metrics: self.metrics.clone(), dns: self.dns.clone() };
+            let merge = MetricsMerge {
+                metrics: self.metrics.clone(),
+                envoy: envoy.then(|| SocketAddr::from(([127, 0, 0, 1], self.config.status.prometheus_port))),
+                apps: Arc::new(self.config.status.app_metrics.clone()),
+            };
+            let probes = AppProber::new(
+                self.config.status.app_probers.clone(),
+                self.config.status.probe_destination,
+                self.config.status.port,
+            );
+            let server = StatusServer::new(self.dns.clone(), readiness.clone(), lifecycle.clone(), merge, probes);
             let stop = shutdown.clone();
             tasks.spawn(async move {
                 tokio::select! {
@@ -180,17 +216,54 @@ impl Agent {
                 .map_err(|source| AgentError::XdsServe { path, source })
         });
 
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .map_err(AgentError::Signal)?;
-        let result = tokio::select! {
-            _ = term.recv() => { tracing::info!("SIGTERM: shutting down"); Ok(()) }
-            _ = tokio::signal::ctrl_c() => { tracing::info!("SIGINT: shutting down"); Ok(()) }
-            Some(Ok(Err(e))) = tasks.join_next() => Err(e),
-            Some(Ok(Err(e))) = async { match dns_tasks.as_mut() { Some(t) => t.join_next().await, None => std::future::pending().await } } => {
-                tracing::error!(error = %e, "DNS proxy stopped");
-                Ok(())
+        // Envoy runs until `stop_envoy`; its task ends early only if Envoy exits on
+        // its own (and is not restarted).
+        let stop_envoy = tokio_util::sync::CancellationToken::new();
+        let mut envoy_task = supervisor.map(|s| tokio::spawn(s.run(stop_envoy.clone(), lifecycle.clone())));
+        let envoy_done = async {
+            match envoy_task.as_mut() {
+                Some(task) => task.await,
+                None => std::future::pending().await,
             }
         };
+
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .map_err(AgentError::Signal)?;
+        let (mut result, stopping) = tokio::select! {
+            _ = term.recv() => { tracing::info!("SIGTERM: draining and shutting down"); (Ok(()), true) }
+            _ = tokio::signal::ctrl_c() => { tracing::info!("SIGINT: draining and shutting down"); (Ok(()), true) }
+            _ = lifecycle.quit_requested() => (Ok(()), true),
+            done = envoy_done => {
+                let result = match done {
+                    Ok(Ok(_)) => Ok(()),
+                    Ok(Err(e)) => Err(AgentError::Envoy(e)),
+                    Err(join) => {
+                        tracing::error!(error = %join, "Envoy supervisor task failed");
+                        Ok(())
+                    }
+                };
+                envoy_task = None;
+                (result, false)
+            }
+            Some(Ok(Err(e))) = tasks.join_next() => (Err(e), true),
+            Some(Ok(Err(e))) = async { match dns_tasks.as_mut() { Some(t) => t.join_next().await, None => std::future::pending().await } } => {
+                tracing::error!(error = %e, "DNS proxy stopped");
+                (Ok(()), true)
+            }
+        };
+        readiness.set_draining();
+        if stopping {
+            stop_envoy.cancel();
+            if let Some(task) = envoy_task {
+                // The drain itself is bounded by the policy; Envoy is killed after it.
+                match task.await {
+                    Ok(Ok(_)) => {}
+                    Ok(Err(e)) if result.is_ok() => result = Err(AgentError::Envoy(e)),
+                    Ok(Err(_)) => {}
+                    Err(join) => tracing::error!(error = %join, "Envoy supervisor task failed"),
+                }
+            }
+        }
         shutdown.cancel();
         let _ = tokio::time::timeout(Duration::from_secs(5), async {
             while tasks.join_next().await.is_some() {}
@@ -205,6 +278,71 @@ impl Agent {
             let _ = std::fs::remove_file(&sds_path);
         }
         result
+    }
+
+    /// Writes the bootstrap (unless a custom one is configured), reads the override,
+    /// and decides who Envoy runs as.
+    fn prepare_envoy(&self) -> Result<Supervisor, AgentError> {
+        let c = &self.config;
+        let settings = c.envoy.clone();
+        if settings.custom_bootstrap {
+            std::fs::File::open(&settings.bootstrap)
+                .map_err(|source| AgentError::CustomBootstrap { path: settings.bootstrap.clone(), source })?;
+        } else {
+            let params = BootstrapParams {
+                node_id: c.node.id.clone(),
+                cluster: c.node.cluster.clone(),
+                metadata: c.node.metadata.clone(),
+                admin_port: settings.admin_port,
+                status_port: c.status.port,
+                prometheus_port: c.status.prometheus_port,
+                readiness_port: c.status.readiness_port,
+                xds_socket: c.xds.uds_path.clone(),
+                sds_socket: c.identity.sds_socket.clone(),
+                delta: c.node.delta_xds,
+            };
+            let document = match &settings.template {
+                Some(path) => {
+                    let text = std::fs::read_to_string(path).map_err(|source| BootstrapError::Read {
+                        what: "bootstrap template",
+                        path: path.clone(),
+                        source,
+                    })?;
+                    bootstrap::render_template(path, &text, &bootstrap::template_vars(&params))?
+                }
+                None => bootstrap::render(&params),
+            };
+            bootstrap::write(&settings.bootstrap, &document)?;
+            tracing::info!(path = %settings.bootstrap.display(), node = %c.node.id, "Envoy bootstrap written");
+        }
+        let override_json = match &settings.bootstrap_override {
+            Some(path) => Some(bootstrap::override_json(path, c.pod.host_ip.as_deref())?),
+            None => None,
+        };
+        let run_as = if nix::unistd::geteuid().is_root() {
+            if !settings.capabilities.is_empty() {
+                crate::privileges::require(settings.capabilities, "Envoy (TPROXY interception)")
+                    .map_err(|missing| AgentError::EnvoyCapability { missing, why: "TPROXY interception" })?;
+            }
+            Some(RunAs { uid: 1337, gid: 1337, capabilities: settings.capabilities })
+        } else {
+            None
+        };
+        let args = crate::envoy::process::args(&settings, override_json.as_deref());
+        let readiness = Arc::new(Readiness::new(Some(EnvoyAdmin::new(settings.admin_port))));
+        let ignored_listeners = [
+            format!("listener.0.0.0.0_{}.downstream_cx_active", c.status.readiness_port),
+            format!("listener.0.0.0.0_{}.downstream_cx_active", c.status.prometheus_port),
+        ]
+        .into();
+        Ok(Supervisor {
+            settings,
+            args,
+            run_as,
+            readiness,
+            inbound_only: c.args.proxy_type == ProxyType::Sidecar,
+            ignored_listeners,
+        })
     }
 }
 

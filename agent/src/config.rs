@@ -120,6 +120,9 @@ pub struct PodIdentity {
     pub namespace: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub instance_ip: Option<String>,
+    /// `HOST_IP`: the node's address (`$(HOST_IP)` in a bootstrap override).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host_ip: Option<String>,
     pub service_account: String,
     /// `ISTIO_META_CLUSTER_ID`, sent to istiod as `ClusterID`.
     pub cluster_id: String,
@@ -218,6 +221,24 @@ pub struct IdentitySettings {
     pub cluster_id: String,
 }
 
+/// The status server (15020) and what it probes and merges.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StatusSettings {
+    /// `statusPort`; 0 turns the server off.
+    pub port: u16,
+    /// Envoy's readiness listener (15021) and Prometheus listener (15090).
+    pub readiness_port: u16,
+    pub prometheus_port: u16,
+    /// `ISTIO_KUBE_APP_PROBERS`.
+    pub app_probers: crate::status::AppProbers,
+    /// Where rewritten probes go: the pod IP (`INSTANCE_IP`), as kubelet's would;
+    /// 127.0.0.1 without one or with `REWRITE_PROBE_LEGACY_LOCALHOST_DESTINATION`.
+    pub probe_destination: std::net::IpAddr,
+    /// `ISTIO_PROMETHEUS_ANNOTATIONS`: app metrics merged into `/stats/prometheus`.
+    pub app_metrics: Vec<crate::status::merge::ScrapeTarget>,
+}
+
 /// Envoy's node: id, cluster and metadata (`ISTIO_META_*`, `ISTIO_METAJSON_*`, and
 /// what pilot-agent adds itself).
 #[derive(Debug, Clone, Serialize)]
@@ -240,6 +261,7 @@ pub struct AgentConfig {
     pub dns: DnsSettings,
     pub identity: IdentitySettings,
     pub envoy: EnvoySettings,
+    pub status: StatusSettings,
     /// What Envoy tells istiod about itself.
     pub node: NodeSettings,
     /// `DISABLE_ENVOY`: run the agent's services without starting Envoy.
@@ -258,6 +280,7 @@ impl AgentConfig {
             name: env.text("POD_NAME").unwrap_or_default(),
             namespace: env.text("POD_NAMESPACE").unwrap_or_default(),
             instance_ip: env.text("INSTANCE_IP"),
+            host_ip: env.text("HOST_IP"),
             service_account: env.text("SERVICE_ACCOUNT").unwrap_or_default(),
             cluster_id: env.text("ISTIO_META_CLUSTER_ID").unwrap_or_default(),
             domain: if args.domain.is_empty() {
@@ -323,8 +346,9 @@ impl AgentConfig {
         let identity = Self::identity(env, files, &pod, &proxy_config)?;
         let envoy = Self::envoy(env, &args, &pod, &proxy_config)?;
         let node = Self::node(env, &args, &pod, &proxy_config)?;
+        let status = Self::status(env, &args, &pod, &proxy_config)?;
         let disable_envoy = env.bool_or("DISABLE_ENVOY", false)?;
-        Ok(Self { args, pod, proxy_config, xds, dns, identity, envoy, node, disable_envoy })
+        Ok(Self { args, pod, proxy_config, xds, dns, identity, envoy, status, node, disable_envoy })
     }
 
     fn proxy_config(args: &ProxyArgs, env: &dyn Env, files: &dyn Files) -> Result<ProxyConfig, ConfigError> {
@@ -501,6 +525,10 @@ impl AgentConfig {
                 Path::new(&pc.config_path).join("envoy-rev.json")
             },
             custom_bootstrap: custom,
+            template: [args.template_file.as_str(), pc.proxy_bootstrap_template_path.as_str()]
+                .into_iter()
+                .find(|t| !t.is_empty())
+                .map(PathBuf::from),
             bootstrap_override: env.text("ISTIO_BOOTSTRAP_OVERRIDE").map(PathBuf::from),
             drain_duration: pc.drain_duration,
             drain,
@@ -509,7 +537,40 @@ impl AgentConfig {
             concurrency: pc.concurrency,
             local_address_ip_version: if v6 { "v6" } else { "v4" },
             admin_port: pc.proxy_admin_port,
+            capabilities: if env.text("ISTIO_META_INTERCEPTION_MODE").as_deref() == Some("TPROXY") {
+                &[crate::privileges::Capability::NetAdmin]
+            } else {
+                &[]
+            },
             restart: env.bool_or("WEIR_RESTART_ENVOY", false)?,
+        })
+    }
+
+    fn status(env: &dyn Env, args: &ProxyArgs, pod: &PodIdentity, pc: &ProxyConfig) -> Result<StatusSettings, ConfigError> {
+        let invalid = |name, e: &dyn std::error::Error| ConfigError::Invalid { name, message: e.to_string() };
+        let app_probers = crate::status::AppProbers::parse(&env.text("ISTIO_KUBE_APP_PROBERS").unwrap_or_default())
+            .map_err(|e| invalid("ISTIO_KUBE_APP_PROBERS", &e))?;
+        // Istio merges app metrics for sidecars only (15020 is exposed on gateways).
+        let app_metrics = if args.proxy_type == ProxyType::Sidecar {
+            crate::status::merge::parse_scrape_config(env.text("ISTIO_PROMETHEUS_ANNOTATIONS").as_deref(), pc.status_port)
+                .map_err(|e| invalid("ISTIO_PROMETHEUS_ANNOTATIONS", &e))?
+        } else {
+            Vec::new()
+        };
+        let pod_ip = pod.instance_ip.as_deref().and_then(|ip| ip.parse::<std::net::IpAddr>().ok());
+        let legacy = env.bool_or("REWRITE_PROBE_LEGACY_LOCALHOST_DESTINATION", false)?;
+        let probe_destination = match pod_ip {
+            Some(ip) if !legacy => ip,
+            Some(std::net::IpAddr::V6(_)) => std::net::Ipv6Addr::LOCALHOST.into(),
+            _ => std::net::Ipv4Addr::LOCALHOST.into(),
+        };
+        Ok(StatusSettings {
+            port: pc.status_port,
+            readiness_port: 15021,
+            prometheus_port: 15090,
+            app_probers,
+            probe_destination,
+            app_metrics,
         })
     }
 

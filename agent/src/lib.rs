@@ -15,6 +15,7 @@ pub mod ebpf;
 pub mod exit;
 pub mod identity;
 pub mod istio_iptables;
+pub mod local_cmd;
 pub mod metrics;
 pub mod privileges;
 pub mod sandbox;

@@ -12,7 +12,7 @@ use weir_agent::{
         Personality, PilotAgentCli, PilotAgentCommand, SandboxCommand, VersionArgs, VersionFormat, WeirCli,
         WeirCommand,
     },
-    config, demo, exit, istio_iptables, sandbox,
+    config, demo, exit, istio_iptables, local_cmd, sandbox,
 };
 
 fn main() -> ExitCode {
@@ -56,8 +56,8 @@ fn run_weir(cli: WeirCli) -> u8 {
         WeirCommand::Proxy(args) => proxy(&args.args),
         WeirCommand::IstioIptables(args) => istio_iptables::run(&args),
         WeirCommand::Capture(args) => edge(capture_cmd::run(args)),
-        WeirCommand::Wait(_) => not_built("`wait`", "Envoy lifecycle and status server"),
-        WeirCommand::Request(_) => not_built("`request`", "Envoy lifecycle and status server"),
+        WeirCommand::Wait(args) => wait(&args.args),
+        WeirCommand::Request(args) => request(&args.args),
         WeirCommand::Config(args) => match load_config(&args.args) {
             Ok(config) => {
                 print!("{}", config.to_yaml());
@@ -77,8 +77,8 @@ fn run_pilot_agent(cli: PilotAgentCli) -> u8 {
     match cli.command {
         PilotAgentCommand::Proxy(args) => proxy(&args.args),
         PilotAgentCommand::IstioIptables(args) => istio_iptables::run(&args),
-        PilotAgentCommand::Wait(_) => not_built("`wait`", "Envoy lifecycle and status server"),
-        PilotAgentCommand::Request(_) => not_built("`request`", "Envoy lifecycle and status server"),
+        PilotAgentCommand::Wait(args) => wait(&args.args),
+        PilotAgentCommand::Request(args) => request(&args.args),
         PilotAgentCommand::Version(args) => version(&args),
     }
 }
@@ -107,25 +107,75 @@ fn proxy(args: &[String]) -> u8 {
     for flag in &config.args.ignored {
         tracing::warn!(flag, "ignoring unknown flag (as pilot-agent does)");
     }
-    if !config.disable_envoy {
-        return not_built(
-            "starting Envoy from `proxy`",
-            "Envoy lifecycle; DISABLE_ENVOY=true runs the agent's services without Envoy",
-        );
-    }
     tracing::info!("Effective config:\n{}", config.to_yaml());
-    let runtime = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("weir: cannot start the runtime: {e}");
-            return exit::FAILURE;
-        }
-    };
+    let Some(runtime) = runtime(2) else { return exit::FAILURE };
     let result = runtime.block_on(async move { app::Agent::new(config)?.run().await });
     match result {
         Ok(()) => exit::OK,
         Err(e) => {
             eprintln!("weir: {}", weir_agent::error_chain(&e));
+            exit::FAILURE
+        }
+    }
+}
+
+fn runtime(workers: usize) -> Option<tokio::runtime::Runtime> {
+    match tokio::runtime::Builder::new_multi_thread().worker_threads(workers).enable_all().build() {
+        Ok(r) => Some(r),
+        Err(e) => {
+            eprintln!("weir: cannot start the runtime: {e}");
+            None
+        }
+    }
+}
+
+/// `wait`: exit 0 once Envoy is ready, 1 on timeout, 64 on bad flags.
+fn wait(args: &[String]) -> u8 {
+    let w = match local_cmd::parse_wait(args) {
+        Ok(Some(w)) => w,
+        Ok(None) => {
+            println!("{}", local_cmd::WAIT_USAGE);
+            return exit::OK;
+        }
+        Err(e) => {
+            eprintln!("weir wait: {e}");
+            return exit::USAGE;
+        }
+    };
+    let Some(runtime) = runtime(1) else { return exit::FAILURE };
+    match runtime.block_on(local_cmd::wait(&w)) {
+        Ok(()) => exit::OK,
+        Err(e) => {
+            eprintln!("weir wait: {e}");
+            exit::FAILURE
+        }
+    }
+}
+
+/// `request`: the answer's body on stdout, nothing else (istioctl parses it).
+fn request(args: &[String]) -> u8 {
+    let r = match local_cmd::parse_request(args) {
+        Ok(Some(r)) => r,
+        Ok(None) => {
+            println!("{}", local_cmd::REQUEST_USAGE);
+            return exit::OK;
+        }
+        Err(e) => {
+            eprintln!("weir request: {e}");
+            return exit::USAGE;
+        }
+    };
+    let Some(runtime) = runtime(1) else { return exit::FAILURE };
+    match runtime.block_on(local_cmd::send(&r)) {
+        Ok(body) => {
+            use std::io::Write as _;
+            let mut out = std::io::stdout().lock();
+            let _ = out.write_all(&body);
+            let _ = out.write_all(b"\n");
+            exit::OK
+        }
+        Err(e) => {
+            eprintln!("weir request: {e}");
             exit::FAILURE
         }
     }

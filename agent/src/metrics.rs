@@ -32,6 +32,15 @@ pub struct ResourceName {
     pub resource_name: String,
 }
 
+/// Which scrape failed: Istio's `type` label (`envoy`, `application`, `agent`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ScrapeType {
+    pub r#type: &'static str,
+}
+
+pub const SCRAPE_ENVOY: ScrapeType = ScrapeType { r#type: "envoy" };
+pub const SCRAPE_APP: ScrapeType = ScrapeType { r#type: "application" };
+
 pub const CANCELLED: Termination = Termination { r#type: "cancelled" };
 pub const ERROR: Termination = Termination { r#type: "error" };
 
@@ -54,6 +63,8 @@ pub struct Metrics {
     pub outgoing_latency: Family<RequestType, Counter<f64, AtomicU64>>,
     pub num_outgoing_requests: Family<RequestType, Counter>,
     pub num_failed_outgoing_requests: Family<RequestType, Counter>,
+    pub scrapes: Counter,
+    pub scrape_failures: Family<ScrapeType, Counter>,
 }
 
 impl Default for Metrics {
@@ -81,6 +92,8 @@ impl Metrics {
             outgoing_latency: Family::default(),
             num_outgoing_requests: Family::default(),
             num_failed_outgoing_requests: Family::default(),
+            scrapes: Counter::default(),
+            scrape_failures: Family::default(),
         };
         root.register(
             "xds_proxy_requests",
@@ -143,6 +156,8 @@ impl Metrics {
             "Number of failed outgoing requests (e.g. to a token exchange server, CA, etc.)",
             m.num_failed_outgoing_requests.clone(),
         );
+        root.register("scrapes", "The total number of scrapes.", m.scrapes.clone());
+        root.register("scrape_failures", "The total number of failed scrapes.", m.scrape_failures.clone());
         Self { registry: root, ..m }
     }
 

@@ -31,6 +31,13 @@ impl Capability {
     }
 }
 
+impl Capability {
+    /// The kernel's number for it (`CAP_NET_ADMIN` is 12).
+    pub fn index(self) -> u8 {
+        self.caps().index()
+    }
+}
+
 impl fmt::Display for Capability {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}", self.caps())

@@ -4,6 +4,14 @@
 
 #![allow(clippy::all, missing_docs, reason = "generated code")]
 
+pub mod grpc {
+    pub mod health {
+        pub mod v1 {
+            tonic::include_proto!("grpc.health.v1");
+        }
+    }
+}
+
 pub mod google {
     pub mod rpc {
         tonic::include_proto!("google.rpc");

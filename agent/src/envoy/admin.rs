@@ -41,23 +41,10 @@ pub async fn request(
     body: Option<Bytes>,
     timeout: Duration,
 ) -> Result<(StatusCode, Bytes), AdminError> {
-    let io = |source| AdminError::Io { method: method.clone(), address, path: path.into(), source };
     let http = |source| AdminError::Http { method: method.clone(), address, path: path.into(), source };
     let attempt = async {
-        let stream = tokio::net::TcpStream::connect(address).await.map_err(io)?;
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(http)?;
-        tokio::spawn(conn);
-        let uri: hyper::Uri = path.parse().map_err(|_| {
-            io(std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a valid request path"))
-        })?;
-        let builder = Request::builder().method(method.clone()).uri(uri).header("host", address.to_string());
-        let response = match body {
-            Some(b) => sender.send_request(builder.body(Full::new(b).boxed()).expect("valid request")).await,
-            None => sender.send_request(builder.body(Empty::<Bytes>::new().map_err(|e| match e {}).boxed()).expect("valid request")).await,
-        }
-        .map_err(http)?;
-        let status = response.status();
-        let body = response.into_body().collect().await.map_err(http)?.to_bytes();
+        let (status, incoming) = send(address, method.clone(), path, body).await?;
+        let body = incoming.collect().await.map_err(http)?.to_bytes();
         Ok((status, body))
     };
     tokio::time::timeout(timeout, attempt).await.map_err(|_| AdminError::Timeout {
@@ -66,6 +53,43 @@ pub async fn request(
         path: path.into(),
         timeout,
     })?
+}
+
+/// Like `request`, but only the status line and headers are awaited within
+/// `timeout`; the body is the caller's to read (and bound).
+pub async fn request_stream(
+    address: SocketAddr,
+    method: Method,
+    path: &str,
+    timeout: Duration,
+) -> Result<(StatusCode, hyper::body::Incoming), AdminError> {
+    tokio::time::timeout(timeout, send(address, method.clone(), path, None)).await.map_err(|_| {
+        AdminError::Timeout { method, address, path: path.into(), timeout }
+    })?
+}
+
+async fn send(
+    address: SocketAddr,
+    method: Method,
+    path: &str,
+    body: Option<Bytes>,
+) -> Result<(StatusCode, hyper::body::Incoming), AdminError> {
+    let io = |source| AdminError::Io { method: method.clone(), address, path: path.into(), source };
+    let http = |source| AdminError::Http { method: method.clone(), address, path: path.into(), source };
+    let stream = tokio::net::TcpStream::connect(address).await.map_err(io)?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(http)?;
+    tokio::spawn(conn);
+    let uri: hyper::Uri = path
+        .parse()
+        .map_err(|_| io(std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a valid request path")))?;
+    let builder = Request::builder().method(method.clone()).uri(uri).header("host", address.to_string());
+    let request = match body {
+        Some(b) => builder.body(Full::new(b).boxed()),
+        None => builder.body(Empty::<Bytes>::new().map_err(|e| match e {}).boxed()),
+    }
+    .expect("a method, a parsed URI and a host header make a valid request");
+    let response = sender.send_request(request).await.map_err(http)?;
+    Ok((response.status(), response.into_body()))
 }
 
 /// Envoy's admin API.
@@ -117,9 +141,19 @@ impl EnvoyAdmin {
         self.call(Method::GET, "/stats/prometheus").await
     }
 
-    /// Starts draining inbound listeners gracefully (Istio's termination drain).
-    pub async fn drain_inbound(&self) -> Result<(), AdminError> {
-        self.call(Method::POST, "/drain_listeners?inboundonly&graceful").await.map(|_| ())
+    /// Starts draining listeners gracefully: inbound only for a sidecar (Istio's
+    /// termination drain); `skip_exit` keeps Envoy running once the drain period ends
+    /// (`POST /drain` on the status port).
+    pub async fn drain(&self, inbound_only: bool, skip_exit: bool) -> Result<(), AdminError> {
+        let mut path = String::from("/drain_listeners?");
+        if inbound_only {
+            path.push_str("inboundonly&");
+        }
+        path.push_str("graceful");
+        if skip_exit {
+            path.push_str("&skip_exit");
+        }
+        self.call(Method::POST, &path).await.map(|_| ())
     }
 
     /// Asks Envoy to exit.

@@ -3,9 +3,14 @@
 //! `ISTIO_DELTA_XDS=false`) over the `xds-grpc` cluster to the agent's XDS socket,
 //! `sds-grpc` to its SDS socket, and Istio's two static listeners: 15090 (Envoy's
 //! Prometheus stats) and 15021 (readiness, answered by the agent's status server).
-//! A pure function of `BootstrapParams`; writing it is the caller's step.
+//! `render` is a pure function of `BootstrapParams`; `render_template` fills a
+//! `--templateFile` (the `{{ .name }}` subset of Istio's Go template); `write` puts
+//! the result where Envoy reads it; `override_json` reads `ISTIO_BOOTSTRAP_OVERRIDE`.
 
-use std::{collections::BTreeMap, path::PathBuf};
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+};
 
 use serde_json::{Value, json};
 
@@ -123,6 +128,123 @@ pub fn render(p: &BootstrapParams) -> Value {
     })
 }
 
+/// The variables a `--templateFile` may use, named as in Istio's template.
+pub fn template_vars(p: &BootstrapParams) -> BTreeMap<&'static str, String> {
+    [
+        ("nodeID", p.node_id.clone()),
+        ("cluster", p.cluster.clone()),
+        ("meta_json_str", serde_json::to_string(&p.metadata).expect("metadata serializes")),
+        ("localhost", "127.0.0.1".into()),
+        ("wildcard", "0.0.0.0".into()),
+        ("dns_lookup_family", "V4_ONLY".into()),
+        ("envoy_prometheus_port", p.prometheus_port.to_string()),
+        ("envoy_status_port", p.readiness_port.to_string()),
+        ("config.ProxyAdminPort", p.admin_port.to_string()),
+        ("config.StatusPort", p.status_port.to_string()),
+        ("xds_socket", p.xds_socket.display().to_string()),
+        ("sds_socket", p.sds_socket.display().to_string()),
+    ]
+    .into()
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BootstrapError {
+    #[error(
+        "bootstrap template {path} line {line}: `{action}` is not supported (Weir fills only \
+         `{{{{ .name }}}}` with one of: {known})"
+    )]
+    TemplateAction { path: PathBuf, line: usize, action: String, known: String },
+    #[error("bootstrap template {path} line {line}: `{{{{` is never closed")]
+    TemplateUnclosed { path: PathBuf, line: usize },
+    #[error("bootstrap template {path} is not valid JSON once filled in")]
+    TemplateJson {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("read {what} {path}")]
+    Read {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("ISTIO_BOOTSTRAP_OVERRIDE {path} is neither YAML nor JSON")]
+    OverrideSyntax {
+        path: PathBuf,
+        #[source]
+        source: serde_yaml_ng::Error,
+    },
+    #[error("write the Envoy bootstrap {path}")]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Fills `template` (read from `path`): every `{{ .name }}` (or `{{ .config.Field }}`)
+/// becomes its value from `vars`; any other action is an error naming it, so a Go
+/// template that needs conditionals fails loudly instead of rendering wrong.
+pub fn render_template(path: &Path, template: &str, vars: &BTreeMap<&str, String>) -> Result<Value, BootstrapError> {
+    let mut out = String::with_capacity(template.len());
+    let mut rest = template;
+    while let Some(start) = rest.find("{{") {
+        out.push_str(&rest[..start]);
+        let line = template[..template.len() - rest.len() + start].matches('\n').count() + 1;
+        let Some(len) = rest[start..].find("}}") else {
+            return Err(BootstrapError::TemplateUnclosed { path: path.into(), line });
+        };
+        let action = &rest[start + 2..start + len];
+        let name = action.trim().trim_start_matches('-').trim_end_matches('-').trim();
+        match name.strip_prefix('.').and_then(|n| vars.get(n)) {
+            Some(value) => out.push_str(value),
+            None => {
+                return Err(BootstrapError::TemplateAction {
+                    path: path.into(),
+                    line,
+                    action: format!("{{{{{action}}}}}"),
+                    known: vars.keys().map(|k| format!(".{k}")).collect::<Vec<_>>().join(", "),
+                });
+            }
+        }
+        rest = &rest[start + len + 2..];
+    }
+    out.push_str(rest);
+    serde_json::from_str(&out).map_err(|source| BootstrapError::TemplateJson { path: path.into(), source })
+}
+
+/// Writes the bootstrap atomically (a temporary file renamed over `path`), readable
+/// by the proxy user.
+pub fn write(path: &Path, document: &Value) -> Result<(), BootstrapError> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let err = |source| BootstrapError::Write { path: path.into(), source };
+    let text = serde_json::to_string_pretty(document).expect("bootstrap serializes");
+    let tmp = path.with_extension("json.tmp");
+    std::fs::write(&tmp, text).map_err(err)?;
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o644)).map_err(err)?;
+    std::fs::rename(&tmp, path).map_err(err)
+}
+
+/// `ISTIO_BOOTSTRAP_OVERRIDE`: the file (YAML or JSON) as one line of JSON for
+/// Envoy's `--config-yaml`, with `$(HOST_IP)` replaced as pilot-agent does.
+pub fn override_json(path: &Path, host_ip: Option<&str>) -> Result<String, BootstrapError> {
+    let text = std::fs::read_to_string(path).map_err(|source| BootstrapError::Read {
+        what: "ISTIO_BOOTSTRAP_OVERRIDE",
+        path: path.into(),
+        source,
+    })?;
+    let host = host_ip.unwrap_or_default();
+    let text = if host.contains(':') {
+        text.replace("[$(HOST_IP)]", &format!("[{host}]")).replace("$(HOST_IP)", &format!("[{host}]"))
+    } else {
+        text.replace("$(HOST_IP)", host)
+    };
+    let value: Value =
+        serde_yaml_ng::from_str(&text).map_err(|source| BootstrapError::OverrideSyntax { path: path.into(), source })?;
+    Ok(value.to_string())
+}
+
 /// Istio's node id: `<type>~<ip>~<pod>.<namespace>~<namespace>.svc.cluster.local`.
 pub fn node_id(proxy_type: &str, ip: &str, pod: &str, namespace: &str, domain: &str) -> String {
     format!("{proxy_type}~{ip}~{pod}.{namespace}~{domain}")
@@ -168,5 +290,37 @@ mod tests {
         assert_eq!(ports, [15090, 15021]);
         let sotw = render(&BootstrapParams { delta: false, ..params() });
         assert_eq!(sotw["dynamic_resources"]["ads_config"]["api_type"], "GRPC");
+    }
+
+    #[test]
+    fn templates_fill_names_and_refuse_logic() {
+        let vars = template_vars(&params());
+        let path = Path::new("/t.json");
+        let t = "{\"node\": {\"id\": \"{{ .nodeID }}\", \"metadata\": {{ .meta_json_str }}},\n \"admin\": {{- .config.ProxyAdminPort -}}}";
+        let v = render_template(path, t, &vars).unwrap();
+        assert_eq!(v["node"]["id"], "sidecar~10.1.2.3~echo-1.app~app.svc.cluster.local");
+        assert_eq!(v["node"]["metadata"]["NAMESPACE"], "app");
+        assert_eq!(v["admin"], 15000);
+        let e = render_template(path, "{\n\n{{- if .zipkin }}}", &vars).unwrap_err().to_string();
+        assert!(e.contains("line 3") && e.contains("{{- if .zipkin }}") && e.contains(".nodeID"), "{e}");
+        let e = render_template(path, "{{ .unknown }}", &vars).unwrap_err().to_string();
+        assert!(e.contains(".unknown"), "{e}");
+        let e = render_template(path, "{ {{ .cluster", &vars).unwrap_err().to_string();
+        assert!(e.contains("never closed"), "{e}");
+        assert!(matches!(render_template(path, "{ \"a\": {{ .cluster }} }", &vars), Err(BootstrapError::TemplateJson { .. })));
+    }
+
+    #[test]
+    fn overrides_become_json_with_the_host_ip() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("override.yaml");
+        std::fs::write(&path, "tracing:\n  address: \"$(HOST_IP):8126\"\n").unwrap();
+        assert_eq!(override_json(&path, Some("10.0.0.7")).unwrap(), r#"{"tracing":{"address":"10.0.0.7:8126"}}"#);
+        assert_eq!(override_json(&path, Some("fd00::7")).unwrap(), r#"{"tracing":{"address":"[fd00::7]:8126"}}"#);
+        std::fs::write(&path, "a: [unclosed").unwrap();
+        let e = override_json(&path, None).unwrap_err().to_string();
+        assert!(e.contains("ISTIO_BOOTSTRAP_OVERRIDE") && e.contains("override.yaml"), "{e}");
+        let e = override_json(&dir.path().join("missing"), None).unwrap_err();
+        assert!(matches!(e, BootstrapError::Read { .. }));
     }
 }

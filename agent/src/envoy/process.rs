@@ -41,6 +41,10 @@ pub struct EnvoySettings {
     /// `customConfigFile` used as is.
     pub bootstrap: PathBuf,
     pub custom_bootstrap: bool,
+    /// `--templateFile` / `proxyBootstrapTemplatePath`: rendered instead of the bundled
+    /// bootstrap.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub template: Option<PathBuf>,
     /// `ISTIO_BOOTSTRAP_OVERRIDE`: merged by Envoy (`--config-yaml`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bootstrap_override: Option<PathBuf>,
@@ -55,9 +59,20 @@ pub struct EnvoySettings {
     /// `v4` unless every node IP is IPv6.
     pub local_address_ip_version: &'static str,
     pub admin_port: u16,
+    /// Capabilities Envoy keeps when started by a root agent: `CAP_NET_ADMIN` for
+    /// TPROXY interception (transparent sockets), none otherwise.
+    #[serde(serialize_with = "serialize_capabilities")]
+    pub capabilities: &'static [crate::privileges::Capability],
     /// Start Envoy again (with backoff) when it exits on its own, instead of exiting
     /// (`WEIR_RESTART_ENVOY`, for VMs without a kubelet).
     pub restart: bool,
+}
+
+fn serialize_capabilities<S: serde::Serializer>(
+    caps: &&'static [crate::privileges::Capability],
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    s.collect_seq(caps.iter().map(ToString::to_string))
 }
 
 /// pilot-agent's Envoy command line.
@@ -114,20 +129,17 @@ pub enum EnvoyError {
         #[source]
         source: std::io::Error,
     },
-    #[error("read ISTIO_BOOTSTRAP_OVERRIDE {path}")]
-    Override {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("write the Envoy bootstrap {path}")]
-    WriteBootstrap {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
     #[error("wait for Envoy")]
     Wait(#[source] std::io::Error),
+}
+
+/// The user Envoy runs as when the agent is root (istio-proxy's 1337), and the only
+/// capabilities it keeps (none for REDIRECT capture; `CAP_NET_ADMIN` for TPROXY).
+#[derive(Debug, Clone, Copy)]
+pub struct RunAs {
+    pub uid: u32,
+    pub gid: u32,
+    pub capabilities: &'static [crate::privileges::Capability],
 }
 
 /// A running Envoy.
@@ -138,25 +150,43 @@ pub struct EnvoyProcess {
 }
 
 impl EnvoyProcess {
-    /// Starts Envoy with `args`; as `run_as` (uid, gid) when given. Envoy inherits the
-    /// agent's stdout/stderr (its logs are the container's logs, as in Istio) and dies
-    /// with the agent.
-    pub fn spawn(s: &EnvoySettings, args: &[String], run_as: Option<(u32, u32)>) -> Result<Self, EnvoyError> {
+    /// Starts Envoy with `args`; as `run_as` when given. Envoy inherits the agent's
+    /// stdout/stderr (its logs are the container's logs, as in Istio) and dies with
+    /// the agent.
+    pub fn spawn(s: &EnvoySettings, args: &[String], run_as: Option<RunAs>) -> Result<Self, EnvoyError> {
         let mut cmd = Command::new(&s.binary);
         cmd.args(args).stdin(Stdio::null()).kill_on_drop(true);
+        // Computed before fork: the child may only make raw system calls.
+        let mask: u32 = run_as.map(|r| r.capabilities.iter().fold(0, |m, c| m | 1 << c.index())).unwrap_or(0);
         // SAFETY: the closure runs between fork and exec and only makes
-        // async-signal-safe calls (prctl, setgroups, setgid, setuid).
+        // async-signal-safe system calls (prctl, setgroups, setgid, setuid, capset).
         unsafe {
             cmd.pre_exec(move || {
+                let fail = || Err(std::io::Error::last_os_error());
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(std::io::Error::last_os_error());
+                    return fail();
                 }
-                if let Some((uid, gid)) = run_as {
-                    if libc::setgroups(0, std::ptr::null()) != 0
-                        || libc::setgid(gid) != 0
-                        || libc::setuid(uid) != 0
-                    {
-                        return Err(std::io::Error::last_os_error());
+                let Some(r) = run_as else { return Ok(()) };
+                if mask != 0 && libc::prctl(libc::PR_SET_KEEPCAPS, 1, 0, 0, 0) != 0 {
+                    return fail();
+                }
+                if libc::setgroups(0, std::ptr::null()) != 0 || libc::setgid(r.gid) != 0 || libc::setuid(r.uid) != 0 {
+                    return fail();
+                }
+                if mask != 0 {
+                    // _LINUX_CAPABILITY_VERSION_3: two 32-bit words; every cap Weir
+                    // grants is below 32.
+                    let header = [0x2008_0522u32, 0];
+                    let data = [mask, mask, mask, 0, 0, 0];
+                    if libc::syscall(libc::SYS_capset, header.as_ptr(), data.as_ptr()) != 0 {
+                        return fail();
+                    }
+                    for cap in 0..32 {
+                        if mask & (1 << cap) != 0
+                            && libc::prctl(libc::PR_CAP_AMBIENT, libc::PR_CAP_AMBIENT_RAISE, cap, 0, 0) != 0
+                        {
+                            return fail();
+                        }
                     }
                 }
                 Ok(())
@@ -164,7 +194,7 @@ impl EnvoyProcess {
         }
         let child = cmd.spawn().map_err(|source| EnvoyError::Spawn { binary: s.binary.clone(), source })?;
         let pid = child.id().unwrap_or_default();
-        tracing::info!(pid, binary = %s.binary.display(), args = ?args, "Envoy started");
+        tracing::info!(pid, binary = %s.binary.display(), args = ?args, run_as = ?run_as, "Envoy started");
         Ok(Self { child, pid, admin: EnvoyAdmin::new(s.admin_port) })
     }
 
@@ -173,25 +203,32 @@ impl EnvoyProcess {
         self.child.wait().await.map_err(EnvoyError::Wait)
     }
 
-    /// Istio's termination: drain inbound listeners, wait per `policy`, then end Envoy.
-    /// Returns how Envoy exited.
-    pub async fn terminate(mut self, policy: DrainPolicy, user_listener_ignored: &[String]) -> ExitStatus {
-        if let Err(e) = self.admin.drain_inbound().await {
-            tracing::warn!(error = %crate::error_chain(&e), "cannot start draining Envoy's listeners");
-        }
+    /// Istio's termination: drain listeners (inbound only for a sidecar), wait per
+    /// `policy`, then end Envoy. `None`: already drained (`POST /drain`,
+    /// `/quitquitquit`), end it now. Returns how Envoy exited.
+    pub async fn terminate(mut self, policy: Option<DrainPolicy>, inbound_only: bool, ignored: &[String]) -> ExitStatus {
         let waited = match policy {
-            DrainPolicy::Fixed { wait } => {
-                tracing::info!(drain = ?wait, "graceful termination period starting");
-                tokio::time::timeout(wait, self.child.wait()).await.ok()
+            None => {
+                tracing::info!("already drained: stopping Envoy now");
+                None
             }
-            DrainPolicy::UntilIdle { minimum } => {
-                tracing::info!(minimum = ?minimum, "draining, then waiting for active connections to end");
-                match tokio::time::timeout(minimum, self.child.wait()).await {
-                    Ok(done) => Some(done),
-                    Err(_) => {
-                        tokio::select! {
-                            done = self.child.wait() => Some(done),
-                            _ = wait_until_idle(self.admin, user_listener_ignored) => None,
+            Some(policy) => {
+                if let Err(e) = self.admin.drain(inbound_only, false).await {
+                    tracing::warn!(error = %crate::error_chain(&e), "cannot start draining Envoy's listeners");
+                }
+                match policy {
+                    DrainPolicy::Fixed { wait } => {
+                        tracing::info!(drain = ?wait, "graceful termination period starting");
+                        tokio::time::timeout(wait, self.child.wait()).await.ok()
+                    }
+                    DrainPolicy::UntilIdle { minimum } => {
+                        tracing::info!(minimum = ?minimum, "draining, then waiting for active connections to end");
+                        match tokio::time::timeout(minimum, self.child.wait()).await {
+                            Ok(done) => Some(done),
+                            Err(_) => tokio::select! {
+                                done = self.child.wait() => Some(done),
+                                _ = wait_until_idle(self.admin, ignored) => None,
+                            },
                         }
                     }
                 }
@@ -201,7 +238,7 @@ impl EnvoyProcess {
             tracing::warn!(%status, "Envoy exited before the drain ended");
             return status;
         }
-        tracing::info!("drain complete; stopping Envoy");
+        tracing::info!(pid = self.pid, "stopping Envoy");
         let _ = self.child.start_kill();
         match self.child.wait().await {
             Ok(status) => status,
@@ -259,6 +296,7 @@ mod tests {
             binary: "/usr/local/bin/envoy".into(),
             bootstrap: "./etc/istio/proxy/envoy-rev.json".into(),
             custom_bootstrap: false,
+            template: None,
             bootstrap_override: None,
             drain_duration: Duration::from_secs(45),
             drain: DrainPolicy::Fixed { wait: Duration::from_secs(5) },
@@ -267,6 +305,7 @@ mod tests {
             concurrency: Some(2),
             local_address_ip_version: "v4",
             admin_port: 15000,
+            capabilities: &[],
             restart: false,
         }
     }

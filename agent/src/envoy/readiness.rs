@@ -38,6 +38,12 @@ impl Readiness {
         self.draining.store(true, Ordering::SeqCst);
     }
 
+    /// A new Envoy (restarted): its config and state are checked afresh.
+    pub fn reset(&self) {
+        self.config_received.store(false, Ordering::SeqCst);
+        self.envoy_ready.store(false, Ordering::SeqCst);
+    }
+
     pub fn is_draining(&self) -> bool {
         self.draining.load(Ordering::SeqCst)
     }

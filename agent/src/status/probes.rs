@@ -1,0 +1,467 @@
+//! Kubernetes probes rewritten by the injector (`ISTIO_KUBE_APP_PROBERS`): kubelet asks
+//! `/app-health/<container>/livez|readyz|startupz` on the status port, and the agent
+//! probes the app the way kubelet would have — HTTP GET (kubelet's redirect rules,
+//! TLS unverified), a TCP connect, or the gRPC health protocol — from 127.0.0.6 (or
+//! ::6), which the capture rules let through to the app without Envoy.
+
+use std::{
+    collections::BTreeMap,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    sync::Arc,
+    time::Duration,
+};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt as _, Empty};
+use hyper::{HeaderMap, Request, StatusCode, Uri};
+use hyper_util::rt::TokioIo;
+use serde::{Deserialize, Serialize};
+use tokio::net::{TcpSocket, TcpStream};
+
+/// kubelet's default probe timeout, used when `timeoutSeconds` is 0 or absent.
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(1);
+/// kubelet follows at most this many redirects to the same host.
+const MAX_REDIRECTS: usize = 10;
+/// How much of the app's answer is passed back (kubelet reads 10 KiB).
+const MAX_BODY: usize = 10 * 1024;
+
+/// A port given as a number (Istio rejects named ports here: the injector resolves
+/// them before writing the env).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct ProbePort(pub u16);
+
+impl<'de> Deserialize<'de> for ProbePort {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        match serde_json::Value::deserialize(d)? {
+            serde_json::Value::Number(n) => n
+                .as_u64()
+                .and_then(|n| u16::try_from(n).ok())
+                .filter(|n| *n > 0)
+                .map(ProbePort)
+                .ok_or_else(|| serde::de::Error::custom(format!("port {n} is not in 1..65535"))),
+            other => Err(serde::de::Error::custom(format!("the port must be an integer, not {other}"))),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct HttpHeader {
+    pub name: String,
+    pub value: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct HttpGetAction {
+    #[serde(default)]
+    pub path: String,
+    pub port: ProbePort,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scheme: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub http_headers: Vec<HttpHeader>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TcpSocketAction {
+    pub port: ProbePort,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GrpcAction {
+    pub port: u16,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service: Option<String>,
+}
+
+/// One rewritten probe, as the injector writes it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Prober {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub http_get: Option<HttpGetAction>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tcp_socket: Option<TcpSocketAction>,
+    #[serde(default, skip_serializing_if = "Option::is_none", rename = "grpc")]
+    pub grpc: Option<GrpcAction>,
+    #[serde(default)]
+    pub timeout_seconds: u32,
+}
+
+impl Prober {
+    fn timeout(&self) -> Duration {
+        match self.timeout_seconds {
+            0 => DEFAULT_TIMEOUT,
+            s => Duration::from_secs(s.into()),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum ProbersError {
+    #[error("not a JSON object of probers: {0}")]
+    Json(String),
+    #[error(
+        "{path:?} is not a prober path (expected /app-health/<container>/livez|readyz|startupz or /app-lifecycle/<container>/prestopz|poststartz)"
+    )]
+    Path { path: String },
+    #[error("{path} must have exactly one of httpGet, tcpSocket or grpc")]
+    Kind { path: String },
+}
+
+/// `ISTIO_KUBE_APP_PROBERS`: path → prober, validated as pilot-agent validates it
+/// (errors name the path; the caller names the variable).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct AppProbers(pub BTreeMap<String, Prober>);
+
+impl AppProbers {
+    pub fn parse(json: &str) -> Result<Self, ProbersError> {
+        if json.trim().is_empty() {
+            return Ok(Self::default());
+        }
+        let map: BTreeMap<String, Prober> =
+            serde_json::from_str(json).map_err(|e| ProbersError::Json(e.to_string()))?;
+        for (path, prober) in &map {
+            if !is_prober_path(path) {
+                return Err(ProbersError::Path { path: path.clone() });
+            }
+            let kinds = [prober.http_get.is_some(), prober.tcp_socket.is_some(), prober.grpc.is_some()];
+            if kinds.iter().filter(|k| **k).count() != 1 {
+                return Err(ProbersError::Kind { path: path.clone() });
+            }
+        }
+        Ok(Self(map))
+    }
+
+    pub fn get(&self, path: &str) -> Option<&Prober> {
+        self.0.get(path)
+    }
+}
+
+/// `^/(app-health|app-lifecycle)/[^/]+/(livez|readyz|startupz|prestopz|poststartz)$`.
+fn is_prober_path(path: &str) -> bool {
+    let parts: Vec<&str> = path.split('/').collect();
+    matches!(parts.as_slice(), ["", "app-health" | "app-lifecycle", container, "livez" | "readyz" | "startupz" | "prestopz" | "poststartz"] if !container.is_empty())
+}
+
+/// The probe's answer for kubelet: a status and (for HTTP) the app's body.
+#[derive(Debug, PartialEq)]
+pub struct ProbeOutcome {
+    pub status: StatusCode,
+    pub body: Bytes,
+}
+
+impl ProbeOutcome {
+    fn status(status: StatusCode) -> Self {
+        Self { status, body: Bytes::new() }
+    }
+}
+
+/// Probes the app for kubelet.
+#[derive(Clone)]
+pub struct AppProber {
+    probers: Arc<AppProbers>,
+    /// The pod IP (`INSTANCE_IP`), as kubelet would have dialled it.
+    destination: IpAddr,
+    status_port: u16,
+    tls: tokio_rustls::TlsConnector,
+}
+
+impl AppProber {
+    pub fn new(probers: AppProbers, destination: IpAddr, status_port: u16) -> Self {
+        Self { probers: Arc::new(probers), destination, status_port, tls: insecure_tls() }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.probers.0.is_empty()
+    }
+
+    /// Where probes come from: 127.0.0.6 (or ::6), excluded from capture.
+    fn source(&self) -> SocketAddr {
+        match self.destination {
+            IpAddr::V4(_) => SocketAddr::from((Ipv4Addr::new(127, 0, 0, 6), 0)),
+            IpAddr::V6(_) => SocketAddr::from((Ipv6Addr::new(0, 0, 0, 0, 0, 0, 0, 6), 0)),
+        }
+    }
+
+    async fn connect(&self, port: u16, timeout: Duration) -> std::io::Result<TcpStream> {
+        let target = SocketAddr::new(self.destination, port);
+        let socket = if target.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
+        // Loopback sources only work toward local addresses; a pod IP is one.
+        if self.destination.is_loopback() || is_local(self.destination) {
+            socket.bind(self.source())?;
+        }
+        tokio::time::timeout(timeout, socket.connect(target))
+            .await
+            .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, format!("connect {target}: timed out")))?
+    }
+
+    /// Answers kubelet's request for `path` (with kubelet's `host` and headers).
+    pub async fn probe(&self, path: &str, headers: &HeaderMap) -> ProbeOutcome {
+        let Some(prober) = self.probers.get(path) else {
+            tracing::error!(path, "no app prober configured for this path");
+            return ProbeOutcome {
+                status: StatusCode::BAD_REQUEST,
+                body: Bytes::from(format!("app prober config does not exists for {path}")),
+            };
+        };
+        let timeout = prober.timeout();
+        if let Some(http) = &prober.http_get {
+            match tokio::time::timeout(timeout, self.http_get(http, headers, timeout)).await {
+                Ok(Ok(outcome)) => outcome,
+                Ok(Err(e)) => {
+                    tracing::warn!(path, error = %e, "app HTTP probe failed");
+                    ProbeOutcome::status(StatusCode::INTERNAL_SERVER_ERROR)
+                }
+                Err(_) => {
+                    tracing::warn!(path, ?timeout, "app HTTP probe timed out");
+                    ProbeOutcome::status(StatusCode::INTERNAL_SERVER_ERROR)
+                }
+            }
+        } else if let Some(tcp) = &prober.tcp_socket {
+            match self.connect(tcp.port.0, timeout).await {
+                Ok(_) => ProbeOutcome::status(StatusCode::OK),
+                Err(e) => {
+                    tracing::warn!(path, error = %e, "app TCP probe failed");
+                    ProbeOutcome::status(StatusCode::INTERNAL_SERVER_ERROR)
+                }
+            }
+        } else if let Some(grpc) = &prober.grpc {
+            match tokio::time::timeout(timeout, self.grpc(grpc, headers, timeout)).await {
+                Ok(Ok(())) => ProbeOutcome::status(StatusCode::OK),
+                Ok(Err(e)) => {
+                    tracing::warn!(path, error = %e, "app gRPC probe failed");
+                    ProbeOutcome::status(StatusCode::INTERNAL_SERVER_ERROR)
+                }
+                Err(_) => {
+                    tracing::warn!(path, ?timeout, "app gRPC probe timed out");
+                    ProbeOutcome::status(StatusCode::INTERNAL_SERVER_ERROR)
+                }
+            }
+        } else {
+            ProbeOutcome::status(StatusCode::INTERNAL_SERVER_ERROR)
+        }
+    }
+
+    /// kubelet's HTTP probe: same-host redirects followed (10 at most), a redirect
+    /// elsewhere or one that cannot be followed counts as success; any status is
+    /// passed back with up to 10 KiB of body.
+    async fn http_get(&self, action: &HttpGetAction, headers: &HeaderMap, timeout: Duration) -> Result<ProbeOutcome, String> {
+        let https = action.scheme.as_deref().is_some_and(|s| s.eq_ignore_ascii_case("https"));
+        let mut path = if action.path.starts_with('/') { action.path.clone() } else { format!("/{}", action.path) };
+        // kubelet's Host header: its own, with the status port swapped for the app's.
+        let mut host = headers
+            .get(hyper::header::HOST)
+            .and_then(|h| h.to_str().ok())
+            .map(|h| match h.rsplit_once(':') {
+                Some((name, port)) if port == self.status_port.to_string() => format!("{name}:{}", action.port.0),
+                _ => h.to_string(),
+            })
+            .unwrap_or_else(|| SocketAddr::new(self.destination, action.port.0).to_string());
+        let original_host = host.split(':').next().unwrap_or_default().to_string();
+        for _ in 0..=MAX_REDIRECTS {
+            let stream = self.connect(action.port.0, timeout).await.map_err(|e| e.to_string())?;
+            let mut builder = Request::builder().method("GET").uri(path.as_str());
+            for (name, value) in headers {
+                if name != hyper::header::HOST && name != hyper::header::CONNECTION {
+                    builder = builder.header(name, value);
+                }
+            }
+            for h in &action.http_headers {
+                builder = builder.header(h.name.as_str(), h.value.as_str());
+            }
+            builder = builder.header(hyper::header::HOST, host.as_str()).header(hyper::header::CONNECTION, "close");
+            let request = builder.body(Empty::<Bytes>::new()).map_err(|e| e.to_string())?;
+            let response = if https {
+                let server_name = rustls_name(&self.destination);
+                let tls = self.tls.connect(server_name, stream).await.map_err(|e| format!("TLS: {e}"))?;
+                send(TokioIo::new(tls), request).await?
+            } else {
+                send(TokioIo::new(stream), request).await?
+            };
+            let (status, location, body) = response;
+            if !status.is_redirection() {
+                return Ok(ProbeOutcome { status, body });
+            }
+            let Some(location) = location.and_then(|l| l.parse::<Uri>().ok()) else {
+                return Ok(ProbeOutcome::status(StatusCode::OK));
+            };
+            match location.host() {
+                Some(h) if !h.eq_ignore_ascii_case(&original_host) => return Ok(ProbeOutcome::status(StatusCode::OK)),
+                Some(_) => {
+                    host = location.authority().map(|a| a.to_string()).unwrap_or(host);
+                }
+                None => {}
+            }
+            path = location.path_and_query().map(|p| p.to_string()).unwrap_or_else(|| "/".into());
+        }
+        Err(format!("stopped after {MAX_REDIRECTS} redirects"))
+    }
+
+    async fn grpc(&self, action: &GrpcAction, headers: &HeaderMap, timeout: Duration) -> Result<(), String> {
+        use weir_proto::grpc::health::v1::{HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient};
+        let me = self.clone();
+        let port = action.port;
+        let mut endpoint = tonic::transport::Endpoint::from_shared(format!("http://{}", SocketAddr::new(self.destination, port)))
+            .map_err(|e| e.to_string())?
+            .timeout(timeout)
+            .connect_timeout(timeout);
+        if let Some(agent) = headers.get(hyper::header::USER_AGENT).and_then(|v| v.to_str().ok()) {
+            endpoint = endpoint.user_agent(agent).map_err(|e| e.to_string())?;
+        }
+        let channel = endpoint
+            .connect_with_connector(tower::service_fn(move |_: Uri| {
+                let me = me.clone();
+                async move { me.connect(port, timeout).await.map(TokioIo::new) }
+            }))
+            .await
+            .map_err(|e| format!("connect: {}", crate::error_chain(&e)))?;
+        let response = HealthClient::new(channel)
+            .check(HealthCheckRequest { service: action.service.clone().unwrap_or_default() })
+            .await
+            .map_err(|status| match status.code() {
+                tonic::Code::Unimplemented => {
+                    "the app does not implement the gRPC health protocol (grpc.health.v1.Health)".to_string()
+                }
+                tonic::Code::DeadlineExceeded => "gRPC health check not finished within the timeout".to_string(),
+                _ => format!("gRPC health check: {}: {}", status.code(), status.message()),
+            })?;
+        match response.into_inner().status() {
+            ServingStatus::Serving => Ok(()),
+            other => Err(format!("service is {}", other.as_str_name())),
+        }
+    }
+}
+
+type Answer = (StatusCode, Option<String>, Bytes);
+
+async fn send<IO>(io: IO, request: Request<Empty<Bytes>>) -> Result<Answer, String>
+where
+    IO: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(io).await.map_err(|e| e.to_string())?;
+    tokio::spawn(conn);
+    let response = sender.send_request(request).await.map_err(|e| e.to_string())?;
+    let status = response.status();
+    let location = response.headers().get(hyper::header::LOCATION).and_then(|l| l.to_str().ok()).map(String::from);
+    // Up to MAX_BODY bytes are passed back; a longer body is cut, not an error.
+    let mut body = response.into_body();
+    let mut out = Vec::new();
+    while out.len() < MAX_BODY {
+        match body.frame().await {
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    out.extend_from_slice(&data);
+                }
+            }
+            _ => break,
+        }
+    }
+    out.truncate(MAX_BODY);
+    Ok((status, location, Bytes::from(out)))
+}
+
+/// Whether `ip` is one of this namespace's addresses (the pod IP).
+fn is_local(ip: IpAddr) -> bool {
+    std::net::UdpSocket::bind(SocketAddr::new(ip, 0)).is_ok()
+}
+
+fn rustls_name(ip: &IpAddr) -> tokio_rustls::rustls::pki_types::ServerName<'static> {
+    tokio_rustls::rustls::pki_types::ServerName::IpAddress((*ip).into())
+}
+
+/// kubelet does not verify an HTTPS probe's certificate; neither does the agent.
+fn insecure_tls() -> tokio_rustls::TlsConnector {
+    use tokio_rustls::rustls::{
+        ClientConfig, DigitallySignedStruct, SignatureScheme,
+        client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier},
+        crypto::ring,
+        pki_types::{CertificateDer, ServerName, UnixTime},
+    };
+    #[derive(Debug)]
+    struct AnyCertificate(Vec<SignatureScheme>);
+    impl ServerCertVerifier for AnyCertificate {
+        fn verify_server_cert(
+            &self,
+            _: &CertificateDer<'_>,
+            _: &[CertificateDer<'_>],
+            _: &ServerName<'_>,
+            _: &[u8],
+            _: UnixTime,
+        ) -> Result<ServerCertVerified, tokio_rustls::rustls::Error> {
+            Ok(ServerCertVerified::assertion())
+        }
+        fn verify_tls12_signature(
+            &self,
+            _: &[u8],
+            _: &CertificateDer<'_>,
+            _: &DigitallySignedStruct,
+        ) -> Result<HandshakeSignatureValid, tokio_rustls::rustls::Error> {
+            Ok(HandshakeSignatureValid::assertion())
+        }
+        fn verify_tls13_signature(
+            &self,
+            _: &[u8],
+            _: &CertificateDer<'_>,
+            _: &DigitallySignedStruct,
+        ) -> Result<HandshakeSignatureValid, tokio_rustls::rustls::Error> {
+            Ok(HandshakeSignatureValid::assertion())
+        }
+        fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+            self.0.clone()
+        }
+    }
+    let provider = Arc::new(ring::default_provider());
+    let schemes = provider.signature_verification_algorithms.supported_schemes();
+    let config = ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .expect("ring supports the default protocol versions")
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(AnyCertificate(schemes)))
+        .with_no_client_auth();
+    tokio_rustls::TlsConnector::from(Arc::new(config))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn probers_parse_as_the_injector_writes_them() {
+        let p = AppProbers::parse(
+            r#"{"/app-health/web/livez":{"httpGet":{"path":"/healthz","port":8080,"scheme":"HTTP","httpHeaders":[{"name":"X-A","value":"1"}]},"timeoutSeconds":3},
+                "/app-health/web/readyz":{"tcpSocket":{"port":8080}},
+                "/app-health/grpc/startupz":{"grpc":{"port":9090,"service":"x"}}}"#,
+        )
+        .unwrap();
+        assert_eq!(p.0.len(), 3);
+        let live = p.get("/app-health/web/livez").unwrap();
+        assert_eq!(live.http_get.as_ref().unwrap().port, ProbePort(8080));
+        assert_eq!(live.timeout(), Duration::from_secs(3));
+        assert_eq!(p.get("/app-health/web/readyz").unwrap().timeout(), DEFAULT_TIMEOUT);
+        assert_eq!(AppProbers::parse("{}").unwrap(), AppProbers::default());
+        assert_eq!(AppProbers::parse("").unwrap(), AppProbers::default());
+    }
+
+    #[test]
+    fn bad_probers_are_named() {
+        let e = AppProbers::parse(r#"{"/healthz":{"tcpSocket":{"port":1}}}"#).unwrap_err().to_string();
+        assert!(e.contains("\"/healthz\"") && e.contains("/app-health/<container>"), "{e}");
+        let e = AppProbers::parse(r#"{"/app-health/a/livez":{}}"#).unwrap_err().to_string();
+        assert!(e.contains("exactly one"), "{e}");
+        let e = AppProbers::parse(r#"{"/app-health/a/livez":{"tcpSocket":{"port":"http"}}}"#).unwrap_err().to_string();
+        assert!(e.contains("must be an integer"), "{e}");
+        let e = AppProbers::parse("[1]").unwrap_err().to_string();
+        assert!(e.starts_with("not a JSON object"), "{e}");
+        assert!(!is_prober_path("/app-health//livez"));
+        assert!(!is_prober_path("/app-health/a/b/livez"));
+        assert!(is_prober_path("/app-lifecycle/a/prestopz"));
+    }
+}
