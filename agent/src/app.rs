@@ -134,31 +134,40 @@ impl Agent {
         Ok(Self { config, metrics, dns, xds, secrets })
     }
 
-    /// Binds everything (all or nothing), then serves until SIGTERM/SIGINT.
+    /// Binds everything (all or nothing: ports first, then the sockets, removed again
+    /// if a later one fails), then serves until SIGTERM/SIGINT.
     pub async fn run(self) -> Result<(), AgentError> {
         let mut tasks = tokio::task::JoinSet::new();
-        let mut dns_tasks = match &self.dns {
-            Some(dns) => Some(dns.bind().await?),
-            None => None,
-        };
-        let uds_path = self.config.xds.uds_path.clone();
-        let listener = crate::xds::uds::bind(&uds_path, None)?;
-        let sds_path = self.config.identity.sds_socket.clone();
-        let external = external_sds(&sds_path).await?;
-        let sds_listener = if external {
-            tracing::info!(path = %sds_path.display(), "existing workload SDS socket found (SPIRE or similar): using it, not serving SDS");
-            None
-        } else {
-            Some(crate::xds::uds::bind(&sds_path, None).map_err(AgentError::SdsUds)?)
-        };
         let status = if self.config.status.port > 0 {
             let address = SocketAddr::from(([0, 0, 0, 0], self.config.status.port));
             Some(StatusServer::bind(address).await?)
         } else {
             None
         };
+        let mut dns_tasks = match &self.dns {
+            Some(dns) => Some(dns.bind().await?),
+            None => None,
+        };
         let envoy = !self.config.disable_envoy;
         let supervisor = if envoy { Some(self.prepare_envoy()?) } else { None };
+        let uds_path = self.config.xds.uds_path.clone();
+        let listener = crate::xds::uds::bind(&uds_path, None)?;
+        let sds_path = self.config.identity.sds_socket.clone();
+        let sds = async {
+            if external_sds(&sds_path).await? {
+                tracing::info!(path = %sds_path.display(), "existing workload SDS socket found (SPIRE or similar): using it, not serving SDS");
+                Ok((true, None))
+            } else {
+                Ok((false, Some(crate::xds::uds::bind(&sds_path, None).map_err(AgentError::SdsUds)?)))
+            }
+        };
+        let (external, sds_listener) = match sds.await {
+            Ok(bound) => bound,
+            Err(e) => {
+                let _ = std::fs::remove_file(&uds_path);
+                return Err(e);
+            }
+        };
         let admin = envoy.then(|| EnvoyAdmin::new(self.config.envoy.admin_port));
         let readiness = supervisor.as_ref().map(|s| s.readiness.clone()).unwrap_or_else(|| Arc::new(Readiness::new(None)));
         let lifecycle = LifecycleControl::new(admin, self.config.args.proxy_type == ProxyType::Sidecar);

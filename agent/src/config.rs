@@ -30,6 +30,8 @@ use crate::{
 /// Where pilot-agent looks for things (relative to the working directory).
 pub mod paths {
     pub const POD_ANNOTATIONS: &str = "./etc/istio/pod/annotations";
+    /// The pod's labels (downward API), for the service cluster name.
+    pub const POD_LABELS: &str = "./etc/istio/pod/labels";
     pub const TOKEN: &str = "./var/run/secrets/tokens/istio-token";
     /// The old mounted-certificate location, checked first for the XDS root.
     pub const MOUNTED_ROOT_CERT: &str = "./etc/certs/root-cert.pem";
@@ -221,6 +223,27 @@ pub struct IdentitySettings {
     pub cluster_id: String,
 }
 
+/// Envoy's `--service-cluster` as Istio names it: ProxyConfig's `serviceCluster` when
+/// set to something else than `istio-proxy`, else `<app label>.<ns>`, else
+/// `<WORKLOAD_NAME>.<ns>`, else `istio-proxy.<ns>`.
+fn service_cluster(
+    configured: &str,
+    labels: &BTreeMap<String, String>,
+    metadata: &BTreeMap<String, serde_json::Value>,
+    namespace: &str,
+) -> String {
+    if !configured.is_empty() && configured != "istio-proxy" {
+        return configured.to_string();
+    }
+    let app = labels.get("app").or_else(|| labels.get("app.kubernetes.io/name")).filter(|a| !a.is_empty());
+    let workload = metadata.get("WORKLOAD_NAME").and_then(|w| w.as_str()).filter(|w| !w.is_empty());
+    match (app.map(String::as_str).or(workload), namespace.is_empty()) {
+        (Some(name), _) => format!("{name}.{namespace}"),
+        (None, false) => format!("istio-proxy.{namespace}"),
+        (None, true) => "istio-proxy".into(),
+    }
+}
+
 /// The status server (15020) and what it probes and merges.
 #[derive(Debug, Clone, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -345,7 +368,11 @@ impl AgentConfig {
         };
         let identity = Self::identity(env, files, &pod, &proxy_config)?;
         let envoy = Self::envoy(env, &args, &pod, &proxy_config)?;
-        let node = Self::node(env, &args, &pod, &proxy_config)?;
+        let labels = files
+            .read(Path::new(paths::POD_LABELS))?
+            .map(|t| proxy_config::parse_annotations(&t))
+            .unwrap_or_default();
+        let node = Self::node(env, &args, &pod, &proxy_config, &labels)?;
         let status = Self::status(env, &args, &pod, &proxy_config)?;
         let disable_envoy = env.bool_or("DISABLE_ENVOY", false)?;
         Ok(Self { args, pod, proxy_config, xds, dns, identity, envoy, status, node, disable_envoy })
@@ -384,9 +411,9 @@ impl AgentConfig {
             );
             config.concurrency = Some(args.concurrency);
         }
-        if config.service_cluster.is_empty() {
-            config.service_cluster = args.service_cluster.clone();
-        }
+        // `--serviceCluster` only fills a ProxyConfig that names the serviceCluster
+        // variant with no value; Istio's default naming (tracingServiceName
+        // APP_LABEL_AND_NAMESPACE) ignores it, and so does Weir.
         if let Some(address) = annotations.get("sidecar.istio.io/discoveryAddress") {
             config.discovery_address = address.clone();
         }
@@ -574,7 +601,13 @@ impl AgentConfig {
         })
     }
 
-    fn node(env: &dyn Env, args: &ProxyArgs, pod: &PodIdentity, pc: &ProxyConfig) -> Result<NodeSettings, ConfigError> {
+    fn node(
+        env: &dyn Env,
+        args: &ProxyArgs,
+        pod: &PodIdentity,
+        pc: &ProxyConfig,
+        labels: &BTreeMap<String, String>,
+    ) -> Result<NodeSettings, ConfigError> {
         use serde_json::Value;
         let mut metadata = BTreeMap::new();
         // proxyMetadata entries act as env vars (Istio applies them to the agent's env).
@@ -611,7 +644,7 @@ impl AgentConfig {
         };
         Ok(NodeSettings {
             id: crate::envoy::bootstrap::node_id(proxy_type, &ip, &pod.name, &pod.namespace, &pod.domain),
-            cluster: pc.service_cluster.clone(),
+            cluster: service_cluster(&pc.service_cluster, labels, &metadata, &pod.namespace),
             metadata,
             delta_xds: env.bool_or("ISTIO_DELTA_XDS", true)?,
         })
@@ -896,6 +929,61 @@ mod tests {
     }
 
     #[test]
+    fn envoy_and_node_settings_follow_pilot_agent() {
+        let c = resolve(
+            &["sidecar", "--serviceCluster", "ignored.default", "--proxyLogLevel=info,upstream:debug", "--concurrency", "2"],
+            &[
+                ("XDS_ROOT_CA", "SYSTEM"),
+                ("CA_ROOT_CA", "SYSTEM"),
+                ("POD_NAME", "echo-1"),
+                ("POD_NAMESPACE", "app"),
+                ("INSTANCE_IP", "fd00::5"),
+                ("ISTIO_META_WORKLOAD_NAME", "echo"),
+                ("ISTIO_METAJSON_LABELS", r#"{"app":"echo"}"#),
+                ("PROXY_CONFIG", r#"{"proxyMetadata": {"ISTIO_META_FROM_PROXY_CONFIG": "yes"}, "terminationDrainDuration": "7s"}"#),
+            ],
+            &[],
+        )
+        .unwrap();
+        assert_eq!(c.node.id, "sidecar~fd00::5~echo-1.app~app.svc.cluster.local");
+        assert_eq!(c.node.cluster, "echo.app", "WORKLOAD_NAME.namespace; the flag is ignored as in Istio");
+        assert_eq!(c.node.metadata["LABELS"]["app"], "echo");
+        assert_eq!(c.node.metadata["FROM_PROXY_CONFIG"], "yes");
+        assert_eq!(c.node.metadata["NAMESPACE"], "app");
+        assert!(c.node.delta_xds);
+        assert_eq!(c.envoy.bootstrap, PathBuf::from("./etc/istio/proxy/envoy-rev.json"));
+        assert_eq!((c.envoy.log_level.as_str(), c.envoy.component_log_level.as_str()), ("info", "upstream:debug"));
+        assert_eq!(c.envoy.concurrency, Some(2));
+        assert_eq!(c.envoy.local_address_ip_version, "v6");
+        assert_eq!(c.envoy.drain, DrainPolicy::Fixed { wait: Duration::from_secs(7) });
+        assert!(c.envoy.capabilities.is_empty());
+        assert_eq!(c.status.probe_destination, "fd00::5".parse::<std::net::IpAddr>().unwrap());
+
+        let c = resolve(
+            &[],
+            &[
+                ("XDS_ROOT_CA", "SYSTEM"),
+                ("CA_ROOT_CA", "SYSTEM"),
+                ("POD_NAMESPACE", "app"),
+                ("EXIT_ON_ZERO_ACTIVE_CONNECTIONS", "true"),
+                ("ISTIO_META_INTERCEPTION_MODE", "TPROXY"),
+                ("ISTIO_DELTA_XDS", "false"),
+                ("REWRITE_PROBE_LEGACY_LOCALHOST_DESTINATION", "true"),
+                ("INSTANCE_IP", "10.0.0.9"),
+            ],
+            &[(paths::POD_LABELS, "app=\"reviews\"\nversion=\"v1\"\n")],
+        )
+        .unwrap();
+        assert_eq!(c.node.cluster, "reviews.app", "the app label wins");
+        assert!(!c.node.delta_xds);
+        assert_eq!(c.envoy.drain, DrainPolicy::UntilIdle { minimum: Duration::from_secs(5) });
+        assert_eq!(c.envoy.capabilities, &[crate::privileges::Capability::NetAdmin]);
+        assert_eq!(c.status.probe_destination, std::net::IpAddr::from([127, 0, 0, 1]));
+        let yaml = c.to_yaml();
+        assert!(yaml.contains("CAP_NET_ADMIN") && yaml.contains("mode: untilIdle"), "{yaml}");
+    }
+
+    #[test]
     fn bad_input_is_named() {
         let cases: &[(&[(&str, &str)], &str)] = &[
             (&[("ISTIO_META_DNS_CAPTURE", "yes")], "ISTIO_META_DNS_CAPTURE"),
@@ -913,6 +1001,13 @@ mod tests {
             (&[("SECRET_TTL", "24")], "SECRET_TTL"),
             (&[("CA_PROVIDER", "GoogleCA")], "CA_PROVIDER"),
             (&[("WORKLOAD_IDENTITY_SOCKET_FILE", "../x")], "WORKLOAD_IDENTITY_SOCKET_FILE"),
+            (&[("ISTIO_KUBE_APP_PROBERS", r#"{"/x":{}}"#)], "ISTIO_KUBE_APP_PROBERS: \"/x\""),
+            (&[("ISTIO_PROMETHEUS_ANNOTATIONS", r#"{"port":"15090"}"#)], "ISTIO_PROMETHEUS_ANNOTATIONS: target port 15090"),
+            (&[("ISTIO_METAJSON_LABELS", "{")], "ISTIO_METAJSON_LABELS"),
+            (&[("EXIT_ON_ZERO_ACTIVE_CONNECTIONS", "maybe")], "EXIT_ON_ZERO_ACTIVE_CONNECTIONS"),
+            (&[("EXIT_ON_ZERO_ACTIVE_CONNECTIONS", "true"), ("MINIMUM_DRAIN_DURATION", "5")], "MINIMUM_DRAIN_DURATION"),
+            (&[("WEIR_RESTART_ENVOY", "y")], "WEIR_RESTART_ENVOY"),
+            (&[("ISTIO_DELTA_XDS", "no")], "ISTIO_DELTA_XDS"),
         ];
         for (env, needle) in cases {
             let mut env = env.to_vec();

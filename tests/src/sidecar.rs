@@ -72,6 +72,26 @@ impl SidecarRoot {
         self.path().join("var/run/secrets/workload-spiffe-uds/socket")
     }
 
+    /// `pilot-agent` in the pod (`usr/local/bin/pilot-agent`, a link to `weir`): the
+    /// name the istio-proxy container runs.
+    pub fn pilot_agent(&self) -> anyhow::Result<PathBuf> {
+        let bin = self.path().join("usr/local/bin");
+        std::fs::create_dir_all(&bin)?;
+        for d in ["usr", "usr/local", "usr/local/bin"] {
+            std::fs::set_permissions(self.path().join(d), std::fs::Permissions::from_mode(0o755))?;
+        }
+        let link = bin.join("pilot-agent");
+        if !link.exists() {
+            std::os::unix::fs::symlink(tools::weir(), &link)?;
+        }
+        Ok(link)
+    }
+
+    /// The bootstrap the agent wrote for Envoy.
+    pub fn bootstrap(&self) -> PathBuf {
+        self.path().join("etc/istio/proxy/envoy-rev.json")
+    }
+
     /// Rewrites the token file (the kubelet rotating it).
     pub fn set_token(&self, token: &str) -> std::io::Result<()> {
         std::fs::write(self.path().join("var/run/secrets/tokens/istio-token"), token)
@@ -93,10 +113,26 @@ impl AgentProcess {
         env: &[(&str, &str)],
         resolv_conf: Option<&Path>,
     ) -> anyhow::Result<Self> {
+        let args = ["proxy", "sidecar", "--domain", "default.svc.cluster.local"];
+        Self::launch(pod, root, &tools::weir(), &args, env, Some((PROXY_UID, PROXY_UID)), resolv_conf)
+    }
+
+    /// Starts `program` (`weir` or a `pilot-agent` link) with `args` in `pod`, as `user`
+    /// (root when `None`), in `root`, with `env` added to a clean environment; returns
+    /// once its XDS socket exists.
+    pub fn launch(
+        pod: &Pod,
+        root: &SidecarRoot,
+        program: &Path,
+        args: &[&str],
+        env: &[(&str, &str)],
+        user: Option<(u32, u32)>,
+        resolv_conf: Option<&Path>,
+    ) -> anyhow::Result<Self> {
         let log = root.path().join("agent.log");
         let file = std::fs::File::create(&log)?;
-        let mut cmd = Command::new(tools::weir());
-        cmd.args(["proxy", "sidecar", "--domain", "default.svc.cluster.local"])
+        let mut cmd = Command::new(program);
+        cmd.args(args)
             .current_dir(root.path())
             .env_clear()
             .env("WEIR_LOG", "info")
@@ -104,10 +140,7 @@ impl AgentProcess {
             .stdin(Stdio::null())
             .stdout(file.try_clone()?)
             .stderr(file);
-        let child = pod.spawn_placed(
-            &mut cmd,
-            Placement { user: Some((PROXY_UID, PROXY_UID)), resolv_conf, ..Placement::default() },
-        )?;
+        let child = pod.spawn_placed(&mut cmd, Placement { user, resolv_conf, ..Placement::default() })?;
         let mut agent = Self { child, log };
         let deadline = Instant::now() + Duration::from_secs(15);
         while !root.xds_socket().exists() {
@@ -134,6 +167,25 @@ impl AgentProcess {
     /// Whether the agent is still running.
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.child_mut().try_wait(), Ok(None))
+    }
+
+    /// The agent's children (Envoy), by pid.
+    pub fn children(&self) -> Vec<u32> {
+        let pid = self.child.pid();
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return Vec::new() };
+        tasks
+            .flatten()
+            .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
+            .flat_map(|c| c.split_whitespace().filter_map(|p| p.parse().ok()).collect::<Vec<u32>>())
+            .collect()
+    }
+
+    /// Waits up to `timeout` for the agent to exit.
+    pub fn wait_exit(&mut self, timeout: Duration) -> anyhow::Result<ExitStatus> {
+        match self.child.wait_timeout(timeout)? {
+            Some(status) => Ok(status),
+            None => bail!("weir proxy still running after {timeout:?}; log:\n{}", self.log()),
+        }
     }
 
     /// SIGTERM, then waits up to 10 s for it to exit.

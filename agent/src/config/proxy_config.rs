@@ -71,7 +71,7 @@ impl Default for ProxyConfig {
         Self {
             config_path: "./etc/istio/proxy".into(),
             binary_path: "/usr/local/bin/envoy".into(),
-            service_cluster: "istio-proxy".into(),
+            service_cluster: String::new(),
             drain_duration: Duration::from_secs(45),
             termination_drain_duration: Duration::from_secs(5),
             discovery_address: "istiod.istio-system.svc:15012".into(),

@@ -269,8 +269,10 @@ impl AppProber {
         for _ in 0..=MAX_REDIRECTS {
             let stream = self.connect(action.port.0, timeout).await.map_err(|e| e.to_string())?;
             let mut builder = Request::builder().method("GET").uri(path.as_str());
+            // kubelet's headers go on; those about this hop and its body do not.
             for (name, value) in headers {
-                if name != hyper::header::HOST && name != hyper::header::CONNECTION {
+                use hyper::header::{CONNECTION, CONTENT_LENGTH, HOST, TRANSFER_ENCODING};
+                if ![HOST, CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING].contains(name) {
                     builder = builder.header(name, value);
                 }
             }

@@ -11,6 +11,13 @@
 //!   connect <addr> [count]              connects `count` times, expects an echo
 //!   transfer <addr> <bytes>             sends `bytes` pseudo-random bytes to an echo
 //!                                       server and checks every byte comes back
+//!   serve-http <addr>                   HTTP/1.1 keep-alive app: `/status/<code>`,
+//!                                       `/redirect/same` (→ /ok), `/redirect/away`
+//!                                       (→ another host), `/peer` (the client's
+//!                                       address), `/headers` (the request's headers),
+//!                                       `/metrics` (Prometheus text), else 200 `ok`
+//!   serve-grpc-health <addr> <status>   gRPC health server answering every Check with
+//!                                       <status> (SERVING, NOT_SERVING, ...)
 //!   dns-serve <addr> <ipv4>             UDP DNS: answers every A query with <ipv4>
 //!   dns-query <server> <name> [--connected]
 //!                                       prints `answer <ip> from <server addr>`; with
@@ -50,6 +57,8 @@ fn main() -> ExitCode {
                     let _ = s.write_all(line.as_bytes());
                 })
             }
+            "serve-http" => serve(addr(arg(1)?)?, false, |s, _| serve_http(s)),
+            "serve-grpc-health" => serve_grpc_health(addr(arg(1)?)?, arg(2)?),
             "capture-listener" => {
                 let transparent = args.iter().any(|a| a == "--transparent");
                 serve(addr(arg(1)?)?, transparent, |mut s, v6| {
@@ -134,6 +143,91 @@ fn serve(
         std::thread::spawn(move || h(stream, v6));
     }
     Ok(())
+}
+
+/// One HTTP/1.1 connection: requests (no bodies) answered until the client closes.
+fn serve_http(s: TcpStream) {
+    let peer = peer(&s);
+    let mut reader = BufReader::new(match s.try_clone() {
+        Ok(r) => r,
+        Err(_) => return,
+    });
+    let mut out = s;
+    loop {
+        let mut head = Vec::new();
+        loop {
+            let mut line = String::new();
+            match reader.read_line(&mut line) {
+                Ok(0) | Err(_) => return,
+                Ok(_) if line == "\r\n" || line == "\n" => break,
+                Ok(_) => head.push(line.trim_end().to_string()),
+            }
+        }
+        let path = head.first().and_then(|l| l.split_whitespace().nth(1)).unwrap_or("/").to_string();
+        let close = head.iter().any(|h| h.eq_ignore_ascii_case("connection: close"));
+        let (status, location, body) = match path.as_str() {
+            "/redirect/same" => (302, Some("/ok".to_string()), String::new()),
+            "/redirect/away" => (302, Some("http://elsewhere.invalid/ok".to_string()), String::new()),
+            "/peer" => (200, None, format!("{peer}\n")),
+            "/headers" => (200, None, head[1..].join("\n") + "\n"),
+            "/metrics" => (200, None, "# TYPE app_requests_total counter\napp_requests_total 7\n".to_string()),
+            p => match p.strip_prefix("/status/").and_then(|c| c.parse::<u16>().ok()) {
+                Some(code) => (code, None, format!("status {code}\n")),
+                None => (200, None, "ok\n".to_string()),
+            },
+        };
+        let mut response = format!("HTTP/1.1 {status} X\r\nContent-Length: {}\r\n", body.len());
+        if let Some(l) = location {
+            response.push_str(&format!("Location: {l}\r\n"));
+        }
+        if close {
+            response.push_str("Connection: close\r\n");
+        }
+        response.push_str("\r\n");
+        response.push_str(&body);
+        if out.write_all(response.as_bytes()).is_err() || close {
+            return;
+        }
+    }
+}
+
+/// A gRPC health server whose every answer is `status`.
+fn serve_grpc_health(addr: SocketAddr, status: &str) -> Result<(), String> {
+    use weir_proto::grpc::health::v1::{
+        HealthCheckRequest, HealthCheckResponse,
+        health_check_response::ServingStatus,
+        health_server::{Health, HealthServer},
+    };
+    let status = ServingStatus::from_str_name(status).ok_or_else(|| format!("status {status:?}: not a ServingStatus"))?;
+    struct Fixed(ServingStatus);
+    #[tonic::async_trait]
+    impl Health for Fixed {
+        async fn check(
+            &self,
+            _: tonic::Request<HealthCheckRequest>,
+        ) -> Result<tonic::Response<HealthCheckResponse>, tonic::Status> {
+            Ok(tonic::Response::new(HealthCheckResponse { status: self.0 as i32 }))
+        }
+        type WatchStream = std::pin::Pin<
+            Box<dyn tokio_stream::Stream<Item = Result<HealthCheckResponse, tonic::Status>> + Send>,
+        >;
+        async fn watch(
+            &self,
+            _: tonic::Request<HealthCheckRequest>,
+        ) -> Result<tonic::Response<Self::WatchStream>, tonic::Status> {
+            Err(tonic::Status::unimplemented("watch"))
+        }
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("bind {addr}: {e}"))?;
+        listening(listener.local_addr().map_err(|e| e.to_string())?);
+        tonic::transport::Server::builder()
+            .add_service(HealthServer::new(Fixed(status)))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+            .await
+            .map_err(|e| e.to_string())
+    })
 }
 
 fn connect(addr: SocketAddr, count: u32) -> Result<(), String> {

@@ -1,0 +1,516 @@
+//! `pilot-agent proxy sidecar` as the injector runs it (seed 003's command line and
+//! env), starting a real Envoy: bootstrap, readiness, `wait` and `request`, traffic
+//! through Envoy, SIGTERM under wrk load, EXIT_ON_ZERO_ACTIVE_CONNECTIONS, Envoy dying
+//! (reported, or restarted in VM mode), merged metrics, rewritten kubelet probes,
+//! `/quitquitquit`, and a status port already taken. The upstream is the test control
+//! plane (xDS + CA, over TLS, the istiod stand-in).
+
+use std::{
+    net::SocketAddr,
+    path::Path,
+    process::{Command, Output, Stdio},
+    time::Duration,
+};
+
+use weir_agent::controlplane::{AdsServer, AuthPolicy, CaServer, Snapshot, resources};
+use weir_proto::type_url;
+use weir_tests::{
+    Mesh, Pod, PodChild,
+    capture::start_server,
+    control_plane::{CLUSTER_ID, ControlPlane, ISTIOD_SAN, TOKEN, TestCa, eventually},
+    envoy, http, require_root,
+    sidecar::{AgentProcess, PROXY_UID, SidecarRoot},
+    test_name,
+};
+
+const APP_UID: u32 = 1000;
+/// Envoy's outbound listeners in the sidecar pod: HTTP app and TCP echo upstreams.
+const OUTBOUND_HTTP: &str = "127.0.0.1:18000";
+const OUTBOUND_ECHO: &str = "127.0.0.1:18001";
+
+/// Outbound listeners to the upstream pod's HTTP app (8080) and echo server (9000).
+fn snapshot(upstream: &Pod) -> Snapshot {
+    let mut s = Snapshot::new();
+    s.set(
+        type_url::LISTENER,
+        "1",
+        [
+            ("outbound-http", resources::tcp_proxy_listener("outbound-http", OUTBOUND_HTTP.parse().unwrap(), "upstream-http")),
+            ("outbound-echo", resources::tcp_proxy_listener("outbound-echo", OUTBOUND_ECHO.parse().unwrap(), "upstream-echo")),
+        ],
+    );
+    let ip = upstream.ipv4();
+    s.set(
+        type_url::CLUSTER,
+        "1",
+        [
+            (
+                "upstream-http",
+                resources::static_cluster("upstream-http", &[SocketAddr::new(ip.into(), 8080)], Duration::from_secs(1)),
+            ),
+            (
+                "upstream-echo",
+                resources::static_cluster("upstream-echo", &[SocketAddr::new(ip.into(), 9000)], Duration::from_secs(1)),
+            ),
+        ],
+    );
+    s
+}
+
+/// The injector's `istio-proxy` args (seed 003).
+const INJECTED_ARGS: [&str; 11] = [
+    "proxy",
+    "sidecar",
+    "--domain",
+    "default.svc.cluster.local",
+    "--serviceCluster",
+    "app.default",
+    "--proxyLogLevel=warning",
+    "--proxyComponentLogLevel=misc:error",
+    "--trust-domain=cluster.local",
+    "--concurrency",
+    "2",
+];
+
+/// Who runs the agent: the proxy user (Kubernetes' istio-proxy container) or root (VMs,
+/// where the agent drops Envoy to 1337 itself).
+#[derive(Clone, Copy, PartialEq)]
+enum AgentUser {
+    Proxy,
+    Root,
+}
+
+/// Fields drop in order: agent (and its Envoy), apps, control plane, pods.
+struct Rig {
+    agent: AgentProcess,
+    root: SidecarRoot,
+    pod: Pod,
+    _apps: Vec<PodChild>,
+    upstream: Pod,
+    cp: ControlPlane,
+    _istiod: Pod,
+    _mesh: Mesh,
+}
+
+impl Rig {
+    /// `proxy_config`: extra ProxyConfig fields (JSON members, without braces).
+    fn new(test: &str, user: AgentUser, proxy_config: &str, env: &[(&str, &str)]) -> Self {
+        Self::try_new(test, user, proxy_config, env, |_| Vec::new()).unwrap_or_else(|e| panic!("{e:#}"))
+    }
+
+    /// `local_apps` starts processes in the sidecar pod before the agent.
+    fn try_new(
+        test: &str,
+        user: AgentUser,
+        proxy_config: &str,
+        env: &[(&str, &str)],
+        local_apps: impl FnOnce(&Pod) -> Vec<PodChild>,
+    ) -> anyhow::Result<Self> {
+        let mesh = Mesh::new(test)?;
+        let istiod = mesh.pod("istiod")?;
+        let pod = mesh.pod("app")?;
+        let upstream = mesh.pod("upstream")?;
+        let mut apps = vec![
+            start_server(&upstream, APP_UID, &["serve-http", "0.0.0.0:8080"]),
+            start_server(&upstream, APP_UID, &["serve-echo", "0.0.0.0:9000"]),
+        ];
+        apps.extend(local_apps(&pod));
+        let tls_ca = TestCa::new("istiod serving CA")?;
+        let ca = CaServer::new("mesh workload CA", Some(TOKEN.into()))?;
+        let ads = AdsServer::new(
+            snapshot(&upstream),
+            AuthPolicy { token: Some(TOKEN.into()), cluster_id: Some(CLUSTER_ID.into()) },
+        );
+        let cp = ControlPlane::istiod(&istiod, &tls_ca, ads)?.with_ca(ca)?;
+        let root = SidecarRoot::new(tls_ca.root_pem(), TOKEN)?;
+        let envoy_binary = envoy::binary()?;
+        let mut pc = format!(
+            "{{\"discoveryAddress\": \"{}\", \"binaryPath\": \"{}\", \"proxyMetadata\": {{\"DNS_AGENT\": \"\"}}",
+            cp.addr,
+            envoy_binary.display()
+        );
+        if !proxy_config.is_empty() {
+            pc.push_str(", ");
+            pc.push_str(proxy_config);
+        }
+        pc.push('}');
+        let ip = pod.ipv4().to_string();
+        let host_ip = istiod.ipv4().to_string();
+        let ca_addr = cp.addr.to_string();
+        let mut all_env: Vec<(&str, &str)> = vec![
+            ("JWT_POLICY", "first-party-jwt"),
+            ("PILOT_CERT_PROVIDER", "istiod"),
+            ("CA_ADDR", &ca_addr),
+            ("POD_NAME", "app"),
+            ("POD_NAMESPACE", "default"),
+            ("INSTANCE_IP", &ip),
+            ("SERVICE_ACCOUNT", "app"),
+            ("HOST_IP", &host_ip),
+            ("CANONICAL_SERVICE", "app"),
+            ("CANONICAL_REVISION", "latest"),
+            ("PROXY_CONFIG", &pc),
+            ("ISTIO_META_POD_PORTS", "[\n]"),
+            ("ISTIO_META_APP_CONTAINERS", "app"),
+            ("ISTIO_META_CLUSTER_ID", CLUSTER_ID),
+            ("ISTIO_META_INTERCEPTION_MODE", "REDIRECT"),
+            ("ISTIO_META_WORKLOAD_NAME", "app"),
+            ("ISTIO_META_OWNER", "kubernetes://apis/apps/v1/namespaces/default/deployments/app"),
+            ("ISTIO_META_MESH_ID", "cluster.local"),
+            ("DNS_AGENT", ""),
+            ("ISTIOD_SAN", ISTIOD_SAN),
+        ];
+        if !env.iter().any(|(k, _)| *k == "ISTIO_KUBE_APP_PROBERS") {
+            all_env.push(("ISTIO_KUBE_APP_PROBERS", "{}"));
+        }
+        all_env.extend_from_slice(env);
+        let program = root.pilot_agent()?;
+        let uid = match user {
+            AgentUser::Proxy => Some((PROXY_UID, PROXY_UID)),
+            AgentUser::Root => None,
+        };
+        let agent = AgentProcess::launch(&pod, &root, &program, &INJECTED_ARGS, &all_env, uid, None)?;
+        Ok(Self { agent, root, pod, _apps: apps, upstream, cp, _istiod: istiod, _mesh: mesh })
+    }
+
+    /// `pilot-agent <args>` in the pod as the proxy user, as a container's command.
+    fn pilot_agent(&self, args: &[&str]) -> Output {
+        let mut cmd = Command::new(self.root.pilot_agent().unwrap());
+        cmd.args(args).env("WEIR_LOG", "warn").stdout(Stdio::piped()).stderr(Stdio::piped());
+        let child = self.pod.spawn(&mut cmd, PROXY_UID).unwrap();
+        child.into_inner().wait_with_output().unwrap()
+    }
+
+    /// `pilot-agent wait` succeeded.
+    fn wait_ready(&self) {
+        let out = self.pilot_agent(&["wait", "--timeoutSeconds", "60"]);
+        assert!(
+            out.status.success(),
+            "wait: {}\nagent log:\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            self.agent.log()
+        );
+    }
+
+    fn local_get(&self, port: u16, path: &str) -> (u16, String) {
+        self.pod
+            .run(|| async move { http::get(SocketAddr::from(([127, 0, 0, 1], port)), path).await })
+            .unwrap()
+            .unwrap_or_else(|e| panic!("GET :{port}{path}: {e:#}\nagent log:\n{}", self.agent.log()))
+    }
+
+    fn local_post(&self, port: u16, path: &str) -> (u16, String) {
+        self.pod
+            .run(|| async move { http::request(SocketAddr::from(([127, 0, 0, 1], port)), "POST", path, None).await })
+            .unwrap()
+            .unwrap()
+    }
+
+    /// A request from another pod (as kubelet and Prometheus come from off-pod).
+    fn remote(&self, method: &str, path: &str) -> (u16, String) {
+        let target = SocketAddr::new(self.pod.ipv4().into(), 15020);
+        self.upstream.run(|| async move { http::request(target, method, path, None).await }).unwrap().unwrap()
+    }
+
+    /// The one Envoy the agent runs.
+    fn envoy_pid(&self) -> u32 {
+        let children = eventually(Duration::from_secs(10), || {
+            let c = self.agent.children();
+            (c.len() == 1).then_some(c)
+        })
+        .unwrap_or_else(|| panic!("the agent has not exactly one child; log:\n{}", self.agent.log()));
+        children[0]
+    }
+
+    fn wrk(&self, seconds: u32) -> std::thread::JoinHandle<String> {
+        let mut cmd = Command::new("wrk");
+        cmd.args(["-t1", "-c4", &format!("-d{seconds}s"), &format!("http://{OUTBOUND_HTTP}/")])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let child = self.pod.spawn(&mut cmd, APP_UID).unwrap();
+        std::thread::spawn(move || {
+            let out = child.into_inner().wait_with_output().unwrap();
+            format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr))
+        })
+    }
+}
+
+/// `/proc/<pid>/status` field (`Uid`, `CapEff`, ...): its first value.
+fn proc_status(pid: u32, field: &str) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{field}:")))
+        .and_then(|v| v.split_whitespace().next())
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// The requests wrk completed and whether it saw any error.
+fn wrk_summary(out: &str) -> (u64, bool) {
+    let requests = out
+        .lines()
+        .find(|l| l.contains("requests in"))
+        .and_then(|l| l.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0);
+    let errors = out.contains("Socket errors") || out.contains("Non-2xx");
+    (requests, errors)
+}
+
+#[test]
+fn injected_command_line_starts_envoy_that_becomes_ready_and_carries_traffic() {
+    require_root!();
+    let rig = Rig::new(&test_name!(), AgentUser::Proxy, "", &[]);
+    rig.wait_ready();
+
+    // The bootstrap is Istio's: node, cluster, metadata from ISTIO_META_*, Delta ADS
+    // over the XDS socket; the real Envoy accepts it in validate mode.
+    let text = std::fs::read_to_string(rig.root.bootstrap()).unwrap();
+    let b: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let ip = rig.pod.ipv4();
+    assert_eq!(b["node"]["id"], format!("sidecar~{ip}~app.default~default.svc.cluster.local"));
+    assert_eq!(b["node"]["cluster"], "app.default");
+    assert_eq!(b["node"]["metadata"]["WORKLOAD_NAME"], "app");
+    assert_eq!(b["node"]["metadata"]["INTERCEPTION_MODE"], "REDIRECT");
+    assert_eq!(b["dynamic_resources"]["ads_config"]["api_type"], "DELTA_GRPC");
+    let validate = Command::new(envoy::binary().unwrap())
+        .args(["--mode", "validate", "-c"])
+        .arg(rig.root.bootstrap())
+        .current_dir(rig.root.path())
+        .output()
+        .unwrap();
+    assert!(validate.status.success(), "envoy --mode validate: {}", String::from_utf8_lossy(&validate.stderr));
+
+    // istiod saw a Delta stream from this node.
+    let streams = rig.cp.ads.log().streams();
+    assert!(streams.iter().any(|s| s.delta && s.refused.is_none()), "{streams:?}");
+    let node = format!("sidecar~{ip}~app.default~default.svc.cluster.local");
+    assert!(rig.cp.ads.log().requests().iter().any(|r| r.node_id.as_deref() == Some(&*node)));
+
+    // Envoy runs with pilot-agent's flags: `request` reads them from the admin API.
+    let out = rig.pilot_agent(&["request", "GET", "server_info"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let info: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let options = &info["command_line_options"];
+    assert_eq!(options["concurrency"], 2, "{options}");
+    assert_eq!(options["log_level"], "warning", "{options}");
+    assert_eq!(options["component_log_level"], "misc:error", "{options}");
+    assert_eq!(options["drain_strategy"], "Immediate", "{options}");
+    assert_eq!(options["disable_hot_restart"], true, "{options}");
+    assert_eq!(info["state"], "LIVE");
+    // `request` only reaches the ports pilot-agent allows.
+    let out = rig.pilot_agent(&["request", "GET", "/", "--debug-port", "8080"]);
+    assert_eq!(out.status.code(), Some(64));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not in the allowed list"));
+
+    // Traffic goes through Envoy to the upstream app; readiness answers through
+    // Envoy's 15021 listener as kubelet would call it.
+    let (status, body) = rig.local_get(18000, "/hello");
+    assert_eq!((status, body.as_str()), (200, "ok\n"));
+    assert_eq!(rig.local_get(15021, "/healthz/ready").0, 200);
+    assert_eq!(rig.remote("GET", "/healthz/ready").0, 200);
+
+    let mut rig = rig;
+    let exit = rig.agent.terminate().unwrap();
+    assert_eq!(exit.code(), Some(0), "log:\n{}", rig.agent.log());
+}
+
+#[test]
+fn sigterm_under_load_drains_without_a_failed_request_and_exits_0() {
+    require_root!();
+    let mut rig = Rig::new(&test_name!(), AgentUser::Root, "\"terminationDrainDuration\": \"4s\"", &[]);
+    rig.wait_ready();
+    // A root agent runs Envoy as the proxy user with no capabilities (REDIRECT mode).
+    let envoy = rig.envoy_pid();
+    assert_eq!(proc_status(envoy, "Uid"), PROXY_UID.to_string());
+    assert_eq!(proc_status(envoy, "CapEff"), "0000000000000000");
+
+    let load = rig.wrk(4);
+    std::thread::sleep(Duration::from_secs(1));
+    rig.agent.child.signal(libc::SIGTERM).unwrap();
+    // Draining: readiness fails at once, both on 15020 and through Envoy's 15021, while
+    // Envoy keeps serving (outbound listeners are not drained).
+    let (status, body) = eventually(Duration::from_secs(2), || {
+        let r = rig.local_get(15020, "/healthz/ready");
+        (r.0 == 503).then_some(r)
+    })
+    .unwrap_or_else(|| panic!("readiness still 200 after SIGTERM; log:\n{}", rig.agent.log()));
+    assert!(body.contains("draining"), "{status} {body}");
+    assert_eq!(rig.local_get(15021, "/healthz/ready").0, 503);
+
+    let out = load.join().unwrap();
+    let (requests, errors) = wrk_summary(&out);
+    assert!(requests > 0 && !errors, "wrk through a draining Envoy:\n{out}\nagent log:\n{}", rig.agent.log());
+    let exit = rig.agent.wait_exit(Duration::from_secs(20)).unwrap();
+    assert_eq!(exit.code(), Some(0), "log:\n{}", rig.agent.log());
+    let log = rig.agent.log();
+    assert!(log.contains("graceful termination period starting") && log.contains("Envoy stopped"), "{log}");
+    assert!(!Path::new(&format!("/proc/{envoy}")).exists(), "Envoy outlived its agent");
+}
+
+#[test]
+fn exit_on_zero_active_connections_waits_for_the_last_connection() {
+    require_root!();
+    let mut rig = Rig::new(
+        &test_name!(),
+        AgentUser::Proxy,
+        "\"terminationDrainDuration\": \"1s\"",
+        &[("EXIT_ON_ZERO_ACTIVE_CONNECTIONS", "true"), ("MINIMUM_DRAIN_DURATION", "1s")],
+    );
+    rig.wait_ready();
+    // One long-lived connection through Envoy to the echo server.
+    let conn = rig
+        .pod
+        .run(|| async {
+            use std::io::{Read as _, Write as _};
+            let mut s = std::net::TcpStream::connect(OUTBOUND_ECHO)?;
+            s.set_read_timeout(Some(Duration::from_secs(5)))?;
+            s.write_all(b"ping")?;
+            let mut buf = [0u8; 4];
+            s.read_exact(&mut buf)?;
+            anyhow::ensure!(&buf == b"ping", "echo answered {buf:?}");
+            Ok(s)
+        })
+        .unwrap()
+        .unwrap();
+    rig.agent.child.signal(libc::SIGTERM).unwrap();
+    // Past MINIMUM_DRAIN_DURATION and terminationDrainDuration, the open connection
+    // keeps Envoy (and the agent) up.
+    std::thread::sleep(Duration::from_secs(4));
+    assert!(rig.agent.is_running(), "agent exited with a connection open; log:\n{}", rig.agent.log());
+    assert!(rig.agent.log().contains("still draining active connections"), "{}", rig.agent.log());
+    drop(conn);
+    let exit = rig.agent.wait_exit(Duration::from_secs(15)).unwrap();
+    assert_eq!(exit.code(), Some(0), "log:\n{}", rig.agent.log());
+    assert!(rig.agent.log().contains("no active connections left"), "{}", rig.agent.log());
+}
+
+#[test]
+fn envoy_killed_by_a_signal_is_reported_and_the_agent_exits() {
+    require_root!();
+    let mut rig = Rig::new(&test_name!(), AgentUser::Proxy, "", &[]);
+    rig.wait_ready();
+    let envoy = rig.envoy_pid();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(envoy as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+    let exit = rig.agent.wait_exit(Duration::from_secs(15)).unwrap();
+    assert_eq!(exit.code(), Some(1), "log:\n{}", rig.agent.log());
+    let log = rig.agent.log();
+    assert!(log.contains("Envoy exited on its own (killed by signal 9 (SIGKILL))"), "{log}");
+    assert!(log.contains("out-of-memory"), "{log}");
+}
+
+#[test]
+fn envoy_killed_in_vm_mode_is_started_again_and_becomes_ready() {
+    require_root!();
+    let mut rig = Rig::new(&test_name!(), AgentUser::Proxy, "", &[("WEIR_RESTART_ENVOY", "true")]);
+    rig.wait_ready();
+    let first = rig.envoy_pid();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(first as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+    let second = eventually(Duration::from_secs(15), || {
+        let c = rig.agent.children();
+        (c.len() == 1 && c[0] != first).then(|| c[0])
+    })
+    .unwrap_or_else(|| panic!("no new Envoy; log:\n{}", rig.agent.log()));
+    assert_ne!(first, second);
+    rig.wait_ready();
+    assert_eq!(rig.local_get(18000, "/").0, 200);
+    assert!(rig.agent.is_running());
+    assert!(rig.agent.log().contains("starting it again"), "{}", rig.agent.log());
+    let exit = rig.agent.terminate().unwrap();
+    assert_eq!(exit.code(), Some(0), "log:\n{}", rig.agent.log());
+}
+
+/// Probes as the injector writes them, against apps in the sidecar pod: an HTTP app on
+/// 8080 and gRPC health servers on 9090 (SERVING) and 9091 (NOT_SERVING).
+const PROBERS: &str = r#"{
+  "/app-health/web/livez": {"httpGet": {"path": "/ok", "port": 8080, "scheme": "HTTP"}, "timeoutSeconds": 2},
+  "/app-health/web/readyz": {"httpGet": {"path": "/status/503", "port": 8080}},
+  "/app-health/web/startupz": {"httpGet": {"path": "/redirect/same", "port": 8080}},
+  "/app-health/away/livez": {"httpGet": {"path": "/redirect/away", "port": 8080}},
+  "/app-health/peer/livez": {"httpGet": {"path": "/peer", "port": 8080}},
+  "/app-health/headers/livez": {"httpGet": {"path": "/headers", "port": 8080, "httpHeaders": [{"name": "X-Probe", "value": "yes"}]}},
+  "/app-health/tcp/livez": {"tcpSocket": {"port": 8080}},
+  "/app-health/tcpdown/livez": {"tcpSocket": {"port": 8089}},
+  "/app-health/grpc/livez": {"grpc": {"port": 9090}},
+  "/app-health/grpcdown/livez": {"grpc": {"port": 9091}}
+}"#;
+
+#[test]
+fn status_server_merges_metrics_rewrites_probes_and_quits_on_request() {
+    require_root!();
+    let env = [
+        ("ISTIO_KUBE_APP_PROBERS", PROBERS),
+        ("ISTIO_PROMETHEUS_ANNOTATIONS", r#"{"scrape":"true","port":"8080","path":"/metrics"}"#),
+    ];
+    let mut rig = Rig::try_new(&test_name!(), AgentUser::Proxy, "", &env, |pod| {
+        vec![
+            start_server(pod, APP_UID, &["serve-http", "0.0.0.0:8080"]),
+            start_server(pod, APP_UID, &["serve-grpc-health", "0.0.0.0:9090", "SERVING"]),
+            start_server(pod, APP_UID, &["serve-grpc-health", "0.0.0.0:9091", "NOT_SERVING"]),
+        ]
+    })
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    rig.wait_ready();
+
+    // Merged metrics: the agent's, Envoy's and the app's, in one text exposition.
+    let (status, metrics) = rig.remote("GET", "/stats/prometheus");
+    assert_eq!(status, 200);
+    assert!(metrics.contains("istio_agent_scrapes_total"), "{metrics}");
+    assert!(metrics.contains("envoy_server_live"), "no Envoy metrics");
+    assert!(metrics.contains("app_requests_total 7"), "no app metrics");
+    assert!(!metrics.contains("# EOF"), "an OpenMetrics EOF in the middle of the merge");
+
+    // Rewritten probes, as kubelet sends them (to the pod IP, from off the pod).
+    let probe = |path: &str| rig.remote("GET", path);
+    assert_eq!(probe("/app-health/web/livez"), (200, "ok\n".into()));
+    assert_eq!(probe("/app-health/web/readyz"), (503, "status 503\n".into()));
+    assert_eq!(probe("/app-health/web/startupz"), (200, "ok\n".into()), "same-host redirect followed");
+    assert_eq!(probe("/app-health/away/livez").0, 200, "a redirect elsewhere counts as success");
+    let (_, peer) = probe("/app-health/peer/livez");
+    assert!(peer.starts_with("127.0.0.6:"), "probes come from 127.0.0.6, got {peer}");
+    let (_, headers) = probe("/app-health/headers/livez");
+    assert!(headers.to_ascii_lowercase().contains("x-probe: yes"), "{headers}");
+    assert!(!headers.to_ascii_lowercase().contains("content-length"), "{headers}");
+    assert_eq!(probe("/app-health/tcp/livez").0, 200);
+    assert_eq!(probe("/app-health/tcpdown/livez").0, 500);
+    assert_eq!(probe("/app-health/grpc/livez").0, 200);
+    assert_eq!(probe("/app-health/grpcdown/livez").0, 500);
+    assert_eq!(probe("/app-health/nobody/livez").0, 400);
+
+    // /quitquitquit and /drain: POST from localhost only.
+    assert_eq!(rig.remote("POST", "/quitquitquit").0, 403);
+    assert_eq!(rig.remote("POST", "/drain").0, 403);
+    assert_eq!(rig.local_get(15020, "/quitquitquit").0, 405);
+    assert!(rig.agent.is_running());
+    assert_eq!(rig.local_post(15020, "/quitquitquit"), (200, "OK".into()));
+    let exit = rig.agent.wait_exit(Duration::from_secs(10)).unwrap();
+    assert_eq!(exit.code(), Some(0), "log:\n{}", rig.agent.log());
+    assert!(rig.agent.log().contains("already drained"), "{}", rig.agent.log());
+}
+
+#[test]
+fn a_status_port_in_use_is_a_clear_startup_error() {
+    require_root!();
+    let result = Rig::try_new(&test_name!(), AgentUser::Proxy, "", &[], |pod| {
+        vec![start_server(pod, APP_UID, &["serve-echo", "0.0.0.0:15020"])]
+    });
+    let Err(e) = result else { panic!("the agent started with 15020 taken") };
+    let e = format!("{e:#}");
+    assert!(e.contains("status server cannot listen on 0.0.0.0:15020") && e.contains("in use"), "{e}");
+}
+
+#[test]
+fn wait_times_out_naming_the_last_error() {
+    require_root!();
+    let mesh = Mesh::new(&test_name!()).unwrap();
+    let pod = mesh.pod("app").unwrap();
+    // No Envoy in this pod: nothing answers on 15021.
+    let mut cmd = Command::new(weir_tests::tools::weir());
+    cmd.args(["wait", "--timeoutSeconds=1", "--periodMillis=100"]).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let out = pod.spawn(&mut cmd, PROXY_UID).unwrap().into_inner().wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("timeout waiting for Envoy proxy to become ready") && err.contains("127.0.0.1:15021"),
+        "{err}"
+    );
+}
