@@ -91,8 +91,10 @@ pub enum PilotAgentCommand {
     Version(VersionArgs),
 }
 
-/// Arguments taken verbatim; their parser belongs to the command that owns them.
+/// Arguments taken verbatim; their parser belongs to the command that owns them
+/// (`--help` included: each prints pilot-agent's usage for its flags).
 #[derive(Debug, Args)]
+#[command(disable_help_flag = true)]
 pub struct PassThrough {
     #[arg(trailing_var_arg = true, allow_hyphen_values = true, num_args = 0..)]
     pub args: Vec<String>,

@@ -58,23 +58,86 @@ fn pilot_agent_personality_accepts_pilot_agent_commands() {
 
 #[test]
 fn commands_not_built_yet_exit_2_naming_their_area() {
-    let (_dir, pilot) = as_named("pilot-agent");
-    let cases: &[(&PathBuf, &[&str], &str)] = &[
-        (&pilot, &["proxy", "sidecar", "--domain", "ns.svc.cluster.local"], "Envoy lifecycle"),
-        (&pilot, &["wait"], "status server"),
-    ];
+    let (_dir, cni) = as_named("weir-cni");
+    let cases: &[(&PathBuf, &[&str], &str)] =
+        &[(&cni, &[], "CNI-chained node plugin"), (&tools::weir(), &["cni", "install"], "CNI-chained node plugin")];
     for (bin, args, area) in cases {
-        let out = Command::new(bin)
-            .args(*args)
-            .env("XDS_ROOT_CA", "SYSTEM")
-            .env("CA_ROOT_CA", "SYSTEM")
-            .output()
-            .unwrap();
+        let out = Command::new(bin).args(*args).output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{args:?}");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains("not built yet") && err.contains(area), "{args:?}: {err}");
         assert!(!err.contains("panicked"), "{err}");
     }
+}
+
+/// `pilot-agent proxy ...` in an empty pod directory (`etc/istio/proxy` made, as the
+/// injector's emptyDir), with the system roots, a loopback control plane nobody
+/// serves and no status server, plus `env`.
+fn proxy_in_empty_pod(args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
+    let (dir, pilot) = as_named("pilot-agent");
+    for d in ["etc/istio/proxy", "var/run/secrets/workload-spiffe-uds"] {
+        std::fs::create_dir_all(dir.0.join(d)).unwrap();
+    }
+    Command::new(&pilot)
+        .args(args)
+        .current_dir(&dir.0)
+        .env_clear()
+        .env("XDS_ROOT_CA", "SYSTEM")
+        .env("CA_ROOT_CA", "SYSTEM")
+        .env("CA_ADDR", "127.0.0.1:1")
+        .envs(env.iter().copied())
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn bad_proxy_input_exits_with_a_clear_error_naming_it() {
+    let pc = r#"{"discoveryAddress": "127.0.0.1:1", "statusPort": 0, "binaryPath": "/nonexistent/envoy"}"#;
+    let cases: &[(&[&str], &[(&str, &str)], i32, &str)] = &[
+        (&["proxy", "sidecar"], &[("PROXY_CONFIG", "{\"concurrency\": \"two\"")], 64, "PROXY_CONFIG"),
+        (&["proxy", "sidecar"], &[("PROXY_CONFIG", "drainDuration: soon")], 64, "drainDuration"),
+        (&["proxy", "waypoint"], &[], 64, "waypoint"),
+        (&["proxy", "sidecar"], &[("PROXY_CONFIG", pc), ("ISTIO_KUBE_APP_PROBERS", "[]")], 64, "ISTIO_KUBE_APP_PROBERS"),
+        (&["proxy", "sidecar"], &[("PROXY_CONFIG", pc)], 1, "start Envoy /nonexistent/envoy"),
+        (
+            &["proxy", "sidecar", "--templateFile", "/nonexistent/template.json"],
+            &[("PROXY_CONFIG", pc)],
+            1,
+            "bootstrap template /nonexistent/template.json",
+        ),
+        (
+            &["proxy", "sidecar"],
+            &[("PROXY_CONFIG", pc), ("ISTIO_BOOTSTRAP_OVERRIDE", "/nonexistent/override.yaml")],
+            1,
+            "ISTIO_BOOTSTRAP_OVERRIDE /nonexistent/override.yaml",
+        ),
+    ];
+    for (args, env, code, needle) in cases {
+        let out = proxy_in_empty_pod(args, env);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(*code), "{args:?} {env:?}: {err}");
+        assert!(err.contains(needle), "{args:?} {env:?}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}
+
+#[test]
+fn local_commands_check_their_flags() {
+    let (_dir, pilot) = as_named("pilot-agent");
+    let cases: &[(&[&str], &str)] = &[
+        (&["wait", "--timeoutSeconds=soon"], "--timeoutSeconds"),
+        (&["wait", "--bogus"], "--bogus"),
+        (&["request", "GET"], "<method> <path>"),
+        (&["request", "GET", "/stats", "--debug-port", "22"], "not in the allowed list"),
+    ];
+    for (args, needle) in cases {
+        let out = Command::new(&pilot).args(*args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(64), "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+    }
+    let out = Command::new(&pilot).args(["wait", "--help"]).output().unwrap();
+    assert!(out.status.success() && String::from_utf8_lossy(&out.stdout).contains("--periodMillis"));
 }
 
 #[test]
