@@ -169,7 +169,10 @@ impl Agent {
             }
         };
         let admin = envoy.then(|| EnvoyAdmin::new(self.config.envoy.admin_port));
-        let readiness = supervisor.as_ref().map(|s| s.readiness.clone()).unwrap_or_else(|| Arc::new(Readiness::new(None)));
+        let readiness = supervisor
+            .as_ref()
+            .map(|s| s.readiness.clone())
+            .unwrap_or_else(|| Arc::new(Readiness::new(None)));
         let lifecycle = LifecycleControl::new(admin, self.config.args.proxy_type == ProxyType::Sidecar);
         tracing::info!(
             uds = %uds_path.display(),
@@ -194,7 +197,8 @@ impl Agent {
                 self.config.status.probe_destination,
                 self.config.status.port,
             );
-            let server = StatusServer::new(self.dns.clone(), readiness.clone(), lifecycle.clone(), merge, probes);
+            let server =
+                StatusServer::new(self.dns.clone(), readiness.clone(), lifecycle.clone(), merge, probes);
             let stop = shutdown.clone();
             tasks.spawn(async move {
                 tokio::select! {

@@ -534,15 +534,26 @@ impl AgentConfig {
         })
     }
 
-    fn envoy(env: &dyn Env, args: &ProxyArgs, pod: &PodIdentity, pc: &ProxyConfig) -> Result<EnvoySettings, ConfigError> {
+    fn envoy(
+        env: &dyn Env,
+        args: &ProxyArgs,
+        pod: &PodIdentity,
+        pc: &ProxyConfig,
+    ) -> Result<EnvoySettings, ConfigError> {
         let (log_level, component_log_level) =
             crate::envoy::process::log_levels(&args.proxy_log_level, &args.proxy_component_log_level);
         let drain = if env.bool_or("EXIT_ON_ZERO_ACTIVE_CONNECTIONS", false)? {
-            DrainPolicy::UntilIdle { minimum: env.duration_or("MINIMUM_DRAIN_DURATION", Duration::from_secs(5))? }
+            DrainPolicy::UntilIdle {
+                minimum: env.duration_or("MINIMUM_DRAIN_DURATION", Duration::from_secs(5))?,
+            }
         } else {
             DrainPolicy::Fixed { wait: pc.termination_drain_duration }
         };
-        let v6 = pod.instance_ip.as_deref().and_then(|ip| ip.parse::<std::net::IpAddr>().ok()).is_some_and(|ip| ip.is_ipv6());
+        let v6 = pod
+            .instance_ip
+            .as_deref()
+            .and_then(|ip| ip.parse::<std::net::IpAddr>().ok())
+            .is_some_and(|ip| ip.is_ipv6());
         let custom = !pc.custom_config_file.is_empty();
         Ok(EnvoySettings {
             binary: pc.binary_path.clone().into(),
@@ -573,14 +584,23 @@ impl AgentConfig {
         })
     }
 
-    fn status(env: &dyn Env, args: &ProxyArgs, pod: &PodIdentity, pc: &ProxyConfig) -> Result<StatusSettings, ConfigError> {
+    fn status(
+        env: &dyn Env,
+        args: &ProxyArgs,
+        pod: &PodIdentity,
+        pc: &ProxyConfig,
+    ) -> Result<StatusSettings, ConfigError> {
         let invalid = |name, e: &dyn std::error::Error| ConfigError::Invalid { name, message: e.to_string() };
-        let app_probers = crate::status::AppProbers::parse(&env.text("ISTIO_KUBE_APP_PROBERS").unwrap_or_default())
-            .map_err(|e| invalid("ISTIO_KUBE_APP_PROBERS", &e))?;
+        let app_probers =
+            crate::status::AppProbers::parse(&env.text("ISTIO_KUBE_APP_PROBERS").unwrap_or_default())
+                .map_err(|e| invalid("ISTIO_KUBE_APP_PROBERS", &e))?;
         // Istio merges app metrics for sidecars only (15020 is exposed on gateways).
         let app_metrics = if args.proxy_type == ProxyType::Sidecar {
-            crate::status::merge::parse_scrape_config(env.text("ISTIO_PROMETHEUS_ANNOTATIONS").as_deref(), pc.status_port)
-                .map_err(|e| invalid("ISTIO_PROMETHEUS_ANNOTATIONS", &e))?
+            crate::status::merge::parse_scrape_config(
+                env.text("ISTIO_PROMETHEUS_ANNOTATIONS").as_deref(),
+                pc.status_port,
+            )
+            .map_err(|e| invalid("ISTIO_PROMETHEUS_ANNOTATIONS", &e))?
         } else {
             Vec::new()
         };
@@ -611,7 +631,8 @@ impl AgentConfig {
         use serde_json::Value;
         let mut metadata = BTreeMap::new();
         // proxyMetadata entries act as env vars (Istio applies them to the agent's env).
-        let mut vars: Vec<(String, String)> = pc.proxy_metadata.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        let mut vars: Vec<(String, String)> =
+            pc.proxy_metadata.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         vars.extend(env.vars());
         for (name, value) in vars {
             if let Some(key) = name.strip_prefix("ISTIO_METAJSON_") {
@@ -952,7 +973,10 @@ mod tests {
         assert_eq!(c.node.metadata["NAMESPACE"], "app");
         assert!(c.node.delta_xds);
         assert_eq!(c.envoy.bootstrap, PathBuf::from("./etc/istio/proxy/envoy-rev.json"));
-        assert_eq!((c.envoy.log_level.as_str(), c.envoy.component_log_level.as_str()), ("info", "upstream:debug"));
+        assert_eq!(
+            (c.envoy.log_level.as_str(), c.envoy.component_log_level.as_str()),
+            ("info", "upstream:debug")
+        );
         assert_eq!(c.envoy.concurrency, Some(2));
         assert_eq!(c.envoy.local_address_ip_version, "v6");
         assert_eq!(c.envoy.drain, DrainPolicy::Fixed { wait: Duration::from_secs(7) });
@@ -1002,10 +1026,16 @@ mod tests {
             (&[("CA_PROVIDER", "GoogleCA")], "CA_PROVIDER"),
             (&[("WORKLOAD_IDENTITY_SOCKET_FILE", "../x")], "WORKLOAD_IDENTITY_SOCKET_FILE"),
             (&[("ISTIO_KUBE_APP_PROBERS", r#"{"/x":{}}"#)], "ISTIO_KUBE_APP_PROBERS: \"/x\""),
-            (&[("ISTIO_PROMETHEUS_ANNOTATIONS", r#"{"port":"15090"}"#)], "ISTIO_PROMETHEUS_ANNOTATIONS: target port 15090"),
+            (
+                &[("ISTIO_PROMETHEUS_ANNOTATIONS", r#"{"port":"15090"}"#)],
+                "ISTIO_PROMETHEUS_ANNOTATIONS: target port 15090",
+            ),
             (&[("ISTIO_METAJSON_LABELS", "{")], "ISTIO_METAJSON_LABELS"),
             (&[("EXIT_ON_ZERO_ACTIVE_CONNECTIONS", "maybe")], "EXIT_ON_ZERO_ACTIVE_CONNECTIONS"),
-            (&[("EXIT_ON_ZERO_ACTIVE_CONNECTIONS", "true"), ("MINIMUM_DRAIN_DURATION", "5")], "MINIMUM_DRAIN_DURATION"),
+            (
+                &[("EXIT_ON_ZERO_ACTIVE_CONNECTIONS", "true"), ("MINIMUM_DRAIN_DURATION", "5")],
+                "MINIMUM_DRAIN_DURATION",
+            ),
             (&[("WEIR_RESTART_ENVOY", "y")], "WEIR_RESTART_ENVOY"),
             (&[("ISTIO_DELTA_XDS", "no")], "ISTIO_DELTA_XDS"),
         ];

@@ -64,7 +64,8 @@ fn flags(args: &[String], known: &[&str]) -> Result<(Vec<(String, String)>, Vec<
     let mut positional = Vec::new();
     let mut it = args.iter();
     while let Some(a) = it.next() {
-        let Some(flag) = a.strip_prefix("--").or_else(|| a.strip_prefix('-').filter(|f| !f.is_empty())) else {
+        let Some(flag) = a.strip_prefix("--").or_else(|| a.strip_prefix('-').filter(|f| !f.is_empty()))
+        else {
             positional.push(a.clone());
             continue;
         };
@@ -98,7 +99,8 @@ fn number<T: std::str::FromStr>(flag: &str, value: &str) -> Result<T, LocalCmdEr
 
 /// `None`: help was asked for.
 pub fn parse_wait(args: &[String]) -> Result<Option<WaitArgs>, LocalCmdError> {
-    let (flags, positional) = flags(args, &["timeoutSeconds", "requestTimeoutMillis", "periodMillis", "url"])?;
+    let (flags, positional) =
+        flags(args, &["timeoutSeconds", "requestTimeoutMillis", "periodMillis", "url"])?;
     if !positional.is_empty() {
         return Err(LocalCmdError::Usage("wait takes no arguments"));
     }
@@ -186,12 +188,15 @@ pub fn parse_request(args: &[String]) -> Result<Option<RequestArgs>, LocalCmdErr
     let [method, path, rest @ ..] = positional.as_slice() else {
         return Err(LocalCmdError::Usage("request needs <method> <path> [<body>]"));
     };
-    let method = Method::from_bytes(method.to_ascii_uppercase().as_bytes()).map_err(|_| LocalCmdError::Flag {
-        flag: "<method>".into(),
-        value: method.clone(),
-        expected: "an HTTP method",
+    let method = Method::from_bytes(method.to_ascii_uppercase().as_bytes()).map_err(|_| {
+        LocalCmdError::Flag { flag: "<method>".into(), value: method.clone(), expected: "an HTTP method" }
     })?;
-    Ok(Some(RequestArgs { method, path: format!("/{}", path.trim_start_matches('/')), body: rest.first().cloned(), port }))
+    Ok(Some(RequestArgs {
+        method,
+        path: format!("/{}", path.trim_start_matches('/')),
+        body: rest.first().cloned(),
+        port,
+    }))
 }
 
 /// Sends the request; the body of a successful (or 404) answer.
@@ -202,7 +207,10 @@ pub async fn send(r: &RequestArgs) -> Result<Bytes, LocalCmdError> {
         .await
         .map_err(|e| LocalCmdError::Request(crate::error_chain(&e)))?;
     if status.as_u16() > 399 && status != StatusCode::NOT_FOUND {
-        return Err(LocalCmdError::Status { status: status.as_u16(), body: String::from_utf8_lossy(&body).into() });
+        return Err(LocalCmdError::Status {
+            status: status.as_u16(),
+            body: String::from_utf8_lossy(&body).into(),
+        });
     }
     Ok(body)
 }
@@ -218,9 +226,15 @@ mod tests {
     #[test]
     fn wait_flags_are_pilot_agents() {
         let w = parse_wait(&[]).unwrap().unwrap();
-        assert_eq!((w.timeout, w.period, w.request_timeout), (Duration::from_secs(60), Duration::from_millis(500), Duration::from_millis(500)));
+        assert_eq!(
+            (w.timeout, w.period, w.request_timeout),
+            (Duration::from_secs(60), Duration::from_millis(500), Duration::from_millis(500))
+        );
         assert_eq!(w.url, "http://localhost:15021/healthz/ready");
-        let w = parse_wait(&s(&["--timeoutSeconds=5", "--periodMillis", "100", "--url", "http://127.0.0.1:9/x"])).unwrap().unwrap();
+        let w =
+            parse_wait(&s(&["--timeoutSeconds=5", "--periodMillis", "100", "--url", "http://127.0.0.1:9/x"]))
+                .unwrap()
+                .unwrap();
         assert_eq!((w.timeout, w.period), (Duration::from_secs(5), Duration::from_millis(100)));
         assert_eq!(split_url(&w.url).unwrap(), ("127.0.0.1:9".parse().unwrap(), "/x".into()));
         assert_eq!(parse_wait(&s(&["--help"])).unwrap(), None);
@@ -234,9 +248,13 @@ mod tests {
     fn request_takes_method_path_body_and_an_allowed_port() {
         let r = parse_request(&s(&["GET", "config_dump"])).unwrap().unwrap();
         assert_eq!((r.method, r.path.as_str(), r.body, r.port), (Method::GET, "/config_dump", None, 15000));
-        let r = parse_request(&s(&["post", "/logging?level=debug", "x", "--debug-port=15020"])).unwrap().unwrap();
+        let r =
+            parse_request(&s(&["post", "/logging?level=debug", "x", "--debug-port=15020"])).unwrap().unwrap();
         assert_eq!((r.method, r.body.as_deref(), r.port), (Method::POST, Some("x"), 15020));
-        assert_eq!(parse_request(&s(&["GET", "/", "--debug-port", "22"])).unwrap_err(), LocalCmdError::Port { port: 22 });
+        assert_eq!(
+            parse_request(&s(&["GET", "/", "--debug-port", "22"])).unwrap_err(),
+            LocalCmdError::Port { port: 22 }
+        );
         assert!(matches!(parse_request(&s(&["GET"])), Err(LocalCmdError::Usage(_))));
     }
 }

@@ -91,10 +91,9 @@ impl StatusServer {
                 let body = self.merge.scrape(req.uri().query(), req.headers()).await;
                 respond(StatusCode::OK, PROMETHEUS_TEXT, body)
             }
-            "/quitquitquit" | "/drain" if !peer.ip().is_loopback() => text(
-                StatusCode::FORBIDDEN,
-                "Only requests from localhost are allowed\n".into(),
-            ),
+            "/quitquitquit" | "/drain" if !peer.ip().is_loopback() => {
+                text(StatusCode::FORBIDDEN, "Only requests from localhost are allowed\n".into())
+            }
             "/quitquitquit" | "/drain" if method != hyper::Method::POST => {
                 text(StatusCode::METHOD_NOT_ALLOWED, "Method Not Allowed\n".into())
             }

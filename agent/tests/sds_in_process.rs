@@ -285,6 +285,13 @@ async fn a_ca_outage_at_rotation_keeps_the_valid_certificate_and_recovers() {
         "nothing pushed"
     );
 
+    // Every retry sends the same CSR: the key is made once per rotation, not per
+    // attempt (an RSA key costs hundreds of milliseconds of CPU).
+    let csrs: Vec<String> = s.ca.requests().into_iter().map(|r| r.csr).collect();
+    assert!(csrs.len() >= 4, "{}", csrs.len());
+    assert!(csrs[1..].iter().all(|c| *c == csrs[1]), "one CSR for every failed attempt");
+    assert_ne!(csrs[0], csrs[1], "a rotation makes a new key");
+
     s.ca.set_behaviour(CaBehaviour::Sign);
     let renewed = d.next().await.unwrap();
     let (chain, _) = key_cert(&secrets(&renewed)[0]);

@@ -59,8 +59,10 @@ fn pilot_agent_personality_accepts_pilot_agent_commands() {
 #[test]
 fn commands_not_built_yet_exit_2_naming_their_area() {
     let (_dir, cni) = as_named("weir-cni");
-    let cases: &[(&PathBuf, &[&str], &str)] =
-        &[(&cni, &[], "CNI-chained node plugin"), (&tools::weir(), &["cni", "install"], "CNI-chained node plugin")];
+    let cases: &[(&PathBuf, &[&str], &str)] = &[
+        (&cni, &[], "CNI-chained node plugin"),
+        (&tools::weir(), &["cni", "install"], "CNI-chained node plugin"),
+    ];
     for (bin, args, area) in cases {
         let out = Command::new(bin).args(*args).output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{args:?}");
@@ -97,7 +99,12 @@ fn bad_proxy_input_exits_with_a_clear_error_naming_it() {
         (&["proxy", "sidecar"], &[("PROXY_CONFIG", "{\"concurrency\": \"two\"")], 64, "PROXY_CONFIG"),
         (&["proxy", "sidecar"], &[("PROXY_CONFIG", "drainDuration: soon")], 64, "drainDuration"),
         (&["proxy", "waypoint"], &[], 64, "waypoint"),
-        (&["proxy", "sidecar"], &[("PROXY_CONFIG", pc), ("ISTIO_KUBE_APP_PROBERS", "[]")], 64, "ISTIO_KUBE_APP_PROBERS"),
+        (
+            &["proxy", "sidecar"],
+            &[("PROXY_CONFIG", pc), ("ISTIO_KUBE_APP_PROBERS", "[]")],
+            64,
+            "ISTIO_KUBE_APP_PROBERS",
+        ),
         (&["proxy", "sidecar"], &[("PROXY_CONFIG", pc)], 1, "start Envoy /nonexistent/envoy"),
         (
             &["proxy", "sidecar", "--templateFile", "/nonexistent/template.json"],

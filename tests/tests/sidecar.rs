@@ -35,8 +35,22 @@ fn snapshot(upstream: &Pod) -> Snapshot {
         type_url::LISTENER,
         "1",
         [
-            ("outbound-http", resources::tcp_proxy_listener("outbound-http", OUTBOUND_HTTP.parse().unwrap(), "upstream-http")),
-            ("outbound-echo", resources::tcp_proxy_listener("outbound-echo", OUTBOUND_ECHO.parse().unwrap(), "upstream-echo")),
+            (
+                "outbound-http",
+                resources::tcp_proxy_listener(
+                    "outbound-http",
+                    OUTBOUND_HTTP.parse().unwrap(),
+                    "upstream-http",
+                ),
+            ),
+            (
+                "outbound-echo",
+                resources::tcp_proxy_listener(
+                    "outbound-echo",
+                    OUTBOUND_ECHO.parse().unwrap(),
+                    "upstream-echo",
+                ),
+            ),
         ],
     );
     let ip = upstream.ipv4();
@@ -46,11 +60,19 @@ fn snapshot(upstream: &Pod) -> Snapshot {
         [
             (
                 "upstream-http",
-                resources::static_cluster("upstream-http", &[SocketAddr::new(ip.into(), 8080)], Duration::from_secs(1)),
+                resources::static_cluster(
+                    "upstream-http",
+                    &[SocketAddr::new(ip.into(), 8080)],
+                    Duration::from_secs(1),
+                ),
             ),
             (
                 "upstream-echo",
-                resources::static_cluster("upstream-echo", &[SocketAddr::new(ip.into(), 9000)], Duration::from_secs(1)),
+                resources::static_cluster(
+                    "upstream-echo",
+                    &[SocketAddr::new(ip.into(), 9000)],
+                    Duration::from_secs(1),
+                ),
             ),
         ],
     );
@@ -93,6 +115,9 @@ struct Rig {
 }
 
 impl Rig {
+    /// The env is seed 003's, but for `CA_ADDR`: unset, so the CA is the discovery
+    /// address with `ISTIOD_SAN` as its TLS name, as Istio does (the rig has no DNS for
+    /// `istiod.istio-system.svc`).
     /// `proxy_config`: extra ProxyConfig fields (JSON members, without braces).
     fn new(test: &str, user: AgentUser, proxy_config: &str, env: &[(&str, &str)]) -> Self {
         Self::try_new(test, user, proxy_config, env, |_| Vec::new()).unwrap_or_else(|e| panic!("{e:#}"))
@@ -136,11 +161,9 @@ impl Rig {
         pc.push('}');
         let ip = pod.ipv4().to_string();
         let host_ip = istiod.ipv4().to_string();
-        let ca_addr = cp.addr.to_string();
         let mut all_env: Vec<(&str, &str)> = vec![
             ("JWT_POLICY", "first-party-jwt"),
             ("PILOT_CERT_PROVIDER", "istiod"),
-            ("CA_ADDR", &ca_addr),
             ("POD_NAME", "app"),
             ("POD_NAMESPACE", "default"),
             ("INSTANCE_IP", &ip),
@@ -200,7 +223,9 @@ impl Rig {
 
     fn local_post(&self, port: u16, path: &str) -> (u16, String) {
         self.pod
-            .run(|| async move { http::request(SocketAddr::from(([127, 0, 0, 1], port)), "POST", path, None).await })
+            .run(|| async move {
+                http::request(SocketAddr::from(([127, 0, 0, 1], port)), "POST", path, None).await
+            })
             .unwrap()
             .unwrap()
     }
@@ -278,7 +303,11 @@ fn injected_command_line_starts_envoy_that_becomes_ready_and_carries_traffic() {
         .current_dir(rig.root.path())
         .output()
         .unwrap();
-    assert!(validate.status.success(), "envoy --mode validate: {}", String::from_utf8_lossy(&validate.stderr));
+    assert!(
+        validate.status.success(),
+        "envoy --mode validate: {}",
+        String::from_utf8_lossy(&validate.stderr)
+    );
 
     // istiod saw a Delta stream from this node.
     let streams = rig.cp.ads.log().streams();
@@ -308,6 +337,12 @@ fn injected_command_line_starts_envoy_that_becomes_ready_and_carries_traffic() {
     assert_eq!((status, body.as_str()), (200, "ok\n"));
     assert_eq!(rig.local_get(15021, "/healthz/ready").0, 200);
     assert_eq!(rig.remote("GET", "/healthz/ready").0, 200);
+    // The workload certificate came from istiod's CA (the SDS path itself is
+    // covered by tests/sds.rs).
+    eventually(Duration::from_secs(20), || {
+        rig.agent.log().contains("generated new workload certificate").then_some(())
+    })
+    .unwrap_or_else(|| panic!("no workload certificate; log:\n{}", rig.agent.log()));
 
     let mut rig = rig;
     let exit = rig.agent.terminate().unwrap();
@@ -390,7 +425,8 @@ fn envoy_killed_by_a_signal_is_reported_and_the_agent_exits() {
     let mut rig = Rig::new(&test_name!(), AgentUser::Proxy, "", &[]);
     rig.wait_ready();
     let envoy = rig.envoy_pid();
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(envoy as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(envoy as i32), nix::sys::signal::Signal::SIGKILL)
+        .unwrap();
     let exit = rig.agent.wait_exit(Duration::from_secs(15)).unwrap();
     assert_eq!(exit.code(), Some(1), "log:\n{}", rig.agent.log());
     let log = rig.agent.log();
@@ -404,7 +440,8 @@ fn envoy_killed_in_vm_mode_is_started_again_and_becomes_ready() {
     let mut rig = Rig::new(&test_name!(), AgentUser::Proxy, "", &[("WEIR_RESTART_ENVOY", "true")]);
     rig.wait_ready();
     let first = rig.envoy_pid();
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(first as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(first as i32), nix::sys::signal::Signal::SIGKILL)
+        .unwrap();
     let second = eventually(Duration::from_secs(15), || {
         let c = rig.agent.children();
         (c.len() == 1 && c[0] != first).then(|| c[0])
@@ -505,7 +542,9 @@ fn wait_times_out_naming_the_last_error() {
     let pod = mesh.pod("app").unwrap();
     // No Envoy in this pod: nothing answers on 15021.
     let mut cmd = Command::new(weir_tests::tools::weir());
-    cmd.args(["wait", "--timeoutSeconds=1", "--periodMillis=100"]).stdout(Stdio::piped()).stderr(Stdio::piped());
+    cmd.args(["wait", "--timeoutSeconds=1", "--periodMillis=100"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
     let out = pod.spawn(&mut cmd, PROXY_UID).unwrap().into_inner().wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);

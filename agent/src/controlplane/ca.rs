@@ -39,6 +39,8 @@ pub struct CaRequest {
     /// The URI SANs the CSR asked for.
     pub uri_sans: Vec<String>,
     pub cert_signer: Option<String>,
+    /// The CSR as sent (PEM).
+    pub csr: String,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -188,6 +190,7 @@ impl IstioCertificateService for CaServer {
                 validity_seconds: body.validity_duration,
                 uri_sans: uri_sans(&body.csr),
                 cert_signer,
+                csr: body.csr.clone(),
             });
             (state.behaviour.clone(), state.delay, state.forced_lifetime)
         };

@@ -63,9 +63,9 @@ pub async fn request_stream(
     path: &str,
     timeout: Duration,
 ) -> Result<(StatusCode, hyper::body::Incoming), AdminError> {
-    tokio::time::timeout(timeout, send(address, method.clone(), path, None)).await.map_err(|_| {
-        AdminError::Timeout { method, address, path: path.into(), timeout }
-    })?
+    tokio::time::timeout(timeout, send(address, method.clone(), path, None))
+        .await
+        .map_err(|_| AdminError::Timeout { method, address, path: path.into(), timeout })?
 }
 
 async fn send(
@@ -77,7 +77,8 @@ async fn send(
     let io = |source| AdminError::Io { method: method.clone(), address, path: path.into(), source };
     let http = |source| AdminError::Http { method: method.clone(), address, path: path.into(), source };
     let stream = tokio::net::TcpStream::connect(address).await.map_err(io)?;
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(http)?;
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(http)?;
     tokio::spawn(conn);
     let uri: hyper::Uri = path
         .parse()
@@ -128,7 +129,9 @@ impl EnvoyAdmin {
     /// `GET /stats` for exactly these names (0 for a stat Envoy has not created).
     pub async fn stats_named(&self, names: &[&str]) -> Result<BTreeMap<String, u64>, AdminError> {
         let alternation = names.iter().map(|n| n.replace('.', "\\.")).collect::<Vec<_>>().join("|");
-        let body = self.call(Method::GET, &format!("/stats?filter={}", encode(&format!("^({alternation})$")))).await?;
+        let body = self
+            .call(Method::GET, &format!("/stats?filter={}", encode(&format!("^({alternation})$"))))
+            .await?;
         let mut stats = parse_stats(&String::from_utf8_lossy(&body));
         for name in names {
             stats.entry(name.to_string()).or_insert(0);

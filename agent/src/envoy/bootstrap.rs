@@ -186,7 +186,11 @@ pub enum BootstrapError {
 /// Fills `template` (read from `path`): every `{{ .name }}` (or `{{ .config.Field }}`)
 /// becomes its value from `vars`; any other action is an error naming it, so a Go
 /// template that needs conditionals fails loudly instead of rendering wrong.
-pub fn render_template(path: &Path, template: &str, vars: &BTreeMap<&str, String>) -> Result<Value, BootstrapError> {
+pub fn render_template(
+    path: &Path,
+    template: &str,
+    vars: &BTreeMap<&str, String>,
+) -> Result<Value, BootstrapError> {
     let mut out = String::with_capacity(template.len());
     let mut rest = template;
     while let Some(start) = rest.find("{{") {
@@ -240,8 +244,8 @@ pub fn override_json(path: &Path, host_ip: Option<&str>) -> Result<String, Boots
     } else {
         text.replace("$(HOST_IP)", host)
     };
-    let value: Value =
-        serde_yaml_ng::from_str(&text).map_err(|source| BootstrapError::OverrideSyntax { path: path.into(), source })?;
+    let value: Value = serde_yaml_ng::from_str(&text)
+        .map_err(|source| BootstrapError::OverrideSyntax { path: path.into(), source })?;
     Ok(value.to_string())
 }
 
@@ -307,7 +311,10 @@ mod tests {
         assert!(e.contains(".unknown"), "{e}");
         let e = render_template(path, "{ {{ .cluster", &vars).unwrap_err().to_string();
         assert!(e.contains("never closed"), "{e}");
-        assert!(matches!(render_template(path, "{ \"a\": {{ .cluster }} }", &vars), Err(BootstrapError::TemplateJson { .. })));
+        assert!(matches!(
+            render_template(path, "{ \"a\": {{ .cluster }} }", &vars),
+            Err(BootstrapError::TemplateJson { .. })
+        ));
     }
 
     #[test]
@@ -315,8 +322,14 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("override.yaml");
         std::fs::write(&path, "tracing:\n  address: \"$(HOST_IP):8126\"\n").unwrap();
-        assert_eq!(override_json(&path, Some("10.0.0.7")).unwrap(), r#"{"tracing":{"address":"10.0.0.7:8126"}}"#);
-        assert_eq!(override_json(&path, Some("fd00::7")).unwrap(), r#"{"tracing":{"address":"[fd00::7]:8126"}}"#);
+        assert_eq!(
+            override_json(&path, Some("10.0.0.7")).unwrap(),
+            r#"{"tracing":{"address":"10.0.0.7:8126"}}"#
+        );
+        assert_eq!(
+            override_json(&path, Some("fd00::7")).unwrap(),
+            r#"{"tracing":{"address":"[fd00::7]:8126"}}"#
+        );
         std::fs::write(&path, "a: [unclosed").unwrap();
         let e = override_json(&path, None).unwrap_err().to_string();
         assert!(e.contains("ISTIO_BOOTSTRAP_OVERRIDE") && e.contains("override.yaml"), "{e}");

@@ -117,7 +117,8 @@ pub fn log_levels(proxy_log_level: &str, component_log_level: &str) -> (String, 
             level = part.to_string();
         }
     }
-    components.extend(component_log_level.split(',').map(str::trim).filter(|p| !p.is_empty()).map(String::from));
+    components
+        .extend(component_log_level.split(',').map(str::trim).filter(|p| !p.is_empty()).map(String::from));
     (level, components.join(","))
 }
 
@@ -170,7 +171,10 @@ impl EnvoyProcess {
                 if mask != 0 && libc::prctl(libc::PR_SET_KEEPCAPS, 1, 0, 0, 0) != 0 {
                     return fail();
                 }
-                if libc::setgroups(0, std::ptr::null()) != 0 || libc::setgid(r.gid) != 0 || libc::setuid(r.uid) != 0 {
+                if libc::setgroups(0, std::ptr::null()) != 0
+                    || libc::setgid(r.gid) != 0
+                    || libc::setuid(r.uid) != 0
+                {
                     return fail();
                 }
                 if mask != 0 {
@@ -206,7 +210,12 @@ impl EnvoyProcess {
     /// Istio's termination: drain listeners (inbound only for a sidecar), wait per
     /// `policy`, then end Envoy. `None`: already drained (`POST /drain`,
     /// `/quitquitquit`), end it now. Returns how Envoy exited.
-    pub async fn terminate(mut self, policy: Option<DrainPolicy>, inbound_only: bool, ignored: &[String]) -> ExitStatus {
+    pub async fn terminate(
+        mut self,
+        policy: Option<DrainPolicy>,
+        inbound_only: bool,
+        ignored: &[String],
+    ) -> ExitStatus {
         let waited = match policy {
             None => {
                 tracing::info!("already drained: stopping Envoy now");
@@ -325,7 +334,10 @@ mod tests {
     #[test]
     fn log_levels_split_as_pilot_agent() {
         assert_eq!(log_levels("warning", ""), ("warning".into(), "".into()));
-        assert_eq!(log_levels("info,misc:error", "upstream:debug"), ("info".into(), "misc:error,upstream:debug".into()));
+        assert_eq!(
+            log_levels("info,misc:error", "upstream:debug"),
+            ("info".into(), "misc:error,upstream:debug".into())
+        );
         assert_eq!(log_levels("", "misc:error"), ("warning".into(), "misc:error".into()));
     }
 }

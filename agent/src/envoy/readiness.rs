@@ -67,7 +67,9 @@ impl Readiness {
             match (s[CDS_SUCCESS] > 0, s[LDS_SUCCESS] > 0) {
                 (true, true) => self.config_received.store(true, Ordering::SeqCst),
                 (false, false) if s[CDS_REJECTED] + s[LDS_REJECTED] == 0 => {
-                    return Err(format!("config not received from XDS server (is Istiod running?): {summary}"));
+                    return Err(format!(
+                        "config not received from XDS server (is Istiod running?): {summary}"
+                    ));
                 }
                 _ if s[CDS_REJECTED] + s[LDS_REJECTED] > 0 => {
                     return Err(format!("config received from XDS server, but was rejected: {summary}"));

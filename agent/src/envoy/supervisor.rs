@@ -114,7 +114,11 @@ pub struct Supervisor {
 impl Supervisor {
     /// Runs Envoy until `stop` (then drains and ends it: `Ok` with its status) or
     /// until it exits on its own without restarts (`Err(Exited)`).
-    pub async fn run(self, stop: CancellationToken, control: LifecycleControl) -> Result<ExitStatus, SupervisorError> {
+    pub async fn run(
+        self,
+        stop: CancellationToken,
+        control: LifecycleControl,
+    ) -> Result<ExitStatus, SupervisorError> {
         let mut backoff = FIRST_BACKOFF;
         let mut restarts = 0u32;
         loop {

@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 use super::{
     caclient::{CaClient, CaClientError},
     chain::{self, ChainError, LeafInfo},
-    keys::{self, KeyError, KeyOptions, WorkloadIdentity},
+    keys::{self, KeyAndCsr, KeyError, KeyOptions, WorkloadIdentity},
     names::{self, SecretName},
 };
 use crate::metrics::Metrics;
@@ -292,12 +292,15 @@ impl SecretManager {
             return std::future::pending().await;
         };
         let mut retry = RETRY_MIN;
+        // A key whose CSR the CA has not signed yet is kept for the next attempt: an
+        // RSA key costs hundreds of milliseconds of CPU, a retry should not.
+        let mut pending: Option<KeyAndCsr> = None;
         loop {
             if let Some(current) = self.workload() {
                 let wait = current.rotate_at.duration_since(SystemTime::now()).unwrap_or_default();
                 tokio::time::sleep(wait).await;
             }
-            match self.issue(client, identity, keys).await {
+            match self.issue(client, identity, keys, &mut pending).await {
                 Ok(secret) => {
                     retry = RETRY_MIN;
                     self.install(secret);
@@ -330,14 +333,26 @@ impl SecretManager {
         client: &CaClient,
         identity: &WorkloadIdentity,
         options: &KeyOptions,
+        pending: &mut Option<KeyAndCsr>,
     ) -> Result<WorkloadSecret, IssueError> {
         let started = std::time::Instant::now();
-        let (id, opts) = (identity.clone(), *options);
-        let key = tokio::task::spawn_blocking(move || keys::generate(&id, &opts))
-            .await
-            .expect("key generation does not panic")?;
+        let key = match pending.take() {
+            Some(key) => key,
+            None => {
+                let (id, opts) = (identity.clone(), *options);
+                tokio::task::spawn_blocking(move || keys::generate(&id, &opts))
+                    .await
+                    .expect("key generation does not panic")?
+            }
+        };
         let issued = SystemTime::now();
-        let answer = client.sign(&key.csr_pem, &key.public_key_der).await?;
+        let answer = match client.sign(&key.csr_pem, &key.public_key_der).await {
+            Ok(answer) => answer,
+            Err(e) => {
+                *pending = Some(key);
+                return Err(e.into());
+            }
+        };
         let rotate_at = self.inner.policy.rotate_at(issued, answer.leaf.not_after);
         let secret = WorkloadSecret {
             chain_pem: chain::concat(&answer.chain),

@@ -44,9 +44,7 @@ pub enum ScrapeConfigError {
     Json(String),
     #[error("invalid target port {0:?} (expected 1..65535)")]
     Port(String),
-    #[error(
-        "target port {0} is the agent's own port, which would scrape itself in a loop"
-    )]
+    #[error("target port {0} is the agent's own port, which would scrape itself in a loop")]
     Recursive(u16),
     #[error("target port {port} is reserved for Istio ({reason}) and cannot be scraped")]
     Reserved { port: u16, reason: &'static str },
@@ -73,7 +71,10 @@ struct RawTarget {
 
 /// `ISTIO_PROMETHEUS_ANNOTATIONS` as pilot-agent reads it: `None` when unset or
 /// `scrape: "false"`; port 80 and path `/metrics` by default.
-pub fn parse_scrape_config(json: Option<&str>, status_port: u16) -> Result<Vec<ScrapeTarget>, ScrapeConfigError> {
+pub fn parse_scrape_config(
+    json: Option<&str>,
+    status_port: u16,
+) -> Result<Vec<ScrapeTarget>, ScrapeConfigError> {
     let Some(json) = json.filter(|j| !j.trim().is_empty()) else { return Ok(Vec::new()) };
     let a: Annotations = serde_json::from_str(json).map_err(|e| ScrapeConfigError::Json(e.to_string()))?;
     if a.scrape == "false" {
@@ -86,8 +87,13 @@ pub fn parse_scrape_config(json: Option<&str>, status_port: u16) -> Result<Vec<S
     };
     raw.into_iter()
         .map(|t| {
-            let port: u16 =
-                t.port.trim().parse().ok().filter(|p| *p > 0).ok_or_else(|| ScrapeConfigError::Port(t.port.clone()))?;
+            let port: u16 = t
+                .port
+                .trim()
+                .parse()
+                .ok()
+                .filter(|p| *p > 0)
+                .ok_or_else(|| ScrapeConfigError::Port(t.port.clone()))?;
             if port == status_port {
                 return Err(ScrapeConfigError::Recursive(port));
             }
@@ -194,7 +200,11 @@ async fn fetch(address: SocketAddr, path: &str, timeout: Duration) -> Result<Byt
             Err(FetchError::TooLarge { address, path: path.into() })
         }
         Ok(Err(source)) => Err(FetchError::Body { address, path: path.into(), source }),
-        Err(_) => Err(FetchError::Body { address, path: path.into(), source: "body not read within the deadline".into() }),
+        Err(_) => Err(FetchError::Body {
+            address,
+            path: path.into(),
+            source: "body not read within the deadline".into(),
+        }),
     }
 }
 
@@ -211,10 +221,19 @@ mod tests {
             Ok(vec![ScrapeTarget { port: 80, path: "/metrics".into() }])
         );
         assert_eq!(
-            parse_scrape_config(Some(r#"{"scrape":"true","targets":[{"port":"9000","path":"/m"},{"port":"9001"}]}"#), 15020),
-            Ok(vec![ScrapeTarget { port: 9000, path: "/m".into() }, ScrapeTarget { port: 9001, path: "/metrics".into() }])
+            parse_scrape_config(
+                Some(r#"{"scrape":"true","targets":[{"port":"9000","path":"/m"},{"port":"9001"}]}"#),
+                15020
+            ),
+            Ok(vec![
+                ScrapeTarget { port: 9000, path: "/m".into() },
+                ScrapeTarget { port: 9001, path: "/metrics".into() }
+            ])
         );
-        assert_eq!(parse_scrape_config(Some(r#"{"port":"15020"}"#), 15020), Err(ScrapeConfigError::Recursive(15020)));
+        assert_eq!(
+            parse_scrape_config(Some(r#"{"port":"15020"}"#), 15020),
+            Err(ScrapeConfigError::Recursive(15020))
+        );
         let e = parse_scrape_config(Some(r#"{"port":"15090"}"#), 15020).unwrap_err().to_string();
         assert!(e.contains("15090") && e.contains("already merged"), "{e}");
         let e = parse_scrape_config(Some(r#"{"port":"http"}"#), 15020).unwrap_err().to_string();

@@ -198,9 +198,9 @@ impl AppProber {
         if self.destination.is_loopback() || is_local(self.destination) {
             socket.bind(self.source())?;
         }
-        tokio::time::timeout(timeout, socket.connect(target))
-            .await
-            .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, format!("connect {target}: timed out")))?
+        tokio::time::timeout(timeout, socket.connect(target)).await.map_err(|_| {
+            std::io::Error::new(std::io::ErrorKind::TimedOut, format!("connect {target}: timed out"))
+        })?
     }
 
     /// Answers kubelet's request for `path` (with kubelet's `host` and headers).
@@ -253,15 +253,23 @@ impl AppProber {
     /// kubelet's HTTP probe: same-host redirects followed (10 at most), a redirect
     /// elsewhere or one that cannot be followed counts as success; any status is
     /// passed back with up to 10 KiB of body.
-    async fn http_get(&self, action: &HttpGetAction, headers: &HeaderMap, timeout: Duration) -> Result<ProbeOutcome, String> {
+    async fn http_get(
+        &self,
+        action: &HttpGetAction,
+        headers: &HeaderMap,
+        timeout: Duration,
+    ) -> Result<ProbeOutcome, String> {
         let https = action.scheme.as_deref().is_some_and(|s| s.eq_ignore_ascii_case("https"));
-        let mut path = if action.path.starts_with('/') { action.path.clone() } else { format!("/{}", action.path) };
+        let mut path =
+            if action.path.starts_with('/') { action.path.clone() } else { format!("/{}", action.path) };
         // kubelet's Host header: its own, with the status port swapped for the app's.
         let mut host = headers
             .get(hyper::header::HOST)
             .and_then(|h| h.to_str().ok())
             .map(|h| match h.rsplit_once(':') {
-                Some((name, port)) if port == self.status_port.to_string() => format!("{name}:{}", action.port.0),
+                Some((name, port)) if port == self.status_port.to_string() => {
+                    format!("{name}:{}", action.port.0)
+                }
                 _ => h.to_string(),
             })
             .unwrap_or_else(|| SocketAddr::new(self.destination, action.port.0).to_string());
@@ -279,7 +287,8 @@ impl AppProber {
             for h in &action.http_headers {
                 builder = builder.header(h.name.as_str(), h.value.as_str());
             }
-            builder = builder.header(hyper::header::HOST, host.as_str()).header(hyper::header::CONNECTION, "close");
+            builder =
+                builder.header(hyper::header::HOST, host.as_str()).header(hyper::header::CONNECTION, "close");
             let request = builder.body(Empty::<Bytes>::new()).map_err(|e| e.to_string())?;
             let response = if https {
                 let server_name = rustls_name(&self.destination);
@@ -296,7 +305,9 @@ impl AppProber {
                 return Ok(ProbeOutcome::status(StatusCode::OK));
             };
             match location.host() {
-                Some(h) if !h.eq_ignore_ascii_case(&original_host) => return Ok(ProbeOutcome::status(StatusCode::OK)),
+                Some(h) if !h.eq_ignore_ascii_case(&original_host) => {
+                    return Ok(ProbeOutcome::status(StatusCode::OK));
+                }
                 Some(_) => {
                     host = location.authority().map(|a| a.to_string()).unwrap_or(host);
                 }
@@ -308,13 +319,18 @@ impl AppProber {
     }
 
     async fn grpc(&self, action: &GrpcAction, headers: &HeaderMap, timeout: Duration) -> Result<(), String> {
-        use weir_proto::grpc::health::v1::{HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient};
+        use weir_proto::grpc::health::v1::{
+            HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
+        };
         let me = self.clone();
         let port = action.port;
-        let mut endpoint = tonic::transport::Endpoint::from_shared(format!("http://{}", SocketAddr::new(self.destination, port)))
-            .map_err(|e| e.to_string())?
-            .timeout(timeout)
-            .connect_timeout(timeout);
+        let mut endpoint = tonic::transport::Endpoint::from_shared(format!(
+            "http://{}",
+            SocketAddr::new(self.destination, port)
+        ))
+        .map_err(|e| e.to_string())?
+        .timeout(timeout)
+        .connect_timeout(timeout);
         if let Some(agent) = headers.get(hyper::header::USER_AGENT).and_then(|v| v.to_str().ok()) {
             endpoint = endpoint.user_agent(agent).map_err(|e| e.to_string())?;
         }
@@ -332,7 +348,9 @@ impl AppProber {
                 tonic::Code::Unimplemented => {
                     "the app does not implement the gRPC health protocol (grpc.health.v1.Health)".to_string()
                 }
-                tonic::Code::DeadlineExceeded => "gRPC health check not finished within the timeout".to_string(),
+                tonic::Code::DeadlineExceeded => {
+                    "gRPC health check not finished within the timeout".to_string()
+                }
                 _ => format!("gRPC health check: {}: {}", status.code(), status.message()),
             })?;
         match response.into_inner().status() {
@@ -352,7 +370,8 @@ where
     tokio::spawn(conn);
     let response = sender.send_request(request).await.map_err(|e| e.to_string())?;
     let status = response.status();
-    let location = response.headers().get(hyper::header::LOCATION).and_then(|l| l.to_str().ok()).map(String::from);
+    let location =
+        response.headers().get(hyper::header::LOCATION).and_then(|l| l.to_str().ok()).map(String::from);
     // Up to MAX_BODY bytes are passed back; a longer body is cut, not an error.
     let mut body = response.into_body();
     let mut out = Vec::new();
@@ -458,7 +477,9 @@ mod tests {
         assert!(e.contains("\"/healthz\"") && e.contains("/app-health/<container>"), "{e}");
         let e = AppProbers::parse(r#"{"/app-health/a/livez":{}}"#).unwrap_err().to_string();
         assert!(e.contains("exactly one"), "{e}");
-        let e = AppProbers::parse(r#"{"/app-health/a/livez":{"tcpSocket":{"port":"http"}}}"#).unwrap_err().to_string();
+        let e = AppProbers::parse(r#"{"/app-health/a/livez":{"tcpSocket":{"port":"http"}}}"#)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("must be an integer"), "{e}");
         let e = AppProbers::parse("[1]").unwrap_err().to_string();
         assert!(e.starts_with("not a JSON object"), "{e}");

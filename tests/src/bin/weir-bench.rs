@@ -11,6 +11,10 @@
 //!       real Envoy through the Weir relay (SotW, Delta) vs Envoy talking to the control
 //!       plane directly (the floor); the agent's CPU time and peak RSS.
 //!
+//!   weir-bench sidecar [--runs N] [--duration SECS] [--markdown]
+//!       `weir proxy sidecar` with a real Envoy: start → ready against Envoy alone
+//!       (the floor); agent and Envoy RSS and CPU idle and at 1 000 requests/s.
+//!
 //!   weir-bench sds [--runs N] [--markdown]
 //!       workload certificate issuance (key + CSR + CreateCertificate + chain checks)
 //!       for ECDSA P-256 and RSA 2048 vs the CA round trip alone (the floor).
@@ -22,6 +26,8 @@ mod capture;
 mod report;
 #[path = "../bench/sds.rs"]
 mod sds;
+#[path = "../bench/sidecar.rs"]
+mod sidecar;
 #[path = "../bench/xds.rs"]
 mod xds;
 
@@ -45,8 +51,9 @@ fn main() -> ExitCode {
         Some("capture") => capture::run(&opts),
         Some("xds") => xds::run(&opts),
         Some("sds") => sds::run(&opts),
+        Some("sidecar") => sidecar::run(&opts),
         _ => Err(anyhow::anyhow!(
-            "usage: weir-bench capture [--runs N] [--duration SECS] [--connections N] [--markdown]\n       weir-bench xds [--runs N] [--markdown]\n       weir-bench sds [--runs N] [--markdown]"
+            "usage: weir-bench capture [--runs N] [--duration SECS] [--connections N] [--markdown]\n       weir-bench xds [--runs N] [--markdown]\n       weir-bench sds [--runs N] [--markdown]\n       weir-bench sidecar [--runs N] [--duration SECS] [--markdown]"
         )),
     };
     match result {

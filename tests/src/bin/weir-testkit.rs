@@ -170,7 +170,9 @@ fn serve_http(s: TcpStream) {
             "/redirect/away" => (302, Some("http://elsewhere.invalid/ok".to_string()), String::new()),
             "/peer" => (200, None, format!("{peer}\n")),
             "/headers" => (200, None, head[1..].join("\n") + "\n"),
-            "/metrics" => (200, None, "# TYPE app_requests_total counter\napp_requests_total 7\n".to_string()),
+            "/metrics" => {
+                (200, None, "# TYPE app_requests_total counter\napp_requests_total 7\n".to_string())
+            }
             p => match p.strip_prefix("/status/").and_then(|c| c.parse::<u16>().ok()) {
                 Some(code) => (code, None, format!("status {code}\n")),
                 None => (200, None, "ok\n".to_string()),
@@ -198,7 +200,8 @@ fn serve_grpc_health(addr: SocketAddr, status: &str) -> Result<(), String> {
         health_check_response::ServingStatus,
         health_server::{Health, HealthServer},
     };
-    let status = ServingStatus::from_str_name(status).ok_or_else(|| format!("status {status:?}: not a ServingStatus"))?;
+    let status = ServingStatus::from_str_name(status)
+        .ok_or_else(|| format!("status {status:?}: not a ServingStatus"))?;
     struct Fixed(ServingStatus);
     #[tonic::async_trait]
     impl Health for Fixed {
@@ -218,7 +221,8 @@ fn serve_grpc_health(addr: SocketAddr, status: &str) -> Result<(), String> {
             Err(tonic::Status::unimplemented("watch"))
         }
     }
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
+    let runtime =
+        tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
     runtime.block_on(async move {
         let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| format!("bind {addr}: {e}"))?;
         listening(listener.local_addr().map_err(|e| e.to_string())?);

@@ -1,0 +1,317 @@
+//! `weir-bench sidecar`: what `weir proxy sidecar` costs beside the Envoy it runs.
+//! Start → ready: the agent started as the injector starts it until its
+//! `/healthz/ready` answers 200, against the floor of the same Envoy started by hand
+//! with ADS straight to the control plane until it reports LIVE. Footprint: the agent's
+//! and its Envoy's resident memory and CPU, idle and under a steady 1 000 requests/s
+//! through Envoy (HTTP/1.1 keep-alive, 4 connections, paced), Envoy being the floor.
+
+use std::{
+    net::SocketAddr,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, bail};
+use weir_agent::controlplane::{AdsServer, AuthPolicy, CaServer, Snapshot, resources};
+use weir_proto::type_url;
+use weir_tests::{
+    Mesh, Placement, Pod,
+    capture::start_server,
+    control_plane::{CLUSTER_ID, ControlPlane, ISTIOD_SAN, TOKEN, TestCa},
+    envoy::{self, Envoy, XdsTarget, ads_bootstrap_to},
+    http,
+    sidecar::{AgentProcess, PROXY_UID, SidecarRoot},
+};
+
+use crate::report::{Options, Row, Samples, Table};
+
+const OUTBOUND: &str = "127.0.0.1:18000";
+const RATE: u64 = 1000;
+const CONNECTIONS: u64 = 4;
+const WINDOW: Duration = Duration::from_secs(5);
+
+fn snapshot(upstream: &Pod) -> Snapshot {
+    let mut s = Snapshot::new();
+    s.set(
+        type_url::LISTENER,
+        "1",
+        [("outbound", resources::tcp_proxy_listener("outbound", OUTBOUND.parse().unwrap(), "upstream"))],
+    );
+    let app = SocketAddr::new(upstream.ipv4().into(), 8080);
+    s.set(
+        type_url::CLUSTER,
+        "1",
+        [("upstream", resources::static_cluster("upstream", &[app], Duration::from_secs(1)))],
+    );
+    s
+}
+
+/// A pod, its upstream app and the istiod stand-in.
+struct Stage {
+    app: Pod,
+    cp: ControlPlane,
+    ca: TestCa,
+    _upstream_app: weir_tests::PodChild,
+    _upstream: Pod,
+    _istiod: Pod,
+    _mesh: Mesh,
+}
+
+fn stage() -> anyhow::Result<Stage> {
+    let mesh = Mesh::new("bench-sidecar")?;
+    let istiod = mesh.pod("istiod")?;
+    let app = mesh.pod("app")?;
+    let upstream = mesh.pod("upstream")?;
+    let upstream_app = start_server(&upstream, 1000, &["serve-http", "0.0.0.0:8080"]);
+    let ca = TestCa::new("bench istiod CA")?;
+    let ads = AdsServer::new(
+        snapshot(&upstream),
+        AuthPolicy { token: Some(TOKEN.into()), cluster_id: Some(CLUSTER_ID.into()) },
+    );
+    let cp = ControlPlane::istiod(&istiod, &ca, ads)?
+        .with_ca(CaServer::new("bench mesh CA", Some(TOKEN.into()))?)?;
+    Ok(Stage { app, cp, ca, _upstream_app: upstream_app, _upstream: upstream, _istiod: istiod, _mesh: mesh })
+}
+
+/// CPU time (user + system) of `pid` in seconds.
+fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    let fields: Vec<&str> = stat.rsplit_once(") ").context("stat")?.1.split_whitespace().collect();
+    let ticks: f64 = fields[11].parse::<f64>()? + fields[12].parse::<f64>()?;
+    let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)?.unwrap_or(100) as f64;
+    Ok(ticks / hz)
+}
+
+/// Resident memory (`VmRSS`) of `pid` in MiB.
+fn rss_mib(pid: u32) -> anyhow::Result<f64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .context("VmRSS")?;
+    Ok(kib / 1024.0)
+}
+
+/// (CPU % of one core, RSS MiB) of each pid over `window`, while `during` runs.
+fn usage<T>(
+    pids: &[u32],
+    window: Duration,
+    during: impl FnOnce() -> T,
+) -> anyhow::Result<(Vec<(f64, f64)>, T)> {
+    let before: Vec<f64> = pids.iter().map(|p| cpu_seconds(*p)).collect::<anyhow::Result<_>>()?;
+    let started = Instant::now();
+    let out = during();
+    let elapsed = started.elapsed().max(window).as_secs_f64();
+    let mut result = Vec::new();
+    for (pid, cpu0) in pids.iter().zip(before) {
+        result.push(((cpu_seconds(*pid)? - cpu0) * 100.0 / elapsed, rss_mib(*pid)?));
+    }
+    Ok((result, out))
+}
+
+/// `RATE` requests/s for `window` over `CONNECTIONS` keep-alive connections, in `pod`;
+/// (answered, failed).
+fn paced_load(pod: &Pod, window: Duration) -> anyhow::Result<(u64, u64)> {
+    Ok(pod.run(move || async move {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let per_connection = Duration::from_micros(1_000_000 * CONNECTIONS / RATE);
+        let mut tasks = tokio::task::JoinSet::new();
+        for _ in 0..CONNECTIONS {
+            tasks.spawn(async move {
+                let (mut ok, mut failed) = (0u64, 0u64);
+                let Ok(mut s) = tokio::net::TcpStream::connect(OUTBOUND).await else { return (0, 1) };
+                let request = b"GET / HTTP/1.1\r\nHost: upstream\r\n\r\n";
+                // serve-http's answer to `/`: fixed length.
+                let expected = b"HTTP/1.1 200 X\r\nContent-Length: 3\r\n\r\nok\n";
+                let mut buf = vec![0u8; expected.len()];
+                let mut tick = tokio::time::interval(per_connection);
+                let deadline = tokio::time::Instant::now() + window;
+                while tokio::time::Instant::now() < deadline {
+                    tick.tick().await;
+                    let round = async {
+                        s.write_all(request).await?;
+                        s.read_exact(&mut buf).await?;
+                        Ok::<_, std::io::Error>(buf == expected)
+                    };
+                    match tokio::time::timeout(Duration::from_secs(2), round).await {
+                        Ok(Ok(true)) => ok += 1,
+                        _ => {
+                            failed += 1;
+                            break;
+                        }
+                    }
+                }
+                (ok, failed)
+            });
+        }
+        let (mut ok, mut failed) = (0, 0);
+        while let Some(Ok((o, f))) = tasks.join_next().await {
+            ok += o;
+            failed += f;
+        }
+        (ok, failed)
+    })?)
+}
+
+struct AgentRun {
+    ready_ms: f64,
+    /// (agent, Envoy) × (CPU %, RSS MiB), idle and loaded.
+    idle: [(f64, f64); 2],
+    loaded: [(f64, f64); 2],
+    rps: f64,
+}
+
+fn run_agent(opts: &Options) -> anyhow::Result<AgentRun> {
+    let st = stage()?;
+    let root = SidecarRoot::new(st.ca.root_pem(), TOKEN)?;
+    let pc = format!(
+        "{{\"discoveryAddress\": \"{}\", \"binaryPath\": \"{}\", \"concurrency\": 2}}",
+        st.cp.addr,
+        envoy::binary()?.display()
+    );
+    let ip = st.app.ipv4().to_string();
+    let env = [
+        ("WEIR_LOG", "warn"),
+        ("PROXY_CONFIG", pc.as_str()),
+        ("ISTIOD_SAN", ISTIOD_SAN),
+        ("ISTIO_META_CLUSTER_ID", CLUSTER_ID),
+        ("POD_NAME", "app"),
+        ("POD_NAMESPACE", "default"),
+        ("SERVICE_ACCOUNT", "app"),
+        ("INSTANCE_IP", ip.as_str()),
+    ];
+    let args = ["proxy", "sidecar", "--domain", "default.svc.cluster.local", "--proxyLogLevel=warning"];
+    let started = Instant::now();
+    let mut agent = AgentProcess::launch(
+        &st.app,
+        &root,
+        &weir_tests::tools::weir(),
+        &args,
+        &env,
+        Some((PROXY_UID, PROXY_UID)),
+        None,
+    )?;
+    let status: SocketAddr = "127.0.0.1:15020".parse()?;
+    loop {
+        let ready = st.app.run(move || async move { http::get(status, "/healthz/ready").await })?;
+        if matches!(ready, Ok((200, _))) {
+            break;
+        }
+        if started.elapsed() > Duration::from_secs(60) {
+            bail!("not ready after 60 s (last {ready:?}); log:\n{}", agent.log());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let ready_ms = started.elapsed().as_secs_f64() * 1000.0;
+    let children = agent.children();
+    let [envoy] = children.as_slice() else { bail!("expected one Envoy, found {children:?}") };
+    let pids = [agent.child.pid(), *envoy];
+    std::thread::sleep(Duration::from_secs(2));
+    let (idle, ()) = usage(&pids, WINDOW, || std::thread::sleep(WINDOW))?;
+    let window = Duration::from_secs(opts.duration_secs.max(5));
+    let (loaded, load) = usage(&pids, window, || paced_load(&st.app, window))?;
+    let (ok, failed) = load?;
+    if failed > 0 {
+        bail!("{failed} failed requests under load; agent log:\n{}", agent.log());
+    }
+    agent.terminate()?;
+    Ok(AgentRun {
+        ready_ms,
+        idle: [idle[0], idle[1]],
+        loaded: [loaded[0], loaded[1]],
+        rps: ok as f64 / window.as_secs_f64(),
+    })
+}
+
+/// The floor for start → ready: Envoy alone, ADS over TLS straight to the control
+/// plane, from spawn until `/ready` says LIVE.
+fn run_envoy_alone() -> anyhow::Result<f64> {
+    let st = stage()?;
+    let root = SidecarRoot::new(st.ca.root_pem(), TOKEN)?;
+    let ca_file = root.path().join("var/run/secrets/istio/root-cert.pem");
+    let node = format!("sidecar~{}~app.default~default.svc.cluster.local", st.app.ipv4());
+    let target = XdsTarget::Direct {
+        address: st.cp.addr,
+        ca_file: &ca_file,
+        sni: ISTIOD_SAN,
+        token: TOKEN,
+        cluster_id: CLUSTER_ID,
+    };
+    let bootstrap = ads_bootstrap_to(&target, true, &node, "127.0.0.1:15000".parse()?);
+    let started = Instant::now();
+    let placement = Placement { user: Some((PROXY_UID, PROXY_UID)), ..Placement::default() };
+    let envoy = Envoy::start_placed(&st.app, &bootstrap, "127.0.0.1:15000".parse()?, placement)?;
+    let ms = started.elapsed().as_secs_f64() * 1000.0;
+    drop(envoy);
+    Ok(ms)
+}
+
+pub fn run(opts: &Options) -> anyhow::Result<String> {
+    let mut floor = Samples::default();
+    let (mut ready, mut rps) = (Samples::default(), Samples::default());
+    let mut cols: [[Samples; 4]; 2] = Default::default();
+    for run in 0..opts.runs {
+        eprintln!("[bench sidecar] Envoy alone run {}/{}", run + 1, opts.runs);
+        floor.0.push(run_envoy_alone().unwrap_or_else(|e| {
+            eprintln!("[bench sidecar] Envoy alone failed: {e:#}");
+            f64::NAN
+        }));
+        eprintln!("[bench sidecar] weir proxy sidecar run {}/{}", run + 1, opts.runs);
+        match run_agent(opts) {
+            Ok(r) => {
+                ready.0.push(r.ready_ms);
+                rps.0.push(r.rps);
+                for (who, col) in cols.iter_mut().enumerate() {
+                    col[0].0.push(r.idle[who].1);
+                    col[1].0.push(r.loaded[who].1);
+                    col[2].0.push(r.idle[who].0);
+                    col[3].0.push(r.loaded[who].0);
+                }
+            }
+            Err(e) => {
+                eprintln!("[bench sidecar] weir proxy sidecar failed: {e:#}");
+                ready.0.push(f64::NAN);
+            }
+        }
+    }
+    let start = Table {
+        title: "Sidecar start: process start → ready".into(),
+        columns: vec![("start→ready", "ms", false)],
+        rows: vec![
+            Row { name: "Envoy alone, ADS straight to the control plane, until LIVE (floor)".into(), metrics: vec![floor] },
+            Row { name: "weir proxy sidecar: agent start → /healthz/ready 200".into(), metrics: vec![ready] },
+        ],
+        notes: vec![
+            "The agent's figure includes loading its config, writing the bootstrap, starting Envoy and CDS/LDS \
+             through the relay; the workload certificate (RSA 2048, Istio's default) is issued meanwhile but no \
+             listener here needs it."
+                .into(),
+        ],
+    };
+    let [agent, envoy_cols] = cols;
+    let footprint = Table {
+        title: format!("Sidecar footprint: idle and at {RATE} requests/s through Envoy"),
+        columns: vec![
+            ("RSS idle", "MiB", false),
+            ("RSS loaded", "MiB", false),
+            ("CPU idle", "% core", false),
+            ("CPU loaded", "% core", false),
+        ],
+        rows: vec![
+            Row { name: "Envoy (concurrency 2), the data path (floor)".into(), metrics: envoy_cols.to_vec() },
+            Row { name: "weir agent (relay, SDS, status server)".into(), metrics: agent.to_vec() },
+        ],
+        notes: vec![format!(
+            "Load: {RATE} req/s paced over {CONNECTIONS} HTTP/1.1 keep-alive connections to Envoy's tcp_proxy \
+             listener → an HTTP app in another pod; achieved {:.0} req/s [{:.0}–{:.0}]. CPU over a {}-s idle window \
+             and the load window. pilot-agent's published idle figure is about 50 MB (istio/istio#38000). \
+             Median [min–max] of {} runs.",
+            rps.median(),
+            rps.min(),
+            rps.max(),
+            WINDOW.as_secs(),
+            opts.runs
+        )],
+    };
+    Ok(format!("{}\n{}", start.render(opts.markdown), footprint.render(opts.markdown)))
+}
