@@ -366,7 +366,7 @@ impl AgentConfig {
             forward_timeout: env.duration_or("DNS_FORWARD_TIMEOUT", crate::dns::server::UPSTREAM_TIMEOUT)?,
             resolv_conf: paths::RESOLV_CONF.into(),
         };
-        let identity = Self::identity(env, files, &pod, &proxy_config)?;
+        let identity = Self::identity(env, files, &pod, &proxy_config, args.trust_domain.as_deref())?;
         let envoy = Self::envoy(env, &args, &pod, &proxy_config)?;
         let labels = files
             .read(Path::new(paths::POD_LABELS))?
@@ -431,6 +431,7 @@ impl AgentConfig {
         files: &dyn Files,
         pod: &PodIdentity,
         pc: &ProxyConfig,
+        trust_domain_flag: Option<&str>,
     ) -> Result<IdentitySettings, ConfigError> {
         let invalid = |name: &'static str, value: String, expected: &'static str| ConfigError::Env {
             name: name.into(),
@@ -517,7 +518,10 @@ impl AgentConfig {
         };
         Ok(IdentitySettings {
             identity: WorkloadIdentity {
-                trust_domain: env.text("TRUST_DOMAIN").unwrap_or_else(|| "cluster.local".into()),
+                trust_domain: env
+                    .text("TRUST_DOMAIN")
+                    .or_else(|| trust_domain_flag.filter(|t| !t.is_empty()).map(String::from))
+                    .unwrap_or_else(|| "cluster.local".into()),
                 namespace: pod.namespace.clone(),
                 service_account: pod.service_account.clone(),
             },
@@ -968,6 +972,7 @@ mod tests {
         .unwrap();
         assert_eq!(c.node.id, "sidecar~fd00::5~echo-1.app~app.svc.cluster.local");
         assert_eq!(c.node.cluster, "echo.app", "WORKLOAD_NAME.namespace; the flag is ignored as in Istio");
+        assert_eq!(c.identity.identity.trust_domain, "cluster.local");
         assert_eq!(c.node.metadata["LABELS"]["app"], "echo");
         assert_eq!(c.node.metadata["FROM_PROXY_CONFIG"], "yes");
         assert_eq!(c.node.metadata["NAMESPACE"], "app");
@@ -999,6 +1004,16 @@ mod tests {
         )
         .unwrap();
         assert_eq!(c.node.cluster, "reviews.app", "the app label wins");
+        let td = resolve(
+            &["--trust-domain=corp.example"],
+            &[("XDS_ROOT_CA", "SYSTEM"), ("CA_ROOT_CA", "SYSTEM")],
+            &[],
+        )
+        .unwrap();
+        assert_eq!(
+            td.identity.identity.trust_domain, "corp.example",
+            "Istio 1.7's flag, when TRUST_DOMAIN is unset"
+        );
         assert!(!c.node.delta_xds);
         assert_eq!(c.envoy.drain, DrainPolicy::UntilIdle { minimum: Duration::from_secs(5) });
         assert_eq!(c.envoy.capabilities, &[crate::privileges::Capability::NetAdmin]);

@@ -58,8 +58,11 @@ pub struct WaitArgs {
     pub url: String,
 }
 
+/// A command's flags (name, value) and its positional arguments.
+type Split = (Vec<(String, String)>, Vec<String>);
+
 /// Splits `--name=value` / `--name value` / `-name value` flags from positionals.
-fn flags(args: &[String], known: &[&str]) -> Result<(Vec<(String, String)>, Vec<String>), LocalCmdError> {
+fn flags(args: &[String], known: &[&str]) -> Result<Split, LocalCmdError> {
     let mut out = Vec::new();
     let mut positional = Vec::new();
     let mut it = args.iter();

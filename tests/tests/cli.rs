@@ -95,7 +95,9 @@ fn proxy_in_empty_pod(args: &[&str], env: &[(&str, &str)]) -> std::process::Outp
 #[test]
 fn bad_proxy_input_exits_with_a_clear_error_naming_it() {
     let pc = r#"{"discoveryAddress": "127.0.0.1:1", "statusPort": 0, "binaryPath": "/nonexistent/envoy"}"#;
-    let cases: &[(&[&str], &[(&str, &str)], i32, &str)] = &[
+    /// (args, env, exit code, what stderr must name)
+    type Case<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)], i32, &'a str);
+    let cases: &[Case] = &[
         (&["proxy", "sidecar"], &[("PROXY_CONFIG", "{\"concurrency\": \"two\"")], 64, "PROXY_CONFIG"),
         (&["proxy", "sidecar"], &[("PROXY_CONFIG", "drainDuration: soon")], 64, "drainDuration"),
         (&["proxy", "waypoint"], &[], 64, "waypoint"),

@@ -27,6 +27,8 @@ pub struct ProxyArgs {
     pub proxy_component_log_level: String,
     pub concurrency: u32,
     pub template_file: String,
+    /// Deprecated `--trust-domain`: used when `TRUST_DOMAIN` is unset.
+    pub trust_domain: Option<String>,
     pub outlier_log_path: String,
     pub sts_port: u16,
     pub token_manager_plugin: String,
@@ -50,6 +52,7 @@ impl Default for ProxyArgs {
             proxy_component_log_level: String::new(),
             concurrency: 0,
             template_file: String::new(),
+            trust_domain: None,
             outlier_log_path: String::new(),
             sts_port: 0,
             token_manager_plugin: String::new(),
@@ -77,6 +80,7 @@ Flags (as pilot-agent's):
   --outlierLogPath string          outlier detection log path
   --stsPort int                    STS port (0: off)
   --tokenManagerPlugin string      token manager plugin
+  --trust-domain string            deprecated (Istio 1.7): the trust domain when TRUST_DOMAIN is unset
   --profiling                      enable profiling endpoints (default true)
   --log_output_level string        agent log level (default default:info)
   --log_as_json                    agent logs as JSON";
@@ -156,6 +160,9 @@ impl ProxyArgs {
                     out.sts_port = v.parse().map_err(|_| bad("a port number", &v))?;
                 }
                 "tokenManagerPlugin" => out.token_manager_plugin = value()?,
+                // Istio 1.7's injector still passes it (seed 003); later pilot-agents
+                // take the trust domain from TRUST_DOMAIN / meshConfig instead.
+                "trust-domain" => out.trust_domain = Some(value()?),
                 "log_output_level" => out.log_output_level = value()?,
                 "log_target"
                 | "log_caller"
