@@ -48,7 +48,7 @@ pub enum WeirCommand {
     Wait(PassThrough),
     /// Send a request to Envoy's admin or the agent's status port (pilot-agent request).
     Request(PassThrough),
-    /// Print the effective configuration.
+    /// Print the effective configuration: `weir config [dump] [proxy flags]`.
     Config(PassThrough),
     /// CNI plugin and node install.
     Cni(PassThrough),

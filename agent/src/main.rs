@@ -58,13 +58,16 @@ fn run_weir(cli: WeirCli) -> u8 {
         WeirCommand::Capture(args) => edge(capture_cmd::run(args)),
         WeirCommand::Wait(args) => wait(&args.args),
         WeirCommand::Request(args) => request(&args.args),
-        WeirCommand::Config(args) => match load_config(&args.args) {
-            Ok(config) => {
-                print!("{}", config.to_yaml());
-                exit::OK
+        // `weir config [dump] [proxy flags]`: `dump` is optional.
+        WeirCommand::Config(args) => {
+            match load_config(args.args.strip_prefix(&["dump".to_string()]).unwrap_or(&args.args)) {
+                Ok(config) => {
+                    print!("{}", config.to_yaml());
+                    exit::OK
+                }
+                Err(code) => code,
             }
-            Err(code) => code,
-        },
+        }
         WeirCommand::Cni(_) => not_built("`cni`", "CNI-chained node plugin"),
         WeirCommand::Demo(args) => edge(demo::run(&args)),
         WeirCommand::Sandbox(args) => edge(run_sandbox(args.command)),
@@ -129,18 +132,31 @@ fn runtime(workers: usize) -> Option<tokio::runtime::Runtime> {
     }
 }
 
-/// `wait`: exit 0 once Envoy is ready, 1 on timeout, 64 on bad flags.
-fn wait(args: &[String]) -> u8 {
-    let w = match local_cmd::parse_wait(args) {
-        Ok(Some(w)) => w,
+/// A local command's parsed arguments; else the exit code once help (0) or the error
+/// (64) is printed.
+fn parsed<T>(
+    command: &str,
+    usage: &str,
+    parsed: Result<Option<T>, local_cmd::LocalCmdError>,
+) -> Result<T, u8> {
+    match parsed {
+        Ok(Some(args)) => Ok(args),
         Ok(None) => {
-            println!("{}", local_cmd::WAIT_USAGE);
-            return exit::OK;
+            println!("{usage}");
+            Err(exit::OK)
         }
         Err(e) => {
-            eprintln!("weir wait: {e}");
-            return exit::USAGE;
+            eprintln!("weir {command}: {e}");
+            Err(exit::USAGE)
         }
+    }
+}
+
+/// `wait`: exit 0 once Envoy is ready, 1 on timeout, 64 on bad flags.
+fn wait(args: &[String]) -> u8 {
+    let w = match parsed("wait", local_cmd::WAIT_USAGE, local_cmd::parse_wait(args)) {
+        Ok(w) => w,
+        Err(code) => return code,
     };
     let Some(runtime) = runtime(1) else { return exit::FAILURE };
     match runtime.block_on(local_cmd::wait(&w)) {
@@ -154,16 +170,9 @@ fn wait(args: &[String]) -> u8 {
 
 /// `request`: the answer's body on stdout, nothing else (istioctl parses it).
 fn request(args: &[String]) -> u8 {
-    let r = match local_cmd::parse_request(args) {
-        Ok(Some(r)) => r,
-        Ok(None) => {
-            println!("{}", local_cmd::REQUEST_USAGE);
-            return exit::OK;
-        }
-        Err(e) => {
-            eprintln!("weir request: {e}");
-            return exit::USAGE;
-        }
+    let r = match parsed("request", local_cmd::REQUEST_USAGE, local_cmd::parse_request(args)) {
+        Ok(r) => r,
+        Err(code) => return code,
     };
     let Some(runtime) = runtime(1) else { return exit::FAILURE };
     match runtime.block_on(local_cmd::send(&r)) {

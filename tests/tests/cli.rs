@@ -131,6 +131,27 @@ fn bad_proxy_input_exits_with_a_clear_error_naming_it() {
 }
 
 #[test]
+fn config_dump_prints_the_effective_config() {
+    let out = Command::new(tools::weir())
+        .args(["config", "dump", "sidecar", "--concurrency", "3"])
+        .env("XDS_ROOT_CA", "SYSTEM")
+        .env("CA_ROOT_CA", "SYSTEM")
+        .env("EXIT_ON_ZERO_ACTIVE_CONNECTIONS", "true")
+        .output()
+        .unwrap();
+    let yaml = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for needle in [
+        "concurrency: 3",
+        "mode: untilIdle",
+        "binary: /usr/local/bin/envoy",
+        "bootstrap: ./etc/istio/proxy/envoy-rev.json",
+    ] {
+        assert!(yaml.contains(needle), "{needle}:\n{yaml}");
+    }
+}
+
+#[test]
 fn local_commands_check_their_flags() {
     let (_dir, pilot) = as_named("pilot-agent");
     let cases: &[(&[&str], &str)] = &[

@@ -131,6 +131,19 @@ impl Rig {
         env: &[(&str, &str)],
         local_apps: impl FnOnce(&Pod) -> Vec<PodChild>,
     ) -> anyhow::Result<Self> {
+        Self::try_new_serving(test, user, proxy_config, env, local_apps, |upstream| Some(snapshot(upstream)))
+    }
+
+    /// As `try_new`, with istiod serving `initial(upstream pod)` first; `None`: istiod
+    /// is down when the agent starts.
+    fn try_new_serving(
+        test: &str,
+        user: AgentUser,
+        proxy_config: &str,
+        env: &[(&str, &str)],
+        local_apps: impl FnOnce(&Pod) -> Vec<PodChild>,
+        initial: impl FnOnce(&Pod) -> Option<Snapshot>,
+    ) -> anyhow::Result<Self> {
         let mesh = Mesh::new(test)?;
         let istiod = mesh.pod("istiod")?;
         let pod = mesh.pod("app")?;
@@ -142,11 +155,15 @@ impl Rig {
         apps.extend(local_apps(&pod));
         let tls_ca = TestCa::new("istiod serving CA")?;
         let ca = CaServer::new("mesh workload CA", Some(TOKEN.into()))?;
+        let initial = initial(&upstream);
         let ads = AdsServer::new(
-            snapshot(&upstream),
+            initial.clone().unwrap_or_default(),
             AuthPolicy { token: Some(TOKEN.into()), cluster_id: Some(CLUSTER_ID.into()) },
         );
-        let cp = ControlPlane::istiod(&istiod, &tls_ca, ads)?.with_ca(ca)?;
+        let mut cp = ControlPlane::istiod(&istiod, &tls_ca, ads)?.with_ca(ca)?;
+        if initial.is_none() {
+            cp.stop();
+        }
         let root = SidecarRoot::new(tls_ca.root_pem(), TOKEN)?;
         let envoy_binary = envoy::binary()?;
         let mut pc = format!(
@@ -347,6 +364,51 @@ fn injected_command_line_starts_envoy_that_becomes_ready_and_carries_traffic() {
     let mut rig = rig;
     let exit = rig.agent.terminate().unwrap();
     assert_eq!(exit.code(), Some(0), "log:\n{}", rig.agent.log());
+}
+
+#[test]
+fn readiness_says_whether_config_is_missing_or_rejected() {
+    require_root!();
+    let mut rig = Rig::try_new_serving(&test_name!(), AgentUser::Proxy, "", &[], |_| Vec::new(), |_| None)
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    fn not_ready(rig: &Rig, needle: &str) {
+        let mut last = (0, String::new());
+        eventually(Duration::from_secs(20), || {
+            last = rig.local_get(15020, "/healthz/ready");
+            (last.0 == 503 && last.1.contains(needle)).then_some(())
+        })
+        .unwrap_or_else(|| {
+            panic!("readiness never said {needle:?}; last {last:?}; log:\n{}", rig.agent.log())
+        });
+    }
+    // istiod is down: nothing received.
+    not_ready(&rig, "config not received from XDS server (is Istiod running?)");
+    // istiod comes up with clusters and a listener on an address the pod does not
+    // have: Envoy accepts the clusters and rejects the listeners.
+    let mut bad = snapshot(&rig.upstream);
+    bad.set(
+        type_url::LISTENER,
+        "2",
+        [(
+            "elsewhere",
+            resources::tcp_proxy_listener("elsewhere", "192.0.2.1:18000".parse().unwrap(), "upstream-http"),
+        )],
+    );
+    rig.cp.ads.push(bad);
+    rig.cp.resume().unwrap();
+    not_ready(&rig, "config received from XDS server, but was rejected");
+    // A good push makes it ready.
+    let mut good = snapshot(&rig.upstream);
+    good.set(
+        type_url::LISTENER,
+        "3",
+        [(
+            "outbound-http",
+            resources::tcp_proxy_listener("outbound-http", OUTBOUND_HTTP.parse().unwrap(), "upstream-http"),
+        )],
+    );
+    rig.cp.ads.push(good);
+    rig.wait_ready();
 }
 
 #[test]
