@@ -301,7 +301,13 @@ fn wrk_summary(out: &str) -> (u64, bool) {
 #[test]
 fn injected_command_line_starts_envoy_that_becomes_ready_and_carries_traffic() {
     require_root!();
-    let rig = Rig::new(&test_name!(), AgentUser::Proxy, "", &[]);
+    // ISTIO_BOOTSTRAP_OVERRIDE, YAML with `$(HOST_IP)`, reaches Envoy as --config-yaml.
+    let dir = envoy::tempfile_dir::Dir::new("override").unwrap();
+    let override_file = dir.path().join("override.yaml");
+    std::fs::write(&override_file, "node:\n  locality:\n    zone: \"$(HOST_IP)-zone\"\n").unwrap();
+    std::fs::set_permissions(&override_file, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+    let override_path = override_file.display().to_string();
+    let rig = Rig::new(&test_name!(), AgentUser::Proxy, "", &[("ISTIO_BOOTSTRAP_OVERRIDE", &override_path)]);
     rig.wait_ready();
 
     // The bootstrap is Istio's: node, cluster, metadata from ISTIO_META_*, Delta ADS
@@ -343,6 +349,12 @@ fn injected_command_line_starts_envoy_that_becomes_ready_and_carries_traffic() {
     assert_eq!(options["drain_strategy"], "Immediate", "{options}");
     assert_eq!(options["disable_hot_restart"], true, "{options}");
     assert_eq!(info["state"], "LIVE");
+    let out = rig.pilot_agent(&["request", "GET", "config_dump"]);
+    let dump = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        dump.contains(&format!("\"zone\": \"{}-zone\"", rig._istiod.ipv4())),
+        "override not applied:\n{dump}"
+    );
     // `request` only reaches the ports pilot-agent allows.
     let out = rig.pilot_agent(&["request", "GET", "/", "--debug-port", "8080"]);
     assert_eq!(out.status.code(), Some(64));
@@ -442,6 +454,21 @@ fn sigterm_under_load_drains_without_a_failed_request_and_exits_0() {
     let log = rig.agent.log();
     assert!(log.contains("graceful termination period starting") && log.contains("Envoy stopped"), "{log}");
     assert!(!Path::new(&format!("/proc/{envoy}")).exists(), "Envoy outlived its agent");
+}
+
+#[test]
+fn a_root_agent_gives_a_tproxy_envoy_only_cap_net_admin() {
+    require_root!();
+    let mut rig = Rig::new(&test_name!(), AgentUser::Root, "", &[("ISTIO_META_INTERCEPTION_MODE", "TPROXY")]);
+    rig.wait_ready();
+    let envoy = rig.envoy_pid();
+    assert_eq!(proc_status(envoy, "Uid"), PROXY_UID.to_string());
+    assert_eq!(proc_status(envoy, "Gid"), PROXY_UID.to_string());
+    // CAP_NET_ADMIN is bit 12; nothing else, in the effective and ambient sets.
+    assert_eq!(proc_status(envoy, "CapEff"), "0000000000001000");
+    assert_eq!(proc_status(envoy, "CapAmb"), "0000000000001000");
+    let exit = rig.agent.terminate().unwrap();
+    assert_eq!(exit.code(), Some(0), "log:\n{}", rig.agent.log());
 }
 
 #[test]
