@@ -6,6 +6,7 @@ pub mod app;
 pub mod build_info;
 pub mod capture_cmd;
 pub mod cli;
+pub mod cni;
 pub mod config;
 pub mod controlplane;
 pub mod demo;
