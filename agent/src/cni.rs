@@ -3,5 +3,6 @@
 //! comes from (`kube`, the Kubernetes API through the node's kubeconfig), and ADD /
 //! DEL / CHECK applying capture inside the pod's network namespace (`plugin`).
 
+pub mod kube;
 pub mod pod;
 pub mod spec;

@@ -400,10 +400,25 @@ fn rustls_name(ip: &IpAddr) -> tokio_rustls::rustls::pki_types::ServerName<'stat
 
 /// kubelet does not verify an HTTPS probe's certificate; neither does the agent.
 fn insecure_tls() -> tokio_rustls::TlsConnector {
+    use tokio_rustls::rustls::{ClientConfig, crypto::ring};
+    let provider = Arc::new(ring::default_provider());
+    let config = ClientConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .expect("ring supports the default protocol versions")
+        .dangerous()
+        .with_custom_certificate_verifier(any_certificate(&provider))
+        .with_no_client_auth();
+    tokio_rustls::TlsConnector::from(Arc::new(config))
+}
+
+/// A verifier that accepts any server certificate (signatures are still checked
+/// against the presented key): kubelet-style probes and `insecure-skip-tls-verify`.
+pub(crate) fn any_certificate(
+    provider: &Arc<tokio_rustls::rustls::crypto::CryptoProvider>,
+) -> Arc<dyn tokio_rustls::rustls::client::danger::ServerCertVerifier> {
     use tokio_rustls::rustls::{
-        ClientConfig, DigitallySignedStruct, SignatureScheme,
+        DigitallySignedStruct, SignatureScheme,
         client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier},
-        crypto::ring,
         pki_types::{CertificateDer, ServerName, UnixTime},
     };
     #[derive(Debug)]
@@ -439,15 +454,7 @@ fn insecure_tls() -> tokio_rustls::TlsConnector {
             self.0.clone()
         }
     }
-    let provider = Arc::new(ring::default_provider());
-    let schemes = provider.signature_verification_algorithms.supported_schemes();
-    let config = ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .expect("ring supports the default protocol versions")
-        .dangerous()
-        .with_custom_certificate_verifier(Arc::new(AnyCertificate(schemes)))
-        .with_no_client_auth();
-    tokio_rustls::TlsConnector::from(Arc::new(config))
+    Arc::new(AnyCertificate(provider.signature_verification_algorithms.supported_schemes()))
 }
 
 #[cfg(test)]

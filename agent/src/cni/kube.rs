@@ -1,0 +1,388 @@
+//! The Kubernetes API as the CNI plugin uses it: a kubeconfig (the node agent's
+//! `istio-cni-kubeconfig`, or Istio's legacy `kubernetes.kubeconfig`) read once per
+//! invocation, and `GET /api/v1/namespaces/<ns>/pods/<name>` over HTTP or HTTPS (the
+//! cluster CA, or `insecure-skip-tls-verify`; a bearer token, token file, or client
+//! certificate). A small client of our own on hyper + rustls instead of kube-rs: one
+//! read-only call does not justify kube-rs' dependency tree in a binary the runtime
+//! execs for every pod (ARCHITECTURE.md, "CNI plugin").
+
+use std::{
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::Duration,
+};
+
+use base64::Engine as _;
+use bytes::Bytes;
+use http_body_util::{BodyExt as _, Empty};
+use hyper::{Request, StatusCode, Uri};
+use hyper_util::rt::TokioIo;
+use serde::Deserialize;
+use tokio_rustls::rustls::{
+    self,
+    pki_types::{CertificateDer, PrivateKeyDer, ServerName, pem::PemObject as _},
+};
+
+use super::pod::PodInfo;
+
+/// Per request (connect + answer).
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+
+#[derive(Debug, thiserror::Error)]
+pub enum KubeError {
+    #[error("read kubeconfig {path}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("kubeconfig {path}: {message}")]
+    Invalid { path: PathBuf, message: String },
+    #[error("GET {url}: {message}")]
+    Request { url: String, message: String },
+    #[error("GET {url}: no answer within {REQUEST_TIMEOUT:?}")]
+    Timeout { url: String },
+    #[error("pod {namespace}/{name} not found")]
+    NotFound { namespace: String, name: String },
+    #[error("GET {url}: HTTP {status}: {message}")]
+    Status { url: String, status: u16, message: String },
+    #[error("GET {url}: the answer is not a Pod: {message}")]
+    Decode { url: String, message: String },
+}
+
+/// How the plugin authenticates.
+#[derive(Clone, PartialEq, Eq)]
+pub enum Credentials {
+    None,
+    Token(String),
+    /// Re-read on every request (projected tokens rotate).
+    TokenFile(PathBuf),
+    ClientCertificate { cert_pem: Vec<u8>, key_pem: Vec<u8> },
+}
+
+impl std::fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::None => write!(f, "None"),
+            Self::Token(_) => write!(f, "Token(<redacted>)"),
+            Self::TokenFile(p) => write!(f, "TokenFile({})", p.display()),
+            Self::ClientCertificate { .. } => write!(f, "ClientCertificate(<redacted>)"),
+        }
+    }
+}
+
+/// The current context of a kubeconfig, resolved.
+#[derive(Debug, Clone)]
+pub struct Kubeconfig {
+    pub server: Uri,
+    pub ca_pem: Option<Vec<u8>>,
+    pub insecure: bool,
+    pub credentials: Credentials,
+}
+
+#[derive(Deserialize)]
+struct RawConfig {
+    #[serde(default)]
+    clusters: Vec<Named<RawCluster>>,
+    #[serde(default)]
+    users: Vec<Named<RawUser>>,
+    #[serde(default)]
+    contexts: Vec<Named<RawContext>>,
+    #[serde(rename = "current-context", default)]
+    current_context: String,
+}
+
+#[derive(Deserialize)]
+struct Named<T> {
+    name: String,
+    #[serde(alias = "cluster", alias = "user", alias = "context")]
+    value: Option<T>,
+}
+
+#[derive(Deserialize, Default)]
+struct RawCluster {
+    server: String,
+    #[serde(rename = "certificate-authority")]
+    ca_file: Option<String>,
+    #[serde(rename = "certificate-authority-data")]
+    ca_data: Option<String>,
+    #[serde(rename = "insecure-skip-tls-verify", default)]
+    insecure: bool,
+}
+
+#[derive(Deserialize, Default)]
+struct RawUser {
+    token: Option<String>,
+    #[serde(rename = "tokenFile")]
+    token_file: Option<String>,
+    #[serde(rename = "client-certificate")]
+    cert_file: Option<String>,
+    #[serde(rename = "client-certificate-data")]
+    cert_data: Option<String>,
+    #[serde(rename = "client-key")]
+    key_file: Option<String>,
+    #[serde(rename = "client-key-data")]
+    key_data: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+struct RawContext {
+    cluster: String,
+    #[serde(default)]
+    user: String,
+}
+
+impl Kubeconfig {
+    pub fn load(path: &Path) -> Result<Self, KubeError> {
+        let text = std::fs::read_to_string(path).map_err(|source| KubeError::Read { path: path.into(), source })?;
+        Self::parse(path, &text)
+    }
+
+    /// Relative file paths are relative to the kubeconfig's folder, as kubectl's.
+    pub fn parse(path: &Path, text: &str) -> Result<Self, KubeError> {
+        let invalid = |message: String| KubeError::Invalid { path: path.into(), message };
+        let raw: RawConfig = serde_yaml_ng::from_str(text).map_err(|e| invalid(e.to_string()))?;
+        let context_name = if raw.current_context.is_empty() {
+            raw.contexts.first().map(|c| c.name.clone()).unwrap_or_default()
+        } else {
+            raw.current_context.clone()
+        };
+        let (cluster_name, user_name) = match raw.contexts.iter().find(|c| c.name == context_name) {
+            Some(Named { value: Some(ctx), .. }) => (ctx.cluster.clone(), ctx.user.clone()),
+            _ if raw.contexts.is_empty() && raw.clusters.len() == 1 => {
+                (raw.clusters[0].name.clone(), raw.users.first().map(|u| u.name.clone()).unwrap_or_default())
+            }
+            _ => return Err(invalid(format!("current context {context_name:?} is not among its contexts"))),
+        };
+        let cluster = raw
+            .clusters
+            .into_iter()
+            .find(|c| c.name == cluster_name)
+            .and_then(|c| c.value)
+            .ok_or_else(|| invalid(format!("cluster {cluster_name:?} is not defined")))?;
+        let user = raw.users.into_iter().find(|u| u.name == user_name).and_then(|u| u.value).unwrap_or_default();
+        let base = path.parent().unwrap_or(Path::new("."));
+        let resolve = |p: &str| base.join(p);
+        let read = |p: &str, what: &str| {
+            std::fs::read(resolve(p)).map_err(|e| invalid(format!("{what} {}: {e}", resolve(p).display())))
+        };
+        let decode = |d: &str, what: &str| {
+            base64::engine::general_purpose::STANDARD
+                .decode(d.trim())
+                .map_err(|e| invalid(format!("{what} is not base64: {e}")))
+        };
+        let server: Uri = cluster.server.parse().map_err(|_| invalid(format!("server {:?} is not a URL", cluster.server)))?;
+        match server.scheme_str() {
+            Some("http") | Some("https") if server.host().is_some() => {}
+            _ => return Err(invalid(format!("server {:?} is not an http(s)://host URL", cluster.server))),
+        }
+        let ca_pem = match (&cluster.ca_data, &cluster.ca_file) {
+            (Some(d), _) => Some(decode(d, "certificate-authority-data")?),
+            (None, Some(f)) => Some(read(f, "certificate-authority")?),
+            (None, None) => None,
+        };
+        let cert = match (&user.cert_data, &user.cert_file) {
+            (Some(d), _) => Some(decode(d, "client-certificate-data")?),
+            (None, Some(f)) => Some(read(f, "client-certificate")?),
+            _ => None,
+        };
+        let key = match (&user.key_data, &user.key_file) {
+            (Some(d), _) => Some(decode(d, "client-key-data")?),
+            (None, Some(f)) => Some(read(f, "client-key")?),
+            _ => None,
+        };
+        let credentials = match (user.token, user.token_file, cert, key) {
+            (Some(t), _, _, _) => Credentials::Token(t),
+            (None, Some(f), _, _) => Credentials::TokenFile(resolve(&f)),
+            (None, None, Some(cert_pem), Some(key_pem)) => Credentials::ClientCertificate { cert_pem, key_pem },
+            (None, None, Some(_), None) | (None, None, None, Some(_)) => {
+                return Err(invalid("a client certificate needs both the certificate and its key".into()));
+            }
+            _ => Credentials::None,
+        };
+        Ok(Self { server, ca_pem, insecure: cluster.insecure, credentials })
+    }
+}
+
+/// A Kubernetes API client for one call at a time.
+pub struct KubeClient {
+    config: Kubeconfig,
+    tls: Option<tokio_rustls::TlsConnector>,
+    path: PathBuf,
+}
+
+impl KubeClient {
+    /// `path` is named in errors.
+    pub fn new(path: &Path, config: Kubeconfig) -> Result<Self, KubeError> {
+        let invalid = |message: String| KubeError::Invalid { path: path.into(), message };
+        let tls = if config.server.scheme_str() == Some("https") {
+            let provider = Arc::new(rustls::crypto::ring::default_provider());
+            let builder = rustls::ClientConfig::builder_with_provider(provider.clone())
+                .with_safe_default_protocol_versions()
+                .expect("ring supports the default protocol versions");
+            let builder = if config.insecure {
+                builder.dangerous().with_custom_certificate_verifier(crate::status::probes::any_certificate(&provider))
+            } else {
+                let mut roots = rustls::RootCertStore::empty();
+                match &config.ca_pem {
+                    Some(pem) => {
+                        for cert in CertificateDer::pem_slice_iter(pem) {
+                            let cert = cert.map_err(|e| invalid(format!("certificate authority: {e}")))?;
+                            roots.add(cert).map_err(|e| invalid(format!("certificate authority: {e}")))?;
+                        }
+                        if roots.is_empty() {
+                            return Err(invalid("the certificate authority holds no certificate".into()));
+                        }
+                    }
+                    // No CA in the kubeconfig: the system's roots, as client-go.
+                    None => {
+                        for bundle in ["/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt"] {
+                            if let Ok(pem) = std::fs::read(bundle) {
+                                roots.add_parsable_certificates(CertificateDer::pem_slice_iter(&pem).flatten());
+                                break;
+                            }
+                        }
+                    }
+                }
+                builder.with_root_certificates(roots)
+            };
+            let client = match &config.credentials {
+                Credentials::ClientCertificate { cert_pem, key_pem } => {
+                    let certs = CertificateDer::pem_slice_iter(cert_pem)
+                        .collect::<Result<Vec<_>, _>>()
+                        .map_err(|e| invalid(format!("client certificate: {e}")))?;
+                    let key = PrivateKeyDer::from_pem_slice(key_pem).map_err(|e| invalid(format!("client key: {e}")))?;
+                    builder.with_client_auth_cert(certs, key).map_err(|e| invalid(format!("client certificate: {e}")))?
+                }
+                _ => builder.with_no_client_auth(),
+            };
+            Some(tokio_rustls::TlsConnector::from(Arc::new(client)))
+        } else {
+            None
+        };
+        Ok(Self { config, tls, path: path.into() })
+    }
+
+    pub fn load(path: &Path) -> Result<Self, KubeError> {
+        Self::new(path, Kubeconfig::load(path)?)
+    }
+
+    /// `GET /api/v1/namespaces/<ns>/pods/<name>`.
+    pub async fn pod(&self, namespace: &str, name: &str) -> Result<PodInfo, KubeError> {
+        let path = format!("/api/v1/namespaces/{namespace}/pods/{name}");
+        let url = format!("{}://{}{path}", self.config.server.scheme_str().unwrap_or("https"), self.authority());
+        let (status, body) = tokio::time::timeout(REQUEST_TIMEOUT, self.get(&path, &url))
+            .await
+            .map_err(|_| KubeError::Timeout { url: url.clone() })??;
+        match status {
+            StatusCode::OK => {
+                PodInfo::from_json(&body).map_err(|e| KubeError::Decode { url, message: e.to_string() })
+            }
+            StatusCode::NOT_FOUND => Err(KubeError::NotFound { namespace: namespace.into(), name: name.into() }),
+            other => {
+                // The API server explains itself in a Status object.
+                let message = serde_json::from_slice::<serde_json::Value>(&body)
+                    .ok()
+                    .and_then(|v| v["message"].as_str().map(String::from))
+                    .unwrap_or_else(|| String::from_utf8_lossy(&body).chars().take(200).collect());
+                Err(KubeError::Status { url, status: other.as_u16(), message })
+            }
+        }
+    }
+
+    fn authority(&self) -> String {
+        self.config.server.authority().map(|a| a.to_string()).unwrap_or_default()
+    }
+
+    async fn get(&self, path: &str, url: &str) -> Result<(StatusCode, Bytes), KubeError> {
+        let fail = |message: String| KubeError::Request { url: url.into(), message };
+        let host = self.config.server.host().unwrap_or_default().trim_start_matches('[').trim_end_matches(']');
+        let port = self.config.server.port_u16().unwrap_or(if self.tls.is_some() { 443 } else { 80 });
+        let stream = tokio::net::TcpStream::connect((host, port)).await.map_err(|e| fail(format!("connect: {e}")))?;
+        let mut request = Request::builder()
+            .method("GET")
+            .uri(path)
+            .header(hyper::header::HOST, self.authority())
+            .header(hyper::header::ACCEPT, "application/json")
+            .header(hyper::header::USER_AGENT, concat!("weir-cni/", env!("CARGO_PKG_VERSION")));
+        match &self.config.credentials {
+            Credentials::Token(t) => request = request.header(hyper::header::AUTHORIZATION, format!("Bearer {t}")),
+            Credentials::TokenFile(p) => {
+                let t = std::fs::read_to_string(p)
+                    .map_err(|e| KubeError::Invalid { path: self.path.clone(), message: format!("tokenFile {}: {e}", p.display()) })?;
+                request = request.header(hyper::header::AUTHORIZATION, format!("Bearer {}", t.trim()));
+            }
+            _ => {}
+        }
+        let request = request.body(Empty::<Bytes>::new()).map_err(|e| fail(e.to_string()))?;
+        async fn send<IO>(io: IO, request: Request<Empty<Bytes>>) -> Result<(StatusCode, Bytes), String>
+        where
+            IO: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+        {
+            let (mut sender, conn) = hyper::client::conn::http1::handshake(io).await.map_err(|e| e.to_string())?;
+            tokio::spawn(conn);
+            let response = sender.send_request(request).await.map_err(|e| e.to_string())?;
+            let status = response.status();
+            let body = http_body_util::Limited::new(response.into_body(), 4 * 1024 * 1024)
+                .collect()
+                .await
+                .map_err(|e| e.to_string())?
+                .to_bytes();
+            Ok((status, body))
+        }
+        match &self.tls {
+            Some(tls) => {
+                let name = ServerName::try_from(host.to_string()).map_err(|e| fail(format!("server name {host:?}: {e}")))?;
+                let stream = tls.connect(name, stream).await.map_err(|e| fail(format!("TLS: {e}")))?;
+                send(TokioIo::new(stream), request).await.map_err(fail)
+            }
+            None => send(TokioIo::new(stream), request).await.map_err(fail),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kubeconfigs_resolve_their_current_context() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("token"), "abc\n").unwrap();
+        let text = r#"
+apiVersion: v1
+kind: Config
+clusters:
+- name: other
+  cluster: {server: "https://other:6443"}
+- name: local
+  cluster:
+    server: https://10.96.0.1:443
+    certificate-authority-data: LS0tLS1CRUdJTiBDRVJUSUZJQ0FURS0tLS0tCg==
+users:
+- name: istio-cni
+  user: {tokenFile: token}
+contexts:
+- name: istio-cni-context
+  context: {cluster: local, user: istio-cni}
+current-context: istio-cni-context
+"#;
+        let path = dir.path().join("istio-cni-kubeconfig");
+        let c = Kubeconfig::parse(&path, text).unwrap();
+        assert_eq!(c.server, "https://10.96.0.1:443".parse::<Uri>().unwrap());
+        assert_eq!(c.ca_pem.as_deref(), Some(&b"-----BEGIN CERTIFICATE-----\n"[..]));
+        assert_eq!(c.credentials, Credentials::TokenFile(dir.path().join("token")));
+
+        for (bad, needle) in [
+            ("clusters: [{name: a, cluster: {server: 'ftp://x'}}]", "http(s)://host"),
+            ("current-context: nope\ncontexts: [{name: x, context: {cluster: a}}]", "\"nope\""),
+            ("contexts: [{name: x, context: {cluster: missing}}]", "cluster \"missing\""),
+            ("clusters: [{name: a, cluster: {server: 'https://x', certificate-authority-data: '%%'}}]", "base64"),
+            ("clusters: [{name: a, cluster: {server: 'https://x'}}]\nusers: [{name: u, user: {client-key-data: 'eA=='}}]", "both"),
+            ("[1, 2", "istio-cni-kubeconfig"),
+        ] {
+            let e = Kubeconfig::parse(&path, bad).unwrap_err().to_string();
+            assert!(e.contains(needle) && e.contains("istio-cni-kubeconfig"), "{bad}: {e}");
+        }
+    }
+}
