@@ -4,5 +4,42 @@
 //! DEL / CHECK applying capture inside the pod's network namespace (`plugin`).
 
 pub mod kube;
+pub mod plugin;
 pub mod pod;
 pub mod spec;
+
+use std::io::{Read as _, Write as _};
+
+/// The plugin's process: the result (or the spec's error JSON) on stdout, exit 0 (or
+/// 1). Nothing else is ever written to stdout.
+pub fn main() -> u8 {
+    let command = match spec::Command::parse(&std::env::var("CNI_COMMAND").unwrap_or_default()) {
+        Ok(c) => c,
+        Err(e) => return fail(&e),
+    };
+    let mut stdin = Vec::new();
+    if let Err(e) = std::io::stdin().read_to_end(&mut stdin) {
+        return fail(&spec::CniError::new(
+            spec::code::IO_FAILURE,
+            "cannot read the network configuration on stdin",
+            e.to_string(),
+        ));
+    }
+    match plugin::run(command, &stdin, |k| std::env::var(k).ok()) {
+        Ok(out) => {
+            if !out.is_empty() {
+                let mut stdout = std::io::stdout().lock();
+                let _ = writeln!(stdout, "{out}");
+            }
+            0
+        }
+        Err(e) => fail(&e),
+    }
+}
+
+fn fail(e: &spec::CniError) -> u8 {
+    tracing::error!(code = e.code, msg = %e.msg, details = %e.details, "CNI command failed");
+    let mut stdout = std::io::stdout().lock();
+    let _ = writeln!(stdout, "{}", e.to_json());
+    1
+}

@@ -22,7 +22,7 @@ fn main() -> ExitCode {
     let code = match personality {
         Personality::Weir => run_weir(WeirCli::parse_from(&argv)),
         Personality::PilotAgent => run_pilot_agent(PilotAgentCli::parse_from(&argv)),
-        Personality::Cni => not_built("the CNI plugin (weir-cni / istio-cni)", "CNI-chained node plugin"),
+        Personality::Cni => weir_agent::cni::main(),
     };
     ExitCode::from(code)
 }

@@ -10,7 +10,12 @@ use weir_agent::cni::pod::{PodInfo, capture_config, skip_reason};
 use weir_iptables::{RunOptions, apply::program_iptables, xtables::Recorder};
 
 /// (golden, annotations beyond sidecar.istio.io/status, istio-proxy env, runAsUser/Group)
-type Case = (&'static str, &'static [(&'static str, &'static str)], &'static [(&'static str, &'static str)], Option<(i64, i64)>);
+type Case = (
+    &'static str,
+    &'static [(&'static str, &'static str)],
+    &'static [(&'static str, &'static str)],
+    Option<(i64, i64)>,
+);
 
 const CASES: &[Case] = &[
     ("basic", &[], &[], None),
@@ -38,7 +43,12 @@ const CASES: &[Case] = &[
     ("dns", &[], &[("ISTIO_META_DNS_CAPTURE", "true")], None),
     ("invalid-drop", &[], &[("INVALID_DROP", "true")], None),
     ("custom-uid", &[], &[], Some((1000670000, 1000670001))),
-    ("custom-uid-tproxy", &[("sidecar.istio.io/interceptionMode", "TPROXY")], &[], Some((1000670000, 1000670001))),
+    (
+        "custom-uid-tproxy",
+        &[("sidecar.istio.io/interceptionMode", "TPROXY")],
+        &[],
+        Some((1000670000, 1000670001)),
+    ),
 ];
 
 fn pod(annotations: &[(&str, &str)], env: &[(&str, &str)], ids: Option<(i64, i64)>) -> PodInfo {
@@ -58,8 +68,11 @@ fn pod(annotations: &[(&str, &str)], env: &[(&str, &str)], ids: Option<(i64, i64
 
 /// Istio's comparison: table → block, from text split on COMMIT.
 fn blocks(text: &str) -> BTreeMap<String, String> {
-    let kept: Vec<&str> =
-        text.lines().map(str::trim).filter(|l| !l.is_empty() && *l != "iptables-save" && *l != "ip6tables-save").collect();
+    let kept: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && *l != "iptables-save" && *l != "ip6tables-save")
+        .collect();
     kept.join("\n")
         .split("COMMIT")
         .map(str::trim)

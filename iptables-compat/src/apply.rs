@@ -284,10 +284,7 @@ fn program_here(cfg: &CaptureConfig, opts: &RunOptions) -> Result<Report, Captur
     if opts.dry_run {
         return dry_run(cfg, opts);
     }
-    let lock = match (&opts.network_namespace, opts.cni_mode) {
-        (Some(ns), true) => crate::xtables::Lock::PodScoped(ns.clone()),
-        _ => crate::xtables::Lock::Global,
-    };
+    let lock = lock(opts);
     // Snapshot the nft tables so a routes failure can restore them.
     let mut nft_exec = crate::nft_exec::SystemNft;
     let (report, nft_before) = if opts.native_nftables {
@@ -313,6 +310,14 @@ fn program_here(cfg: &CaptureConfig, opts: &RunOptions) -> Result<Report, Captur
         });
     }
     Ok(report)
+}
+
+/// A CNI plugin working on a pod namespace never takes the node's xtables lock.
+fn lock(opts: &RunOptions) -> crate::xtables::Lock {
+    match (&opts.network_namespace, opts.cni_mode) {
+        (Some(ns), true) => crate::xtables::Lock::PodScoped(ns.clone()),
+        _ => crate::xtables::Lock::Global,
+    }
 }
 
 fn configure_routes(cfg: &CaptureConfig, opts: &RunOptions) -> Result<(), CaptureError> {
@@ -379,7 +384,7 @@ pub fn verify(cfg: &CaptureConfig, opts: &RunOptions) -> Result<Verdict, Capture
             let mut x = crate::xtables::SystemXtables::detect(
                 opts.force_iptables_binary,
                 cfg.enable_ipv6,
-                crate::xtables::Lock::Global,
+                lock(opts),
             )?;
             let plan: RulePlan = plan::plan(cfg);
             let families = [(Family::V4, &plan.v4), (Family::V6, &plan.v6)];

@@ -15,6 +15,7 @@
 //! ```
 
 pub mod capture;
+pub mod cni;
 pub mod control_plane;
 pub mod envoy;
 pub mod http;

@@ -57,7 +57,10 @@ pub enum Credentials {
     Token(String),
     /// Re-read on every request (projected tokens rotate).
     TokenFile(PathBuf),
-    ClientCertificate { cert_pem: Vec<u8>, key_pem: Vec<u8> },
+    ClientCertificate {
+        cert_pem: Vec<u8>,
+        key_pem: Vec<u8>,
+    },
 }
 
 impl std::fmt::Debug for Credentials {
@@ -134,7 +137,8 @@ struct RawContext {
 
 impl Kubeconfig {
     pub fn load(path: &Path) -> Result<Self, KubeError> {
-        let text = std::fs::read_to_string(path).map_err(|source| KubeError::Read { path: path.into(), source })?;
+        let text =
+            std::fs::read_to_string(path).map_err(|source| KubeError::Read { path: path.into(), source })?;
         Self::parse(path, &text)
     }
 
@@ -160,7 +164,8 @@ impl Kubeconfig {
             .find(|c| c.name == cluster_name)
             .and_then(|c| c.value)
             .ok_or_else(|| invalid(format!("cluster {cluster_name:?} is not defined")))?;
-        let user = raw.users.into_iter().find(|u| u.name == user_name).and_then(|u| u.value).unwrap_or_default();
+        let user =
+            raw.users.into_iter().find(|u| u.name == user_name).and_then(|u| u.value).unwrap_or_default();
         let base = path.parent().unwrap_or(Path::new("."));
         let resolve = |p: &str| base.join(p);
         let read = |p: &str, what: &str| {
@@ -171,7 +176,10 @@ impl Kubeconfig {
                 .decode(d.trim())
                 .map_err(|e| invalid(format!("{what} is not base64: {e}")))
         };
-        let server: Uri = cluster.server.parse().map_err(|_| invalid(format!("server {:?} is not a URL", cluster.server)))?;
+        let server: Uri = cluster
+            .server
+            .parse()
+            .map_err(|_| invalid(format!("server {:?} is not a URL", cluster.server)))?;
         match server.scheme_str() {
             Some("http") | Some("https") if server.host().is_some() => {}
             _ => return Err(invalid(format!("server {:?} is not an http(s)://host URL", cluster.server))),
@@ -194,7 +202,9 @@ impl Kubeconfig {
         let credentials = match (user.token, user.token_file, cert, key) {
             (Some(t), _, _, _) => Credentials::Token(t),
             (None, Some(f), _, _) => Credentials::TokenFile(resolve(&f)),
-            (None, None, Some(cert_pem), Some(key_pem)) => Credentials::ClientCertificate { cert_pem, key_pem },
+            (None, None, Some(cert_pem), Some(key_pem)) => {
+                Credentials::ClientCertificate { cert_pem, key_pem }
+            }
             (None, None, Some(_), None) | (None, None, None, Some(_)) => {
                 return Err(invalid("a client certificate needs both the certificate and its key".into()));
             }
@@ -221,7 +231,9 @@ impl KubeClient {
                 .with_safe_default_protocol_versions()
                 .expect("ring supports the default protocol versions");
             let builder = if config.insecure {
-                builder.dangerous().with_custom_certificate_verifier(crate::status::probes::any_certificate(&provider))
+                builder
+                    .dangerous()
+                    .with_custom_certificate_verifier(crate::status::probes::any_certificate(&provider))
             } else {
                 let mut roots = rustls::RootCertStore::empty();
                 match &config.ca_pem {
@@ -236,9 +248,13 @@ impl KubeClient {
                     }
                     // No CA in the kubeconfig: the system's roots, as client-go.
                     None => {
-                        for bundle in ["/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt"] {
+                        for bundle in
+                            ["/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt"]
+                        {
                             if let Ok(pem) = std::fs::read(bundle) {
-                                roots.add_parsable_certificates(CertificateDer::pem_slice_iter(&pem).flatten());
+                                roots.add_parsable_certificates(
+                                    CertificateDer::pem_slice_iter(&pem).flatten(),
+                                );
                                 break;
                             }
                         }
@@ -251,8 +267,11 @@ impl KubeClient {
                     let certs = CertificateDer::pem_slice_iter(cert_pem)
                         .collect::<Result<Vec<_>, _>>()
                         .map_err(|e| invalid(format!("client certificate: {e}")))?;
-                    let key = PrivateKeyDer::from_pem_slice(key_pem).map_err(|e| invalid(format!("client key: {e}")))?;
-                    builder.with_client_auth_cert(certs, key).map_err(|e| invalid(format!("client certificate: {e}")))?
+                    let key = PrivateKeyDer::from_pem_slice(key_pem)
+                        .map_err(|e| invalid(format!("client key: {e}")))?;
+                    builder
+                        .with_client_auth_cert(certs, key)
+                        .map_err(|e| invalid(format!("client certificate: {e}")))?
                 }
                 _ => builder.with_no_client_auth(),
             };
@@ -270,7 +289,8 @@ impl KubeClient {
     /// `GET /api/v1/namespaces/<ns>/pods/<name>`.
     pub async fn pod(&self, namespace: &str, name: &str) -> Result<PodInfo, KubeError> {
         let path = format!("/api/v1/namespaces/{namespace}/pods/{name}");
-        let url = format!("{}://{}{path}", self.config.server.scheme_str().unwrap_or("https"), self.authority());
+        let url =
+            format!("{}://{}{path}", self.config.server.scheme_str().unwrap_or("https"), self.authority());
         let (status, body) = tokio::time::timeout(REQUEST_TIMEOUT, self.get(&path, &url))
             .await
             .map_err(|_| KubeError::Timeout { url: url.clone() })??;
@@ -278,7 +298,9 @@ impl KubeClient {
             StatusCode::OK => {
                 PodInfo::from_json(&body).map_err(|e| KubeError::Decode { url, message: e.to_string() })
             }
-            StatusCode::NOT_FOUND => Err(KubeError::NotFound { namespace: namespace.into(), name: name.into() }),
+            StatusCode::NOT_FOUND => {
+                Err(KubeError::NotFound { namespace: namespace.into(), name: name.into() })
+            }
             other => {
                 // The API server explains itself in a Status object.
                 let message = serde_json::from_slice::<serde_json::Value>(&body)
@@ -296,9 +318,11 @@ impl KubeClient {
 
     async fn get(&self, path: &str, url: &str) -> Result<(StatusCode, Bytes), KubeError> {
         let fail = |message: String| KubeError::Request { url: url.into(), message };
-        let host = self.config.server.host().unwrap_or_default().trim_start_matches('[').trim_end_matches(']');
+        let host =
+            self.config.server.host().unwrap_or_default().trim_start_matches('[').trim_end_matches(']');
         let port = self.config.server.port_u16().unwrap_or(if self.tls.is_some() { 443 } else { 80 });
-        let stream = tokio::net::TcpStream::connect((host, port)).await.map_err(|e| fail(format!("connect: {e}")))?;
+        let stream =
+            tokio::net::TcpStream::connect((host, port)).await.map_err(|e| fail(format!("connect: {e}")))?;
         let mut request = Request::builder()
             .method("GET")
             .uri(path)
@@ -306,10 +330,14 @@ impl KubeClient {
             .header(hyper::header::ACCEPT, "application/json")
             .header(hyper::header::USER_AGENT, concat!("weir-cni/", env!("CARGO_PKG_VERSION")));
         match &self.config.credentials {
-            Credentials::Token(t) => request = request.header(hyper::header::AUTHORIZATION, format!("Bearer {t}")),
+            Credentials::Token(t) => {
+                request = request.header(hyper::header::AUTHORIZATION, format!("Bearer {t}"))
+            }
             Credentials::TokenFile(p) => {
-                let t = std::fs::read_to_string(p)
-                    .map_err(|e| KubeError::Invalid { path: self.path.clone(), message: format!("tokenFile {}: {e}", p.display()) })?;
+                let t = std::fs::read_to_string(p).map_err(|e| KubeError::Invalid {
+                    path: self.path.clone(),
+                    message: format!("tokenFile {}: {e}", p.display()),
+                })?;
                 request = request.header(hyper::header::AUTHORIZATION, format!("Bearer {}", t.trim()));
             }
             _ => {}
@@ -319,7 +347,8 @@ impl KubeClient {
         where
             IO: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
         {
-            let (mut sender, conn) = hyper::client::conn::http1::handshake(io).await.map_err(|e| e.to_string())?;
+            let (mut sender, conn) =
+                hyper::client::conn::http1::handshake(io).await.map_err(|e| e.to_string())?;
             tokio::spawn(conn);
             let response = sender.send_request(request).await.map_err(|e| e.to_string())?;
             let status = response.status();
@@ -332,7 +361,8 @@ impl KubeClient {
         }
         match &self.tls {
             Some(tls) => {
-                let name = ServerName::try_from(host.to_string()).map_err(|e| fail(format!("server name {host:?}: {e}")))?;
+                let name = ServerName::try_from(host.to_string())
+                    .map_err(|e| fail(format!("server name {host:?}: {e}")))?;
                 let stream = tls.connect(name, stream).await.map_err(|e| fail(format!("TLS: {e}")))?;
                 send(TokioIo::new(stream), request).await.map_err(fail)
             }
@@ -377,8 +407,14 @@ current-context: istio-cni-context
             ("clusters: [{name: a, cluster: {server: 'ftp://x'}}]", "http(s)://host"),
             ("current-context: nope\ncontexts: [{name: x, context: {cluster: a}}]", "\"nope\""),
             ("contexts: [{name: x, context: {cluster: missing}}]", "cluster \"missing\""),
-            ("clusters: [{name: a, cluster: {server: 'https://x', certificate-authority-data: '%%'}}]", "base64"),
-            ("clusters: [{name: a, cluster: {server: 'https://x'}}]\nusers: [{name: u, user: {client-key-data: 'eA=='}}]", "both"),
+            (
+                "clusters: [{name: a, cluster: {server: 'https://x', certificate-authority-data: '%%'}}]",
+                "base64",
+            ),
+            (
+                "clusters: [{name: a, cluster: {server: 'https://x'}}]\nusers: [{name: u, user: {client-key-data: 'eA=='}}]",
+                "both",
+            ),
             ("[1, 2", "istio-cni-kubeconfig"),
         ] {
             let e = Kubeconfig::parse(&path, bad).unwrap_err().to_string();

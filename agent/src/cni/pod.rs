@@ -248,7 +248,8 @@ pub fn capture_config(pod: &PodInfo, enable_ipv6: bool) -> Result<CaptureConfig,
         parse_ports(include_outbound.0, &include_outbound.1).map_err(|e| err(&include_outbound, &e))?;
     let interfaces = |key: &'static str| -> Result<Vec<String>, AnnotationError> {
         let v = a(key, "");
-        let names: Vec<String> = v.1.split(',').map(str::trim).filter(|n| !n.is_empty()).map(String::from).collect();
+        let names: Vec<String> =
+            v.1.split(',').map(str::trim).filter(|n| !n.is_empty()).map(String::from).collect();
         match names.iter().find(|n| n.len() > 15 || n.contains('/') || n.chars().any(char::is_whitespace)) {
             Some(bad) => Err(err(&v, &format!("{bad:?} is not a valid interface name"))),
             None => Ok(names),
@@ -292,7 +293,10 @@ mod tests {
     fn pods_read_as_istio_cni_reads_them() {
         let p = PodInfo::from_json(POD.as_bytes()).unwrap();
         assert_eq!((p.namespace.as_str(), p.name.as_str()), ("shop", "web-1"));
-        assert_eq!(p.containers.iter().map(String::as_str).collect::<Vec<_>>(), ["istio-proxy", "istio-validate", "web"]);
+        assert_eq!(
+            p.containers.iter().map(String::as_str).collect::<Vec<_>>(),
+            ["istio-proxy", "istio-validate", "web"]
+        );
         assert_eq!(p.proxy_type.as_deref(), Some("sidecar"));
         assert_eq!((p.proxy_uid, p.proxy_gid), (Some(1000670000), Some(1000670001)));
         assert_eq!(p.proxy_env["ISTIO_META_DNS_CAPTURE"], "true");
@@ -311,19 +315,31 @@ mod tests {
             f(&mut p);
             skip_reason(&p)
         };
-        assert_eq!(with(&|p| {
-            p.containers.insert("istio-init".into());
-        }), Some(Skip::HasIstioInit));
-        assert_eq!(with(&|p| {
-            p.proxy_env.insert("DISABLE_ENVOY".into(), "true".into());
-        }), Some(Skip::EnvoyDisabled));
-        assert_eq!(with(&|p| {
-            p.containers.remove("istio-proxy");
-        }), Some(Skip::NoSidecar));
+        assert_eq!(
+            with(&|p| {
+                p.containers.insert("istio-init".into());
+            }),
+            Some(Skip::HasIstioInit)
+        );
+        assert_eq!(
+            with(&|p| {
+                p.proxy_env.insert("DISABLE_ENVOY".into(), "true".into());
+            }),
+            Some(Skip::EnvoyDisabled)
+        );
+        assert_eq!(
+            with(&|p| {
+                p.containers.remove("istio-proxy");
+            }),
+            Some(Skip::NoSidecar)
+        );
         assert_eq!(with(&|p| p.proxy_type = Some("router".into())), Some(Skip::NotASidecar("router".into())));
-        assert_eq!(with(&|p| {
-            p.annotations.insert(INJECT.into(), "false".into());
-        }), Some(Skip::InjectionDisabled));
+        assert_eq!(
+            with(&|p| {
+                p.annotations.insert(INJECT.into(), "false".into());
+            }),
+            Some(Skip::InjectionDisabled)
+        );
         assert_eq!(
             with(&|p| {
                 p.annotations.insert(INJECT.into(), "false".into());
@@ -332,9 +348,12 @@ mod tests {
             None,
             "the label wins over the annotation"
         );
-        assert_eq!(with(&|p| {
-            p.annotations.remove(STATUS);
-        }), Some(Skip::NotInjected));
+        assert_eq!(
+            with(&|p| {
+                p.annotations.remove(STATUS);
+            }),
+            Some(Skip::NotInjected)
+        );
     }
 
     #[test]

@@ -95,7 +95,11 @@ impl Command {
             "VERSION" => Ok(Self::Version),
             "STATUS" => Ok(Self::Status),
             "GC" => Ok(Self::Gc),
-            "" => Err(CniError::new(code::INVALID_ENV, "CNI_COMMAND is not set", "expected ADD, DEL, CHECK, VERSION, STATUS or GC")),
+            "" => Err(CniError::new(
+                code::INVALID_ENV,
+                "CNI_COMMAND is not set",
+                "expected ADD, DEL, CHECK, VERSION, STATUS or GC",
+            )),
             other => Err(CniError::new(
                 code::INVALID_ENV,
                 format!("CNI_COMMAND {other:?} is not a CNI command"),
@@ -126,7 +130,12 @@ impl Invocation {
             })
         };
         let mut inv = Self {
-            path: get("CNI_PATH").unwrap_or_default().split(':').filter(|p| !p.is_empty()).map(String::from).collect(),
+            path: get("CNI_PATH")
+                .unwrap_or_default()
+                .split(':')
+                .filter(|p| !p.is_empty())
+                .map(String::from)
+                .collect(),
             args: parse_args(&get("CNI_ARGS").unwrap_or_default())?,
             ..Self::default()
         };
@@ -160,7 +169,11 @@ pub fn parse_args(raw: &str) -> Result<BTreeMap<String, String>, CniError> {
         .filter(|p| !p.is_empty())
         .map(|pair| match pair.split_once('=') {
             Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
-            _ => Err(CniError::new(code::INVALID_ENV, format!("CNI_ARGS entry {pair:?} is not KEY=VALUE"), raw.to_string())),
+            _ => Err(CniError::new(
+                code::INVALID_ENV,
+                format!("CNI_ARGS entry {pair:?} is not KEY=VALUE"),
+                raw.to_string(),
+            )),
         })
         .collect()
 }
@@ -227,7 +240,11 @@ impl NetConf {
         if let Some(prev) = &conf.prev_result
             && !prev.is_object()
         {
-            return Err(CniError::new(code::INVALID_CONFIG, "prevResult is not a JSON object", prev.to_string()));
+            return Err(CniError::new(
+                code::INVALID_CONFIG,
+                "prevResult is not a JSON object",
+                prev.to_string(),
+            ));
         }
         Ok(conf)
     }
@@ -253,7 +270,8 @@ impl NetConf {
 
 /// VERSION's answer.
 pub fn version_result() -> String {
-    serde_json::json!({ "cniVersion": IMPLEMENTED_VERSION, "supportedVersions": SUPPORTED_VERSIONS }).to_string()
+    serde_json::json!({ "cniVersion": IMPLEMENTED_VERSION, "supportedVersions": SUPPORTED_VERSIONS })
+        .to_string()
 }
 
 #[cfg(test)]
@@ -261,7 +279,8 @@ mod tests {
     use super::*;
 
     fn env(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let map: BTreeMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let map: BTreeMap<String, String> =
+            vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
         move |k| map.get(k).cloned()
     }
 
@@ -270,9 +289,12 @@ mod tests {
         assert_eq!(Command::parse("ADD"), Ok(Command::Add));
         let e = Command::parse("add").unwrap_err();
         assert_eq!(e.code, code::INVALID_ENV);
-        let e = Invocation::from_env(Command::Add, env(&[("CNI_CONTAINERID", "c1"), ("CNI_IFNAME", "eth0")])).unwrap_err();
+        let e = Invocation::from_env(Command::Add, env(&[("CNI_CONTAINERID", "c1"), ("CNI_IFNAME", "eth0")]))
+            .unwrap_err();
         assert_eq!((e.code, e.msg.as_str()), (code::INVALID_ENV, "CNI_NETNS is required for ADD"));
-        let del = Invocation::from_env(Command::Del, env(&[("CNI_CONTAINERID", "c1"), ("CNI_IFNAME", "eth0")])).unwrap();
+        let del =
+            Invocation::from_env(Command::Del, env(&[("CNI_CONTAINERID", "c1"), ("CNI_IFNAME", "eth0")]))
+                .unwrap();
         assert_eq!(del.netns, None, "DEL may come after the namespace is gone");
         let add = Invocation::from_env(
             Command::Add,

@@ -1,0 +1,358 @@
+//! One CNI invocation: ADD captures a sidecar pod's traffic inside its network
+//! namespace (iptables or native nftables through weir-iptables, with a lock private
+//! to that namespace) and passes `prevResult` on; DEL removes what ADD made and is
+//! idempotent (a namespace already gone is success); CHECK verifies the rules are
+//! still there; VERSION, STATUS and GC answer per the spec. stdout carries only the
+//! result or the error JSON; logs go to stderr.
+
+use std::path::{Path, PathBuf};
+
+use weir_iptables::{CaptureConfig, RunOptions, detect::HostFacts as _, state::Verdict};
+
+use super::{
+    kube::{KubeClient, KubeError},
+    pod::{self, PodInfo, Skip},
+    spec::{CniError, Command, Invocation, NetConf, code, version_result},
+};
+
+/// The kubeconfig istio-cni's node agent writes into `cni_agent_run_dir`.
+pub const KUBECONFIG_NAME: &str = "istio-cni-kubeconfig";
+/// Istio's default `cni_agent_run_dir`.
+pub const DEFAULT_RUN_DIR: &str = "/var/run/istio-cni";
+/// istio-cni waits this long for the API server to answer (30 × 1 s).
+const POD_LOOKUP_ATTEMPTS: u32 = 30;
+const POD_LOOKUP_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Which rule backend captures the pod.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CaptureMode {
+    Iptables,
+    Nftables,
+}
+
+impl CaptureMode {
+    /// `capture_mode` (Weir's) and `native_nftables` (Istio's). `auto` picks native
+    /// nftables when Istio's flag asks for it, else iptables, Istio's default.
+    pub fn from_conf(conf: &NetConf) -> Result<Self, CniError> {
+        match conf.capture_mode.as_deref().unwrap_or("auto") {
+            "iptables" => Ok(Self::Iptables),
+            "nftables" => Ok(Self::Nftables),
+            "auto" if conf.native_nftables => Ok(Self::Nftables),
+            "auto" => Ok(Self::Iptables),
+            "ebpf" => Err(CniError::new(
+                code::INVALID_CONFIG,
+                "capture_mode \"ebpf\" is not available from the CNI plugin yet",
+                "use iptables, nftables or auto",
+            )),
+            other => Err(CniError::new(
+                code::INVALID_CONFIG,
+                format!("capture_mode {other:?} is not a capture mode"),
+                "expected ebpf, nftables, iptables or auto",
+            )),
+        }
+    }
+}
+
+/// What a command printed on success (stdout; empty for DEL/CHECK/STATUS/GC).
+pub type Output = String;
+
+/// Runs `command` with the invocation's stdin and environment.
+pub fn run(command: Command, stdin: &[u8], env: impl Fn(&str) -> Option<String>) -> Result<Output, CniError> {
+    if command == Command::Version {
+        return Ok(version_result());
+    }
+    let conf = NetConf::parse(stdin)?;
+    let version = conf.cni_version.clone();
+    let result = (|| {
+        let inv = Invocation::from_env(command, &env)?;
+        match command {
+            Command::Add => add(&conf, &inv).map(|()| conf.result()),
+            Command::Del => del(&inv).map(|()| String::new()),
+            Command::Check => check(&conf, &inv).map(|()| String::new()),
+            Command::Status => status(&conf).map(|()| String::new()),
+            Command::Gc | Command::Version => Ok(String::new()),
+        }
+    })();
+    result.map_err(|e| e.in_version(&version))
+}
+
+/// Where the kubeconfig is: the node agent's run dir, or the legacy field.
+pub fn kubeconfig_path(conf: &NetConf) -> PathBuf {
+    if let Some(path) =
+        conf.kubernetes.as_ref().and_then(|k| k.kubeconfig.as_deref()).filter(|p| !p.is_empty())
+        && conf.cni_agent_run_dir.is_none()
+    {
+        return PathBuf::from(path);
+    }
+    Path::new(conf.cni_agent_run_dir.as_deref().unwrap_or(DEFAULT_RUN_DIR)).join(KUBECONFIG_NAME)
+}
+
+/// The pod this invocation is for, when it is one to capture; `None` with the reason
+/// logged otherwise.
+fn pod_to_capture(conf: &NetConf, inv: &Invocation) -> Result<Option<PodInfo>, CniError> {
+    let Some((namespace, name)) = inv.pod() else {
+        tracing::info!(container = %inv.container_id, "not a Kubernetes pod (no K8S_POD_NAME/K8S_POD_NAMESPACE in CNI_ARGS): nothing to do");
+        return Ok(None);
+    };
+    if conf.excluded_namespaces().any(|n| n == namespace) {
+        tracing::info!(pod = %format!("{namespace}/{name}"), reason = %Skip::ExcludedNamespace, "not captured");
+        return Ok(None);
+    }
+    let path = kubeconfig_path(conf);
+    let client = KubeClient::load(&path).map_err(|e| {
+        CniError::new(
+            code::POD_LOOKUP_FAILED,
+            format!("cannot use the kubeconfig for pod {namespace}/{name}"),
+            crate::error_chain(&e),
+        )
+    })?;
+    let pod = lookup(&client, &namespace, &name)?;
+    if let Some(reason) = pod::skip_reason(&pod) {
+        tracing::info!(pod = %format!("{namespace}/{name}"), reason = %reason, "not captured");
+        return Ok(None);
+    }
+    Ok(Some(pod))
+}
+
+/// GET the pod, retrying what may pass (no answer, 5xx, 429) as istio-cni does.
+fn lookup(client: &KubeClient, namespace: &str, name: &str) -> Result<PodInfo, CniError> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| CniError::new(code::IO_FAILURE, "cannot start a runtime", e.to_string()))?;
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        match runtime.block_on(client.pod(namespace, name)) {
+            Ok(pod) => return Ok(pod),
+            Err(e) => {
+                let transient = match &e {
+                    KubeError::Request { .. } | KubeError::Timeout { .. } => true,
+                    KubeError::Status { status, .. } => *status == 429 || *status >= 500,
+                    _ => false,
+                };
+                if !transient || attempt >= POD_LOOKUP_ATTEMPTS {
+                    return Err(CniError::new(
+                        code::POD_LOOKUP_FAILED,
+                        format!("cannot get pod {namespace}/{name} from the Kubernetes API"),
+                        crate::error_chain(&e),
+                    ));
+                }
+                if attempt == 1 {
+                    tracing::warn!(pod = %format!("{namespace}/{name}"), error = %crate::error_chain(&e), "Kubernetes API not answering; retrying");
+                }
+                std::thread::sleep(POD_LOOKUP_INTERVAL);
+            }
+        }
+    }
+}
+
+/// The capture config and run options for `pod` in `netns`.
+fn plan(conf: &NetConf, pod: &PodInfo, netns: &Path) -> Result<(CaptureConfig, RunOptions), CniError> {
+    let mode = CaptureMode::from_conf(conf)?;
+    let facts = weir_iptables::detect::SystemFacts { netns: Some(netns.into()) };
+    let addresses = facts.addresses().map_err(|e| {
+        CniError::new(
+            code::IO_FAILURE,
+            format!("cannot read the addresses in network namespace {}", netns.display()),
+            e.to_string(),
+        )
+    })?;
+    let dual_stack = pod
+        .proxy_env
+        .get("ISTIO_DUAL_STACK")
+        .and_then(|v| weir_iptables::flags::parse_bool(v))
+        .unwrap_or(false);
+    let (host_ip, enable_ipv6) = match weir_iptables::detect::local_ip(&addresses, dual_stack) {
+        Some((ip, v6)) => (Some(ip), v6),
+        None => (None, false),
+    };
+    let cfg = pod::capture_config(pod, enable_ipv6).map_err(|e| {
+        CniError::new(
+            code::INVALID_POD,
+            format!("pod {}/{} cannot be captured", pod.namespace, pod.name),
+            e.to_string(),
+        )
+    })?;
+    let opts = RunOptions {
+        network_namespace: Some(netns.into()),
+        cni_mode: true,
+        native_nftables: mode == CaptureMode::Nftables,
+        host_ip,
+        ..RunOptions::default()
+    };
+    Ok((cfg, opts))
+}
+
+fn netns_of(inv: &Invocation) -> Result<PathBuf, CniError> {
+    let netns = PathBuf::from(inv.netns.as_deref().unwrap_or_default());
+    if !netns.exists() {
+        return Err(CniError::new(
+            code::UNKNOWN_CONTAINER,
+            format!("network namespace {} does not exist", netns.display()),
+            format!("container {}", inv.container_id),
+        ));
+    }
+    Ok(netns)
+}
+
+fn add(conf: &NetConf, inv: &Invocation) -> Result<(), CniError> {
+    let netns = netns_of(inv)?;
+    let Some(pod) = pod_to_capture(conf, inv)? else { return Ok(()) };
+    let (cfg, opts) = plan(conf, &pod, &netns)?;
+    let report = weir_iptables::program(&cfg, &opts).map_err(|e| {
+        CniError::new(
+            code::CAPTURE_FAILED,
+            format!("cannot capture pod {}/{} in {}", pod.namespace, pod.name, netns.display()),
+            crate::error_chain(&e),
+        )
+    })?;
+    tracing::info!(
+        pod = %format!("{}/{}", pod.namespace, pod.name),
+        netns = %netns.display(),
+        backend = %report.backend,
+        action = ?report.action,
+        mode = %cfg.interception_mode,
+        "pod captured"
+    );
+    Ok(())
+}
+
+/// Removes Weir's (and Istio's) capture from the namespace: both backends, since DEL
+/// is not told which one ADD used, and TPROXY's routes. A missing namespace is done.
+fn del(inv: &Invocation) -> Result<(), CniError> {
+    let Some(netns) = inv.netns.as_deref().map(PathBuf::from).filter(|p| p.exists()) else {
+        tracing::info!(container = %inv.container_id, "network namespace already gone: nothing to remove");
+        return Ok(());
+    };
+    let cfg = CaptureConfig::default();
+    for native_nftables in [false, true] {
+        let opts = RunOptions {
+            network_namespace: Some(netns.clone()),
+            cni_mode: true,
+            cleanup_only: true,
+            native_nftables,
+            ..RunOptions::default()
+        };
+        weir_iptables::program(&cfg, &opts).map_err(|e| {
+            CniError::new(
+                code::CAPTURE_FAILED,
+                format!("cannot remove capture from {}", netns.display()),
+                crate::error_chain(&e),
+            )
+        })?;
+    }
+    tracing::info!(netns = %netns.display(), container = %inv.container_id, "capture removed");
+    Ok(())
+}
+
+fn check(conf: &NetConf, inv: &Invocation) -> Result<(), CniError> {
+    if conf.prev_result.is_none() {
+        return Err(CniError::new(code::INVALID_CONFIG, "CHECK needs prevResult (the result of ADD)", ""));
+    }
+    let netns = netns_of(inv)?;
+    let Some(pod) = pod_to_capture(conf, inv)? else { return Ok(()) };
+    let (cfg, opts) = plan(conf, &pod, &netns)?;
+    let verdict = weir_iptables::apply::verify(&cfg, &opts).map_err(|e| {
+        CniError::new(
+            code::CAPTURE_FAILED,
+            format!("cannot check capture in {}", netns.display()),
+            crate::error_chain(&e),
+        )
+    })?;
+    match verdict {
+        Verdict::Applied => Ok(()),
+        Verdict::Clean => Err(CniError::new(
+            code::CAPTURE_FAILED,
+            format!(
+                "pod {}/{} is not captured: no capture rules in {}",
+                pod.namespace,
+                pod.name,
+                netns.display()
+            ),
+            "",
+        )),
+        Verdict::Drifted => Err(CniError::new(
+            code::CAPTURE_FAILED,
+            format!(
+                "pod {}/{}: the capture rules in {} differ from the planned ones",
+                pod.namespace,
+                pod.name,
+                netns.display()
+            ),
+            "",
+        )),
+    }
+}
+
+/// Ready when the kubeconfig the ADDs need is readable.
+fn status(conf: &NetConf) -> Result<(), CniError> {
+    let path = kubeconfig_path(conf);
+    KubeClient::load(&path).map(|_| ()).map_err(|e| {
+        CniError::new(code::NOT_AVAILABLE, "the plugin cannot reach Kubernetes yet", crate::error_chain(&e))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn conf(json: &str) -> NetConf {
+        NetConf::parse(json.as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn the_capture_mode_comes_from_weirs_field_or_istios() {
+        assert_eq!(CaptureMode::from_conf(&conf(r#"{"cniVersion":"1.0.0"}"#)), Ok(CaptureMode::Iptables));
+        assert_eq!(
+            CaptureMode::from_conf(&conf(r#"{"cniVersion":"1.0.0","native_nftables":true}"#)),
+            Ok(CaptureMode::Nftables)
+        );
+        assert_eq!(
+            CaptureMode::from_conf(&conf(r#"{"cniVersion":"1.0.0","capture_mode":"nftables"}"#)),
+            Ok(CaptureMode::Nftables)
+        );
+        let e =
+            CaptureMode::from_conf(&conf(r#"{"cniVersion":"1.0.0","capture_mode":"magic"}"#)).unwrap_err();
+        assert_eq!(e.code, code::INVALID_CONFIG);
+    }
+
+    #[test]
+    fn the_kubeconfig_is_found_where_istio_puts_it() {
+        assert_eq!(
+            kubeconfig_path(&conf(r#"{"cniVersion":"1.0.0"}"#)),
+            PathBuf::from("/var/run/istio-cni/istio-cni-kubeconfig")
+        );
+        assert_eq!(
+            kubeconfig_path(&conf(r#"{"cniVersion":"1.0.0","cni_agent_run_dir":"/run/weir"}"#)),
+            PathBuf::from("/run/weir/istio-cni-kubeconfig")
+        );
+        assert_eq!(
+            kubeconfig_path(&conf(
+                r#"{"cniVersion":"0.3.1","kubernetes":{"kubeconfig":"/etc/cni/net.d/ZZZ-istio-cni-kubeconfig"}}"#
+            )),
+            PathBuf::from("/etc/cni/net.d/ZZZ-istio-cni-kubeconfig")
+        );
+    }
+
+    #[test]
+    fn version_needs_nothing_and_bad_input_is_spec_shaped() {
+        let v = run(Command::Version, b"", |_| None).unwrap();
+        assert!(v.contains("supportedVersions"));
+        let e = run(Command::Add, br#"{"cniVersion":"0.4.0","name":"k8s"}"#, |_| None).unwrap_err();
+        assert_eq!((e.code, e.cni_version.as_str()), (code::INVALID_ENV, "0.4.0"));
+        let env = |k: &str| match k {
+            "CNI_CONTAINERID" => Some("c".to_string()),
+            "CNI_NETNS" => Some("/nonexistent/netns".to_string()),
+            "CNI_IFNAME" => Some("eth0".to_string()),
+            _ => None,
+        };
+        let e = run(Command::Add, br#"{"cniVersion":"1.0.0","name":"k8s"}"#, env).unwrap_err();
+        assert_eq!(e.code, code::UNKNOWN_CONTAINER);
+        assert!(e.msg.contains("/nonexistent/netns"), "{e}");
+        // DEL of a namespace that is gone is success.
+        assert_eq!(run(Command::Del, br#"{"cniVersion":"1.0.0","name":"k8s"}"#, env), Ok(String::new()));
+        let e = run(Command::Check, br#"{"cniVersion":"1.0.0","name":"k8s"}"#, env).unwrap_err();
+        assert!(e.msg.contains("prevResult"), "{e}");
+    }
+}

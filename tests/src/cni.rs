@@ -1,0 +1,447 @@
+//! The CNI side of the rig: a small container runtime that executes a conflist as the
+//! CNI spec says (each plugin exec'd with `CNI_*` env and its config on stdin,
+//! `prevResult` threaded through ADD, DEL in reverse, CHECK with the cached result),
+//! run inside a test "node" namespace so the reference plugins' bridge never touches
+//! the host; and a test Kubernetes API server (`TestApiServer`) that serves Pod
+//! objects over HTTP or HTTPS with a bearer token, as the plugin's kubeconfig names it.
+
+use std::{
+    collections::BTreeMap,
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    sync::{Arc, Mutex},
+};
+
+use anyhow::{Context as _, bail};
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+use crate::{Placement, envoy::tempfile_dir::Dir, tools};
+use weir_agent::sandbox::NetNs;
+
+/// Where Debian's containernetworking-plugins live.
+pub const REFERENCE_PLUGINS: &str = "/usr/lib/cni";
+
+/// A plugin's failure: which plugin, its exit, and the error JSON it printed.
+#[derive(Debug)]
+pub struct CniFailure {
+    pub plugin: String,
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl CniFailure {
+    /// The spec's error object from stdout.
+    pub fn error(&self) -> Value {
+        serde_json::from_str(&self.stdout).unwrap_or(Value::Null)
+    }
+}
+
+impl std::fmt::Display for CniFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} exited {:?}: stdout {} stderr {}",
+            self.plugin,
+            self.code,
+            self.stdout.trim(),
+            self.stderr.trim()
+        )
+    }
+}
+
+impl std::error::Error for CniFailure {}
+
+/// One container's attachment.
+#[derive(Debug, Clone)]
+pub struct Attachment {
+    pub container_id: String,
+    pub netns: PathBuf,
+    pub ifname: String,
+    /// `CNI_ARGS`.
+    pub args: String,
+}
+
+impl Attachment {
+    /// A Kubernetes pod's attachment, as kubelet's runtime passes it.
+    pub fn pod(container_id: &str, netns: &Path, namespace: &str, name: &str) -> Self {
+        Self {
+            container_id: container_id.into(),
+            netns: netns.into(),
+            ifname: "eth0".into(),
+            args: format!(
+                "IgnoreUnknown=1;K8S_POD_NAMESPACE={namespace};K8S_POD_NAME={name};K8S_POD_INFRA_CONTAINER_ID={container_id};K8S_POD_UID=uid-{name}"
+            ),
+        }
+    }
+}
+
+/// Executes conflists inside `node`.
+pub struct CniRuntime<'a> {
+    pub node: &'a NetNs,
+    /// Searched in order for each plugin's `type`: Weir's link dir, then the reference plugins.
+    pub path: Vec<PathBuf>,
+    bin: Dir,
+}
+
+impl<'a> CniRuntime<'a> {
+    /// Links `weir` as `istio-cni` and `weir-cni` into a plugin dir ahead of the
+    /// reference plugins.
+    pub fn new(node: &'a NetNs) -> anyhow::Result<Self> {
+        let bin = Dir::new("cni-bin")?;
+        for name in ["istio-cni", "weir-cni"] {
+            std::os::unix::fs::symlink(tools::weir(), bin.path().join(name))?;
+        }
+        Ok(Self { node, path: vec![bin.path().to_path_buf(), REFERENCE_PLUGINS.into()], bin })
+    }
+
+    pub fn bin_dir(&self) -> &Path {
+        self.bin.path()
+    }
+
+    fn find(&self, plugin_type: &str) -> anyhow::Result<PathBuf> {
+        self.path
+            .iter()
+            .map(|d| d.join(plugin_type))
+            .find(|p| p.exists())
+            .with_context(|| format!("no CNI plugin {plugin_type:?} in {:?}", self.path))
+    }
+
+    /// Execs one plugin with `stdin`; (stdout, stderr) on success.
+    pub fn exec(
+        &self,
+        plugin_type: &str,
+        command: &str,
+        a: &Attachment,
+        stdin: &[u8],
+    ) -> Result<String, CniFailure> {
+        let fail = |stdout: String, stderr: String, code| CniFailure {
+            plugin: plugin_type.into(),
+            code,
+            stdout,
+            stderr,
+        };
+        let binary = self.find(plugin_type).map_err(|e| fail(String::new(), e.to_string(), None))?;
+        let path = self.path.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(":");
+        let mut cmd = Command::new(&binary);
+        cmd.env_clear()
+            .env("CNI_COMMAND", command)
+            .env("CNI_CONTAINERID", &a.container_id)
+            .env("CNI_NETNS", &a.netns)
+            .env("CNI_IFNAME", &a.ifname)
+            .env("CNI_ARGS", &a.args)
+            .env("CNI_PATH", path)
+            .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let child = weir_agent::sandbox::process::spawn(
+            &mut cmd,
+            Placement { netns: Some(self.node), ..Placement::default() },
+        )
+        .map_err(|e| fail(String::new(), e.to_string(), None))?;
+        let mut child = child.into_inner();
+        {
+            use std::io::Write as _;
+            let mut input = child.stdin.take().expect("piped stdin");
+            let _ = input.write_all(stdin);
+        }
+        let out = child.wait_with_output().map_err(|e| fail(String::new(), e.to_string(), None))?;
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        if out.status.success() { Ok(stdout) } else { Err(fail(stdout, stderr, out.status.code())) }
+    }
+
+    /// The config the runtime gives `plugin` of `list`, with `prev` as prevResult.
+    pub fn plugin_config(list: &Value, plugin: &Value, prev: Option<&Value>) -> Value {
+        let mut conf = plugin.clone();
+        conf["cniVersion"] = list["cniVersion"].clone();
+        conf["name"] = list["name"].clone();
+        if let Some(prev) = prev {
+            conf["prevResult"] = prev.clone();
+        }
+        conf
+    }
+
+    /// ADD through the list; the final result.
+    pub fn add(&self, list: &Value, a: &Attachment) -> Result<Value, CniFailure> {
+        let mut prev: Option<Value> = None;
+        for plugin in list["plugins"].as_array().into_iter().flatten() {
+            let conf = Self::plugin_config(list, plugin, prev.as_ref());
+            let out = self.exec(
+                plugin["type"].as_str().unwrap_or_default(),
+                "ADD",
+                a,
+                conf.to_string().as_bytes(),
+            )?;
+            prev = Some(serde_json::from_str(&out).map_err(|e| CniFailure {
+                plugin: plugin["type"].to_string(),
+                code: Some(0),
+                stdout: out.clone(),
+                stderr: format!("the result is not JSON: {e}"),
+            })?);
+        }
+        Ok(prev.unwrap_or(Value::Null))
+    }
+
+    /// DEL through the list in reverse, with the cached result.
+    pub fn del(&self, list: &Value, a: &Attachment, result: Option<&Value>) -> Result<(), CniFailure> {
+        for plugin in list["plugins"].as_array().into_iter().flatten().rev() {
+            let conf = Self::plugin_config(list, plugin, result);
+            self.exec(plugin["type"].as_str().unwrap_or_default(), "DEL", a, conf.to_string().as_bytes())?;
+        }
+        Ok(())
+    }
+
+    /// CHECK through the list with the cached result.
+    pub fn check(&self, list: &Value, a: &Attachment, result: &Value) -> Result<(), CniFailure> {
+        for plugin in list["plugins"].as_array().into_iter().flatten() {
+            let conf = Self::plugin_config(list, plugin, Some(result));
+            self.exec(plugin["type"].as_str().unwrap_or_default(), "CHECK", a, conf.to_string().as_bytes())?;
+        }
+        Ok(())
+    }
+}
+
+/// `bridge` + `host-local` (state in `ipam_dir`) then Weir as `istio-cni` with `weir`'s
+/// fields: a cluster's conflist with Istio chained last.
+pub fn conflist(subnet: &str, ipam_dir: &Path, weir: Value) -> Value {
+    let mut istio = json!({"type": "istio-cni"});
+    for (k, v) in weir.as_object().into_iter().flatten() {
+        istio[k] = v.clone();
+    }
+    json!({
+        "cniVersion": "1.0.0",
+        "name": "k8s-pod-network",
+        "plugins": [
+            {
+                "type": "bridge",
+                "bridge": "cni0",
+                "isGateway": true,
+                "ipMasq": false,
+                "ipam": {"type": "host-local", "ranges": [[{"subnet": subnet}]], "dataDir": ipam_dir}
+            },
+            istio
+        ]
+    })
+}
+
+/// A Pod object as the API server returns it: containers `app` and (unless
+/// `sidecar` is false) `istio-proxy` with `env`, `sidecar.istio.io/status` when
+/// injected, plus `annotations`.
+pub fn pod_object(
+    namespace: &str,
+    name: &str,
+    sidecar: bool,
+    annotations: &[(&str, &str)],
+    env: &[(&str, &str)],
+) -> Value {
+    let mut all: BTreeMap<&str, &str> = annotations.iter().copied().collect();
+    let mut containers = vec![json!({"name": "app", "image": "app"})];
+    if sidecar {
+        all.entry("sidecar.istio.io/status").or_insert("{\"containers\":[\"istio-proxy\"]}");
+        let env: Vec<Value> = env.iter().map(|(k, v)| json!({"name": k, "value": v})).collect();
+        containers.push(json!({"name": "istio-proxy", "args": ["proxy", "sidecar"], "env": env}));
+    }
+    json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"namespace": namespace, "name": name, "annotations": all},
+        "spec": {"containers": containers}
+    })
+}
+
+type Pods = Arc<Mutex<BTreeMap<(String, String), Value>>>;
+
+/// A test Kubernetes API server: `GET /api/v1/namespaces/<ns>/pods/<name>` from a map
+/// of Pod objects, with a bearer-token check; records every request path.
+pub struct TestApiServer {
+    pub addr: SocketAddr,
+    pub https: bool,
+    pods: Pods,
+    pub requests: Arc<Mutex<Vec<String>>>,
+    stop: CancellationToken,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl TestApiServer {
+    /// Listens on 127.0.0.1 inside `netns`; TLS with `tls` = (cert chain, key) PEM.
+    pub fn start(netns: &NetNs, token: &str, tls: Option<(String, String)>) -> anyhow::Result<Self> {
+        let pods: Pods = Arc::default();
+        let requests: Arc<Mutex<Vec<String>>> = Arc::default();
+        let stop = CancellationToken::new();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let https = tls.is_some();
+        let acceptor = match tls {
+            Some((chain, key)) => {
+                use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject as _};
+                let certs =
+                    CertificateDer::pem_slice_iter(chain.as_bytes()).collect::<Result<Vec<_>, _>>()?;
+                let key = PrivateKeyDer::from_pem_slice(key.as_bytes())?;
+                let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
+                let config = tokio_rustls::rustls::ServerConfig::builder_with_provider(provider)
+                    .with_safe_default_protocol_versions()?
+                    .with_no_client_auth()
+                    .with_single_cert(certs, key)?;
+                Some(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
+            }
+            None => None,
+        };
+        let (p, r, s, token) = (pods.clone(), requests.clone(), stop.clone(), token.to_string());
+        let thread = netns.spawn_thread(move || async move {
+            let listener = match tokio::net::TcpListener::bind("127.0.0.1:0").await {
+                Ok(l) => l,
+                Err(e) => {
+                    let _ = tx.send(Err(e.to_string()));
+                    return;
+                }
+            };
+            let _ = tx.send(Ok(listener.local_addr().expect("bound")));
+            loop {
+                let (stream, _) = tokio::select! {
+                    _ = s.cancelled() => return,
+                    accepted = listener.accept() => match accepted { Ok(a) => a, Err(_) => continue },
+                };
+                let (p, r, token, acceptor) = (p.clone(), r.clone(), token.clone(), acceptor.clone());
+                tokio::spawn(async move {
+                    let service =
+                        hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                            let (p, r, token) = (p.clone(), r.clone(), token.clone());
+                            async move { Ok::<_, std::convert::Infallible>(answer(&p, &r, &token, &req)) }
+                        });
+                    let builder = hyper::server::conn::http1::Builder::new();
+                    match acceptor {
+                        Some(a) => {
+                            if let Ok(tls) = a.accept(stream).await {
+                                let _ = builder
+                                    .serve_connection(hyper_util::rt::TokioIo::new(tls), service)
+                                    .await;
+                            }
+                        }
+                        None => {
+                            let _ =
+                                builder.serve_connection(hyper_util::rt::TokioIo::new(stream), service).await;
+                        }
+                    }
+                });
+            }
+        })?;
+        let addr = rx.recv()?.map_err(|e| anyhow::anyhow!("test API server: {e}"))?;
+        Ok(Self { addr, https, pods, requests, stop, thread: Some(thread) })
+    }
+
+    /// Serves `pod` (a Pod object) from now on.
+    pub fn set_pod(&self, pod: Value) {
+        let key = (
+            pod["metadata"]["namespace"].as_str().unwrap_or_default().to_string(),
+            pod["metadata"]["name"].as_str().unwrap_or_default().to_string(),
+        );
+        self.pods.lock().unwrap().insert(key, pod);
+    }
+
+    /// A kubeconfig for this server (`ca_pem` for HTTPS).
+    pub fn kubeconfig(&self, token: &str, ca_pem: Option<&str>) -> String {
+        use base64::Engine as _;
+        let (scheme, host) = if self.https { ("https", "localhost") } else { ("http", "127.0.0.1") };
+        let ca = ca_pem
+            .map(|pem| {
+                format!(
+                    "\n    certificate-authority-data: {}",
+                    base64::engine::general_purpose::STANDARD.encode(pem)
+                )
+            })
+            .unwrap_or_default();
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: local\n  cluster:\n    server: {scheme}://{host}:{}{ca}\n\
+             users:\n- name: istio-cni\n  user:\n    token: {token}\ncontexts:\n- name: istio-cni-context\n  context:\n    cluster: local\n    user: istio-cni\n\
+             current-context: istio-cni-context\n",
+            self.addr.port()
+        )
+    }
+}
+
+fn answer(
+    pods: &Pods,
+    requests: &Mutex<Vec<String>>,
+    token: &str,
+    req: &hyper::Request<hyper::body::Incoming>,
+) -> hyper::Response<http_body_util::Full<bytes::Bytes>> {
+    let path = req.uri().path().to_string();
+    requests.lock().unwrap().push(path.clone());
+    let status = |code: u16, message: String| {
+        let body = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message, "code": code});
+        hyper::Response::builder()
+            .status(code)
+            .header("content-type", "application/json")
+            .body(http_body_util::Full::new(bytes::Bytes::from(body.to_string())))
+            .expect("valid response")
+    };
+    let auth = req.headers().get("authorization").and_then(|v| v.to_str().ok()).unwrap_or_default();
+    if auth != format!("Bearer {token}") {
+        return status(401, "Unauthorized".into());
+    }
+    let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
+    match parts.as_slice() {
+        ["api", "v1", "namespaces", ns, "pods", name] => {
+            match pods.lock().unwrap().get(&(ns.to_string(), name.to_string())) {
+                Some(pod) => hyper::Response::builder()
+                    .header("content-type", "application/json")
+                    .body(http_body_util::Full::new(bytes::Bytes::from(pod.to_string())))
+                    .expect("valid response"),
+                None => status(404, format!("pods \"{name}\" not found")),
+            }
+        }
+        _ => status(404, "the server could not find the requested resource".into()),
+    }
+}
+
+impl Drop for TestApiServer {
+    fn drop(&mut self) {
+        self.stop.cancel();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Writes `kubeconfig` as `<dir>/istio-cni-kubeconfig`.
+pub fn write_kubeconfig(dir: &Path, kubeconfig: &str) -> anyhow::Result<PathBuf> {
+    let path = dir.join("istio-cni-kubeconfig");
+    std::fs::write(&path, kubeconfig)?;
+    if !path.exists() {
+        bail!("kubeconfig not written");
+    }
+    Ok(path)
+}
+
+/// Starts a testkit server in `ns` as `uid`; returns once it prints `listening`.
+pub fn start_in(ns: &NetNs, uid: u32, args: &[&str]) -> anyhow::Result<crate::PodChild> {
+    use std::io::BufRead as _;
+    let mut cmd = Command::new(tools::testkit());
+    cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::inherit());
+    let placement = Placement { netns: Some(ns), user: Some((uid, uid)), ..Placement::default() };
+    let mut child = weir_agent::sandbox::process::spawn(&mut cmd, placement)?;
+    let stdout = child.child_mut().stdout.take().context("stdout")?;
+    let mut line = String::new();
+    std::io::BufReader::new(stdout).read_line(&mut line)?;
+    if !line.starts_with("listening") {
+        bail!("testkit {args:?} said {line:?}");
+    }
+    Ok(child)
+}
+
+/// Runs `program args` in `ns` as `uid` (root when `None`); stdout, or `error: <stderr>`.
+pub fn run_in(ns: &NetNs, uid: Option<u32>, program: &Path, args: &[&str]) -> String {
+    let mut cmd = Command::new(program);
+    cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let placement = Placement { netns: Some(ns), user: uid.map(|u| (u, u)), ..Placement::default() };
+    let child = weir_agent::sandbox::process::spawn(&mut cmd, placement).expect("spawn in namespace");
+    let out = child.into_inner().wait_with_output().expect("wait");
+    if out.status.success() {
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    } else {
+        format!("error: {}", String::from_utf8_lossy(&out.stderr).trim())
+    }
+}

@@ -1,0 +1,300 @@
+//! The CNI plugin chained after the reference `bridge` + `host-local` plugins, run by
+//! the rig's small CNI runtime inside a test "node" namespace, with pods as fresh
+//! network namespaces and Pod objects served by the test Kubernetes API server. ADD
+//! gives a real pod IP and capture proven with real TCP connections; CHECK notices
+//! rules removed behind its back; DEL removes them (twice is fine); bad input gets the
+//! spec's error JSON; 100 ADDs in parallel stay correct.
+
+use std::path::Path;
+
+use serde_json::{Value, json};
+use weir_agent::sandbox::{NetNs, unique_name};
+use weir_tests::{
+    capture::captured,
+    cni::{Attachment, CniRuntime, TestApiServer, conflist, pod_object, run_in, start_in, write_kubeconfig},
+    control_plane::TestCa,
+    envoy::tempfile_dir::Dir,
+    require_root, test_name, tools,
+};
+
+const TOKEN: &str = "cni-test-token";
+const SUBNET: &str = "10.77.0.0/24";
+const GATEWAY: &str = "10.77.0.1";
+
+/// A node: its namespace (lo up), the API server inside it, the plugin's run dir with
+/// the kubeconfig, and host-local's state dir.
+struct Node {
+    api: TestApiServer,
+    run_dir: Dir,
+    ipam: Dir,
+    ns: NetNs,
+}
+
+impl Node {
+    fn new(test: &str, https: bool) -> Self {
+        let ns = NetNs::create(&unique_name(&format!("{test}-node"))).unwrap();
+        assert_eq!(run_in(&ns, None, Path::new("ip"), &["link", "set", "lo", "up"]), "");
+        let (tls, ca) = if https {
+            let ca = TestCa::new("test API server CA").unwrap();
+            (Some(ca.server_cert(&["localhost"]).unwrap()), Some(ca.root_pem().to_string()))
+        } else {
+            (None, None)
+        };
+        let api = TestApiServer::start(&ns, TOKEN, tls).unwrap();
+        let run_dir = Dir::new("cni-run").unwrap();
+        write_kubeconfig(run_dir.path(), &api.kubeconfig(TOKEN, ca.as_deref())).unwrap();
+        Self { api, run_dir, ipam: Dir::new("cni-ipam").unwrap(), ns }
+    }
+
+    fn conflist(&self, weir: Value) -> Value {
+        let mut fields = json!({"cni_agent_run_dir": self.run_dir.path()});
+        for (k, v) in weir.as_object().into_iter().flatten() {
+            fields[k] = v.clone();
+        }
+        conflist(SUBNET, self.ipam.path(), fields)
+    }
+}
+
+/// A pod sandbox: its namespace, with `lo` brought up by the loopback plugin.
+fn pod_netns(rt: &CniRuntime<'_>, name: &str) -> NetNs {
+    let ns = NetNs::create(&unique_name(name)).unwrap();
+    let lo =
+        Attachment { ifname: "lo".into(), ..Attachment::pod(&format!("c-{name}"), ns.path(), "x", name) };
+    let conf = json!({"cniVersion": "1.0.0", "name": "lo", "type": "loopback"});
+    rt.exec("loopback", "ADD", &lo, conf.to_string().as_bytes()).unwrap_or_else(|e| panic!("{e}"));
+    ns
+}
+
+fn istio_rules(ns: &NetNs) -> String {
+    let mut out = run_in(ns, None, Path::new("iptables-save"), &[]);
+    out.push_str(&run_in(ns, None, Path::new("nft"), &["list", "ruleset"]));
+    out.lines().filter(|l| l.contains("ISTIO") || l.contains("istio")).collect::<Vec<_>>().join("\n")
+}
+
+fn pod_ip(result: &Value) -> String {
+    let cidr = result["ips"][0]["address"].as_str().unwrap_or_else(|| panic!("no IP in {result}"));
+    cidr.split('/').next().unwrap().to_string()
+}
+
+/// Outbound from the app (uid 1000) to the gateway and inbound from the node to the
+/// pod both land on the pod's capture listeners with their original destinations.
+fn assert_captured(node: &Node, pod: &NetNs, ip: &str) {
+    let _outbound = start_in(pod, 1337, &["capture-listener", "0.0.0.0:15001"]).unwrap();
+    let _inbound = start_in(pod, 1337, &["capture-listener", "0.0.0.0:15006"]).unwrap();
+    let out = run_in(pod, Some(1000), &tools::testkit(), &["ask", &format!("{GATEWAY}:80")]);
+    let (local, orig) =
+        captured(&out).unwrap_or_else(|| panic!("outbound not captured: {out}\n{}", istio_rules(pod)));
+    assert!(local.ends_with(":15001") && orig == format!("{GATEWAY}:80"), "{out}");
+    let out = run_in(&node.ns, None, &tools::testkit(), &["ask", &format!("{ip}:8080")]);
+    let (local, orig) = captured(&out).unwrap_or_else(|| panic!("inbound not captured: {out}"));
+    assert!(local.ends_with(":15006") && orig == format!("{ip}:8080"), "{out}");
+}
+
+fn add_check_break_del(https: bool, mode: &str) {
+    let node = Node::new(&format!("{}-{mode}", test_name!()), https);
+    node.api.set_pod(pod_object("shop", "web-1", true, &[], &[]));
+    let rt = CniRuntime::new(&node.ns).unwrap();
+    let pod = pod_netns(&rt, "web-1");
+    let list = node.conflist(json!({"capture_mode": mode}));
+    let a = Attachment::pod("c-web-1", pod.path(), "shop", "web-1");
+
+    let result = rt.add(&list, &a).unwrap_or_else(|e| panic!("ADD: {e}"));
+    let ip = pod_ip(&result);
+    assert!(ip.starts_with("10.77.0."), "{result}");
+    assert_eq!(result["cniVersion"], "1.0.0");
+    assert!(
+        result["interfaces"].as_array().is_some_and(|i| !i.is_empty()),
+        "the bridge's result passed on: {result}"
+    );
+    assert!(node.api.requests.lock().unwrap().iter().any(|p| p == "/api/v1/namespaces/shop/pods/web-1"));
+    let rules = istio_rules(&pod);
+    match mode {
+        "nftables" => assert!(rules.contains("table inet istio-proxy-nat"), "{rules}"),
+        _ => assert!(
+            rules.contains("-A ISTIO_OUTPUT") && rules.contains("-A PREROUTING -p tcp -j ISTIO_INBOUND"),
+            "{rules}"
+        ),
+    }
+    assert_captured(&node, &pod, &ip);
+    rt.check(&list, &a, &result).unwrap_or_else(|e| panic!("CHECK: {e}"));
+
+    // Rules removed behind the plugin's back: CHECK says so.
+    match mode {
+        "nftables" => {
+            let tables = run_in(&pod, None, Path::new("nft"), &["list", "tables"]);
+            for table in tables.lines().filter(|l| l.contains("istio")) {
+                let name = table.split_whitespace().last().unwrap();
+                run_in(&pod, None, Path::new("nft"), &["delete", "table", "inet", name]);
+            }
+        }
+        _ => {
+            run_in(&pod, None, Path::new("iptables"), &["-t", "nat", "-F"]);
+            run_in(&pod, None, Path::new("iptables"), &["-t", "nat", "-X"]);
+        }
+    }
+    let e = rt.check(&list, &a, &result).unwrap_err();
+    assert_eq!(e.plugin, "istio-cni", "{e}");
+    assert_eq!(e.error()["code"], 100, "{e}");
+    assert!(e.error()["msg"].as_str().unwrap().contains("not captured"), "{e}");
+
+    // Weir's ADD again (the runtime retrying) restores them; DEL removes; DEL twice
+    // is fine.
+    let weir = CniRuntime::plugin_config(&list, &list["plugins"][1], Some(&result));
+    rt.exec("istio-cni", "ADD", &a, weir.to_string().as_bytes()).unwrap_or_else(|e| panic!("ADD again: {e}"));
+    rt.check(&list, &a, &result).unwrap_or_else(|e| panic!("CHECK after ADD again: {e}"));
+    assert!(!istio_rules(&pod).is_empty());
+    rt.del(&list, &a, Some(&result)).unwrap_or_else(|e| panic!("DEL: {e}"));
+    assert_eq!(istio_rules(&pod), "", "DEL left rules");
+    rt.del(&list, &a, Some(&result)).unwrap_or_else(|e| panic!("second DEL: {e}"));
+}
+
+#[test]
+fn iptables_capture_is_added_checked_and_deleted() {
+    require_root!();
+    add_check_break_del(false, "iptables");
+}
+
+#[test]
+fn nftables_capture_over_an_https_api_server() {
+    require_root!();
+    add_check_break_del(true, "nftables");
+}
+
+#[test]
+fn pods_without_a_sidecar_or_in_excluded_namespaces_are_passed_through() {
+    require_root!();
+    let node = Node::new(&test_name!(), false);
+    node.api.set_pod(pod_object("shop", "plain", false, &[], &[]));
+    node.api.set_pod(pod_object("shop", "opted-out", true, &[("sidecar.istio.io/inject", "false")], &[]));
+    node.api.set_pod(pod_object("shop", "vm-style", true, &[], &[("DISABLE_ENVOY", "true")]));
+    node.api.set_pod(pod_object("istio-system", "gw", true, &[], &[]));
+    let rt = CniRuntime::new(&node.ns).unwrap();
+    let list = node.conflist(json!({"exclude_namespaces": ["istio-system"]}));
+    for (namespace, name) in
+        [("shop", "plain"), ("shop", "opted-out"), ("shop", "vm-style"), ("istio-system", "gw")]
+    {
+        let pod = pod_netns(&rt, name);
+        let a = Attachment::pod(&format!("c-{name}"), pod.path(), namespace, name);
+        let result = rt.add(&list, &a).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(result["ips"][0]["address"].is_string(), "{name}: prevResult passed on: {result}");
+        assert_eq!(istio_rules(&pod), "", "{name} was captured");
+        rt.del(&list, &a, Some(&result)).unwrap();
+    }
+    let asked = node.api.requests.lock().unwrap().clone();
+    assert!(
+        !asked.iter().any(|p| p.contains("istio-system")),
+        "excluded namespaces are not looked up: {asked:?}"
+    );
+}
+
+/// Runs weir-cni alone with `stdin` and CNI_* for `netns`; the error object.
+fn plugin_error(rt: &CniRuntime<'_>, command: &str, netns: &Path, stdin: &str) -> Value {
+    let a = Attachment::pod("c-bad", netns, "shop", "web-1");
+    let e = rt.exec("weir-cni", command, &a, stdin.as_bytes()).expect_err("the plugin should fail");
+    assert_eq!(e.code, Some(1), "{e}");
+    assert!(!e.stdout.contains("level=") && !e.stdout.contains("INFO"), "logs on stdout: {}", e.stdout);
+    e.error()
+}
+
+#[test]
+fn bad_input_gets_the_specs_error_json() {
+    require_root!();
+    let node = Node::new(&test_name!(), false);
+    let rt = CniRuntime::new(&node.ns).unwrap();
+    let pod = pod_netns(&rt, "web-1");
+    let dir = node.run_dir.path().display().to_string();
+    let good = json!({"cniVersion": "1.0.0", "name": "k8s", "type": "weir-cni", "cni_agent_run_dir": dir})
+        .to_string();
+
+    let e = plugin_error(&rt, "ADD", pod.path(), "{not json");
+    assert_eq!(e["code"], 6, "{e}");
+    let e = plugin_error(&rt, "ADD", pod.path(), r#"{"cniVersion": "9.9.9", "name": "k8s"}"#);
+    assert_eq!(e["code"], 1, "{e}");
+    let e = plugin_error(&rt, "ADD", Path::new("/run/netns/does-not-exist"), &good);
+    assert_eq!(e["code"], 3, "{e}");
+    assert!(e["msg"].as_str().unwrap().contains("/run/netns/does-not-exist"), "{e}");
+    let e = plugin_error(&rt, "CHECK", pod.path(), &good);
+    assert_eq!(e["code"], 7, "{e}");
+    assert!(e["msg"].as_str().unwrap().contains("prevResult"), "{e}");
+    // The pod is unknown to the API server: named, no retry loop.
+    let e = plugin_error(&rt, "ADD", pod.path(), &good);
+    assert_eq!(e["code"], 101, "{e}");
+    assert!(e["details"].as_str().unwrap().contains("pod shop/web-1 not found"), "{e}");
+    // A wrong token: the API server's answer is in the details.
+    let bad_token = Dir::new("cni-bad-token").unwrap();
+    write_kubeconfig(bad_token.path(), &node.api.kubeconfig("stolen", None)).unwrap();
+    node.api.set_pod(pod_object("shop", "web-1", true, &[], &[]));
+    let other =
+        json!({"cniVersion": "1.0.0", "name": "k8s", "cni_agent_run_dir": bad_token.path()}).to_string();
+    let e = plugin_error(&rt, "ADD", pod.path(), &other);
+    assert!(e["details"].as_str().unwrap().contains("HTTP 401"), "{e}");
+    // A bad capture annotation is named.
+    node.api.set_pod(pod_object(
+        "shop",
+        "web-1",
+        true,
+        &[("traffic.sidecar.istio.io/excludeInboundPorts", "http")],
+        &[],
+    ));
+    let e = plugin_error(&rt, "ADD", pod.path(), &good);
+    assert_eq!(e["code"], 102, "{e}");
+    assert!(e["details"].as_str().unwrap().contains("traffic.sidecar.istio.io/excludeInboundPorts"), "{e}");
+    assert_eq!(istio_rules(&pod), "", "nothing half applied");
+
+    // VERSION and STATUS.
+    let a = Attachment::pod("c", pod.path(), "shop", "web-1");
+    let v: Value =
+        serde_json::from_str(&rt.exec("weir-cni", "VERSION", &a, b"{\"cniVersion\":\"1.0.0\"}").unwrap())
+            .unwrap();
+    assert!(v["supportedVersions"].as_array().unwrap().contains(&json!("0.4.0")), "{v}");
+    rt.exec("weir-cni", "STATUS", &a, good.as_bytes()).unwrap();
+    let missing =
+        json!({"cniVersion": "1.1.0", "name": "k8s", "cni_agent_run_dir": "/nonexistent"}).to_string();
+    let e = plugin_error(&rt, "STATUS", pod.path(), &missing);
+    assert_eq!(e["code"], 50, "{e}");
+}
+
+#[test]
+fn a_hundred_parallel_adds_each_capture_their_own_pod() {
+    require_root!();
+    const PODS: usize = 100;
+    let node = Node::new(&test_name!(), false);
+    for i in 0..PODS {
+        node.api.set_pod(pod_object("load", &format!("p{i}"), true, &[], &[]));
+    }
+    let rt = CniRuntime::new(&node.ns).unwrap();
+    let list = node.conflist(json!({"capture_mode": "iptables"}));
+    let pods: Vec<NetNs> =
+        (0..PODS).map(|i| NetNs::create(&unique_name(&format!("p{i}"))).unwrap()).collect();
+    let results: Vec<Result<Value, String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = pods
+            .iter()
+            .enumerate()
+            .map(|(i, ns)| {
+                let (rt, list) = (&rt, &list);
+                s.spawn(move || {
+                    let a = Attachment::pod(&format!("c-p{i}"), ns.path(), "load", &format!("p{i}"));
+                    rt.add(list, &a).map_err(|e| e.to_string())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let failures: Vec<String> = results.iter().filter_map(|r| r.as_ref().err().cloned()).collect();
+    assert!(failures.is_empty(), "{} of {PODS} ADDs failed:\n{}", failures.len(), failures.join("\n"));
+    let mut ips: Vec<String> = results.iter().map(|r| pod_ip(r.as_ref().unwrap())).collect();
+    // Every pod has its own address and exactly one copy of the rules.
+    for (i, ns) in pods.iter().enumerate() {
+        let rules = run_in(ns, None, Path::new("iptables-save"), &["-t", "nat"]);
+        assert_eq!(rules.matches("-A ISTIO_OUTPUT -j ISTIO_REDIRECT").count(), 1, "pod {i}:\n{rules}");
+        let addr = run_in(ns, None, Path::new("ip"), &["-4", "-o", "addr", "show", "eth0"]);
+        assert!(addr.contains(&format!("{}/24", ips[i])), "pod {i} holds {addr}, CNI said {}", ips[i]);
+    }
+    ips.sort();
+    ips.dedup();
+    assert_eq!(ips.len(), PODS, "addresses are unique");
+    for (i, ns) in pods.iter().enumerate() {
+        let a = Attachment::pod(&format!("c-p{i}"), ns.path(), "load", &format!("p{i}"));
+        rt.del(&list, &a, results[i].as_ref().ok()).unwrap_or_else(|e| panic!("DEL p{i}: {e}"));
+    }
+}
