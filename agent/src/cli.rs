@@ -50,8 +50,8 @@ pub enum WeirCommand {
     Request(PassThrough),
     /// Print the effective configuration: `weir config [dump] [proxy flags]`.
     Config(PassThrough),
-    /// CNI plugin and node install.
-    Cni(PassThrough),
+    /// The CNI plugin's node side: install, uninstall, repair.
+    Cni(Box<crate::cni_cmd::CniArgs>),
     /// Run Weir's main job on an embedded default: a demo pod with real Envoy and capture.
     Demo(DemoArgs),
     /// Remove sandboxes (namespaces, cgroups, processes) left by demos or tests that died.

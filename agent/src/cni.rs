@@ -1,8 +1,10 @@
 //! The CNI plugin (argv[0] `weir-cni` or `istio-cni`, chained after the cluster's
 //! primary CNI): the protocol (`spec`), what to do for a pod (`pod`), where the pod
 //! comes from (`kube`, the Kubernetes API through the node's kubeconfig), and ADD /
-//! DEL / CHECK applying capture inside the pod's network namespace (`plugin`).
+//! DEL / CHECK applying capture inside the pod's network namespace (`plugin`), and
+//! the node side that installs and keeps the plugin chained (`install`).
 
+pub mod install;
 pub mod kube;
 pub mod plugin;
 pub mod pod;

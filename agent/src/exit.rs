@@ -4,7 +4,7 @@
 pub const OK: u8 = 0;
 /// A runtime failure (rules not applied, Envoy failed, ...).
 pub const FAILURE: u8 = 1;
-/// The command exists in pilot-agent's surface but Weir has not built it yet.
-pub const NOT_BUILT: u8 = 2;
+/// clap's usage errors (unknown subcommand, missing argument).
+pub const CLAP_USAGE: u8 = 2;
 /// Bad configuration or flags (EX_USAGE).
 pub const USAGE: u8 = 64;

@@ -7,6 +7,7 @@ pub mod build_info;
 pub mod capture_cmd;
 pub mod cli;
 pub mod cni;
+pub mod cni_cmd;
 pub mod config;
 pub mod controlplane;
 pub mod demo;

@@ -68,7 +68,7 @@ fn run_weir(cli: WeirCli) -> u8 {
                 Err(code) => code,
             }
         }
-        WeirCommand::Cni(_) => not_built("`cni`", "CNI-chained node plugin"),
+        WeirCommand::Cni(args) => edge(weir_agent::cni_cmd::run(*args)),
         WeirCommand::Demo(args) => edge(demo::run(&args)),
         WeirCommand::Sandbox(args) => edge(run_sandbox(args.command)),
         WeirCommand::Version(args) => version(&args),
@@ -199,11 +199,6 @@ fn edge(result: anyhow::Result<()>) -> u8 {
             exit::FAILURE
         }
     }
-}
-
-fn not_built(what: &str, area: &str) -> u8 {
-    eprintln!("weir: {what} is not built yet (issue area: {area})");
-    exit::NOT_BUILT
 }
 
 fn version(args: &VersionArgs) -> u8 {

@@ -1,0 +1,363 @@
+//! Node install (`weir cni install` / `uninstall`), what istio-cni's DaemonSet does:
+//! put the plugin binary into the CNI bin dir (atomically), write the plugin's
+//! kubeconfig (from the pod's service account, or a given file), and chain Weir into
+//! the primary CNI's network config (a `.conf` becomes a `.conflist`, as Istio does);
+//! then keep it there: the primary CNI rewriting its file (istio/istio#11037) or a
+//! rotated token is repaired on the next poll. Uninstall takes out exactly what install
+//! put in (istio/istio.io#16748). The config editing is pure (`insert`, `remove`).
+
+use std::{
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use serde_json::{Map, Value, json};
+
+/// The plugin type Weir chains as (its binary's name in the CNI bin dir).
+pub const PLUGIN_TYPE: &str = "weir-cni";
+/// Istio's plugin type: replaced when found, so Weir takes over from istio-cni.
+pub const ISTIO_PLUGIN_TYPE: &str = "istio-cni";
+
+#[derive(Debug, thiserror::Error)]
+pub enum InstallError {
+    #[error("{path}: {message}")]
+    Config { path: PathBuf, message: String },
+    #[error("no CNI network config (*.conf, *.conflist) in {dir} yet")]
+    NoPrimary { dir: PathBuf },
+    #[error("{what} {path}")]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "the service account's {what} is missing ({path}): is this running in a pod with a service account?"
+    )]
+    ServiceAccount { what: &'static str, path: PathBuf },
+}
+
+fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> InstallError {
+    let path = path.to_path_buf();
+    move |source| InstallError::Io { what, path, source }
+}
+
+/// What install does and where.
+#[derive(Debug, Clone)]
+pub struct InstallSettings {
+    /// `CNI_NET_DIR` (the host's /etc/cni/net.d, mounted).
+    pub net_dir: PathBuf,
+    /// `CNI_BIN_DIR` (the host's /opt/cni/bin, mounted).
+    pub bin_dir: PathBuf,
+    /// `CNI_CONF_NAME`: the primary config's file name; the first one kubelet would
+    /// pick when empty.
+    pub conf_name: Option<String>,
+    /// Where the kubeconfig goes (`cni_agent_run_dir`).
+    pub run_dir: PathBuf,
+    /// Weir's entry in the chain (type, run dir and options are set by install).
+    pub plugin: Map<String, Value>,
+    /// The binary to install (this executable by default).
+    pub binary: PathBuf,
+    pub kubeconfig: KubeconfigSource,
+}
+
+/// Where the plugin's kubeconfig comes from.
+#[derive(Debug, Clone)]
+pub enum KubeconfigSource {
+    /// In-cluster: `KUBERNETES_SERVICE_HOST`/`_PORT` and the service account's token
+    /// and CA (re-read on every poll: tokens rotate).
+    ServiceAccount { host: String, port: String, dir: PathBuf },
+    /// A kubeconfig file copied as is.
+    File(PathBuf),
+}
+
+/// The entry Weir adds to a chain.
+pub fn plugin_entry(s: &InstallSettings) -> Value {
+    let mut entry = s.plugin.clone();
+    entry.insert("type".into(), json!(PLUGIN_TYPE));
+    entry.insert("cni_agent_run_dir".into(), json!(s.run_dir));
+    Value::Object(entry)
+}
+
+/// `existing` with `entry` chained last (replacing an older Weir or istio-cni entry).
+/// A single-plugin `.conf` becomes a list, as Istio's installer makes it.
+pub fn insert(existing: &Value, entry: &Value) -> Result<Value, String> {
+    let mut entry = entry.clone();
+    if let Some(e) = entry.as_object_mut() {
+        e.remove("cniVersion");
+    }
+    let obj = existing.as_object().ok_or("not a JSON object")?;
+    if obj.contains_key("type") {
+        let mut single = obj.clone();
+        let version = single.remove("cniVersion").unwrap_or_else(|| json!("0.3.1"));
+        let name = single.get("name").cloned().unwrap_or_else(|| json!("k8s-pod-network"));
+        return Ok(json!({ "cniVersion": version, "name": name, "plugins": [Value::Object(single), entry] }));
+    }
+    let mut list = obj.clone();
+    let plugins = list.get_mut("plugins").and_then(Value::as_array_mut).ok_or("no \"plugins\" list")?;
+    plugins.retain(|p| !is_ours(p));
+    plugins.push(entry);
+    Ok(Value::Object(list))
+}
+
+/// `existing` without Weir's (or istio-cni's) entry.
+pub fn remove(existing: &Value) -> Value {
+    let mut out = existing.clone();
+    if let Some(plugins) = out.get_mut("plugins").and_then(Value::as_array_mut) {
+        plugins.retain(|p| !is_ours(p));
+    }
+    out
+}
+
+fn is_ours(plugin: &Value) -> bool {
+    matches!(plugin["type"].as_str(), Some(PLUGIN_TYPE) | Some(ISTIO_PLUGIN_TYPE))
+}
+
+/// Whether `config` already ends with exactly `entry`.
+pub fn is_installed(config: &Value, entry: &Value) -> bool {
+    let mut entry = entry.clone();
+    if let Some(e) = entry.as_object_mut() {
+        e.remove("cniVersion");
+    }
+    config["plugins"].as_array().and_then(|p| p.last()).is_some_and(|last| *last == entry)
+}
+
+/// The primary config kubelet would use: `conf_name`, or the first valid `*.conf` /
+/// `*.conflist` in name order (a `.conf` whose `.conflist` twin exists is the list).
+pub fn primary_config(net_dir: &Path, conf_name: Option<&str>) -> Result<PathBuf, InstallError> {
+    if let Some(name) = conf_name {
+        let path = net_dir.join(name);
+        for candidate in [path.clone(), PathBuf::from(format!("{}list", path.display()))] {
+            if candidate.exists() {
+                return Ok(candidate);
+            }
+        }
+        return Err(InstallError::NoPrimary { dir: net_dir.into() });
+    }
+    let mut names: Vec<PathBuf> = std::fs::read_dir(net_dir)
+        .map_err(io("read the CNI config dir", net_dir))?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| matches!(p.extension().and_then(|e| e.to_str()), Some("conf") | Some("conflist")))
+        .collect();
+    names.sort();
+    names
+        .into_iter()
+        .find(|p| {
+            std::fs::read(p).ok().and_then(|b| serde_json::from_slice::<Value>(&b).ok()).is_some_and(|v| {
+                v["type"].is_string() || v["plugins"].as_array().is_some_and(|p| !p.is_empty())
+            })
+        })
+        .ok_or_else(|| InstallError::NoPrimary { dir: net_dir.into() })
+}
+
+/// Writes `text` to `path` atomically with `mode`.
+fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), InstallError> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let tmp =
+        path.with_file_name(format!(".{}.weir-tmp", path.file_name().unwrap_or_default().to_string_lossy()));
+    std::fs::write(&tmp, bytes).map_err(io("write", &tmp))?;
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode)).map_err(io("chmod", &tmp))?;
+    std::fs::rename(&tmp, path).map_err(io("rename into place", path))
+}
+
+/// The kubeconfig text for the plugin.
+pub fn kubeconfig_text(source: &KubeconfigSource) -> Result<String, InstallError> {
+    use base64::Engine as _;
+    match source {
+        KubeconfigSource::File(path) => std::fs::read_to_string(path).map_err(io("read kubeconfig", path)),
+        KubeconfigSource::ServiceAccount { host, port, dir } => {
+            let read = |what: &'static str, name: &str| {
+                let path = dir.join(name);
+                std::fs::read(&path).map_err(|_| InstallError::ServiceAccount { what, path })
+            };
+            let token = String::from_utf8_lossy(&read("token", "token")?).trim().to_string();
+            let ca = base64::engine::general_purpose::STANDARD.encode(read("CA certificate", "ca.crt")?);
+            let host = if host.contains(':') { format!("[{host}]") } else { host.clone() };
+            Ok(format!(
+                "# Written by weir cni install; rewritten when the token rotates.\napiVersion: v1\nkind: Config\n\
+                 clusters:\n- name: local\n  cluster:\n    server: https://{host}:{port}\n    certificate-authority-data: {ca}\n\
+                 users:\n- name: weir-cni\n  user:\n    token: {token}\n\
+                 contexts:\n- name: weir-cni-context\n  context:\n    cluster: local\n    user: weir-cni\n\
+                 current-context: weir-cni-context\n"
+            ))
+        }
+    }
+}
+
+/// What one pass changed.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Changes {
+    pub binary: bool,
+    pub kubeconfig: bool,
+    /// The config file Weir is chained into, when it had to be (re)written.
+    pub chained_into: Option<PathBuf>,
+}
+
+/// One install pass: makes everything as it should be, changing only what differs.
+pub fn ensure(s: &InstallSettings) -> Result<Changes, InstallError> {
+    let mut changes = Changes::default();
+    // The binary.
+    let target = s.bin_dir.join(PLUGIN_TYPE);
+    let want = std::fs::read(&s.binary).map_err(io("read the plugin binary", &s.binary))?;
+    if std::fs::read(&target).ok().as_deref() != Some(&want[..]) {
+        std::fs::create_dir_all(&s.bin_dir).map_err(io("create", &s.bin_dir))?;
+        write_atomic(&target, &want, 0o755)?;
+        changes.binary = true;
+    }
+    // The kubeconfig.
+    std::fs::create_dir_all(&s.run_dir).map_err(io("create", &s.run_dir))?;
+    let kubeconfig = s.run_dir.join(super::plugin::KUBECONFIG_NAME);
+    let text = kubeconfig_text(&s.kubeconfig)?;
+    if std::fs::read_to_string(&kubeconfig).ok().as_deref() != Some(text.as_str()) {
+        write_atomic(&kubeconfig, text.as_bytes(), 0o600)?;
+        changes.kubeconfig = true;
+    }
+    // The chain.
+    let path = primary_config(&s.net_dir, s.conf_name.as_deref())?;
+    let bad = |message: String| InstallError::Config { path: path.clone(), message };
+    let bytes = std::fs::read(&path).map_err(io("read", &path))?;
+    let existing: Value = serde_json::from_slice(&bytes).map_err(|e| bad(e.to_string()))?;
+    let entry = plugin_entry(s);
+    if !is_installed(&existing, &entry) {
+        let chained = insert(&existing, &entry).map_err(bad)?;
+        let text = serde_json::to_vec_pretty(&chained).expect("JSON serializes");
+        let target = if path.extension().is_some_and(|e| e == "conf") {
+            // kubelet picks by name: the list takes the .conf's place.
+            let list = path.with_extension("conflist");
+            write_atomic(&list, &text, 0o644)?;
+            std::fs::remove_file(&path).map_err(io("remove", &path))?;
+            list
+        } else {
+            write_atomic(&path, &text, 0o644)?;
+            path.clone()
+        };
+        changes.chained_into = Some(target);
+    }
+    Ok(changes)
+}
+
+/// Takes Weir out: its chain entry, the kubeconfig and the binary. Missing parts are
+/// fine (uninstall is idempotent).
+pub fn uninstall(s: &InstallSettings) -> Result<(), InstallError> {
+    if let Ok(path) = primary_config(&s.net_dir, s.conf_name.as_deref()) {
+        let bytes = std::fs::read(&path).map_err(io("read", &path))?;
+        if let Ok(existing) = serde_json::from_slice::<Value>(&bytes) {
+            let cleaned = remove(&existing);
+            if cleaned != existing {
+                write_atomic(&path, &serde_json::to_vec_pretty(&cleaned).expect("JSON serializes"), 0o644)?;
+                tracing::info!(config = %path.display(), "removed weir-cni from the chain");
+            }
+        }
+    }
+    for path in [s.run_dir.join(super::plugin::KUBECONFIG_NAME), s.bin_dir.join(PLUGIN_TYPE)] {
+        match std::fs::remove_file(&path) {
+            Ok(()) => tracing::info!(path = %path.display(), "removed"),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io("remove", &path)(e)),
+        }
+    }
+    Ok(())
+}
+
+/// Install, then keep it installed every `interval` until `stop` resolves; then
+/// uninstall when `uninstall_on_exit`.
+pub async fn watch(
+    s: &InstallSettings,
+    interval: Duration,
+    uninstall_on_exit: bool,
+    stop: impl std::future::Future<Output = ()>,
+) -> Result<(), InstallError> {
+    tokio::pin!(stop);
+    let mut first = true;
+    loop {
+        match ensure(s) {
+            Ok(changes) if changes != Changes::default() => {
+                let repaired = !first;
+                tracing::info!(
+                    binary = changes.binary,
+                    kubeconfig = changes.kubeconfig,
+                    chained_into = ?changes.chained_into.as_ref().map(|p| p.display().to_string()),
+                    repaired,
+                    "weir-cni installed"
+                );
+            }
+            Ok(_) => {}
+            Err(InstallError::NoPrimary { dir }) => {
+                tracing::warn!(dir = %dir.display(), "waiting for the primary CNI to write its network config");
+            }
+            Err(e) if first => return Err(e),
+            Err(e) => tracing::error!(error = %crate::error_chain(&e), "cannot keep weir-cni installed"),
+        }
+        first = false;
+        tokio::select! {
+            _ = &mut stop => break,
+            _ = tokio::time::sleep(interval) => {}
+        }
+    }
+    if uninstall_on_exit {
+        uninstall(s)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry() -> Value {
+        json!({"type": "weir-cni", "cni_agent_run_dir": "/var/run/istio-cni", "capture_mode": "auto"})
+    }
+
+    #[test]
+    fn a_conf_becomes_a_list_and_a_list_gains_one_entry() {
+        let conf = json!({"cniVersion": "1.0.0", "name": "cbr0", "type": "bridge", "bridge": "cni0"});
+        let chained = insert(&conf, &entry()).unwrap();
+        assert_eq!(chained["cniVersion"], "1.0.0");
+        assert_eq!(chained["name"], "cbr0");
+        assert_eq!(chained["plugins"][0]["type"], "bridge");
+        assert!(chained["plugins"][0].get("cniVersion").is_none());
+        assert_eq!(chained["plugins"][1], entry());
+        assert!(is_installed(&chained, &entry()));
+
+        let list = json!({"cniVersion": "0.4.0", "name": "k8s", "plugins": [
+            {"type": "calico"}, {"type": "istio-cni", "log_level": "info"}, {"type": "portmap"}]});
+        let chained = insert(&list, &entry()).unwrap();
+        let types: Vec<_> =
+            chained["plugins"].as_array().unwrap().iter().map(|p| p["type"].as_str().unwrap()).collect();
+        assert_eq!(types, ["calico", "portmap", "weir-cni"], "istio-cni is replaced, Weir goes last");
+        assert_eq!(insert(&chained, &entry()).unwrap(), chained, "idempotent");
+        let removed = remove(&chained);
+        let types: Vec<_> =
+            removed["plugins"].as_array().unwrap().iter().map(|p| p["type"].as_str().unwrap()).collect();
+        assert_eq!(types, ["calico", "portmap"]);
+        assert!(insert(&json!({"name": "x"}), &entry()).is_err());
+        assert!(insert(&json!([1]), &entry()).is_err());
+    }
+
+    #[test]
+    fn the_primary_config_is_the_one_kubelet_would_pick() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(matches!(primary_config(dir.path(), None), Err(InstallError::NoPrimary { .. })));
+        std::fs::write(
+            dir.path().join("20-b.conflist"),
+            r#"{"cniVersion":"1.0.0","name":"b","plugins":[{"type":"ptp"}]}"#,
+        )
+        .unwrap();
+        std::fs::write(dir.path().join("10-a.conf"), r#"{"cniVersion":"1.0.0","name":"a","plugins":[]}"#)
+            .unwrap();
+        std::fs::write(dir.path().join("05-notes.txt"), "x").unwrap();
+        assert_eq!(
+            primary_config(dir.path(), None).unwrap(),
+            dir.path().join("20-b.conflist"),
+            "invalid configs skipped"
+        );
+        std::fs::write(dir.path().join("15-c.conf"), r#"{"cniVersion":"1.0.0","name":"c","type":"bridge"}"#)
+            .unwrap();
+        assert_eq!(primary_config(dir.path(), None).unwrap(), dir.path().join("15-c.conf"));
+        assert_eq!(
+            primary_config(dir.path(), Some("20-b.conflist")).unwrap(),
+            dir.path().join("20-b.conflist")
+        );
+    }
+}

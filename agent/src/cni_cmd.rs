@@ -1,0 +1,148 @@
+//! `weir cni install|uninstall`: the node side of the CNI plugin, as istio-cni's
+//! DaemonSet runs it (flags, or the same env vars Istio's installer reads).
+
+use std::{path::PathBuf, time::Duration};
+
+use anyhow::Context as _;
+use clap::{Args, Subcommand};
+use serde_json::{Map, Value, json};
+
+use crate::cni::install::{self, InstallSettings, KubeconfigSource};
+
+#[derive(Debug, Args)]
+pub struct CniArgs {
+    #[command(subcommand)]
+    pub command: CniCommand,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum CniCommand {
+    /// Install the plugin and chain it into the primary CNI's config; keep it there
+    /// (unless --once) and take it out again on SIGTERM.
+    Install(InstallArgs),
+    /// Take the plugin out: its chain entry, kubeconfig and binary.
+    Uninstall(InstallArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct InstallArgs {
+    /// The CNI network config dir (the host's /etc/cni/net.d, mounted).
+    #[arg(long, env = "MOUNTED_CNI_NET_DIR", default_value = "/host/etc/cni/net.d")]
+    pub cni_net_dir: PathBuf,
+    /// The CNI plugin dir (the host's /opt/cni/bin, mounted).
+    #[arg(long, env = "CNI_BIN_DIR", default_value = "/host/opt/cni/bin")]
+    pub cni_bin_dir: PathBuf,
+    /// The primary config's file name (default: the one kubelet picks).
+    #[arg(long, env = "CNI_CONF_NAME")]
+    pub cni_conf_name: Option<String>,
+    /// Where the plugin's kubeconfig goes (the plugin's cni_agent_run_dir).
+    #[arg(long, env = "CNI_AGENT_RUN_DIR", default_value = crate::cni::plugin::DEFAULT_RUN_DIR)]
+    pub run_dir: PathBuf,
+    /// Copy this kubeconfig instead of building one from the pod's service account.
+    #[arg(long, env = "WEIR_CNI_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// The service account folder (token, ca.crt) for the in-cluster kubeconfig.
+    #[arg(long, default_value = "/var/run/secrets/kubernetes.io/serviceaccount")]
+    pub service_account_dir: PathBuf,
+    /// ebpf, nftables, iptables or auto.
+    #[arg(long, env = "WEIR_CAPTURE_MODE", default_value = "auto")]
+    pub capture_mode: String,
+    /// Istio's native nftables switch.
+    #[arg(long, env = "NATIVE_NFTABLES", default_value_t = false)]
+    pub native_nftables: bool,
+    /// Namespaces whose pods are never captured (comma separated).
+    #[arg(long, env = "EXCLUDE_NAMESPACES", default_value = "kube-system")]
+    pub exclude_namespaces: String,
+    /// The plugin's log level.
+    #[arg(long, env = "PLUGIN_LOG_LEVEL", default_value = "info")]
+    pub plugin_log_level: String,
+    /// The binary to install (default: this one).
+    #[arg(long)]
+    pub binary: Option<PathBuf>,
+    /// One pass, then exit (no watching, no uninstall).
+    #[arg(long)]
+    pub once: bool,
+    /// How often the chain and kubeconfig are checked.
+    #[arg(long, default_value = "1s", value_parser = parse_duration)]
+    pub interval: Duration,
+    /// Leave the plugin installed when the watcher stops.
+    #[arg(long)]
+    pub keep_on_exit: bool,
+}
+
+fn parse_duration(v: &str) -> Result<Duration, String> {
+    crate::config::env::parse_duration(v)
+        .ok_or_else(|| format!("{v:?} is not a duration such as 1s or 500ms"))
+}
+
+impl InstallArgs {
+    fn settings(&self) -> anyhow::Result<InstallSettings> {
+        let mode = self.capture_mode.as_str();
+        anyhow::ensure!(
+            matches!(mode, "ebpf" | "nftables" | "iptables" | "auto"),
+            "--capture-mode {mode:?}: expected ebpf, nftables, iptables or auto"
+        );
+        let kubeconfig = match &self.kubeconfig {
+            Some(path) => KubeconfigSource::File(path.clone()),
+            None => KubeconfigSource::ServiceAccount {
+                host: std::env::var("KUBERNETES_SERVICE_HOST")
+                    .context("KUBERNETES_SERVICE_HOST is not set (not in a pod?): pass --kubeconfig")?,
+                port: std::env::var("KUBERNETES_SERVICE_PORT").unwrap_or_else(|_| "443".into()),
+                dir: self.service_account_dir.clone(),
+            },
+        };
+        let excluded: Vec<Value> = self
+            .exclude_namespaces
+            .split(',')
+            .map(str::trim)
+            .filter(|n| !n.is_empty())
+            .map(|n| json!(n))
+            .collect();
+        let mut plugin = Map::new();
+        plugin.insert("plugin_log_level".into(), json!(self.plugin_log_level));
+        plugin.insert("exclude_namespaces".into(), Value::Array(excluded));
+        plugin.insert("capture_mode".into(), json!(self.capture_mode));
+        plugin.insert("native_nftables".into(), json!(self.native_nftables));
+        Ok(InstallSettings {
+            net_dir: self.cni_net_dir.clone(),
+            bin_dir: self.cni_bin_dir.clone(),
+            conf_name: self.cni_conf_name.clone(),
+            run_dir: self.run_dir.clone(),
+            plugin,
+            binary: match &self.binary {
+                Some(b) => b.clone(),
+                None => std::env::current_exe().context("find this executable")?,
+            },
+            kubeconfig,
+        })
+    }
+}
+
+pub fn run(args: CniArgs) -> anyhow::Result<()> {
+    match args.command {
+        CniCommand::Uninstall(a) => {
+            install::uninstall(&a.settings()?)?;
+            Ok(())
+        }
+        CniCommand::Install(a) => {
+            let s = a.settings()?;
+            if a.once {
+                let changes = install::ensure(&s)?;
+                tracing::info!(?changes, "weir-cni installed");
+                return Ok(());
+            }
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            runtime.block_on(async {
+                let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+                let stop = async move {
+                    tokio::select! {
+                        _ = term.recv() => tracing::info!("SIGTERM: uninstalling"),
+                        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: uninstalling"),
+                    }
+                };
+                install::watch(&s, a.interval, !a.keep_on_exit, stop).await?;
+                Ok(())
+            })
+        }
+    }
+}

@@ -1,0 +1,195 @@
+//! `weir cni install` on a node's CNI folders (temporary ones here): the binary and
+//! kubeconfig are written, Weir is chained into the primary config (a `.conf` becomes
+//! a `.conflist`), a primary CNI rewriting its file gets Weir re-inserted, a rotated
+//! service-account token rewrites the kubeconfig, and SIGTERM takes out exactly what
+//! was put in.
+
+use std::{
+    path::PathBuf,
+    process::{Command, Stdio},
+    time::Duration,
+};
+
+use serde_json::Value;
+use weir_tests::{control_plane::eventually, envoy::tempfile_dir::Dir, tools};
+
+struct Host {
+    _dir: Dir,
+    net: PathBuf,
+    bin: PathBuf,
+    run: PathBuf,
+    sa: PathBuf,
+}
+
+impl Host {
+    fn new() -> Self {
+        let dir = Dir::new("cni-host").unwrap();
+        let p = |s: &str| {
+            let path = dir.path().join(s);
+            std::fs::create_dir_all(&path).unwrap();
+            path
+        };
+        let (net, bin, run, sa) = (p("etc/cni/net.d"), p("opt/cni/bin"), p("var/run/istio-cni"), p("sa"));
+        std::fs::write(sa.join("token"), "token-1").unwrap();
+        std::fs::write(sa.join("ca.crt"), "-----BEGIN CERTIFICATE-----\n").unwrap();
+        Self { _dir: dir, net, bin, run, sa }
+    }
+
+    fn install(&self, extra: &[&str]) -> Command {
+        let mut cmd = Command::new(tools::weir());
+        cmd.args(["cni", "install", "--cni-net-dir"])
+            .arg(&self.net)
+            .arg("--cni-bin-dir")
+            .arg(&self.bin)
+            .arg("--run-dir")
+            .arg(&self.run)
+            .arg("--service-account-dir")
+            .arg(&self.sa)
+            .args(extra)
+            .env_clear()
+            .env("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+            .env("KUBERNETES_SERVICE_PORT", "443")
+            .env("WEIR_LOG", "info");
+        cmd
+    }
+
+    fn config(&self, name: &str) -> Value {
+        serde_json::from_slice(&std::fs::read(self.net.join(name)).unwrap()).unwrap()
+    }
+}
+
+fn types(config: &Value) -> Vec<String> {
+    config["plugins"].as_array().unwrap().iter().map(|p| p["type"].as_str().unwrap().to_string()).collect()
+}
+
+const BRIDGE_CONF: &str = r#"{"cniVersion": "0.4.0", "name": "cbr0", "type": "bridge", "bridge": "cni0",
+  "ipam": {"type": "host-local", "subnet": "10.244.0.0/24"}}"#;
+const PRIMARY_LIST: &str = r#"{"cniVersion": "1.0.0", "name": "k8s-pod-network", "plugins": [
+  {"type": "ptp", "ipam": {"type": "host-local", "subnet": "10.244.0.0/24"}}, {"type": "portmap", "capabilities": {"portMappings": true}}]}"#;
+
+#[test]
+fn once_writes_the_binary_the_kubeconfig_and_the_chain() {
+    let host = Host::new();
+    std::fs::write(host.net.join("10-bridge.conf"), BRIDGE_CONF).unwrap();
+    let out = host
+        .install(&[
+            "--once",
+            "--capture-mode",
+            "nftables",
+            "--exclude-namespaces",
+            "kube-system,istio-system",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+
+    // The .conf became a .conflist with Weir last.
+    assert!(!host.net.join("10-bridge.conf").exists());
+    let list = host.config("10-bridge.conflist");
+    assert_eq!(types(&list), ["bridge", "weir-cni"]);
+    assert_eq!(list["cniVersion"], "0.4.0");
+    let weir = &list["plugins"][1];
+    assert_eq!(weir["capture_mode"], "nftables");
+    assert_eq!(weir["exclude_namespaces"], serde_json::json!(["kube-system", "istio-system"]));
+    assert_eq!(weir["cni_agent_run_dir"], host.run.display().to_string());
+
+    // The binary is this weir, executable; the kubeconfig is the service account's.
+    let bin = host.bin.join("weir-cni");
+    assert_eq!(std::fs::read(&bin).unwrap(), std::fs::read(tools::weir()).unwrap());
+    use std::os::unix::fs::PermissionsExt as _;
+    assert_eq!(std::fs::metadata(&bin).unwrap().permissions().mode() & 0o777, 0o755);
+    let kubeconfig = std::fs::read_to_string(host.run.join("istio-cni-kubeconfig")).unwrap();
+    assert!(
+        kubeconfig.contains("server: https://10.96.0.1:443") && kubeconfig.contains("token: token-1"),
+        "{kubeconfig}"
+    );
+    assert_eq!(
+        std::fs::metadata(host.run.join("istio-cni-kubeconfig")).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    // The installed plugin answers as a CNI plugin.
+    let v = Command::new(&bin).env("CNI_COMMAND", "VERSION").output().unwrap();
+    assert!(String::from_utf8_lossy(&v.stdout).contains("supportedVersions"));
+
+    // A second pass changes nothing.
+    let before = std::fs::read(host.net.join("10-bridge.conflist")).unwrap();
+    assert!(
+        host.install(&[
+            "--once",
+            "--capture-mode",
+            "nftables",
+            "--exclude-namespaces",
+            "kube-system,istio-system"
+        ])
+        .status()
+        .unwrap()
+        .success()
+    );
+    assert_eq!(std::fs::read(host.net.join("10-bridge.conflist")).unwrap(), before);
+}
+
+fn wait_for(what: &str, f: impl FnMut() -> bool) {
+    let mut f = f;
+    eventually(Duration::from_secs(10), || f().then_some(()))
+        .unwrap_or_else(|| panic!("{what} did not happen in 10 s"));
+}
+
+#[test]
+fn the_watcher_reinserts_after_a_rewrite_follows_the_token_and_uninstalls_on_sigterm() {
+    let host = Host::new();
+    std::fs::write(host.net.join("10-k8s.conflist"), PRIMARY_LIST).unwrap();
+    let log = host.run.parent().unwrap().join("install.log");
+    let mut child = host
+        .install(&["--interval", "100ms"])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let chained = |h: &Host| types(&h.config("10-k8s.conflist")) == ["ptp", "portmap", "weir-cni"];
+    wait_for("install", || chained(&host));
+
+    // The primary CNI rewrites its config (istio/istio#11037): Weir comes back.
+    std::fs::write(host.net.join("10-k8s.conflist"), PRIMARY_LIST).unwrap();
+    wait_for("re-insertion", || chained(&host));
+    // The token rotates: the kubeconfig follows.
+    std::fs::write(host.sa.join("token"), "token-2").unwrap();
+    let kubeconfig = host.run.join("istio-cni-kubeconfig");
+    wait_for("kubeconfig rewrite", || {
+        std::fs::read_to_string(&kubeconfig).unwrap_or_default().contains("token: token-2")
+    });
+
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM)
+        .unwrap();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{}", std::fs::read_to_string(&log).unwrap());
+    assert_eq!(
+        types(&host.config("10-k8s.conflist")),
+        ["ptp", "portmap"],
+        "Weir's entry removed, the rest untouched"
+    );
+    assert_eq!(host.config("10-k8s.conflist")["plugins"][1]["capabilities"]["portMappings"], true);
+    assert!(!kubeconfig.exists() && !host.bin.join("weir-cni").exists(), "kubeconfig and binary removed");
+    let log = std::fs::read_to_string(&log).unwrap();
+    assert!(log.contains("repaired=true"), "{log}");
+}
+
+#[test]
+fn install_errors_name_what_is_missing() {
+    let host = Host::new();
+    let out = host.install(&["--once"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no CNI network config") && err.contains(&host.net.display().to_string()), "{err}");
+
+    std::fs::write(host.net.join("10-k8s.conflist"), PRIMARY_LIST).unwrap();
+    let out = host.install(&["--once", "--capture-mode", "magic"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--capture-mode \"magic\""));
+
+    std::fs::remove_file(host.sa.join("token")).unwrap();
+    let out = host.install(&["--once"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("service account's token") && err.contains("sa/token"), "{err}");
+    let out = host.install(&["--once"]).env_remove("KUBERNETES_SERVICE_HOST").output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("KUBERNETES_SERVICE_HOST"));
+}
