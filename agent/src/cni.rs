@@ -4,6 +4,7 @@
 //! DEL / CHECK applying capture inside the pod's network namespace (`plugin`), and
 //! the node side that installs and keeps the plugin chained (`install`).
 
+pub mod ebpf;
 pub mod install;
 pub mod kube;
 pub mod plugin;

@@ -7,7 +7,10 @@ use anyhow::Context as _;
 use clap::{Args, Subcommand};
 use serde_json::{Map, Value, json};
 
-use crate::cni::install::{self, InstallSettings, KubeconfigSource};
+use crate::{
+    cni::install::{self, InstallSettings, KubeconfigSource},
+    privileges::{self, Capability},
+};
 
 #[derive(Debug, Args)]
 pub struct CniArgs {
@@ -56,6 +59,13 @@ pub struct InstallArgs {
     /// The plugin's log level.
     #[arg(long, env = "PLUGIN_LOG_LEVEL", default_value = "info")]
     pub plugin_log_level: String,
+    /// Attach Weir's eBPF capture to this cgroup (the one holding the node's pods,
+    /// e.g. /sys/fs/cgroup/kubepods.slice); pods are then registered by the plugin.
+    #[arg(long, env = "WEIR_EBPF_CGROUP")]
+    pub ebpf_cgroup: Option<PathBuf>,
+    /// The node capture's name (its pins under /sys/fs/bpf/weir/).
+    #[arg(long, default_value = crate::cni::ebpf::DEFAULT_NODE_CAPTURE)]
+    pub ebpf_name: String,
     /// The binary to install (default: this one).
     #[arg(long)]
     pub binary: Option<PathBuf>,
@@ -114,6 +124,7 @@ impl InstallArgs {
                 None => std::env::current_exe().context("find this executable")?,
             },
             kubeconfig,
+            ebpf: self.ebpf_cgroup.clone().map(|cgroup| (self.ebpf_name.clone(), cgroup)),
         })
     }
 }
@@ -121,10 +132,22 @@ impl InstallArgs {
 pub fn run(args: CniArgs) -> anyhow::Result<()> {
     match args.command {
         CniCommand::Uninstall(a) => {
+            if a.ebpf_cgroup.is_some() {
+                privileges::require(
+                    &[Capability::SysAdmin, Capability::Bpf],
+                    "weir cni uninstall --ebpf-cgroup",
+                )?;
+            }
             install::uninstall(&a.settings()?)?;
             Ok(())
         }
         CniCommand::Install(a) => {
+            if a.ebpf_cgroup.is_some() {
+                privileges::require(
+                    &[Capability::SysAdmin, Capability::NetAdmin, Capability::Bpf],
+                    "weir cni install --ebpf-cgroup",
+                )?;
+            }
             let s = a.settings()?;
             if a.once {
                 let changes = install::ensure(&s)?;

@@ -418,10 +418,14 @@ pub fn write_kubeconfig(dir: &Path, kubeconfig: &str) -> anyhow::Result<PathBuf>
 
 /// Starts a testkit server in `ns` as `uid`; returns once it prints `listening`.
 pub fn start_in(ns: &NetNs, uid: u32, args: &[&str]) -> anyhow::Result<crate::PodChild> {
+    start_placed(Placement { netns: Some(ns), user: Some((uid, uid)), ..Placement::default() }, args)
+}
+
+/// As [`start_in`], placed as `placement` says (a cgroup for eBPF capture).
+pub fn start_placed(placement: Placement<'_>, args: &[&str]) -> anyhow::Result<crate::PodChild> {
     use std::io::BufRead as _;
     let mut cmd = Command::new(tools::testkit());
     cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::inherit());
-    let placement = Placement { netns: Some(ns), user: Some((uid, uid)), ..Placement::default() };
     let mut child = weir_agent::sandbox::process::spawn(&mut cmd, placement)?;
     let stdout = child.child_mut().stdout.take().context("stdout")?;
     let mut line = String::new();
@@ -434,9 +438,17 @@ pub fn start_in(ns: &NetNs, uid: u32, args: &[&str]) -> anyhow::Result<crate::Po
 
 /// Runs `program args` in `ns` as `uid` (root when `None`); stdout, or `error: <stderr>`.
 pub fn run_in(ns: &NetNs, uid: Option<u32>, program: &Path, args: &[&str]) -> String {
+    run_placed(
+        Placement { netns: Some(ns), user: uid.map(|u| (u, u)), ..Placement::default() },
+        program,
+        args,
+    )
+}
+
+/// As [`run_in`], placed as `placement` says.
+pub fn run_placed(placement: Placement<'_>, program: &Path, args: &[&str]) -> String {
     let mut cmd = Command::new(program);
     cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
-    let placement = Placement { netns: Some(ns), user: uid.map(|u| (u, u)), ..Placement::default() };
     let child = weir_agent::sandbox::process::spawn(&mut cmd, placement).expect("spawn in namespace");
     let out = child.into_inner().wait_with_output().expect("wait");
     if out.status.success() {

@@ -10,11 +10,15 @@ use std::path::Path;
 use serde_json::{Value, json};
 use weir_agent::sandbox::{NetNs, unique_name};
 use weir_tests::{
+    Placement,
     capture::captured,
-    cni::{Attachment, CniRuntime, TestApiServer, conflist, pod_object, run_in, start_in, write_kubeconfig},
+    cni::{
+        Attachment, CniRuntime, TestApiServer, conflist, pod_object, run_in, run_placed, start_in,
+        start_placed, write_kubeconfig,
+    },
     control_plane::TestCa,
     envoy::tempfile_dir::Dir,
-    require_root, test_name, tools,
+    require_root, test_cgroup, test_name, tools,
 };
 
 const TOKEN: &str = "cni-test-token";
@@ -297,4 +301,101 @@ fn a_hundred_parallel_adds_each_capture_their_own_pod() {
         let a = Attachment::pod(&format!("c-p{i}"), ns.path(), "load", &format!("p{i}"));
         rt.del(&list, &a, results[i].as_ref().ok()).unwrap_or_else(|e| panic!("DEL p{i}: {e}"));
     }
+}
+
+/// Detaches the node's eBPF capture when the test ends, passed or not.
+struct NodeCapture(String);
+
+impl Drop for NodeCapture {
+    fn drop(&mut self) {
+        let _ = weir_agent::cni::ebpf::detach_node(&self.0);
+    }
+}
+
+#[test]
+fn ebpf_capture_registers_pods_with_the_node_capture() {
+    require_root!();
+    let node = Node::new(&test_name!(), false);
+    node.api.set_pod(pod_object("shop", "web-1", true, &[], &[]));
+    let cgroup = test_cgroup(&test_name!());
+    let name = unique_name("cni-node");
+    let _guard = NodeCapture(name.clone());
+
+    // The node side: `weir cni install --ebpf-cgroup` attaches and pins the programs.
+    let host = Dir::new("cni-host").unwrap();
+    let (net, bin, run) = (host.path().join("net.d"), host.path().join("bin"), host.path().join("run"));
+    std::fs::create_dir_all(&net).unwrap();
+    std::fs::write(
+        net.join("10-k8s.conflist"),
+        r#"{"cniVersion":"1.0.0","name":"k8s","plugins":[{"type":"ptp"}]}"#,
+    )
+    .unwrap();
+    let kubeconfig = node.run_dir.path().join("istio-cni-kubeconfig");
+    let cg = cgroup.path().display().to_string();
+    let out = std::process::Command::new(tools::weir())
+        .args(["cni", "install", "--once", "--ebpf-cgroup", &cg, "--ebpf-name", &name])
+        .arg("--cni-net-dir")
+        .arg(&net)
+        .arg("--cni-bin-dir")
+        .arg(&bin)
+        .arg("--run-dir")
+        .arg(&run)
+        .arg("--kubeconfig")
+        .arg(&kubeconfig)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let installed: Value =
+        serde_json::from_slice(&std::fs::read(net.join("10-k8s.conflist")).unwrap()).unwrap();
+    assert_eq!(installed["plugins"][1]["ebpf_node_capture"], name.as_str());
+    assert!(Path::new("/sys/fs/bpf/weir").join(&name).join("maps").exists(), "node capture pinned");
+
+    let rt = CniRuntime::new(&node.ns).unwrap();
+    let pod = pod_netns(&rt, "web-1");
+    let list = node.conflist(json!({"capture_mode": "auto", "ebpf_node_capture": name}));
+    let a = Attachment::pod("c-web-1", pod.path(), "shop", "web-1");
+    let result = rt.add(&list, &a).unwrap_or_else(|e| panic!("ADD: {e}"));
+    let ip = pod_ip(&result);
+    assert_eq!(istio_rules(&pod), "", "auto picked eBPF: no netfilter rules");
+
+    // Processes in the pods' cgroup and the pod's namespace are captured.
+    let placed = |uid: u32| Placement {
+        netns: Some(&pod),
+        cgroup: Some(&cgroup),
+        user: Some((uid, uid)),
+        ..Placement::default()
+    };
+    let _outbound = start_placed(placed(1337), &["capture-listener", "0.0.0.0:15001"]).unwrap();
+    let _inbound = start_placed(placed(1337), &["capture-listener", "0.0.0.0:15006"]).unwrap();
+    let out = run_placed(placed(1000), &tools::testkit(), &["ask", &format!("{GATEWAY}:80")]);
+    let (local, orig) = captured(&out).unwrap_or_else(|| panic!("outbound not captured: {out}"));
+    assert!(local.ends_with(":15001") && orig == format!("{GATEWAY}:80"), "{out}");
+    let out = run_in(&node.ns, None, &tools::testkit(), &["ask", &format!("{ip}:8080")]);
+    let (local, _) = captured(&out).unwrap_or_else(|| panic!("inbound not captured: {out}"));
+    // Nothing listens on 8080: the 15006 listener answered; sk_assign keeps the original
+    // destination as the local address.
+    assert_eq!(local, format!("{ip}:8080"), "{out}");
+    rt.check(&list, &a, &result).unwrap_or_else(|e| panic!("CHECK: {e}"));
+
+    // DEL unregisters: the app's connections go where they were sent; CHECK says so.
+    rt.del(&list, &a, Some(&result)).unwrap_or_else(|e| panic!("DEL: {e}"));
+    let out = run_placed(placed(1000), &tools::testkit(), &["ask", &format!("{GATEWAY}:80")]);
+    assert!(out.starts_with("error:"), "still captured after DEL: {out}");
+    rt.del(&list, &a, Some(&result)).unwrap_or_else(|e| panic!("second DEL: {e}"));
+
+    // Uninstall detaches the node capture.
+    let out = std::process::Command::new(tools::weir())
+        .args(["cni", "uninstall", "--ebpf-cgroup", &cg, "--ebpf-name", &name])
+        .arg("--cni-net-dir")
+        .arg(&net)
+        .arg("--cni-bin-dir")
+        .arg(&bin)
+        .arg("--run-dir")
+        .arg(&run)
+        .arg("--kubeconfig")
+        .arg(&kubeconfig)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(!Path::new("/sys/fs/bpf/weir").join(&name).exists(), "node capture unpinned");
 }

@@ -35,6 +35,8 @@ pub enum InstallError {
         "the service account's {what} is missing ({path}): is this running in a pod with a service account?"
     )]
     ServiceAccount { what: &'static str, path: PathBuf },
+    #[error("eBPF node capture")]
+    Ebpf(#[from] super::ebpf::CniEbpfError),
 }
 
 fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> InstallError {
@@ -59,6 +61,8 @@ pub struct InstallSettings {
     /// The binary to install (this executable by default).
     pub binary: PathBuf,
     pub kubeconfig: KubeconfigSource,
+    /// eBPF: attach the node capture (its name) to the pods' cgroup.
+    pub ebpf: Option<(String, PathBuf)>,
 }
 
 /// Where the plugin's kubeconfig comes from.
@@ -76,6 +80,9 @@ pub fn plugin_entry(s: &InstallSettings) -> Value {
     let mut entry = s.plugin.clone();
     entry.insert("type".into(), json!(PLUGIN_TYPE));
     entry.insert("cni_agent_run_dir".into(), json!(s.run_dir));
+    if let Some((name, _)) = &s.ebpf {
+        entry.insert("ebpf_node_capture".into(), json!(name));
+    }
     Value::Object(entry)
 }
 
@@ -197,6 +204,12 @@ pub struct Changes {
 /// One install pass: makes everything as it should be, changing only what differs.
 pub fn ensure(s: &InstallSettings) -> Result<Changes, InstallError> {
     let mut changes = Changes::default();
+    // The node's eBPF capture, before any pod can be chained to it.
+    if let Some((name, cgroup)) = &s.ebpf
+        && super::ebpf::attach_node(name, cgroup)?
+    {
+        tracing::info!(node_capture = %name, cgroup = %cgroup.display(), "eBPF node capture attached");
+    }
     // The binary.
     let target = s.bin_dir.join(PLUGIN_TYPE);
     let want = std::fs::read(&s.binary).map_err(io("read the plugin binary", &s.binary))?;
@@ -249,6 +262,10 @@ pub fn uninstall(s: &InstallSettings) -> Result<(), InstallError> {
                 tracing::info!(config = %path.display(), "removed weir-cni from the chain");
             }
         }
+    }
+    if let Some((name, _)) = &s.ebpf {
+        super::ebpf::detach_node(name)?;
+        tracing::info!(node_capture = %name, "eBPF node capture detached");
     }
     for path in [s.run_dir.join(super::plugin::KUBECONFIG_NAME), s.bin_dir.join(PLUGIN_TYPE)] {
         match std::fs::remove_file(&path) {

@@ -1,6 +1,7 @@
 //! One CNI invocation: ADD captures a sidecar pod's traffic inside its network
-//! namespace (iptables or native nftables through weir-iptables, with a lock private
-//! to that namespace) and passes `prevResult` on; DEL removes what ADD made and is
+//! namespace (eBPF through the node's pinned capture, or iptables / native nftables
+//! through weir-iptables with a lock private to that namespace) and passes
+//! `prevResult` on; DEL removes what ADD made and is
 //! idempotent (a namespace already gone is success); CHECK verifies the rules are
 //! still there; VERSION, STATUS and GC answer per the spec. stdout carries only the
 //! result or the error JSON; logs go to stderr.
@@ -23,27 +24,26 @@ pub const DEFAULT_RUN_DIR: &str = "/var/run/istio-cni";
 const POD_LOOKUP_ATTEMPTS: u32 = 30;
 const POD_LOOKUP_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
 
-/// Which rule backend captures the pod.
+/// Which backend captures the pod.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CaptureMode {
+    Ebpf,
     Iptables,
     Nftables,
 }
 
 impl CaptureMode {
-    /// `capture_mode` (Weir's) and `native_nftables` (Istio's). `auto` picks native
-    /// nftables when Istio's flag asks for it, else iptables, Istio's default.
+    /// `capture_mode` (Weir's) and `native_nftables` (Istio's). `auto` picks eBPF when
+    /// the node capture is attached, else native nftables when Istio's flag asks for
+    /// it, else iptables, Istio's default.
     pub fn from_conf(conf: &NetConf) -> Result<Self, CniError> {
         match conf.capture_mode.as_deref().unwrap_or("auto") {
             "iptables" => Ok(Self::Iptables),
             "nftables" => Ok(Self::Nftables),
+            "ebpf" => Ok(Self::Ebpf),
+            "auto" if super::ebpf::node_capture_present(node_capture(conf)) => Ok(Self::Ebpf),
             "auto" if conf.native_nftables => Ok(Self::Nftables),
             "auto" => Ok(Self::Iptables),
-            "ebpf" => Err(CniError::new(
-                code::INVALID_CONFIG,
-                "capture_mode \"ebpf\" is not available from the CNI plugin yet",
-                "use iptables, nftables or auto",
-            )),
             other => Err(CniError::new(
                 code::INVALID_CONFIG,
                 format!("capture_mode {other:?} is not a capture mode"),
@@ -51,6 +51,15 @@ impl CaptureMode {
             )),
         }
     }
+}
+
+/// The node's eBPF capture name.
+fn node_capture(conf: &NetConf) -> &str {
+    conf.ebpf_node_capture.as_deref().unwrap_or(super::ebpf::DEFAULT_NODE_CAPTURE)
+}
+
+fn ebpf_error(what: String) -> impl FnOnce(super::ebpf::CniEbpfError) -> CniError {
+    move |e| CniError::new(code::CAPTURE_FAILED, what, crate::error_chain(&e))
 }
 
 /// What a command printed on success (stdout; empty for DEL/CHECK/STATUS/GC).
@@ -67,7 +76,7 @@ pub fn run(command: Command, stdin: &[u8], env: impl Fn(&str) -> Option<String>)
         let inv = Invocation::from_env(command, &env)?;
         match command {
             Command::Add => add(&conf, &inv).map(|()| conf.result()),
-            Command::Del => del(&inv).map(|()| String::new()),
+            Command::Del => del(&conf, &inv).map(|()| String::new()),
             Command::Check => check(&conf, &inv).map(|()| String::new()),
             Command::Status => status(&conf).map(|()| String::new()),
             Command::Gc | Command::Version => Ok(String::new()),
@@ -148,7 +157,11 @@ fn lookup(client: &KubeClient, namespace: &str, name: &str) -> Result<PodInfo, C
 }
 
 /// The capture config and run options for `pod` in `netns`.
-fn plan(conf: &NetConf, pod: &PodInfo, netns: &Path) -> Result<(CaptureConfig, RunOptions), CniError> {
+fn plan(
+    conf: &NetConf,
+    pod: &PodInfo,
+    netns: &Path,
+) -> Result<(CaptureMode, CaptureConfig, RunOptions), CniError> {
     let mode = CaptureMode::from_conf(conf)?;
     let facts = weir_iptables::detect::SystemFacts { netns: Some(netns.into()) };
     let addresses = facts.addresses().map_err(|e| {
@@ -181,7 +194,7 @@ fn plan(conf: &NetConf, pod: &PodInfo, netns: &Path) -> Result<(CaptureConfig, R
         host_ip,
         ..RunOptions::default()
     };
-    Ok((cfg, opts))
+    Ok((mode, cfg, opts))
 }
 
 fn netns_of(inv: &Invocation) -> Result<PathBuf, CniError> {
@@ -199,7 +212,15 @@ fn netns_of(inv: &Invocation) -> Result<PathBuf, CniError> {
 fn add(conf: &NetConf, inv: &Invocation) -> Result<(), CniError> {
     let netns = netns_of(inv)?;
     let Some(pod) = pod_to_capture(conf, inv)? else { return Ok(()) };
-    let (cfg, opts) = plan(conf, &pod, &netns)?;
+    let (mode, cfg, opts) = plan(conf, &pod, &netns)?;
+    let who = format!("{}/{}", pod.namespace, pod.name);
+    if mode == CaptureMode::Ebpf {
+        let node = node_capture(conf);
+        let cookie = super::ebpf::register(node, &inv.container_id, &netns, &inv.ifname, &cfg)
+            .map_err(ebpf_error(format!("cannot capture pod {who} with eBPF in {}", netns.display())))?;
+        tracing::info!(pod = %who, netns = %netns.display(), backend = "ebpf", node_capture = node, netns_cookie = cookie, "pod captured");
+        return Ok(());
+    }
     let report = weir_iptables::program(&cfg, &opts).map_err(|e| {
         CniError::new(
             code::CAPTURE_FAILED,
@@ -220,7 +241,9 @@ fn add(conf: &NetConf, inv: &Invocation) -> Result<(), CniError> {
 
 /// Removes Weir's (and Istio's) capture from the namespace: both backends, since DEL
 /// is not told which one ADD used, and TPROXY's routes. A missing namespace is done.
-fn del(inv: &Invocation) -> Result<(), CniError> {
+fn del(conf: &NetConf, inv: &Invocation) -> Result<(), CniError> {
+    super::ebpf::unregister(node_capture(conf), &inv.container_id)
+        .map_err(ebpf_error(format!("cannot remove the eBPF capture of container {}", inv.container_id)))?;
     let Some(netns) = inv.netns.as_deref().map(PathBuf::from).filter(|p| p.exists()) else {
         tracing::info!(container = %inv.container_id, "network namespace already gone: nothing to remove");
         return Ok(());
@@ -252,7 +275,24 @@ fn check(conf: &NetConf, inv: &Invocation) -> Result<(), CniError> {
     }
     let netns = netns_of(inv)?;
     let Some(pod) = pod_to_capture(conf, inv)? else { return Ok(()) };
-    let (cfg, opts) = plan(conf, &pod, &netns)?;
+    let (mode, cfg, opts) = plan(conf, &pod, &netns)?;
+    if mode == CaptureMode::Ebpf {
+        let node = node_capture(conf);
+        let ok = super::ebpf::registered(node, &inv.container_id, &netns)
+            .map_err(ebpf_error(format!("cannot check the eBPF capture in {}", netns.display())))?;
+        return if ok {
+            Ok(())
+        } else {
+            Err(CniError::new(
+                code::CAPTURE_FAILED,
+                format!(
+                    "pod {}/{} is not captured: not registered with the eBPF node capture {node}",
+                    pod.namespace, pod.name
+                ),
+                "",
+            ))
+        };
+    }
     let verdict = weir_iptables::apply::verify(&cfg, &opts).map_err(|e| {
         CniError::new(
             code::CAPTURE_FAILED,

@@ -207,6 +207,9 @@ pub struct NetConf {
     /// Weir: ebpf | nftables | iptables | auto.
     #[serde(default)]
     pub capture_mode: Option<String>,
+    /// Weir: the node's pinned eBPF capture (`weir cni install --ebpf-cgroup`).
+    #[serde(default)]
+    pub ebpf_node_capture: Option<String>,
     /// The pod namespace of the node agent itself (its own pods are never captured).
     #[serde(default)]
     pub pod_namespace: Option<String>,
