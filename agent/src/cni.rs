@@ -9,6 +9,7 @@ pub mod install;
 pub mod kube;
 pub mod plugin;
 pub mod pod;
+pub mod repair;
 pub mod spec;
 
 use std::io::{Read as _, Write as _};

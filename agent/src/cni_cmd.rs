@@ -1,4 +1,4 @@
-//! `weir cni install|uninstall`: the node side of the CNI plugin, as istio-cni's
+//! `weir cni install|uninstall|repair`: the node side of the CNI plugin, as istio-cni's
 //! DaemonSet runs it (flags, or the same env vars Istio's installer reads).
 
 use std::{path::PathBuf, time::Duration};
@@ -25,6 +25,77 @@ pub enum CniCommand {
     Install(InstallArgs),
     /// Take the plugin out: its chain entry, kubeconfig and binary.
     Uninstall(InstallArgs),
+    /// Capture the node's sidecar pods that started before the plugin was installed.
+    Repair(RepairArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct RepairArgs {
+    /// This node's name (as in the pods' spec.nodeName).
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: String,
+    /// Where the container runtime names pod network namespaces.
+    #[arg(long, env = "WEIR_NETNS_DIR", default_value = "/var/run/netns")]
+    pub netns_dir: PathBuf,
+    /// The plugin's kubeconfig (as installed).
+    #[arg(long, default_value = "/var/run/istio-cni/istio-cni-kubeconfig")]
+    pub kubeconfig: PathBuf,
+    /// The plugin's config: what `install` chained (capture mode and options).
+    #[arg(long, env = "WEIR_CAPTURE_MODE", default_value = "auto")]
+    pub capture_mode: String,
+    #[arg(long, env = "NATIVE_NFTABLES", default_value_t = false)]
+    pub native_nftables: bool,
+    #[arg(long, env = "EXCLUDE_NAMESPACES", default_value = "kube-system")]
+    pub exclude_namespaces: String,
+    #[arg(long, default_value = crate::cni::ebpf::DEFAULT_NODE_CAPTURE)]
+    pub ebpf_name: String,
+    /// One pass, then exit 1 if any pod could not be repaired.
+    #[arg(long)]
+    pub once: bool,
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    pub interval: Duration,
+}
+
+fn repair(a: &RepairArgs) -> anyhow::Result<()> {
+    use crate::cni::{kube::KubeClient, repair, spec::NetConf};
+    let excluded: Vec<&str> =
+        a.exclude_namespaces.split(',').map(str::trim).filter(|n| !n.is_empty()).collect();
+    let conf = json!({
+        "cniVersion": "1.0.0",
+        "name": "weir-repair",
+        "capture_mode": a.capture_mode,
+        "native_nftables": a.native_nftables,
+        "exclude_namespaces": excluded,
+        "ebpf_node_capture": a.ebpf_name,
+    });
+    let conf = NetConf::parse(conf.to_string().as_bytes()).map_err(|e| anyhow::anyhow!("{e}"))?;
+    loop {
+        let client = KubeClient::load(&a.kubeconfig)?;
+        let report = repair::repair(&conf, repair::list(&client, &a.node_name)?, &a.netns_dir);
+        tracing::info!(
+            node = %a.node_name,
+            repaired = report.repaired.len(),
+            already_captured = report.already_captured.len(),
+            not_found = report.not_found.len(),
+            failed = report.failed.len(),
+            "repair pass"
+        );
+        if a.once {
+            for (pod, netns) in &report.repaired {
+                println!("repaired {pod} in {}", netns.display());
+            }
+            for pod in &report.not_found {
+                println!("not found {pod} (no namespace in {} holds its IP)", a.netns_dir.display());
+            }
+            anyhow::ensure!(
+                report.failed.is_empty(),
+                "could not repair: {}",
+                report.failed.iter().map(|(p, e)| format!("{p}: {e}")).collect::<Vec<_>>().join("; ")
+            );
+            return Ok(());
+        }
+        std::thread::sleep(a.interval);
+    }
 }
 
 #[derive(Debug, Args)]
@@ -131,6 +202,10 @@ impl InstallArgs {
 
 pub fn run(args: CniArgs) -> anyhow::Result<()> {
     match args.command {
+        CniCommand::Repair(a) => {
+            privileges::require(&[Capability::SysAdmin, Capability::NetAdmin], "weir cni repair")?;
+            repair(&a)
+        }
         CniCommand::Uninstall(a) => {
             if a.ebpf_cgroup.is_some() {
                 privileges::require(

@@ -369,7 +369,7 @@ fn answer(
     req: &hyper::Request<hyper::body::Incoming>,
 ) -> hyper::Response<http_body_util::Full<bytes::Bytes>> {
     let path = req.uri().path().to_string();
-    requests.lock().unwrap().push(path.clone());
+    requests.lock().unwrap().push(req.uri().to_string());
     let status = |code: u16, message: String| {
         let body = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message, "code": code});
         hyper::Response::builder()
@@ -383,6 +383,24 @@ fn answer(
         return status(401, "Unauthorized".into());
     }
     let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
+    if parts == ["api", "v1", "pods"] {
+        // `?fieldSelector=spec.nodeName=<node>` (the only selector the plugin uses).
+        let query = req.uri().query().unwrap_or_default().replace("%3D", "=");
+        let node =
+            query.split('&').find_map(|kv| kv.strip_prefix("fieldSelector=spec.nodeName=")).map(String::from);
+        let items: Vec<Value> = pods
+            .lock()
+            .unwrap()
+            .values()
+            .filter(|p| node.as_deref().is_none_or(|n| p["spec"]["nodeName"] == n))
+            .cloned()
+            .collect();
+        let list = json!({"apiVersion": "v1", "kind": "PodList", "items": items});
+        return hyper::Response::builder()
+            .header("content-type", "application/json")
+            .body(http_body_util::Full::new(bytes::Bytes::from(list.to_string())))
+            .expect("valid response");
+    }
     match parts.as_slice() {
         ["api", "v1", "namespaces", ns, "pods", name] => {
             match pods.lock().unwrap().get(&(ns.to_string(), name.to_string())) {

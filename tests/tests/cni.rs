@@ -83,12 +83,14 @@ fn pod_ip(result: &Value) -> String {
 /// Outbound from the app (uid 1000) to the gateway and inbound from the node to the
 /// pod both land on the pod's capture listeners with their original destinations.
 fn assert_captured(node: &Node, pod: &NetNs, ip: &str) {
+    // The bridge's gateway: .1 of the pod's /24.
+    let gateway = format!("{}.1", ip.rsplit_once('.').unwrap().0);
     let _outbound = start_in(pod, 1337, &["capture-listener", "0.0.0.0:15001"]).unwrap();
     let _inbound = start_in(pod, 1337, &["capture-listener", "0.0.0.0:15006"]).unwrap();
-    let out = run_in(pod, Some(1000), &tools::testkit(), &["ask", &format!("{GATEWAY}:80")]);
+    let out = run_in(pod, Some(1000), &tools::testkit(), &["ask", &format!("{gateway}:80")]);
     let (local, orig) =
         captured(&out).unwrap_or_else(|| panic!("outbound not captured: {out}\n{}", istio_rules(pod)));
-    assert!(local.ends_with(":15001") && orig == format!("{GATEWAY}:80"), "{out}");
+    assert!(local.ends_with(":15001") && orig == format!("{gateway}:80"), "{out}");
     let out = run_in(&node.ns, None, &tools::testkit(), &["ask", &format!("{ip}:8080")]);
     let (local, orig) = captured(&out).unwrap_or_else(|| panic!("inbound not captured: {out}"));
     assert!(local.ends_with(":15006") && orig == format!("{ip}:8080"), "{out}");
@@ -398,4 +400,63 @@ fn ebpf_capture_registers_pods_with_the_node_capture() {
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(!Path::new("/sys/fs/bpf/weir").join(&name).exists(), "node capture unpinned");
+}
+
+#[test]
+fn repair_captures_pods_that_started_before_the_plugin() {
+    require_root!();
+    let node = Node::new(&test_name!(), false);
+    let rt = CniRuntime::new(&node.ns).unwrap();
+    // The cluster's CNI without Weir: these pods start uncaptured. (A subnet of its
+    // own: repair finds namespaces by pod IP among every namespace on the machine.)
+    let mut before = conflist("10.79.0.0/24", node.ipam.path(), json!({}));
+    before["plugins"].as_array_mut().unwrap().pop();
+    let mut pods = Vec::new();
+    for (name, sidecar) in [("old-web", true), ("old-plain", false)] {
+        let ns = pod_netns(&rt, name);
+        let result =
+            rt.add(&before, &Attachment::pod(&format!("c-{name}"), ns.path(), "shop", name)).unwrap();
+        let mut object = pod_object("shop", name, sidecar, &[], &[]);
+        object["spec"]["nodeName"] = json!("node-1");
+        object["status"] = json!({"podIP": pod_ip(&result)});
+        node.api.set_pod(object);
+        pods.push((ns, pod_ip(&result)));
+    }
+    let mut elsewhere = pod_object("shop", "other-node", true, &[], &[]);
+    elsewhere["spec"]["nodeName"] = json!("node-2");
+    node.api.set_pod(elsewhere);
+    assert_eq!(istio_rules(&pods[0].0), "");
+
+    let kubeconfig = node.run_dir.path().join("istio-cni-kubeconfig").display().to_string();
+    let repair = || {
+        run_in(
+            &node.ns,
+            None,
+            &tools::weir(),
+            &[
+                "cni",
+                "repair",
+                "--once",
+                "--node-name",
+                "node-1",
+                "--netns-dir",
+                "/run/netns",
+                "--kubeconfig",
+                &kubeconfig,
+                "--capture-mode",
+                "iptables",
+            ],
+        )
+    };
+    let out = repair();
+    assert!(out.contains(&format!("repaired shop/old-web in {}", pods[0].0.path().display())), "{out}");
+    assert!(!out.contains("old-plain") && !out.contains("other-node"), "{out}");
+    assert!(
+        node.api.requests.lock().unwrap().iter().any(|r| r.contains("fieldSelector=spec.nodeName%3Dnode-1"))
+    );
+    assert_eq!(istio_rules(&pods[1].0), "", "a pod without a sidecar is left alone");
+    assert_captured(&node, &pods[0].0, &pods[0].1);
+    // A second pass finds it captured and changes nothing.
+    let out = repair();
+    assert!(!out.contains("repaired"), "{out}");
 }

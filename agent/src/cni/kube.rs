@@ -312,6 +312,24 @@ impl KubeClient {
         }
     }
 
+    /// `GET /api/v1/pods?fieldSelector=spec.nodeName=<node>`: the pods on a node.
+    pub async fn pods_on_node(&self, node: &str) -> Result<Vec<PodInfo>, KubeError> {
+        let path = format!("/api/v1/pods?fieldSelector=spec.nodeName%3D{node}");
+        let url =
+            format!("{}://{}{path}", self.config.server.scheme_str().unwrap_or("https"), self.authority());
+        let (status, body) = tokio::time::timeout(REQUEST_TIMEOUT, self.get(&path, &url))
+            .await
+            .map_err(|_| KubeError::Timeout { url: url.clone() })??;
+        if status != StatusCode::OK {
+            let message = serde_json::from_slice::<serde_json::Value>(&body)
+                .ok()
+                .and_then(|v| v["message"].as_str().map(String::from))
+                .unwrap_or_else(|| String::from_utf8_lossy(&body).chars().take(200).collect());
+            return Err(KubeError::Status { url, status: status.as_u16(), message });
+        }
+        PodInfo::list_from_json(&body).map_err(|e| KubeError::Decode { url, message: e.to_string() })
+    }
+
     fn authority(&self) -> String {
         self.config.server.authority().map(|a| a.to_string()).unwrap_or_default()
     }

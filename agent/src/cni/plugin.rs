@@ -212,11 +212,23 @@ fn netns_of(inv: &Invocation) -> Result<PathBuf, CniError> {
 fn add(conf: &NetConf, inv: &Invocation) -> Result<(), CniError> {
     let netns = netns_of(inv)?;
     let Some(pod) = pod_to_capture(conf, inv)? else { return Ok(()) };
-    let (mode, cfg, opts) = plan(conf, &pod, &netns)?;
+    capture(conf, &pod, &netns, &inv.container_id, &inv.ifname)
+}
+
+/// Captures `pod` inside `netns` with the configured backend (ADD, and repair for
+/// pods that started before the plugin was installed).
+pub fn capture(
+    conf: &NetConf,
+    pod: &PodInfo,
+    netns: &Path,
+    container_id: &str,
+    ifname: &str,
+) -> Result<(), CniError> {
+    let (mode, cfg, opts) = plan(conf, pod, netns)?;
     let who = format!("{}/{}", pod.namespace, pod.name);
     if mode == CaptureMode::Ebpf {
         let node = node_capture(conf);
-        let cookie = super::ebpf::register(node, &inv.container_id, &netns, &inv.ifname, &cfg)
+        let cookie = super::ebpf::register(node, container_id, netns, ifname, &cfg)
             .map_err(ebpf_error(format!("cannot capture pod {who} with eBPF in {}", netns.display())))?;
         tracing::info!(pod = %who, netns = %netns.display(), backend = "ebpf", node_capture = node, netns_cookie = cookie, "pod captured");
         return Ok(());
@@ -224,12 +236,12 @@ fn add(conf: &NetConf, inv: &Invocation) -> Result<(), CniError> {
     let report = weir_iptables::program(&cfg, &opts).map_err(|e| {
         CniError::new(
             code::CAPTURE_FAILED,
-            format!("cannot capture pod {}/{} in {}", pod.namespace, pod.name, netns.display()),
+            format!("cannot capture pod {who} in {}", netns.display()),
             crate::error_chain(&e),
         )
     })?;
     tracing::info!(
-        pod = %format!("{}/{}", pod.namespace, pod.name),
+        pod = %who,
         netns = %netns.display(),
         backend = %report.backend,
         action = ?report.action,
@@ -237,6 +249,28 @@ fn add(conf: &NetConf, inv: &Invocation) -> Result<(), CniError> {
         "pod captured"
     );
     Ok(())
+}
+
+/// Whether `pod` is already captured in `netns` as configured (repair's test).
+pub fn is_captured(
+    conf: &NetConf,
+    pod: &PodInfo,
+    netns: &Path,
+    container_id: &str,
+) -> Result<bool, CniError> {
+    let (mode, cfg, opts) = plan(conf, pod, netns)?;
+    if mode == CaptureMode::Ebpf {
+        return super::ebpf::registered(node_capture(conf), container_id, netns)
+            .map_err(ebpf_error(format!("cannot check the eBPF capture in {}", netns.display())));
+    }
+    let verdict = weir_iptables::apply::verify(&cfg, &opts).map_err(|e| {
+        CniError::new(
+            code::CAPTURE_FAILED,
+            format!("cannot check capture in {}", netns.display()),
+            crate::error_chain(&e),
+        )
+    })?;
+    Ok(verdict == Verdict::Applied)
 }
 
 /// Removes Weir's (and Istio's) capture from the namespace: both backends, since DEL

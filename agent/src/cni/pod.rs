@@ -48,6 +48,11 @@ pub struct PodInfo {
     pub proxy_type: Option<String>,
     pub proxy_uid: Option<i64>,
     pub proxy_gid: Option<i64>,
+    /// `spec.nodeName`, `status.podIP`, `spec.hostNetwork` (for repair).
+    pub node_name: String,
+    pub pod_ip: Option<std::net::IpAddr>,
+    pub host_network: bool,
+    pub uid: String,
 }
 
 #[derive(Deserialize)]
@@ -55,6 +60,14 @@ struct Pod {
     metadata: Metadata,
     #[serde(default)]
     spec: Spec,
+    #[serde(default)]
+    status: Status,
+}
+
+#[derive(Deserialize, Default)]
+struct Status {
+    #[serde(rename = "podIP", default)]
+    pod_ip: String,
 }
 
 #[derive(Deserialize)]
@@ -67,6 +80,8 @@ struct Metadata {
     labels: BTreeMap<String, String>,
     #[serde(default)]
     annotations: BTreeMap<String, String>,
+    #[serde(default)]
+    uid: String,
 }
 
 #[derive(Deserialize, Default)]
@@ -76,6 +91,10 @@ struct Spec {
     containers: Vec<Container>,
     #[serde(default)]
     init_containers: Vec<Container>,
+    #[serde(default)]
+    node_name: String,
+    #[serde(default)]
+    host_network: bool,
 }
 
 #[derive(Deserialize)]
@@ -107,12 +126,29 @@ struct SecurityContext {
 impl PodInfo {
     /// From a `v1/Pod` as the API server returns it.
     pub fn from_json(json: &[u8]) -> Result<Self, serde_json::Error> {
-        let pod: Pod = serde_json::from_slice(json)?;
+        Ok(Self::from_pod(serde_json::from_slice(json)?))
+    }
+
+    /// Every pod of a `v1/PodList`.
+    pub fn list_from_json(json: &[u8]) -> Result<Vec<Self>, serde_json::Error> {
+        #[derive(Deserialize)]
+        struct PodList {
+            #[serde(default)]
+            items: Vec<Pod>,
+        }
+        Ok(serde_json::from_slice::<PodList>(json)?.items.into_iter().map(Self::from_pod).collect())
+    }
+
+    fn from_pod(pod: Pod) -> Self {
         let mut info = PodInfo {
             namespace: pod.metadata.namespace,
             name: pod.metadata.name,
             labels: pod.metadata.labels,
             annotations: pod.metadata.annotations,
+            uid: pod.metadata.uid,
+            node_name: pod.spec.node_name,
+            host_network: pod.spec.host_network,
+            pod_ip: pod.status.pod_ip.parse().ok(),
             ..Default::default()
         };
         for c in pod.spec.init_containers.into_iter().chain(pod.spec.containers) {
@@ -128,7 +164,7 @@ impl PodInfo {
             }
             info.containers.insert(c.name);
         }
-        Ok(info)
+        info
     }
 }
 
@@ -277,7 +313,9 @@ mod tests {
       "apiVersion": "v1", "kind": "Pod",
       "metadata": {"name": "web-1", "namespace": "shop", "labels": {"app": "web"},
                    "annotations": {"sidecar.istio.io/status": "{}"}},
+      "status": {"podIP": "10.1.0.7"},
       "spec": {
+        "nodeName": "node-1",
         "initContainers": [{"name": "istio-validate", "image": "x"}],
         "containers": [
           {"name": "web", "image": "web"},
@@ -301,6 +339,7 @@ mod tests {
         assert_eq!((p.proxy_uid, p.proxy_gid), (Some(1000670000), Some(1000670001)));
         assert_eq!(p.proxy_env["ISTIO_META_DNS_CAPTURE"], "true");
         assert_eq!(p.proxy_env["POD_NAME"], "");
+        assert_eq!((p.node_name.as_str(), p.pod_ip), ("node-1", Some("10.1.0.7".parse().unwrap())));
         assert_eq!(skip_reason(&p), None);
         let c = capture_config(&p, false).unwrap();
         assert_eq!((c.proxy_uids[0].as_str(), c.proxy_gids[0].as_str()), ("1000670000", "1000670001"));
