@@ -15,6 +15,10 @@
 //!       `weir proxy sidecar` with a real Envoy: start → ready against Envoy alone
 //!       (the floor); agent and Envoy RSS and CPU idle and at 1 000 requests/s.
 //!
+//!   weir-bench cni [--runs N] [--markdown]
+//!       CNI ADD latency (p50/p99) of bridge + host-local + weir-cni per backend
+//!       (iptables, nftables, eBPF) against the same chain without weir-cni.
+//!
 //!   weir-bench sds [--runs N] [--markdown]
 //!       workload certificate issuance (key + CSR + CreateCertificate + chain checks)
 //!       for ECDSA P-256 and RSA 2048 vs the CA round trip alone (the floor).
@@ -22,6 +26,8 @@ use std::process::ExitCode;
 
 #[path = "../bench/capture.rs"]
 mod capture;
+#[path = "../bench/cni.rs"]
+mod cni;
 #[path = "../bench/report.rs"]
 mod report;
 #[path = "../bench/sds.rs"]
@@ -52,8 +58,9 @@ fn main() -> ExitCode {
         Some("xds") => xds::run(&opts),
         Some("sds") => sds::run(&opts),
         Some("sidecar") => sidecar::run(&opts),
+        Some("cni") => cni::run(&opts),
         _ => Err(anyhow::anyhow!(
-            "usage: weir-bench capture [--runs N] [--duration SECS] [--connections N] [--markdown]\n       weir-bench xds [--runs N] [--markdown]\n       weir-bench sds [--runs N] [--markdown]\n       weir-bench sidecar [--runs N] [--duration SECS] [--markdown]"
+            "usage: weir-bench capture [--runs N] [--duration SECS] [--connections N] [--markdown]\n       weir-bench xds [--runs N] [--markdown]\n       weir-bench sds [--runs N] [--markdown]\n       weir-bench sidecar [--runs N] [--duration SECS] [--markdown]\n       weir-bench cni [--runs N] [--markdown]"
         )),
     };
     match result {
