@@ -15,14 +15,20 @@ pub mod spec;
 use std::io::{Read as _, Write as _};
 
 /// The plugin's process: the result (or the spec's error JSON) on stdout, exit 0 (or
-/// 1). Nothing else is ever written to stdout.
-pub fn main() -> u8 {
+/// 1). Nothing else is ever written to stdout. `init_logs` is called once with the
+/// config's log level (`plugin_log_level`, or the legacy `log_level`).
+pub fn main(init_logs: impl FnOnce(Option<&str>)) -> u8 {
+    let mut stdin = Vec::new();
+    let read = std::io::stdin().read_to_end(&mut stdin);
+    let level: Option<String> = serde_json::from_slice::<serde_json::Value>(&stdin).ok().and_then(|v| {
+        v.get("plugin_log_level").or_else(|| v.get("log_level")).and_then(|l| l.as_str()).map(String::from)
+    });
+    init_logs(level.as_deref());
     let command = match spec::Command::parse(&std::env::var("CNI_COMMAND").unwrap_or_default()) {
         Ok(c) => c,
         Err(e) => return fail(&e),
     };
-    let mut stdin = Vec::new();
-    if let Err(e) = std::io::stdin().read_to_end(&mut stdin) {
+    if let Err(e) = read {
         return fail(&spec::CniError::new(
             spec::code::IO_FAILURE,
             "cannot read the network configuration on stdin",

@@ -17,19 +17,23 @@ use weir_agent::{
 
 fn main() -> ExitCode {
     let argv: Vec<OsString> = std::env::args_os().collect();
-    init_tracing(&argv);
     let personality = argv.first().map(Personality::from_argv0).unwrap_or(Personality::Weir);
+    // The CNI plugin sets up its logs once it has read its config (plugin_log_level).
+    if personality != Personality::Cni {
+        init_tracing(&argv, None);
+    }
     let code = match personality {
         Personality::Weir => run_weir(WeirCli::parse_from(&argv)),
         Personality::PilotAgent => run_pilot_agent(PilotAgentCli::parse_from(&argv)),
-        Personality::Cni => weir_agent::cni::main(),
+        Personality::Cni => weir_agent::cni::main(|level| init_tracing(&argv, level)),
     };
     ExitCode::from(code)
 }
 
-/// Logs go to stderr. Level: WEIR_LOG, else Istio's `--log_output_level=default:<level>`
-/// (which the injector passes to istio-iptables), else info.
-fn init_tracing(argv: &[OsString]) {
+/// Logs go to stderr. Level: WEIR_LOG, else `level` (the CNI plugin's
+/// `plugin_log_level`), else Istio's `--log_output_level=default:<level>` (which the
+/// injector passes to istio-iptables), else info.
+fn init_tracing(argv: &[OsString], level: Option<&str>) {
     use tracing_subscriber::{EnvFilter, fmt};
     let istio_level = argv.iter().filter_map(|a| a.to_str()).find_map(|a| {
         let spec = a.strip_prefix("--log_output_level=")?;
@@ -40,8 +44,13 @@ fn init_tracing(argv: &[OsString]) {
             })
         })
     });
+    // Istio's level names: debug, info, warn, error, fatal, none.
+    let level = level.map(|l| match l {
+        "fatal" | "none" => "error".to_string(),
+        other => other.to_string(),
+    });
     let filter = EnvFilter::try_from_env("WEIR_LOG")
-        .unwrap_or_else(|_| EnvFilter::new(istio_level.unwrap_or_else(|| "info".into())));
+        .unwrap_or_else(|_| EnvFilter::new(level.or(istio_level).unwrap_or_else(|| "info".into())));
     use std::io::IsTerminal as _;
     fmt()
         .with_env_filter(filter)

@@ -379,6 +379,15 @@ fn ebpf_capture_registers_pods_with_the_node_capture() {
     assert_eq!(local, format!("{ip}:8080"), "{out}");
     rt.check(&list, &a, &result).unwrap_or_else(|e| panic!("CHECK: {e}"));
 
+    // A namespace whose `lo` is still down (the runtime's loopback ADD may come later)
+    // registers too.
+    node.api.set_pod(pod_object("shop", "web-2", true, &[], &[]));
+    let bare = NetNs::create(&unique_name("web-2")).unwrap();
+    let b = Attachment::pod("c-web-2", bare.path(), "shop", "web-2");
+    let bare_result = rt.add(&list, &b).unwrap_or_else(|e| panic!("ADD with lo down: {e}"));
+    rt.check(&list, &b, &bare_result).unwrap_or_else(|e| panic!("CHECK with lo down: {e}"));
+    rt.del(&list, &b, Some(&bare_result)).unwrap();
+
     // DEL unregisters: the app's connections go where they were sent; CHECK says so.
     rt.del(&list, &a, Some(&result)).unwrap_or_else(|e| panic!("DEL: {e}"));
     let out = run_placed(placed(1000), &tools::testkit(), &["ask", &format!("{GATEWAY}:80")]);

@@ -103,6 +103,13 @@ fn pod_to_capture(conf: &NetConf, inv: &Invocation) -> Result<Option<PodInfo>, C
         tracing::info!(container = %inv.container_id, "not a Kubernetes pod (no K8S_POD_NAME/K8S_POD_NAMESPACE in CNI_ARGS): nothing to do");
         return Ok(None);
     };
+    // The node agent's own pods never wait on the kubeconfig they are about to write.
+    if conf.pod_namespace.as_deref() == Some(namespace.as_str())
+        && (name.starts_with("weir-cni-node") || name.starts_with("istio-cni-node"))
+    {
+        tracing::info!(pod = %format!("{namespace}/{name}"), "the CNI node agent's own pod: not captured");
+        return Ok(None);
+    }
     if conf.excluded_namespaces().any(|n| n == namespace) {
         tracing::info!(pod = %format!("{namespace}/{name}"), reason = %Skip::ExcludedNamespace, "not captured");
         return Ok(None);

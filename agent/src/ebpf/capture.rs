@@ -443,8 +443,15 @@ pub fn unpin(dir: &Path) -> Result<(), EbpfError> {
 /// programs see it (`SO_NETNS_COOKIE`, Linux 5.14+).
 pub fn netns_cookie(netns: Option<&Path>) -> std::io::Result<u64> {
     let read = || -> std::io::Result<u64> {
-        let sock =
-            std::net::UdpSocket::bind("127.0.0.1:0").or_else(|_| std::net::UdpSocket::bind("[::1]:0"))?;
+        // An unbound socket: a fresh pod namespace may not have `lo` up yet.
+        use std::os::fd::{FromRawFd as _, OwnedFd};
+        // SAFETY: socket(2) returns a new descriptor or -1.
+        let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: `fd` is a descriptor we own from here on.
+        let sock = unsafe { OwnedFd::from_raw_fd(fd) };
         let mut cookie: u64 = 0;
         let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
         // SAFETY: getsockopt into a u64 with its size.
