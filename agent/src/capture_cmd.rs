@@ -3,19 +3,18 @@
 //! the programs' runtime log switch.
 
 use std::{
-    net::IpAddr,
     path::{Path, PathBuf},
     time::Duration,
 };
 
 use anyhow::{Context as _, bail};
 use clap::{Args, Subcommand};
-use weir_iptables::{detect::HostFacts as _, detect::SystemFacts, flags::IstioIptablesArgs};
+use weir_iptables::{detect::SystemFacts, flags::IstioIptablesArgs};
 
 use crate::{
     ebpf::{
         capture::{self, CapturePrograms, InboundProgram, MapSet, PinRecord, netns_cookie},
-        config::{EbpfOptions, PodCapture, kernel_needs_optlen_clamp},
+        config::{EbpfOptions, PodCapture, own_addresses},
         detect::{self, Backend, CaptureMode},
     },
     privileges::{self, Capability},
@@ -162,19 +161,8 @@ fn ebpf(run: &RunArgs) -> anyhow::Result<()> {
     let env = |n: &str| std::env::var(n).ok();
     let facts = SystemFacts { netns: run.netns.clone() };
     let (cfg, opts) = run.capture.resolve(&env, &facts)?;
-    let own: Vec<IpAddr> = facts
-        .addresses()
-        .context("read the pod's addresses")?
-        .into_iter()
-        .filter(|a| !a.is_loopback())
-        .collect();
-    let release =
-        nix::sys::utsname::uname().map(|u| u.release().to_string_lossy().into_owned()).unwrap_or_default();
-    let pod = PodCapture::new(
-        &cfg,
-        own,
-        EbpfOptions { accelerate: run.accelerate, clamp_optlen: kernel_needs_optlen_clamp(&release) },
-    )?;
+    let own = own_addresses(&facts).context("read the pod's addresses")?;
+    let pod = PodCapture::new(&cfg, own, EbpfOptions::for_running_kernel(run.accelerate))?;
     let name = pod_name(run)?;
     if opts.dry_run {
         println!("{}", serde_json::to_string_pretty(&describe(&name, run, &pod))?);

@@ -40,15 +40,9 @@ pub struct RepairArgs {
     /// The plugin's kubeconfig (as installed).
     #[arg(long, default_value = "/var/run/istio-cni/istio-cni-kubeconfig")]
     pub kubeconfig: PathBuf,
-    /// The plugin's config: what `install` chained (capture mode and options).
-    #[arg(long, env = "WEIR_CAPTURE_MODE", default_value = "auto")]
-    pub capture_mode: String,
-    #[arg(long, env = "NATIVE_NFTABLES", default_value_t = false)]
-    pub native_nftables: bool,
-    #[arg(long, env = "EXCLUDE_NAMESPACES", default_value = "kube-system")]
-    pub exclude_namespaces: String,
-    #[arg(long, default_value = crate::cni::ebpf::DEFAULT_NODE_CAPTURE)]
-    pub ebpf_name: String,
+    /// The plugin's options, as `install` chained them.
+    #[command(flatten)]
+    pub plugin: PluginOptions,
     /// One pass, then exit 1 if any pod could not be repaired.
     #[arg(long)]
     pub once: bool,
@@ -58,16 +52,11 @@ pub struct RepairArgs {
 
 fn repair(a: &RepairArgs) -> anyhow::Result<()> {
     use crate::cni::{kube::KubeClient, repair, spec::NetConf};
-    let excluded: Vec<&str> =
-        a.exclude_namespaces.split(',').map(str::trim).filter(|n| !n.is_empty()).collect();
-    let conf = json!({
-        "cniVersion": "1.0.0",
-        "name": "weir-repair",
-        "capture_mode": a.capture_mode,
-        "native_nftables": a.native_nftables,
-        "exclude_namespaces": excluded,
-        "ebpf_node_capture": a.ebpf_name,
-    });
+    let mut conf = a.plugin.fields()?;
+    conf.insert("cniVersion".into(), json!("1.0.0"));
+    conf.insert("name".into(), json!("weir-repair"));
+    conf.insert("ebpf_node_capture".into(), json!(a.plugin.ebpf_name));
+    let conf = Value::Object(conf);
     let conf = NetConf::parse(conf.to_string().as_bytes()).map_err(|e| anyhow::anyhow!("{e}"))?;
     loop {
         let client = KubeClient::load(&a.kubeconfig)?;
@@ -118,15 +107,8 @@ pub struct InstallArgs {
     /// The service account folder (token, ca.crt) for the in-cluster kubeconfig.
     #[arg(long, default_value = "/var/run/secrets/kubernetes.io/serviceaccount")]
     pub service_account_dir: PathBuf,
-    /// ebpf, nftables, iptables or auto.
-    #[arg(long, env = "WEIR_CAPTURE_MODE", default_value = "auto")]
-    pub capture_mode: String,
-    /// Istio's native nftables switch.
-    #[arg(long, env = "NATIVE_NFTABLES", default_value_t = false)]
-    pub native_nftables: bool,
-    /// Namespaces whose pods are never captured (comma separated).
-    #[arg(long, env = "EXCLUDE_NAMESPACES", default_value = "kube-system")]
-    pub exclude_namespaces: String,
+    #[command(flatten)]
+    pub plugin: PluginOptions,
     /// The plugin's log level.
     #[arg(long, env = "PLUGIN_LOG_LEVEL", default_value = "info")]
     pub plugin_log_level: String,
@@ -134,9 +116,6 @@ pub struct InstallArgs {
     /// e.g. /sys/fs/cgroup/kubepods.slice); pods are then registered by the plugin.
     #[arg(long, env = "WEIR_EBPF_CGROUP")]
     pub ebpf_cgroup: Option<PathBuf>,
-    /// The node capture's name (its pins under /sys/fs/bpf/weir/).
-    #[arg(long, default_value = crate::cni::ebpf::DEFAULT_NODE_CAPTURE)]
-    pub ebpf_name: String,
     /// The binary to install (default: this one).
     #[arg(long)]
     pub binary: Option<PathBuf>,
@@ -151,6 +130,47 @@ pub struct InstallArgs {
     pub keep_on_exit: bool,
 }
 
+/// What the plugin does for pods, shared by `install` (written into the chain) and
+/// `repair` (applied the same way).
+#[derive(Debug, Args)]
+pub struct PluginOptions {
+    /// ebpf, nftables, iptables or auto.
+    #[arg(long, env = "WEIR_CAPTURE_MODE", default_value = "auto")]
+    pub capture_mode: String,
+    /// Istio's native nftables switch.
+    #[arg(long, env = "NATIVE_NFTABLES", default_value_t = false)]
+    pub native_nftables: bool,
+    /// Namespaces whose pods are never captured (comma separated).
+    #[arg(long, env = "EXCLUDE_NAMESPACES", default_value = "kube-system")]
+    pub exclude_namespaces: String,
+    /// The eBPF node capture's name (its pins under /sys/fs/bpf/weir/).
+    #[arg(long, default_value = crate::cni::ebpf::DEFAULT_NODE_CAPTURE)]
+    pub ebpf_name: String,
+}
+
+impl PluginOptions {
+    /// The plugin's config fields.
+    fn fields(&self) -> anyhow::Result<Map<String, Value>> {
+        let mode = self.capture_mode.as_str();
+        anyhow::ensure!(
+            matches!(mode, "ebpf" | "nftables" | "iptables" | "auto"),
+            "--capture-mode {mode:?}: expected ebpf, nftables, iptables or auto"
+        );
+        let excluded: Vec<Value> = self
+            .exclude_namespaces
+            .split(',')
+            .map(str::trim)
+            .filter(|n| !n.is_empty())
+            .map(|n| json!(n))
+            .collect();
+        let mut fields = Map::new();
+        fields.insert("exclude_namespaces".into(), Value::Array(excluded));
+        fields.insert("capture_mode".into(), json!(mode));
+        fields.insert("native_nftables".into(), json!(self.native_nftables));
+        Ok(fields)
+    }
+}
+
 fn parse_duration(v: &str) -> Result<Duration, String> {
     crate::config::env::parse_duration(v)
         .ok_or_else(|| format!("{v:?} is not a duration such as 1s or 500ms"))
@@ -158,11 +178,8 @@ fn parse_duration(v: &str) -> Result<Duration, String> {
 
 impl InstallArgs {
     fn settings(&self) -> anyhow::Result<InstallSettings> {
-        let mode = self.capture_mode.as_str();
-        anyhow::ensure!(
-            matches!(mode, "ebpf" | "nftables" | "iptables" | "auto"),
-            "--capture-mode {mode:?}: expected ebpf, nftables, iptables or auto"
-        );
+        let mut plugin = self.plugin.fields()?;
+        plugin.insert("plugin_log_level".into(), json!(self.plugin_log_level));
         let kubeconfig = match &self.kubeconfig {
             Some(path) => KubeconfigSource::File(path.clone()),
             None => KubeconfigSource::ServiceAccount {
@@ -172,18 +189,6 @@ impl InstallArgs {
                 dir: self.service_account_dir.clone(),
             },
         };
-        let excluded: Vec<Value> = self
-            .exclude_namespaces
-            .split(',')
-            .map(str::trim)
-            .filter(|n| !n.is_empty())
-            .map(|n| json!(n))
-            .collect();
-        let mut plugin = Map::new();
-        plugin.insert("plugin_log_level".into(), json!(self.plugin_log_level));
-        plugin.insert("exclude_namespaces".into(), Value::Array(excluded));
-        plugin.insert("capture_mode".into(), json!(self.capture_mode));
-        plugin.insert("native_nftables".into(), json!(self.native_nftables));
         Ok(InstallSettings {
             net_dir: self.cni_net_dir.clone(),
             bin_dir: self.cni_bin_dir.clone(),
@@ -195,7 +200,7 @@ impl InstallArgs {
                 None => std::env::current_exe().context("find this executable")?,
             },
             kubeconfig,
-            ebpf: self.ebpf_cgroup.clone().map(|cgroup| (self.ebpf_name.clone(), cgroup)),
+            ebpf: self.ebpf_cgroup.clone().map(|cgroup| (self.plugin.ebpf_name.clone(), cgroup)),
         })
     }
 }

@@ -334,18 +334,24 @@ fn ebpf_capture_registers_pods_with_the_node_capture() {
     .unwrap();
     let kubeconfig = node.run_dir.path().join("istio-cni-kubeconfig");
     let cg = cgroup.path().display().to_string();
-    let out = std::process::Command::new(tools::weir())
-        .args(["cni", "install", "--once", "--ebpf-cgroup", &cg, "--ebpf-name", &name])
-        .arg("--cni-net-dir")
-        .arg(&net)
-        .arg("--cni-bin-dir")
-        .arg(&bin)
-        .arg("--run-dir")
-        .arg(&run)
-        .arg("--kubeconfig")
-        .arg(&kubeconfig)
-        .output()
-        .unwrap();
+    // `weir cni install|uninstall` on this test's host folders.
+    let node_agent = |verb: &str, once: &[&str]| {
+        std::process::Command::new(tools::weir())
+            .args(["cni", verb])
+            .args(once)
+            .args(["--ebpf-cgroup", &cg, "--ebpf-name", &name])
+            .arg("--cni-net-dir")
+            .arg(&net)
+            .arg("--cni-bin-dir")
+            .arg(&bin)
+            .arg("--run-dir")
+            .arg(&run)
+            .arg("--kubeconfig")
+            .arg(&kubeconfig)
+            .output()
+            .unwrap()
+    };
+    let out = node_agent("install", &["--once"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let installed: Value =
         serde_json::from_slice(&std::fs::read(net.join("10-k8s.conflist")).unwrap()).unwrap();
@@ -395,18 +401,7 @@ fn ebpf_capture_registers_pods_with_the_node_capture() {
     rt.del(&list, &a, Some(&result)).unwrap_or_else(|e| panic!("second DEL: {e}"));
 
     // Uninstall detaches the node capture.
-    let out = std::process::Command::new(tools::weir())
-        .args(["cni", "uninstall", "--ebpf-cgroup", &cg, "--ebpf-name", &name])
-        .arg("--cni-net-dir")
-        .arg(&net)
-        .arg("--cni-bin-dir")
-        .arg(&bin)
-        .arg("--run-dir")
-        .arg(&run)
-        .arg("--kubeconfig")
-        .arg(&kubeconfig)
-        .output()
-        .unwrap();
+    let out = node_agent("uninstall", &[]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(!Path::new("/sys/fs/bpf/weir").join(&name).exists(), "node capture unpinned");
 }

@@ -12,7 +12,7 @@ use weir_iptables::CaptureConfig;
 
 use crate::ebpf::{
     capture::{self, CapturePrograms, InboundProgram, MapSet, PinRecord, netns_cookie},
-    config::{EbpfOptions, PodCapture, kernel_needs_optlen_clamp},
+    config::{EbpfOptions, PodCapture, own_addresses},
 };
 
 /// The node capture's default name (its pins and record).
@@ -111,20 +111,8 @@ pub fn register(
         .filter(|r| r.pin_dir().join("maps").exists())
         .ok_or_else(|| CniEbpfError::NoNodeCapture { name: node.into() })?;
     let facts = weir_iptables::detect::SystemFacts { netns: Some(netns.into()) };
-    use weir_iptables::detect::HostFacts as _;
-    let own = facts
-        .addresses()
-        .map_err(io(format!("read the addresses in {}", netns.display())))?
-        .into_iter()
-        .filter(|a| !a.is_loopback())
-        .collect();
-    let release =
-        nix::sys::utsname::uname().map(|u| u.release().to_string_lossy().into_owned()).unwrap_or_default();
-    let pod = PodCapture::new(
-        cfg,
-        own,
-        EbpfOptions { accelerate: false, clamp_optlen: kernel_needs_optlen_clamp(&release) },
-    )?;
+    let own = own_addresses(&facts).map_err(io(format!("read the addresses in {}", netns.display())))?;
+    let pod = PodCapture::new(cfg, own, EbpfOptions::for_running_kernel(false))?;
     let cookie = netns_cookie(Some(netns))
         .map_err(io(format!("read the network namespace cookie of {}", netns.display())))?;
     let record = PinRecord {

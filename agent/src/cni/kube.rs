@@ -301,14 +301,7 @@ impl KubeClient {
             StatusCode::NOT_FOUND => {
                 Err(KubeError::NotFound { namespace: namespace.into(), name: name.into() })
             }
-            other => {
-                // The API server explains itself in a Status object.
-                let message = serde_json::from_slice::<serde_json::Value>(&body)
-                    .ok()
-                    .and_then(|v| v["message"].as_str().map(String::from))
-                    .unwrap_or_else(|| String::from_utf8_lossy(&body).chars().take(200).collect());
-                Err(KubeError::Status { url, status: other.as_u16(), message })
-            }
+            other => Err(status_error(url, other, &body)),
         }
     }
 
@@ -321,11 +314,7 @@ impl KubeClient {
             .await
             .map_err(|_| KubeError::Timeout { url: url.clone() })??;
         if status != StatusCode::OK {
-            let message = serde_json::from_slice::<serde_json::Value>(&body)
-                .ok()
-                .and_then(|v| v["message"].as_str().map(String::from))
-                .unwrap_or_else(|| String::from_utf8_lossy(&body).chars().take(200).collect());
-            return Err(KubeError::Status { url, status: status.as_u16(), message });
+            return Err(status_error(url, status, &body));
         }
         PodInfo::list_from_json(&body).map_err(|e| KubeError::Decode { url, message: e.to_string() })
     }
@@ -387,6 +376,15 @@ impl KubeClient {
             None => send(TokioIo::new(stream), request).await.map_err(fail),
         }
     }
+}
+
+/// A failed call, with the API server's own explanation (its Status object's message).
+fn status_error(url: String, status: StatusCode, body: &[u8]) -> KubeError {
+    let message = serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v["message"].as_str().map(String::from))
+        .unwrap_or_else(|| String::from_utf8_lossy(body).chars().take(200).collect());
+    KubeError::Status { url, status: status.as_u16(), message }
 }
 
 #[cfg(test)]

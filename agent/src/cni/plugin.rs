@@ -258,17 +258,20 @@ pub fn capture(
     Ok(())
 }
 
-/// Whether `pod` is already captured in `netns` as configured (repair's test).
-pub fn is_captured(
+/// Whether `pod` is captured in `netns` as configured: `Ok(None)` when it is, else
+/// what is missing (CHECK's answer, repair's test).
+pub fn missing_capture(
     conf: &NetConf,
     pod: &PodInfo,
     netns: &Path,
     container_id: &str,
-) -> Result<bool, CniError> {
+) -> Result<Option<String>, CniError> {
     let (mode, cfg, opts) = plan(conf, pod, netns)?;
     if mode == CaptureMode::Ebpf {
-        return super::ebpf::registered(node_capture(conf), container_id, netns)
-            .map_err(ebpf_error(format!("cannot check the eBPF capture in {}", netns.display())));
+        let node = node_capture(conf);
+        let registered = super::ebpf::registered(node, container_id, netns)
+            .map_err(ebpf_error(format!("cannot check the eBPF capture in {}", netns.display())))?;
+        return Ok((!registered).then(|| format!("not registered with the eBPF node capture {node}")));
     }
     let verdict = weir_iptables::apply::verify(&cfg, &opts).map_err(|e| {
         CniError::new(
@@ -277,7 +280,13 @@ pub fn is_captured(
             crate::error_chain(&e),
         )
     })?;
-    Ok(verdict == Verdict::Applied)
+    Ok(match verdict {
+        Verdict::Applied => None,
+        Verdict::Clean => Some(format!("no capture rules in {}", netns.display())),
+        Verdict::Drifted => {
+            Some(format!("the capture rules in {} differ from the planned ones", netns.display()))
+        }
+    })
 }
 
 /// Removes Weir's (and Istio's) capture from the namespace: both backends, since DEL
@@ -316,51 +325,11 @@ fn check(conf: &NetConf, inv: &Invocation) -> Result<(), CniError> {
     }
     let netns = netns_of(inv)?;
     let Some(pod) = pod_to_capture(conf, inv)? else { return Ok(()) };
-    let (mode, cfg, opts) = plan(conf, &pod, &netns)?;
-    if mode == CaptureMode::Ebpf {
-        let node = node_capture(conf);
-        let ok = super::ebpf::registered(node, &inv.container_id, &netns)
-            .map_err(ebpf_error(format!("cannot check the eBPF capture in {}", netns.display())))?;
-        return if ok {
-            Ok(())
-        } else {
-            Err(CniError::new(
-                code::CAPTURE_FAILED,
-                format!(
-                    "pod {}/{} is not captured: not registered with the eBPF node capture {node}",
-                    pod.namespace, pod.name
-                ),
-                "",
-            ))
-        };
-    }
-    let verdict = weir_iptables::apply::verify(&cfg, &opts).map_err(|e| {
-        CniError::new(
+    match missing_capture(conf, &pod, &netns, &inv.container_id)? {
+        None => Ok(()),
+        Some(what) => Err(CniError::new(
             code::CAPTURE_FAILED,
-            format!("cannot check capture in {}", netns.display()),
-            crate::error_chain(&e),
-        )
-    })?;
-    match verdict {
-        Verdict::Applied => Ok(()),
-        Verdict::Clean => Err(CniError::new(
-            code::CAPTURE_FAILED,
-            format!(
-                "pod {}/{} is not captured: no capture rules in {}",
-                pod.namespace,
-                pod.name,
-                netns.display()
-            ),
-            "",
-        )),
-        Verdict::Drifted => Err(CniError::new(
-            code::CAPTURE_FAILED,
-            format!(
-                "pod {}/{}: the capture rules in {} differ from the planned ones",
-                pod.namespace,
-                pod.name,
-                netns.display()
-            ),
+            format!("pod {}/{} is not captured: {what}", pod.namespace, pod.name),
             "",
         )),
     }

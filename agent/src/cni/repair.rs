@@ -75,11 +75,9 @@ pub fn repair(conf: &NetConf, pods: Vec<PodInfo>, netns_dir: &Path) -> RepairRep
             continue;
         };
         let id = repair_container_id(&pod);
-        let outcome = plugin::is_captured(conf, &pod, netns, &id).and_then(|captured| {
-            if captured {
-                return Ok(false);
-            }
-            plugin::capture(conf, &pod, netns, &id, "eth0").map(|()| true)
+        let outcome = plugin::missing_capture(conf, &pod, netns, &id).and_then(|missing| match missing {
+            None => Ok(false),
+            Some(_) => plugin::capture(conf, &pod, netns, &id, "eth0").map(|()| true),
         });
         match outcome {
             Ok(true) => {

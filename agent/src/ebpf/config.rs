@@ -54,6 +54,21 @@ pub struct EbpfOptions {
     pub clamp_optlen: bool,
 }
 
+impl EbpfOptions {
+    /// For the running kernel.
+    pub fn for_running_kernel(accelerate: bool) -> Self {
+        let release = nix::sys::utsname::uname()
+            .map(|u| u.release().to_string_lossy().into_owned())
+            .unwrap_or_default();
+        Self { accelerate, clamp_optlen: kernel_needs_optlen_clamp(&release) }
+    }
+}
+
+/// The pod's own (non-loopback) addresses, as the capture config needs them.
+pub fn own_addresses(facts: &dyn weir_iptables::detect::HostFacts) -> std::io::Result<Vec<IpAddr>> {
+    Ok(facts.addresses()?.into_iter().filter(|a| !a.is_loopback()).collect())
+}
+
 fn ids(input: &'static str, list: &[String]) -> Result<[u32; MAX_IDS], EbpfConfigError> {
     if list.len() > MAX_IDS {
         return Err(err(input, format!("at most {MAX_IDS} ids, got {}", list.len())));
