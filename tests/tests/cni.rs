@@ -463,4 +463,48 @@ fn repair_captures_pods_that_started_before_the_plugin() {
     // A second pass finds it captured and changes nothing.
     let out = repair();
     assert!(!out.contains("repaired"), "{out}");
+
+    // With eBPF: repair registers the pod under its UID, and the runtime's DEL for
+    // that pod (K8S_POD_UID in CNI_ARGS) unregisters it.
+    let cgroup = test_cgroup(&test_name!());
+    let name = unique_name("cni-node");
+    let _guard = NodeCapture(name.clone());
+    weir_agent::cni::ebpf::attach_node(&name, cgroup.path()).unwrap();
+    let ns = pod_netns(&rt, "old-ebpf");
+    let a = Attachment::pod("c-old-ebpf", ns.path(), "shop", "old-ebpf");
+    let result = rt.add(&before, &a).unwrap();
+    let mut object = pod_object("shop", "old-ebpf", true, &[], &[]);
+    object["metadata"]["uid"] = json!("uid-old-ebpf");
+    object["spec"]["nodeName"] = json!("node-3");
+    object["status"] = json!({"podIP": pod_ip(&result)});
+    node.api.set_pod(object);
+    let out = run_in(
+        &node.ns,
+        None,
+        &tools::weir(),
+        &[
+            "cni",
+            "repair",
+            "--once",
+            "--node-name",
+            "node-3",
+            "--netns-dir",
+            "/run/netns",
+            "--kubeconfig",
+            &kubeconfig,
+            "--capture-mode",
+            "ebpf",
+            "--ebpf-name",
+            &name,
+        ],
+    );
+    assert!(out.contains("repaired shop/old-ebpf"), "{out}");
+    assert!(weir_agent::cni::ebpf::registered(&name, "repair-uid-old-ebpf", ns.path()).unwrap());
+    let weir = node.conflist(json!({"capture_mode": "ebpf", "ebpf_node_capture": name}));
+    let conf = CniRuntime::plugin_config(&weir, &weir["plugins"][1], Some(&result));
+    rt.exec("istio-cni", "DEL", &a, conf.to_string().as_bytes()).unwrap_or_else(|e| panic!("DEL: {e}"));
+    assert!(
+        !weir_agent::cni::ebpf::registered(&name, "repair-uid-old-ebpf", ns.path()).unwrap(),
+        "DEL left the repair registration"
+    );
 }

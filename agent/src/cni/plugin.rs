@@ -292,8 +292,18 @@ pub fn missing_capture(
 /// Removes Weir's (and Istio's) capture from the namespace: both backends, since DEL
 /// is not told which one ADD used, and TPROXY's routes. A missing namespace is done.
 fn del(conf: &NetConf, inv: &Invocation) -> Result<(), CniError> {
-    super::ebpf::unregister(node_capture(conf), &inv.container_id)
-        .map_err(ebpf_error(format!("cannot remove the eBPF capture of container {}", inv.container_id)))?;
+    // ADD registered under the container id; repair (for pods older than the plugin)
+    // under the pod's UID.
+    let mut ids = vec![inv.container_id.clone()];
+    if let Some(uid) = inv.args.get("K8S_POD_UID").filter(|u| !u.is_empty()) {
+        ids.push(super::repair::repair_container_id_for_uid(uid));
+    }
+    for id in ids {
+        super::ebpf::unregister(node_capture(conf), &id).map_err(ebpf_error(format!(
+            "cannot remove the eBPF capture of container {}",
+            inv.container_id
+        )))?;
+    }
     let Some(netns) = inv.netns.as_deref().map(PathBuf::from).filter(|p| p.exists()) else {
         tracing::info!(container = %inv.container_id, "network namespace already gone: nothing to remove");
         return Ok(());

@@ -48,10 +48,14 @@ pub fn repair_container_id(pod: &PodInfo) -> String {
     if pod.uid.is_empty() {
         format!("repair-{}-{}", pod.namespace, pod.name)
     } else {
-        format!("repair-{}", pod.uid)
+        repair_container_id_for_uid(&pod.uid)
     }
 }
 
+/// What DEL (which knows `K8S_POD_UID`) looks for besides its container id.
+pub fn repair_container_id_for_uid(uid: &str) -> String {
+    format!("repair-{uid}")
+}
 /// One pass over the node's pods (as the API listed them): captures the sidecar pods
 /// found in `netns_dir` that are not captured yet. Synchronous: capture enters
 /// namespaces and runs its own netlink runtime.
