@@ -74,6 +74,8 @@ pub enum AgentError {
     },
     #[error(transparent)]
     Envoy(#[from] SupervisorError),
+    #[error("standalone mode")]
+    Standalone(#[from] crate::standalone::StandaloneError),
     #[error("Envoy needs {missing} for {why}, but the agent lacks it")]
     EnvoyCapability { missing: crate::privileges::MissingCapabilities, why: &'static str },
 }
@@ -113,13 +115,25 @@ impl Agent {
         if let Some(dns) = &dns {
             handlers.insert(weir_proto::type_url::NAME_TABLE.into(), dns.nds_handler());
         }
-        let xds = XdsProxy::new(config.xds.upstream(&config.pod.cluster_id), handlers, metrics.clone());
+        // Standalone: the embedded control plane asks for no token.
+        let standalone = config.standalone.is_some();
+        let without_token = |mut up: crate::xds::UpstreamConfig| {
+            if standalone {
+                up.token_path = None;
+            }
+            up
+        };
+        let xds = XdsProxy::new(
+            without_token(config.xds.upstream(&config.pod.cluster_id)),
+            handlers,
+            metrics.clone(),
+        );
         let id = &config.identity;
         let source = match (&id.mounted, &id.ca) {
             (Some(files), _) => WorkloadSource::Files(files.clone()),
             (None, Some(ca)) => WorkloadSource::Ca {
                 client: CaClient::new(
-                    ca.upstream(&id.token_path, &id.cluster_id),
+                    without_token(ca.upstream(&id.token_path, &id.cluster_id)),
                     id.secret_ttl,
                     ca.cert_signer.clone(),
                     metrics.clone(),
@@ -146,6 +160,15 @@ impl Agent {
         };
         let mut dns_tasks = match &self.dns {
             Some(dns) => Some(dns.bind().await?),
+            None => None,
+        };
+        // Standalone: the control plane comes up first, inside the pod.
+        let embedded_stop = tokio_util::sync::CancellationToken::new();
+        let embedded = match &self.config.standalone {
+            Some(settings) => {
+                let ip = self.config.pod.instance_ip.as_deref().and_then(|ip| ip.parse().ok());
+                Some(crate::standalone::start(settings, ip, embedded_stop.clone()).await?)
+            }
             None => None,
         };
         let envoy = !self.config.disable_envoy;
@@ -282,6 +305,10 @@ impl Agent {
             while tasks.join_next().await.is_some() {}
         })
         .await;
+        embedded_stop.cancel();
+        if let Some(cp) = embedded {
+            let _ = tokio::time::timeout(Duration::from_secs(2), cp.task).await;
+        }
         tasks.abort_all();
         if let Some(mut t) = dns_tasks {
             t.abort_all();

@@ -60,7 +60,10 @@ pub enum WeirCommand {
     Version(VersionArgs),
     /// The demo's app process (internal).
     #[command(name = "demo-app", hide = true)]
-    DemoApp { addr: String, count: u32 },
+    DemoApp {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 /// `pilot-agent`: the subset of Istio's pilot-agent command line that sidecars use.
@@ -121,6 +124,9 @@ pub struct DemoArgs {
     /// Stop after this many seconds (default: run until Ctrl-C).
     #[arg(long)]
     pub duration: Option<u64>,
+    /// The capture backend (default: the best this machine offers).
+    #[arg(long, value_enum)]
+    pub capture_mode: Option<crate::ebpf::detect::CaptureMode>,
 }
 
 #[derive(Debug, Args)]

@@ -289,6 +289,9 @@ pub struct AgentConfig {
     pub node: NodeSettings,
     /// `DISABLE_ENVOY`: run the agent's services without starting Envoy.
     pub disable_envoy: bool,
+    /// Standalone mode (`--discovery-address embedded`): the embedded control plane.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub standalone: Option<crate::standalone::StandaloneSettings>,
 }
 
 impl AgentConfig {
@@ -375,7 +378,35 @@ impl AgentConfig {
         let node = Self::node(env, &args, &pod, &proxy_config, &labels)?;
         let status = Self::status(env, &args, &pod, &proxy_config)?;
         let disable_envoy = env.bool_or("DISABLE_ENVOY", false)?;
-        Ok(Self { args, pod, proxy_config, xds, dns, identity, envoy, status, node, disable_envoy })
+        let standalone = (args.discovery_address.as_deref() == Some("embedded")).then(|| {
+            crate::standalone::StandaloneSettings {
+                services: args
+                    .mesh_services
+                    .clone()
+                    .or_else(|| env.text("WEIR_MESH_SERVICES"))
+                    .unwrap_or_else(|| "./etc/weir/mesh.yaml".into())
+                    .into(),
+                state_dir: args
+                    .state_dir
+                    .clone()
+                    .or_else(|| env.text("WEIR_STATE_DIR"))
+                    .unwrap_or_else(|| "./var/lib/weir".into())
+                    .into(),
+            }
+        });
+        Ok(Self {
+            args,
+            pod,
+            proxy_config,
+            xds,
+            dns,
+            identity,
+            envoy,
+            status,
+            node,
+            disable_envoy,
+            standalone,
+        })
     }
 
     fn proxy_config(args: &ProxyArgs, env: &dyn Env, files: &dyn Files) -> Result<ProxyConfig, ConfigError> {
@@ -416,6 +447,11 @@ impl AgentConfig {
         // APP_LABEL_AND_NAMESPACE) ignores it, and so does Weir.
         if let Some(address) = annotations.get("sidecar.istio.io/discoveryAddress") {
             config.discovery_address = address.clone();
+        }
+        match args.discovery_address.as_deref() {
+            Some("embedded") => config.discovery_address = crate::standalone::EMBEDDED_ADDRESS.into(),
+            Some(address) => config.discovery_address = address.into(),
+            None => {}
         }
         if let Some(port) = annotations.get("status.sidecar.istio.io/port") {
             config.status_port = port.parse().map_err(|_| ConfigError::ProxyConfig {

@@ -1,11 +1,21 @@
 //! `weir demo`: Weir's main job on an embedded default, in sandbox pods on this host.
-//! For now it shows the capture foundation: the eBPF probe attached to a pod's cgroup
-//! counts the connections an app in that pod makes, while a process outside the cgroup
-//! goes unseen. Everything it creates is removed on exit, Ctrl-C included.
+//! A client pod and a server pod, each with a real Envoy run by `weir proxy sidecar
+//! --discovery-address embedded` (standalone mode: xDS and certificates from the
+//! agent, one mesh CA in a shared state directory); both pods captured with the best
+//! backend this machine offers; the client's app calls the server by its plain
+//! address in a loop and Envoy carries it over mutual TLS. It prints each step, live
+//! rates and latencies, and a summary proven from Envoy's own stats; on Ctrl-C or
+//! `--duration` it drains the sidecars and removes every namespace, cgroup, rule and
+//! pin it made.
 
 use std::{
-    net::{SocketAddr, TcpStream},
+    net::SocketAddr,
+    path::{Path, PathBuf},
     process::{Command, Stdio},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
     time::{Duration, Instant},
 };
 
@@ -13,104 +23,483 @@ use anyhow::{Context as _, bail};
 
 use crate::{
     cli::DemoArgs,
-    ebpf::probe::ConnectCounter,
+    cni::pod::PodInfo,
+    ebpf::detect::{self, Backend, CaptureMode},
     privileges::{self, Capability},
-    sandbox::{Cgroup, Mesh, Placement, unique_name},
+    sandbox::{Cgroup, Mesh, Placement, Pod, PodChild, unique_name},
 };
 
-const ECHO_PORT: u16 = 8080;
+const APP_PORT: u16 = 8080;
+const APP_UID: u32 = 1000;
+const CLIENT_SA: &str = "client";
+const SERVER_SA: &str = "server";
 
-/// Runs the demo; returns when it has shown its result (or `--duration` elapsed).
+fn step(name: &str, text: &str) {
+    println!("[demo] {name:<9} {text}");
+}
+
+/// A pod's sidecar: its root directory (the agent's working directory) and agent.
+struct Sidecar {
+    name: &'static str,
+    root: PathBuf,
+    agent: PodChild,
+}
+
+/// Everything the demo made; dropped in reverse order of making.
+struct Demo {
+    sidecars: Vec<Sidecar>,
+    apps: Vec<PodChild>,
+    ebpf_node: Option<String>,
+    cgroup: Option<Cgroup>,
+    client: Pod,
+    server: Pod,
+    _mesh: Mesh,
+    dir: PathBuf,
+}
+
+impl Drop for Demo {
+    fn drop(&mut self) {
+        for s in &mut self.sidecars {
+            let _ = s.agent.signal(libc::SIGTERM);
+        }
+        for s in &mut self.sidecars {
+            let _ = s.agent.wait_timeout(Duration::from_secs(10));
+        }
+        self.apps.clear();
+        if let Some(node) = &self.ebpf_node {
+            let _ = crate::cni::ebpf::detach_node(node);
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The injected-pod shape capture is planned for (the CNI plugin's decision, reused).
+fn sidecar_pod() -> PodInfo {
+    let mut pod = PodInfo::default();
+    pod.annotations.insert("sidecar.istio.io/status".into(), "{}".into());
+    pod.containers.insert("istio-proxy".into());
+    pod
+}
+
+fn envoy_binary() -> anyhow::Result<PathBuf> {
+    if let Ok(path) = std::env::var("WEIR_ENVOY") {
+        return Ok(path.into());
+    }
+    let exe = std::env::current_exe()?;
+    let repo_tools = exe.ancestors().nth(3).map(|root| root.join(".tools/bin/envoy"));
+    std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .map(|d| d.join("envoy"))
+        .chain(repo_tools)
+        .find(|p| p.is_file())
+        .context("no envoy binary (run scripts/bootstrap, or set WEIR_ENVOY)")
+}
+
+/// Runs the demo; returns when it has shown its result (Ctrl-C or `--duration`).
 pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
     privileges::require(&[Capability::SysAdmin, Capability::NetAdmin, Capability::Bpf], "weir demo")?;
     let started = Instant::now();
-    step("sandbox", "creating pod `app` (network namespace + cgroup)");
+    let envoy = envoy_binary()?;
+    let choice = detect::choose(args.capture_mode.unwrap_or(CaptureMode::Auto))?;
+    step("capture", &format!("{choice}"));
+
+    step("sandbox", "creating pods `client` and `server` (network namespaces on a private bridge)");
     let mesh = Mesh::new("demo")?;
-    let app = mesh.pod("app")?;
-    let cgroup = Cgroup::create(&unique_name("demo-app"))?;
-    step("capture", &format!("attaching eBPF connect4 probe to {}", cgroup.path().display()));
-    let counter = ConnectCounter::attach(cgroup.path())?;
+    let client = mesh.pod("client")?;
+    let server = mesh.pod("server")?;
+    let dir = std::env::temp_dir().join(unique_name("demo"));
+    std::fs::create_dir_all(&dir)?;
+    let cgroup = Cgroup::create(&unique_name("demo"))?;
+    let mut demo = Demo {
+        sidecars: Vec::new(),
+        apps: Vec::new(),
+        ebpf_node: None,
+        cgroup: Some(cgroup),
+        client,
+        server,
+        _mesh: mesh,
+        dir,
+    };
+    let server_addr = SocketAddr::new(demo.server.ipv4().into(), APP_PORT);
+    let services = demo.dir.join("mesh.yaml");
+    std::fs::write(
+        &services,
+        format!(
+            "# The demo mesh: one HTTP service.\nservices:\n- name: server\n  namespace: default\n  serviceAccount: {SERVER_SA}\n  \
+             address: {ip}\n  port: {APP_PORT}\n  protocol: http\n  endpoints: [\"{server_addr}\"]\n  timeout: 5s\n  retries: 2\n",
+            ip = demo.server.ipv4()
+        ),
+    )?;
+    step(
+        "mesh",
+        &format!("service server.default → {server_addr} (HTTP, mutual TLS, timeout 5s, 2 retries)"),
+    );
 
-    let server: SocketAddr = (app.ipv4(), ECHO_PORT).into();
-    let _server = app.netns().spawn_thread(move || async move { echo_server(server).await })?;
-    wait_listening(&app, server)?;
-    step("server", &format!("echo server on {server}"));
-
+    // The server's app.
     let exe = std::env::current_exe().context("find the weir binary")?;
-    let rounds = args.duration.map(|d| d.max(1)).unwrap_or(3);
-    for round in 1..=rounds {
-        let mut inside = Command::new(&exe);
-        inside.args(["demo-app", &server.to_string(), "5"]).stdout(Stdio::null());
-        let mut child =
-            app.spawn_placed(&mut inside, Placement { cgroup: Some(&cgroup), ..Placement::default() })?;
-        let status = child.child_mut().wait()?;
-        if !status.success() {
-            bail!("the app in the cgroup failed: {status}");
+    let cg = demo.cgroup.as_ref().expect("made above");
+    let mut serve = Command::new(&exe);
+    serve.args(["demo-app", "serve", &format!("0.0.0.0:{APP_PORT}")]).stdout(Stdio::null());
+    let app = demo.server.spawn_placed(
+        &mut serve,
+        Placement { cgroup: Some(cg), user: Some((APP_UID, APP_UID)), ..Placement::default() },
+    )?;
+    demo.apps.push(app);
+
+    // Capture both pods.
+    let cfg = crate::cni::pod::capture_config(&sidecar_pod(), false).expect("the default pod shape is valid");
+    match choice.backend {
+        Backend::Ebpf => {
+            let node = unique_name("demo-node");
+            crate::cni::ebpf::attach_node(&node, cg.path())?;
+            demo.ebpf_node = Some(node.clone());
+            for (pod, name) in [(&demo.client, "client"), (&demo.server, "server")] {
+                crate::cni::ebpf::register(&node, name, pod.netns().path(), "eth0", &cfg)?;
+            }
         }
-        let mut outside = Command::new(&exe);
-        outside.args(["demo-app", &server.to_string(), "2"]).stdout(Stdio::null());
-        let mut other = app.spawn_placed(&mut outside, Placement::default())?;
-        other.child_mut().wait()?;
-        step(
-            "traffic",
-            &format!(
-                "round {round}: app in cgroup made 5 connects, a process outside made 2; probe counted {}",
-                counter.count()?
-            ),
-        );
-        if args.duration.is_some() {
-            std::thread::sleep(Duration::from_secs(1));
+        Backend::Nftables | Backend::Iptables => {
+            for pod in [&demo.client, &demo.server] {
+                let opts = weir_iptables::RunOptions {
+                    network_namespace: Some(pod.netns().path().to_path_buf()),
+                    cni_mode: true,
+                    native_nftables: choice.backend == Backend::Nftables,
+                    ..Default::default()
+                };
+                weir_iptables::program(&cfg, &opts)?;
+            }
         }
     }
-    let total = counter.count()?;
-    let expected = 5 * rounds;
-    step("result", &format!("{total} connects seen, {expected} expected: only the pod's cgroup is captured"));
-    drop(counter);
-    step("cleanup", &format!("removing pod, cgroup and probe after {:.1}s", started.elapsed().as_secs_f64()));
-    if total != expected {
-        bail!("the probe counted {total} connects, expected {expected}");
+    step(
+        "capture",
+        &format!("{} programmed in both pods (outbound → 15001, inbound → 15006)", choice.backend),
+    );
+
+    // Sidecars.
+    let t = Instant::now();
+    for (pod_name, sa) in [("client", CLIENT_SA), ("server", SERVER_SA)] {
+        let pod = if pod_name == "client" { &demo.client } else { &demo.server };
+        let sidecar = start_sidecar(pod, pod_name, sa, cg, &envoy, &services, &demo.dir)?;
+        demo.sidecars.push(sidecar);
+    }
+    step("envoy", "starting real Envoy sidecars (weir proxy sidecar --discovery-address embedded)");
+    for (s, pod) in demo.sidecars.iter_mut().zip([&demo.client, &demo.server]) {
+        wait_ready(pod, s)?;
+    }
+    step(
+        "ready",
+        &format!("both sidecars ready in {:.1}s (/healthz/ready = 200)", t.elapsed().as_secs_f64()),
+    );
+    for (s, pod) in demo.sidecars.iter().zip([&demo.client, &demo.server]) {
+        step("identity", &format!("{}: {}", s.name, certificate(pod)?));
+    }
+
+    // Traffic.
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
+    ctrlc_flag(flag);
+    let seconds = args.duration.unwrap_or(u64::MAX);
+    let mut load = Command::new(&exe);
+    load.args(["demo-app", "load", &format!("http://{server_addr}/"), &seconds.to_string()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    let mut loader = demo.client.spawn_placed(
+        &mut load,
+        Placement { cgroup: Some(cg), user: Some((APP_UID, APP_UID)), ..Placement::default() },
+    )?;
+    step(
+        "traffic",
+        &format!(
+            "client app (uid {APP_UID}) → http://{server_addr}/ (its plain address; capture sends it to Envoy)"
+        ),
+    );
+    let stdout = loader.child_mut().stdout.take().context("loader stdout")?;
+    let (mut ok, mut failed) = (0u64, 0u64);
+    use std::io::BufRead as _;
+    for line in std::io::BufReader::new(stdout).lines() {
+        let line = line?;
+        if let Some(rest) = line.strip_prefix("second ") {
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            if let [n, o, fl, p50, p99] = f.as_slice() {
+                ok += o.parse::<u64>().unwrap_or(0);
+                failed += fl.parse::<u64>().unwrap_or(0);
+                step("traffic", &format!("t={n}s  {o} req/s ok, {fl} failed, p50 {p50} ms, p99 {p99} ms"));
+            }
+        }
+        if stop.load(Ordering::SeqCst) {
+            let _ = loader.signal(libc::SIGTERM);
+        }
+    }
+    let _ = loader.child_mut().wait();
+
+    // Proof from Envoy's stats.
+    let cluster = "outbound|8080||server.default.svc.cluster.local";
+    let client_stats = admin_stats(&demo.client, &format!("cluster.{cluster}."))?;
+    let server_stats = admin_stats(&demo.server, "listener.0.0.0.0_15006.")?;
+    let upstream_rq = stat(&client_stats, &format!("cluster.{cluster}.upstream_rq_completed"));
+    let handshakes = stat(&client_stats, &format!("cluster.{cluster}.ssl.handshake"));
+    let inbound_tls = stat(&server_stats, "listener.0.0.0.0_15006.ssl.handshake");
+    step(
+        "envoy",
+        &format!("client sidecar: {upstream_rq} requests on {cluster}, {handshakes} TLS handshakes"),
+    );
+    step("envoy", &format!("server sidecar: {inbound_tls} mutual TLS handshakes accepted on 15006"));
+
+    step("drain", "SIGTERM to the sidecars (readiness 503, drain, Envoy stopped)");
+    let mut exits = Vec::new();
+    for s in &mut demo.sidecars {
+        s.agent.signal(libc::SIGTERM)?;
+    }
+    for s in &mut demo.sidecars {
+        let status = s.agent.wait_timeout(Duration::from_secs(15))?;
+        exits.push((s.name, status));
+    }
+    let drained = exits.iter().all(|(_, s)| s.is_some_and(|s| s.success()));
+    demo.sidecars.clear();
+    let elapsed = started.elapsed();
+    drop(demo);
+    step("cleanup", "removed pods, cgroup, capture and pins");
+    let mtls = handshakes > 0 && inbound_tls > 0;
+    println!(
+        "[demo] summary   backend={} requests_ok={ok} requests_failed={failed} envoy_upstream_requests={upstream_rq} \
+         mtls={mtls} drained={drained} seconds={:.1}",
+        choice.backend,
+        elapsed.as_secs_f64()
+    );
+    if ok == 0 || upstream_rq == 0 || !mtls || !drained {
+        bail!("the demo did not show what it should: see the summary above");
     }
     Ok(())
 }
 
-fn step(name: &str, text: &str) {
-    println!("[demo] {name:<8} {text}");
+fn start_sidecar(
+    pod: &Pod,
+    name: &'static str,
+    sa: &str,
+    cgroup: &Cgroup,
+    envoy: &Path,
+    services: &Path,
+    dir: &Path,
+) -> anyhow::Result<Sidecar> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let root = dir.join(name);
+    for d in ["etc/istio/proxy", "var/run/secrets/workload-spiffe-uds"] {
+        std::fs::create_dir_all(root.join(d))?;
+        std::os::unix::fs::chown(root.join(d), Some(1337), Some(1337))?;
+    }
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))?;
+    let exe = std::env::current_exe()?;
+    let log = std::fs::File::create(root.join("agent.log"))?;
+    let mut cmd = Command::new(&exe);
+    cmd.args(["proxy", "sidecar", "--discovery-address", "embedded", "--mesh-services"])
+        .arg(services)
+        .arg("--state-dir")
+        .arg(dir.join("ca"))
+        .current_dir(&root)
+        .env_clear()
+        .env("WEIR_LOG", "warn")
+        .env("POD_NAME", name)
+        .env("POD_NAMESPACE", "default")
+        .env("SERVICE_ACCOUNT", sa)
+        .env("INSTANCE_IP", pod.ipv4().to_string())
+        .env("ECC_SIGNATURE_ALGORITHM", "ECDSA")
+        .env(
+            "PROXY_CONFIG",
+            format!(
+                "{{\"binaryPath\": \"{}\", \"concurrency\": 1, \"terminationDrainDuration\": \"2s\"}}",
+                envoy.display()
+            ),
+        )
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log);
+    let agent = pod.spawn_placed(&mut cmd, Placement { cgroup: Some(cgroup), ..Placement::default() })?;
+    Ok(Sidecar { name, root, agent })
 }
 
-async fn echo_server(addr: SocketAddr) -> std::io::Result<()> {
-    use tokio::io::AsyncWriteExt as _;
-    let listener = tokio::net::TcpListener::bind(addr).await?;
+fn wait_ready(pod: &Pod, s: &mut Sidecar) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let address = SocketAddr::from(([127, 0, 0, 1], 15021));
     loop {
-        let (mut stream, _) = listener.accept().await?;
+        let ready = pod.run(|| async move {
+            crate::envoy::admin::request(
+                address,
+                hyper::Method::GET,
+                "/healthz/ready",
+                None,
+                Duration::from_secs(1),
+            )
+            .await
+        })?;
+        if matches!(ready, Ok((s, _)) if s.is_success()) {
+            return Ok(());
+        }
+        if let Some(status) = s.agent.child_mut().try_wait()? {
+            bail!("the {} sidecar exited ({status}); its log:\n{}", s.name, log(s));
+        }
+        if Instant::now() > deadline {
+            bail!("the {} sidecar is not ready after 60 s; its log:\n{}", s.name, log(s));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn log(s: &Sidecar) -> String {
+    std::fs::read_to_string(s.root.join("agent.log")).unwrap_or_default()
+}
+
+/// `SPIFFE ID, expires <date>` of the workload certificate Envoy holds.
+fn certificate(pod: &Pod) -> anyhow::Result<String> {
+    let admin = crate::envoy::EnvoyAdmin::new(15000).address;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (_, body) = pod
+            .run(|| async move {
+                crate::envoy::admin::request(
+                    admin,
+                    hyper::Method::GET,
+                    "/certs",
+                    None,
+                    Duration::from_secs(2),
+                )
+                .await
+            })?
+            .context("Envoy admin /certs")?;
+        let json: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+        let found = json["certificates"].as_array().into_iter().flatten().find_map(|c| {
+            let leaf = c["cert_chain"].as_array()?.first()?;
+            let uri = leaf["subject_alt_names"].as_array()?.iter().find_map(|s| s["uri"].as_str())?;
+            Some(format!("{uri}, expires {}", leaf["expiration_time"].as_str().unwrap_or("?")))
+        });
+        if let Some(found) = found {
+            return Ok(found);
+        }
+        if Instant::now() > deadline {
+            bail!("Envoy holds no workload certificate after 20 s");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn admin_stats(pod: &Pod, prefix: &str) -> anyhow::Result<std::collections::BTreeMap<String, u64>> {
+    let admin = crate::envoy::EnvoyAdmin::new(15000);
+    let filter = format!("^{}", prefix.replace('.', "\\.").replace('|', "\\|"));
+    Ok(pod.run(|| async move { admin.stats(&filter).await })??)
+}
+
+fn stat(stats: &std::collections::BTreeMap<String, u64>, name: &str) -> u64 {
+    stats.get(name).copied().unwrap_or(0)
+}
+
+/// Ctrl-C sets `flag` (the demo then stops its traffic and cleans up).
+fn ctrlc_flag(flag: Arc<AtomicBool>) {
+    std::thread::spawn(move || {
+        let Ok(runtime) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+        runtime.block_on(async {
+            let _ = tokio::signal::ctrl_c().await;
+        });
+        println!("[demo] ctrl-c    stopping the traffic, then draining and cleaning up");
+        flag.store(true, Ordering::SeqCst);
+    });
+}
+
+/// The demo's apps (hidden subcommand `demo-app`): `serve <addr>` answers every HTTP
+/// request with 200 `hello from server`; `load <url> <seconds>` sends requests on two
+/// keep-alive connections and prints `second <n> <ok> <failed> <p50 ms> <p99 ms>`
+/// every second.
+pub fn app(args: &[String]) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    match args {
+        [cmd, addr] if cmd == "serve" => {
+            let addr: SocketAddr = addr.parse().with_context(|| format!("address {addr:?}"))?;
+            runtime.block_on(serve(addr))
+        }
+        [cmd, url, seconds] if cmd == "load" => {
+            let target: SocketAddr = url
+                .trim_start_matches("http://")
+                .trim_end_matches('/')
+                .parse()
+                .with_context(|| format!("url {url:?}: expected http://<ip>:<port>/"))?;
+            let seconds: u64 = seconds.parse().context("seconds")?;
+            runtime.block_on(load(target, seconds))
+        }
+        _ => bail!("usage: weir demo-app serve <addr> | load http://<ip>:<port>/ <seconds>"),
+    }
+}
+
+async fn serve(addr: SocketAddr) -> anyhow::Result<()> {
+    use hyper::{Response, service::service_fn};
+    let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("bind {addr}"))?;
+    loop {
+        let (stream, _) = listener.accept().await?;
         tokio::spawn(async move {
-            let (mut r, mut w) = stream.split();
-            let _ = tokio::io::copy(&mut r, &mut w).await;
-            let _ = w.shutdown().await;
+            let service = service_fn(|_req| async {
+                Ok::<_, std::convert::Infallible>(Response::new(http_body_util::Full::new(
+                    bytes::Bytes::from_static(b"hello from server\n"),
+                )))
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                .await;
         });
     }
 }
 
-fn wait_listening(pod: &crate::sandbox::Pod, addr: SocketAddr) -> anyhow::Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let ok =
-            pod.run(|| async move { TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() })?;
-        if ok {
-            return Ok(());
-        }
-        if Instant::now() > deadline {
-            bail!("demo server on {addr} did not start");
-        }
-        std::thread::sleep(Duration::from_millis(20));
+async fn load(target: SocketAddr, seconds: u64) -> anyhow::Result<()> {
+    use http_body_util::{BodyExt as _, Empty};
+    let results = Arc::new(std::sync::Mutex::new(Vec::<Option<f64>>::new()));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(seconds.min(100_000_000));
+    let mut workers = tokio::task::JoinSet::new();
+    for _ in 0..2 {
+        let results = results.clone();
+        workers.spawn(async move {
+            'connect: while tokio::time::Instant::now() < deadline {
+                let Ok(stream) = tokio::net::TcpStream::connect(target).await else {
+                    results.lock().expect("results").push(None);
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                };
+                let Ok((mut sender, conn)) =
+                    hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await
+                else {
+                    continue;
+                };
+                tokio::spawn(conn);
+                while tokio::time::Instant::now() < deadline {
+                    let started = Instant::now();
+                    let request = hyper::Request::get("/")
+                        .header("host", "server.default.svc.cluster.local")
+                        .body(Empty::<bytes::Bytes>::new())
+                        .expect("a valid request");
+                    let ok = match sender.send_request(request).await {
+                        Ok(r) => r.status().is_success() && r.into_body().collect().await.is_ok(),
+                        Err(_) => false,
+                    };
+                    results
+                        .lock()
+                        .expect("results")
+                        .push(ok.then(|| started.elapsed().as_secs_f64() * 1000.0));
+                    if !ok {
+                        continue 'connect;
+                    }
+                    // About 50 requests/s per connection: a steady, readable rate.
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        });
     }
-}
-
-/// The demo's app: connects `count` times to `addr` (hidden subcommand `demo-app`).
-pub fn app(addr: &str, count: u32) -> anyhow::Result<()> {
-    let addr: SocketAddr = addr.parse().with_context(|| format!("demo-app address {addr:?}"))?;
-    for _ in 0..count {
-        TcpStream::connect_timeout(&addr, Duration::from_secs(5))
-            .with_context(|| format!("connect {addr}"))?;
+    let mut second = 0u64;
+    while tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        second += 1;
+        let batch: Vec<Option<f64>> = std::mem::take(&mut *results.lock().expect("results"));
+        let mut ms: Vec<f64> = batch.iter().flatten().copied().collect();
+        ms.sort_by(f64::total_cmp);
+        let pct = |q: f64| if ms.is_empty() { 0.0 } else { ms[((ms.len() - 1) as f64 * q).round() as usize] };
+        println!("second {second} {} {} {:.2} {:.2}", ms.len(), batch.len() - ms.len(), pct(0.5), pct(0.99));
+        use std::io::Write as _;
+        let _ = std::io::stdout().flush();
     }
+    workers.abort_all();
     Ok(())
 }

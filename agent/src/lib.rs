@@ -21,6 +21,7 @@ pub mod local_cmd;
 pub mod metrics;
 pub mod privileges;
 pub mod sandbox;
+pub mod standalone;
 pub mod status;
 pub mod xds;
 

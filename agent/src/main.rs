@@ -81,7 +81,7 @@ fn run_weir(cli: WeirCli) -> u8 {
         WeirCommand::Demo(args) => edge(demo::run(&args)),
         WeirCommand::Sandbox(args) => edge(run_sandbox(args.command)),
         WeirCommand::Version(args) => version(&args),
-        WeirCommand::DemoApp { addr, count } => edge(demo::app(&addr, count)),
+        WeirCommand::DemoApp { args } => edge(demo::app(&args)),
     }
 }
 

@@ -29,6 +29,15 @@ pub struct ProxyArgs {
     pub template_file: String,
     /// Deprecated `--trust-domain`: used when `TRUST_DOMAIN` is unset.
     pub trust_domain: Option<String>,
+    /// Weir: `--discovery-address host:port` overrides ProxyConfig's; `embedded` runs
+    /// the control plane inside the agent (standalone mode).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub discovery_address: Option<String>,
+    /// Weir, standalone: the services file and the mesh CA's state directory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mesh_services: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub state_dir: Option<String>,
     pub outlier_log_path: String,
     pub sts_port: u16,
     pub token_manager_plugin: String,
@@ -53,6 +62,9 @@ impl Default for ProxyArgs {
             concurrency: 0,
             template_file: String::new(),
             trust_domain: None,
+            discovery_address: None,
+            mesh_services: None,
+            state_dir: None,
             outlier_log_path: String::new(),
             sts_port: 0,
             token_manager_plugin: String::new(),
@@ -81,6 +93,12 @@ Flags (as pilot-agent's):
   --stsPort int                    STS port (0: off)
   --tokenManagerPlugin string      token manager plugin
   --trust-domain string            deprecated (Istio 1.7): the trust domain when TRUST_DOMAIN is unset
+  --discovery-address string       Weir: istiod's address (overrides ProxyConfig), or `embedded`:
+                                   serve xDS and certificates from the agent (standalone mode)
+  --mesh-services string           Weir, standalone: the services file (default ./etc/weir/mesh.yaml,
+                                   env WEIR_MESH_SERVICES)
+  --state-dir string               Weir, standalone: the mesh CA's directory (default ./var/lib/weir,
+                                   env WEIR_STATE_DIR)
   --profiling                      enable profiling endpoints (default true)
   --log_output_level string        agent log level (default default:info)
   --log_as_json                    agent logs as JSON";
@@ -163,6 +181,9 @@ impl ProxyArgs {
                 // Istio 1.7's injector still passes it (seed 003); later pilot-agents
                 // take the trust domain from TRUST_DOMAIN / meshConfig instead.
                 "trust-domain" => out.trust_domain = Some(value()?),
+                "discovery-address" | "discoveryAddress" => out.discovery_address = Some(value()?),
+                "mesh-services" => out.mesh_services = Some(value()?),
+                "state-dir" => out.state_dir = Some(value()?),
                 "log_output_level" => out.log_output_level = value()?,
                 "log_target"
                 | "log_caller"

@@ -47,6 +47,19 @@ pub struct CaRequest {
 pub enum CaError {
     #[error("create the CA root")]
     Root(#[source] rcgen::Error),
+    #[error("the mesh CA in {path} is unusable")]
+    Stored {
+        path: std::path::PathBuf,
+        #[source]
+        source: rcgen::Error,
+    },
+    #[error("{what} {path}")]
+    Io {
+        what: &'static str,
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 struct State {
@@ -60,6 +73,8 @@ struct State {
 struct Root {
     issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
     pem: String,
+    /// The signing key, PEM (kept to persist the root).
+    key_pem: String,
 }
 
 impl Root {
@@ -75,9 +90,26 @@ impl Root {
         params.not_before = now + time::Duration::days(days_from) - time::Duration::hours(1);
         params.not_after = now + time::Duration::days(days_to);
         let cert = params.self_signed(&key).map_err(CaError::Root)?;
-        Ok(Self { pem: cert.pem(), issuer: rcgen::Issuer::new(params, key) })
+        Ok(Self { pem: cert.pem(), key_pem: key.serialize_pem(), issuer: rcgen::Issuer::new(params, key) })
+    }
+
+    /// A root kept in `dir` (`root-cert.pem`, `root-key.pem`).
+    fn load(dir: &std::path::Path) -> Result<Self, CaError> {
+        let read = |name: &str| {
+            let path = dir.join(name);
+            std::fs::read_to_string(&path).map_err(|source| CaError::Io { what: "read", path, source })
+        };
+        let (pem, key_pem) = (read(ROOT_CERT_FILE)?, read(ROOT_KEY_FILE)?);
+        let stored = |source| CaError::Stored { path: dir.into(), source };
+        let key = rcgen::KeyPair::from_pem(&key_pem).map_err(stored)?;
+        let issuer = rcgen::Issuer::from_ca_cert_pem(&pem, key).map_err(stored)?;
+        Ok(Self { issuer, pem, key_pem })
     }
 }
+
+/// The persisted root's files in a state directory.
+pub const ROOT_CERT_FILE: &str = "root-cert.pem";
+pub const ROOT_KEY_FILE: &str = "root-key.pem";
 
 /// The CA service. Clones share state.
 #[derive(Clone)]
@@ -103,6 +135,47 @@ impl CaServer {
                 requests: Vec::new(),
             })),
         })
+    }
+
+    /// The mesh CA kept in `dir`: loaded when it is there, else created (self-signed,
+    /// ten years) and written (key 0600). Agents sharing `dir` share the CA; a lock
+    /// file makes concurrent first starts agree on one root.
+    pub fn load_or_create(org: &str, dir: &std::path::Path) -> Result<Self, CaError> {
+        use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
+        let io = |what, path: &std::path::Path| {
+            let path = path.to_path_buf();
+            move |source| CaError::Io { what, path, source }
+        };
+        std::fs::create_dir_all(dir).map_err(io("create", dir))?;
+        let lock_path = dir.join(".lock");
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .mode(0o600)
+            .open(&lock_path)
+            .map_err(io("open", &lock_path))?;
+        let _lock = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive)
+            .map_err(|(_, e)| CaError::Io { what: "lock", path: lock_path.clone(), source: e.into() })?;
+        let root = if dir.join(ROOT_KEY_FILE).exists() {
+            Root::load(dir)?
+        } else {
+            let root = Root::new(org, 0, 3650)?;
+            for (name, text, mode) in
+                [(ROOT_KEY_FILE, &root.key_pem, 0o600), (ROOT_CERT_FILE, &root.pem, 0o644)]
+            {
+                let path = dir.join(name);
+                let tmp = dir.join(format!(".{name}.tmp"));
+                std::fs::write(&tmp, text).map_err(io("write", &tmp))?;
+                std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode))
+                    .map_err(io("chmod", &tmp))?;
+                std::fs::rename(&tmp, &path).map_err(io("rename into place", &path))?;
+            }
+            root
+        };
+        let ca = Self::new(org, None)?;
+        *ca.root.lock().expect("ca root") = Arc::new(root);
+        Ok(ca)
     }
 
     /// The root certificate (PEM).
@@ -225,6 +298,25 @@ impl IstioCertificateService for CaServer {
                 }))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod persisted {
+    use super::*;
+
+    #[test]
+    fn a_stored_root_is_reused() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = CaServer::load_or_create("mesh", dir.path()).unwrap();
+        let again = CaServer::load_or_create("mesh", dir.path()).unwrap();
+        assert_eq!(first.root_pem(), again.root_pem());
+        use std::os::unix::fs::PermissionsExt as _;
+        let mode = std::fs::metadata(dir.path().join(ROOT_KEY_FILE)).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        std::fs::write(dir.path().join(ROOT_KEY_FILE), "garbage").unwrap();
+        let e = CaServer::load_or_create("mesh", dir.path()).err().unwrap().to_string();
+        assert!(e.contains("unusable") && e.contains(&dir.path().display().to_string()), "{e}");
     }
 }
 

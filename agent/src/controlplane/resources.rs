@@ -8,19 +8,22 @@ use std::{net::SocketAddr, time::Duration};
 
 use prost_types::Any;
 use weir_proto::{
+    envoy::extensions::filters::listener::original_dst::v3::OriginalDst,
     envoy::{
         config::{
             cluster::v3::{Cluster, cluster},
             core::v3::{
-                AggregatedConfigSource, ApiConfigSource, ApiVersion, ConfigSource, DataSource, GrpcService,
-                TransportSocket, address, api_config_source, config_source, data_source, grpc_service,
-                socket_address, transport_socket,
+                AggregatedConfigSource, ApiConfigSource, ApiVersion, CidrRange, ConfigSource, DataSource,
+                GrpcService, TrafficDirection, TransportSocket, address, api_config_source, config_source,
+                data_source, grpc_service, socket_address, transport_socket,
             },
             endpoint::v3::{ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints, lb_endpoint},
-            listener::v3::{Filter, FilterChain, Listener, filter},
+            listener::v3::{
+                Filter, FilterChain, FilterChainMatch, Listener, ListenerFilter, filter, listener_filter,
+            },
             route::v3::{
-                DirectResponseAction, Route, RouteAction, RouteConfiguration, RouteMatch, VirtualHost, route,
-                route_action, route_match,
+                DirectResponseAction, RetryPolicy, Route, RouteAction, RouteConfiguration, RouteMatch,
+                VirtualHost, route, route_action, route_match,
             },
         },
         extensions::filters::{
@@ -335,6 +338,152 @@ pub fn route_config(name: &str, target: RouteTarget) -> Any {
         ..Default::default()
     };
     to_any(type_url::ROUTE, &config)
+}
+
+/// How a mesh service's traffic is carried by the sidecars.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ChainFilter {
+    /// TCP proxy to a cluster.
+    Tcp { cluster: String },
+    /// HTTP to a cluster, with a per-request timeout and retries.
+    Http { cluster: String, timeout: Duration, retries: u32 },
+}
+
+/// One filter chain of a virtual listener: traffic for `destination` (`ip`/`port`,
+/// either optional) handled by `filter`, with Istio mutual TLS terminated when `mtls`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChainSpec {
+    pub name: String,
+    pub destination_ip: Option<std::net::IpAddr>,
+    pub destination_port: Option<u16>,
+    pub filter: ChainFilter,
+    /// Terminate Istio mutual TLS (inbound), accepting these SPIFFE IDs (empty: any
+    /// certificate of the mesh CA).
+    pub mtls: Option<Vec<String>>,
+}
+
+fn chain_filter(stat: &str, f: &ChainFilter) -> Filter {
+    match f {
+        ChainFilter::Tcp { cluster } => tcp_proxy_filter(stat, cluster),
+        ChainFilter::Http { cluster, timeout, retries } => {
+            let route = RouteConfiguration {
+                name: stat.to_string(),
+                virtual_hosts: vec![VirtualHost {
+                    name: stat.to_string(),
+                    domains: vec!["*".into()],
+                    routes: vec![Route {
+                        name: "default".into(),
+                        r#match: Some(RouteMatch { path_specifier: Some(route_match::PathSpecifier::Prefix("/".into())) }),
+                        action: Some(route::Action::Route(RouteAction {
+                            cluster_specifier: Some(route_action::ClusterSpecifier::Cluster(cluster.clone())),
+                            timeout: Some(duration(*timeout)),
+                            retry_policy: (*retries > 0).then(|| RetryPolicy {
+                                // Istio's default retry conditions.
+                                retry_on: "connect-failure,refused-stream,unavailable,cancelled,retriable-status-codes".into(),
+                                num_retries: Some(*retries),
+                                ..Default::default()
+                            }),
+                            ..Default::default()
+                        })),
+                    }],
+                    ..Default::default()
+                }],
+                ..Default::default()
+            };
+            let hcm = HttpConnectionManager {
+                stat_prefix: stat.to_string(),
+                route_specifier: Some(http_connection_manager::RouteSpecifier::RouteConfig(route)),
+                http_filters: vec![HttpFilter {
+                    name: "envoy.filters.http.router".into(),
+                    config_type: Some(http_filter::ConfigType::TypedConfig(to_any(ROUTER, &Router {}))),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            };
+            Filter {
+                name: "envoy.filters.network.http_connection_manager".into(),
+                config_type: Some(filter::ConfigType::TypedConfig(to_any(HCM, &hcm))),
+            }
+        }
+    }
+}
+
+/// Istio's virtual listener (`virtualOutbound` on 15001, `virtualInbound` on 15006):
+/// it finds each connection's original destination and picks the chain for it; the
+/// default chain proxies to `default_cluster`.
+pub fn virtual_listener(
+    name: &str,
+    port: u16,
+    inbound: bool,
+    chains: &[ChainSpec],
+    default_cluster: Option<&str>,
+) -> Any {
+    let filter_chains = chains
+        .iter()
+        .map(|c| FilterChain {
+            name: c.name.clone(),
+            filter_chain_match: Some(FilterChainMatch {
+                destination_port: c.destination_port.map(u32::from),
+                prefix_ranges: c
+                    .destination_ip
+                    .map(|ip| CidrRange {
+                        address_prefix: ip.to_string(),
+                        prefix_len: Some(if ip.is_ipv4() { 32 } else { 128 }),
+                    })
+                    .into_iter()
+                    .collect(),
+                ..Default::default()
+            }),
+            filters: vec![chain_filter(&c.name, &c.filter)],
+            transport_socket: c.mtls.as_ref().map(|sans| {
+                let sans: Vec<&str> = sans.iter().map(String::as_str).collect();
+                let tls = DownstreamTlsContext {
+                    common_tls_context: Some(istio_mtls(&sans, WORKLOAD_SECRET, ROOT_SECRET)),
+                    require_client_certificate: Some(true),
+                };
+                tls_socket(DOWNSTREAM_TLS, &tls)
+            }),
+        })
+        .collect();
+    let listener = Listener {
+        name: name.to_string(),
+        address: Some(socket(SocketAddr::from(([0, 0, 0, 0], port)))),
+        filter_chains,
+        default_filter_chain: default_cluster.map(|cluster| FilterChain {
+            name: format!("{name}-passthrough"),
+            filters: vec![tcp_proxy_filter(&format!("{name}-passthrough"), cluster)],
+            ..Default::default()
+        }),
+        use_original_dst: Some(true),
+        listener_filters: vec![ListenerFilter {
+            name: "envoy.filters.listener.original_dst".into(),
+            config_type: Some(listener_filter::ConfigType::TypedConfig(to_any(
+                ORIGINAL_DST,
+                &OriginalDst {},
+            ))),
+        }],
+        traffic_direction: if inbound { TrafficDirection::Inbound } else { TrafficDirection::Outbound }
+            as i32,
+        ..Default::default()
+    };
+    to_any(type_url::LISTENER, &listener)
+}
+
+const ORIGINAL_DST: &str =
+    "type.googleapis.com/envoy.extensions.filters.listener.original_dst.v3.OriginalDst";
+
+/// Istio's `PassthroughCluster`: connections go to their original destination.
+pub fn passthrough_cluster(name: &str, connect_timeout: Duration) -> Any {
+    let cluster = Cluster {
+        name: name.to_string(),
+        cluster_discovery_type: Some(cluster::ClusterDiscoveryType::Type(
+            cluster::DiscoveryType::OriginalDst as i32,
+        )),
+        lb_policy: cluster::LbPolicy::ClusterProvided as i32,
+        connect_timeout: Some(duration(connect_timeout)),
+        ..Default::default()
+    };
+    to_any(type_url::CLUSTER, &cluster)
 }
 
 #[cfg(test)]

@@ -124,7 +124,7 @@ pub fn generate(identity: &WorkloadIdentity, options: &KeyOptions) -> Result<Key
             } else {
                 let key = p256::SecretKey::from_pkcs8_der(&pair.serialize_der())
                     .map_err(|e| fail(e.to_string()))?;
-                key.to_sec1_pem(p256::pkcs8::LineEnding::LF).map_err(|e| fail(e.to_string()))?.to_string()
+                sec1_pem(&key).map_err(fail)?
             };
             (pair, pem)
         }
@@ -140,6 +140,28 @@ pub fn generate(identity: &WorkloadIdentity, options: &KeyOptions) -> Result<Key
         key_pem,
         public_key_der: key_pair.subject_public_key_info(),
     })
+}
+
+/// RFC 5915 `EC PRIVATE KEY` with the named curve in it, as Go's
+/// `x509.MarshalECPrivateKey` writes it. (The `p256` crate leaves the optional curve
+/// out, and BoringSSL, hence Envoy, refuses such a key.)
+fn sec1_pem(key: &p256::SecretKey) -> Result<String, String> {
+    use base64::Engine as _;
+    use p256::{elliptic_curve::sec1::ToEncodedPoint as _, pkcs8::AssociatedOid as _};
+    use sec1::der::Encode as _;
+    let private = key.to_bytes();
+    let public = key.public_key().to_encoded_point(false);
+    let der = sec1::EcPrivateKey {
+        private_key: &private,
+        parameters: Some(sec1::EcParameters::NamedCurve(p256::NistP256::OID)),
+        public_key: Some(public.as_bytes()),
+    }
+    .to_der()
+    .map_err(|e| e.to_string())?;
+    let body = base64::engine::general_purpose::STANDARD.encode(&der);
+    let lines: Vec<&str> =
+        body.as_bytes().chunks(64).map(|c| std::str::from_utf8(c).expect("base64 is ASCII")).collect();
+    Ok(format!("-----BEGIN EC PRIVATE KEY-----\n{}\n-----END EC PRIVATE KEY-----\n", lines.join("\n")))
 }
 
 #[cfg(test)]
@@ -176,6 +198,14 @@ mod tests {
         let sec1 =
             generate(&identity(), &KeyOptions { algorithm: KeyAlgorithm::EcdsaP256, pkcs8: false }).unwrap();
         assert!(sec1.key_pem.starts_with("-----BEGIN EC PRIVATE KEY-----"), "{}", sec1.key_pem);
+        // The curve is named inside the key: BoringSSL (Envoy) needs it.
+        use base64::Engine as _;
+        use sec1::der::Decode as _;
+        let body: String = sec1.key_pem.lines().filter(|l| !l.starts_with("-----")).collect();
+        let der = base64::engine::general_purpose::STANDARD.decode(body).unwrap();
+        let parsed = sec1::EcPrivateKey::from_der(&der).unwrap();
+        assert!(parsed.parameters.is_some(), "SEC1 key without its curve");
+        assert!(p256::SecretKey::from_sec1_der(&der).is_ok());
         assert_eq!(csr_sans(&sec1.csr_pem), ["URI(spiffe://cluster.local/ns/app/sa/echo)"]);
         let pkcs8 =
             generate(&identity(), &KeyOptions { algorithm: KeyAlgorithm::EcdsaP256, pkcs8: true }).unwrap();
