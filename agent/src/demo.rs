@@ -19,6 +19,8 @@ use std::{
     time::{Duration, Instant},
 };
 
+use std::os::unix::process::CommandExt as _;
+
 use anyhow::{Context as _, bail};
 
 use crate::{
@@ -140,7 +142,7 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
     let exe = std::env::current_exe().context("find the weir binary")?;
     let cg = demo.cgroup.as_ref().expect("made above");
     let mut serve = Command::new(&exe);
-    serve.args(["demo-app", "serve", &format!("0.0.0.0:{APP_PORT}")]).stdout(Stdio::null());
+    serve.args(["demo-app", "serve", &format!("0.0.0.0:{APP_PORT}")]).stdout(Stdio::null()).process_group(0);
     let app = demo.server.spawn_placed(
         &mut serve,
         Placement { cgroup: Some(cg), user: Some((APP_UID, APP_UID)), ..Placement::default() },
@@ -202,7 +204,8 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
     let mut load = Command::new(&exe);
     load.args(["demo-app", "load", &format!("http://{server_addr}/"), &seconds.to_string()])
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
+        .stderr(Stdio::inherit())
+        .process_group(0);
     let mut loader = demo.client.spawn_placed(
         &mut load,
         Placement { cgroup: Some(cg), user: Some((APP_UID, APP_UID)), ..Placement::default() },
@@ -312,7 +315,9 @@ fn start_sidecar(
         )
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
-        .stderr(log);
+        .stderr(log)
+        // Ctrl-C is the demo's to handle: the sidecars are drained by it, in order.
+        .process_group(0);
     let agent = pod.spawn_placed(&mut cmd, Placement { cgroup: Some(cgroup), ..Placement::default() })?;
     Ok(Sidecar { name, root, agent })
 }
