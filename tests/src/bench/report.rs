@@ -80,7 +80,9 @@ impl Table {
                 } else {
                     String::new()
                 };
-                if s.median().is_finite() {
+                if s.0.is_empty() {
+                    line.push("-".into());
+                } else if s.median().is_finite() {
                     line.push(format!(
                         "{} [{}–{}]{failed}",
                         fmt_value(s.median(), unit),

@@ -19,6 +19,14 @@
 //!       CNI ADD latency (p50/p99) of bridge + host-local + weir-cni per backend
 //!       (iptables, nftables, eBPF) against the same chain without weir-cni.
 //!
+//!   weir-bench rules [--runs N] [--markdown]
+//!       applying and removing the injector's rule set: iptables-restore, one nft
+//!       transaction, eBPF attach + register, against an empty iptables-restore.
+//!
+//!   weir-bench all [--runs N] [--duration SECS] [--markdown]
+//!       every benchmark above, one after another, under a header naming the
+//!       machine, kernel and commit.
+//!
 //!   weir-bench sds [--runs N] [--markdown]
 //!       workload certificate issuance (key + CSR + CreateCertificate + chain checks)
 //!       for ECDSA P-256 and RSA 2048 vs the CA round trip alone (the floor).
@@ -30,12 +38,54 @@ mod capture;
 mod cni;
 #[path = "../bench/report.rs"]
 mod report;
+#[path = "../bench/rules.rs"]
+mod rules;
 #[path = "../bench/sds.rs"]
 mod sds;
 #[path = "../bench/sidecar.rs"]
 mod sidecar;
 #[path = "../bench/xds.rs"]
 mod xds;
+
+/// Every benchmark, each against its floor, under one header.
+fn all(opts: &report::Options) -> anyhow::Result<String> {
+    let sh = |cmd: &str, args: &[&str]| {
+        std::process::Command::new(cmd)
+            .args(args)
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .unwrap_or_default()
+    };
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| c.lines().find_map(|l| l.strip_prefix("model name")).map(|m| m.trim_start_matches([' ', '\t', ':']).to_string()))
+        .unwrap_or_default();
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
+    let mut out = format!(
+        "Machine: {cores} cores, {cpu}; Linux {}; commit {}; {} runs per figure.\n\n",
+        sh("uname", &["-r"]),
+        sh("git", &["rev-parse", "--short", "HEAD"]),
+        opts.runs
+    );
+    type Bench = fn(&report::Options) -> anyhow::Result<String>;
+    let benches: [(&str, Bench); 6] = [
+        ("capture", capture::run),
+        ("rules", rules::run),
+        ("xds", xds::run),
+        ("sds", sds::run),
+        ("sidecar", sidecar::run),
+        ("cni", cni::run),
+    ];
+    for (name, bench) in benches {
+        eprintln!("[bench all] {name}");
+        match bench(opts) {
+            Ok(table) => out.push_str(&table),
+            Err(e) => out.push_str(&format!("{name}: failed: {e:#}\n")),
+        }
+        out.push('\n');
+    }
+    Ok(out)
+}
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -59,8 +109,10 @@ fn main() -> ExitCode {
         Some("sds") => sds::run(&opts),
         Some("sidecar") => sidecar::run(&opts),
         Some("cni") => cni::run(&opts),
+        Some("rules") => rules::run(&opts),
+        Some("all") => all(&opts),
         _ => Err(anyhow::anyhow!(
-            "usage: weir-bench capture [--runs N] [--duration SECS] [--connections N] [--markdown]\n       weir-bench xds [--runs N] [--markdown]\n       weir-bench sds [--runs N] [--markdown]\n       weir-bench sidecar [--runs N] [--duration SECS] [--markdown]\n       weir-bench cni [--runs N] [--markdown]"
+            "usage: weir-bench capture [--runs N] [--duration SECS] [--connections N] [--markdown]\n       weir-bench xds [--runs N] [--markdown]\n       weir-bench sds [--runs N] [--markdown]\n       weir-bench sidecar [--runs N] [--duration SECS] [--markdown]\n       weir-bench cni [--runs N] [--markdown]\n       weir-bench rules [--runs N] [--markdown]\n       weir-bench all [--runs N] [--duration SECS] [--markdown]"
         )),
     };
     match result {
