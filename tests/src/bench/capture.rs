@@ -305,7 +305,7 @@ fn start_iperf(server: &Pod) -> anyhow::Result<weir_tests::PodChild> {
     bail!("iperf3 server did not start")
 }
 
-pub fn run(opts: &Options) -> anyhow::Result<String> {
+pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
     weir_agent::privileges::require(
         &[
             weir_agent::privileges::Capability::SysAdmin,
@@ -339,5 +339,5 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
         .chain(notes)
         .collect(),
     };
-    Ok(table.render(opts.markdown))
+    Ok(vec![table])
 }

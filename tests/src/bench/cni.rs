@@ -90,7 +90,7 @@ fn run_once(chain: Chain) -> anyhow::Result<(f64, f64)> {
     Ok((percentile(&ms, 0.5), percentile(&ms, 0.99)))
 }
 
-pub fn run(opts: &Options) -> anyhow::Result<String> {
+pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
     let chains = [Chain::BridgeOnly, Chain::Weir("iptables"), Chain::Weir("nftables"), Chain::Weir("ebpf")];
     let mut rows = Vec::new();
     for chain in chains {
@@ -122,5 +122,5 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
             opts.runs
         )],
     };
-    Ok(table.render(opts.markdown))
+    Ok(vec![table])
 }

@@ -123,6 +123,66 @@ impl Table {
     }
 }
 
+/// The one table of `weir-bench all`: every row of every table against its own
+/// table's floor, on that table's first measure.
+pub fn headline(tables: &[Table], markdown: bool) -> String {
+    let mut lines = vec![vec![
+        "benchmark".to_string(),
+        "row".to_string(),
+        "measure".to_string(),
+        "value".to_string(),
+        "floor".to_string(),
+        "vs floor".to_string(),
+    ]];
+    for t in tables {
+        let Some(floor) = t.rows.first() else { continue };
+        let Some((measure, unit, _)) = t.columns.first() else { continue };
+        let base = floor.metrics[0].median();
+        for row in &t.rows[1..] {
+            let v = row.metrics[0].median();
+            let ratio = v / base;
+            lines.push(vec![
+                t.title.clone(),
+                row.name.clone(),
+                format!("{measure} ({unit})"),
+                if v.is_finite() {
+                    format!(
+                        "{} [{}–{}]",
+                        fmt_value(v, unit),
+                        fmt_value(row.metrics[0].min(), unit),
+                        fmt_value(row.metrics[0].max(), unit)
+                    )
+                } else {
+                    "failed".into()
+                },
+                if base.is_finite() { fmt_value(base, unit) } else { "-".into() },
+                if ratio.is_finite() { format!("{ratio:.2}×") } else { "-".into() },
+            ]);
+        }
+    }
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{}",
+        if markdown { "### Every benchmark against its floor" } else { "Every benchmark against its floor" }
+    );
+    let widths: Vec<usize> =
+        (0..lines[0].len()).map(|c| lines.iter().map(|l| l[c].chars().count()).max().unwrap_or(0)).collect();
+    for (n, line) in lines.iter().enumerate() {
+        if markdown {
+            let _ = writeln!(out, "| {} |", line.join(" | "));
+            if n == 0 {
+                let _ = writeln!(out, "|{}|", line.iter().map(|_| "---").collect::<Vec<_>>().join("|"));
+            }
+        } else {
+            let cells: Vec<String> =
+                line.iter().enumerate().map(|(c, v)| format!("{v:<w$}", w = widths[c])).collect();
+            let _ = writeln!(out, "{}", cells.join("  "));
+        }
+    }
+    out
+}
+
 /// `wrk --latency` output: (requests/s, p50 ms, p99 ms).
 pub fn parse_wrk(text: &str) -> Option<(f64, f64, f64)> {
     let rps = text.lines().find_map(|l| l.trim().strip_prefix("Requests/sec:"))?.trim().parse().ok()?;

@@ -103,7 +103,7 @@ fn run_once(backend: Backend) -> anyhow::Result<(f64, f64)> {
     Ok((median(apply), remove))
 }
 
-pub fn run(opts: &Options) -> anyhow::Result<String> {
+pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
     let mut rows = Vec::new();
     for backend in [Backend::Floor, Backend::Iptables, Backend::Nftables, Backend::Ebpf] {
         let (mut apply, mut remove) = (Samples::default(), Samples::default());
@@ -139,5 +139,5 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
             opts.runs
         )],
     };
-    Ok(table.render(opts.markdown))
+    Ok(vec![table])
 }

@@ -90,7 +90,7 @@ async fn run_once(kind: Kind) -> anyhow::Result<(f64, f64)> {
     Ok((percentile(&ms, 0.5), percentile(&ms, 0.99)))
 }
 
-pub fn run(opts: &Options) -> anyhow::Result<String> {
+pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let kinds = [Kind::CaOnly, Kind::Issue(KeyAlgorithm::EcdsaP256), Kind::Issue(KeyAlgorithm::Rsa(2048))];
     let mut rows = Vec::new();
@@ -122,5 +122,5 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
             opts.runs
         )],
     };
-    Ok(table.render(opts.markdown))
+    Ok(vec![table])
 }

@@ -246,7 +246,7 @@ fn run_envoy_alone() -> anyhow::Result<f64> {
     Ok(ms)
 }
 
-pub fn run(opts: &Options) -> anyhow::Result<String> {
+pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
     let mut floor = Samples::default();
     let (mut ready, mut rps) = (Samples::default(), Samples::default());
     let mut cols: [[Samples; 4]; 2] = Default::default();
@@ -313,5 +313,5 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
             opts.runs
         )],
     };
-    Ok(format!("{}\n{}", start.render(opts.markdown), footprint.render(opts.markdown)))
+    Ok(vec![start, footprint])
 }

@@ -192,7 +192,7 @@ fn run_once(path: Path) -> anyhow::Result<RunResult> {
     })
 }
 
-pub fn run(opts: &Options) -> anyhow::Result<String> {
+pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
     let paths = [Path::Direct, Path::Relay { delta: false }, Path::Relay { delta: true }];
     let mut rows = Vec::new();
     let mut notes = Vec::new();
@@ -253,5 +253,5 @@ pub fn run(opts: &Options) -> anyhow::Result<String> {
         rows,
         notes,
     };
-    Ok(table.render(opts.markdown))
+    Ok(vec![table])
 }

@@ -58,7 +58,11 @@ fn all(opts: &report::Options) -> anyhow::Result<String> {
     };
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
-        .and_then(|c| c.lines().find_map(|l| l.strip_prefix("model name")).map(|m| m.trim_start_matches([' ', '\t', ':']).to_string()))
+        .and_then(|c| {
+            c.lines()
+                .find_map(|l| l.strip_prefix("model name"))
+                .map(|m| m.trim_start_matches([' ', '\t', ':']).to_string())
+        })
         .unwrap_or_default();
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
     let mut out = format!(
@@ -67,24 +71,36 @@ fn all(opts: &report::Options) -> anyhow::Result<String> {
         sh("git", &["rev-parse", "--short", "HEAD"]),
         opts.runs
     );
-    type Bench = fn(&report::Options) -> anyhow::Result<String>;
+    type Bench = fn(&report::Options) -> anyhow::Result<Vec<report::Table>>;
     let benches: [(&str, Bench); 6] = [
-        ("capture", capture::run),
-        ("rules", rules::run),
-        ("xds", xds::run),
-        ("sds", sds::run),
-        ("sidecar", sidecar::run),
-        ("cni", cni::run),
+        ("capture", capture::tables),
+        ("rules", rules::tables),
+        ("xds", xds::tables),
+        ("sds", sds::tables),
+        ("sidecar", sidecar::tables),
+        ("cni", cni::tables),
     ];
+    let mut all = Vec::new();
+    let mut details = String::new();
     for (name, bench) in benches {
         eprintln!("[bench all] {name}");
         match bench(opts) {
-            Ok(table) => out.push_str(&table),
-            Err(e) => out.push_str(&format!("{name}: failed: {e:#}\n")),
+            Ok(tables) => {
+                details.push_str(&render(&tables, opts.markdown));
+                all.extend(tables);
+            }
+            Err(e) => details.push_str(&format!("{name}: failed: {e:#}\n")),
         }
-        out.push('\n');
+        details.push('\n');
     }
+    out.push_str(&report::headline(&all, opts.markdown));
+    out.push('\n');
+    out.push_str(&details);
     Ok(out)
+}
+
+fn render(tables: &[report::Table], markdown: bool) -> String {
+    tables.iter().map(|t| t.render(markdown)).collect::<Vec<_>>().join("\n")
 }
 
 fn main() -> ExitCode {
@@ -104,12 +120,12 @@ fn main() -> ExitCode {
         markdown: flag("--markdown"),
     };
     let result = match args.first().map(String::as_str) {
-        Some("capture") => capture::run(&opts),
-        Some("xds") => xds::run(&opts),
-        Some("sds") => sds::run(&opts),
-        Some("sidecar") => sidecar::run(&opts),
-        Some("cni") => cni::run(&opts),
-        Some("rules") => rules::run(&opts),
+        Some("capture") => capture::tables(&opts).map(|t| render(&t, opts.markdown)),
+        Some("xds") => xds::tables(&opts).map(|t| render(&t, opts.markdown)),
+        Some("sds") => sds::tables(&opts).map(|t| render(&t, opts.markdown)),
+        Some("sidecar") => sidecar::tables(&opts).map(|t| render(&t, opts.markdown)),
+        Some("cni") => cni::tables(&opts).map(|t| render(&t, opts.markdown)),
+        Some("rules") => rules::tables(&opts).map(|t| render(&t, opts.markdown)),
         Some("all") => all(&opts),
         _ => Err(anyhow::anyhow!(
             "usage: weir-bench capture [--runs N] [--duration SECS] [--connections N] [--markdown]\n       weir-bench xds [--runs N] [--markdown]\n       weir-bench sds [--runs N] [--markdown]\n       weir-bench sidecar [--runs N] [--duration SECS] [--markdown]\n       weir-bench cni [--runs N] [--markdown]\n       weir-bench rules [--runs N] [--markdown]\n       weir-bench all [--runs N] [--duration SECS] [--markdown]"
