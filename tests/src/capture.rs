@@ -189,3 +189,16 @@ pub fn captured(line: &str) -> Option<(String, String)> {
     let field = |k: &str| rest.split_whitespace().find_map(|f| f.strip_prefix(k)).map(String::from);
     Some((field("local=")?, field("orig=")?))
 }
+
+/// Names of the programs on `pod`'s eth0 ingress: TCX links (Linux 6.6+), else the
+/// legacy tc filters older kernels use (`tc filter show`).
+pub fn inbound_programs(pod: &Pod) -> Vec<String> {
+    match weir_agent::ebpf::capture::inbound_programs(pod.netns().path(), "eth0") {
+        Ok(names) => names,
+        Err(_) => in_pod(pod, "tc", &["filter", "show", "dev", "eth0", "ingress"])
+            .split_whitespace()
+            .filter(|w| w.starts_with("weir_"))
+            .map(|w| w.split(':').next().unwrap_or(w).to_string())
+            .collect(),
+    }
+}

@@ -81,7 +81,7 @@ fn pinned_capture_outlives_the_command_and_cleans_up_completely() {
         0,
         "no program left on the cgroup"
     );
-    assert!(weir_agent::ebpf::capture::inbound_programs(s.client.netns().path(), "eth0").unwrap().is_empty());
+    assert!(weir_tests::capture::inbound_programs(&s.client).is_empty());
     assert!(
         ask_placed(&s.client, app, s.addr(&s.server2, 8080)).starts_with("hello server2 "),
         "uncaptured after clean"

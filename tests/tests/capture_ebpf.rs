@@ -102,7 +102,7 @@ fn attached(cgroup: &weir_tests::Cgroup, pod: &weir_tests::Pod) -> String {
         std::process::Command::new("bpftool").args(["cgroup", "show"]).arg(cgroup.path()).output().unwrap();
     let mut out =
         String::from_utf8_lossy(&cg.stdout).lines().skip(1).map(|l| format!("{l}\n")).collect::<String>();
-    for name in weir_agent::ebpf::capture::inbound_programs(pod.netns().path(), "eth0").unwrap() {
+    for name in weir_tests::capture::inbound_programs(pod) {
         out.push_str(&format!("eth0 ingress {name}\n"));
     }
     out

@@ -313,5 +313,25 @@ pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
             opts.runs
         )],
     };
-    Ok(vec![start, footprint])
+    // Binary size: what a node pulls and maps, Envoy's as the floor.
+    let size = |path: &std::path::Path| {
+        std::fs::metadata(path).map(|m| m.len() as f64 / (1024.0 * 1024.0)).unwrap_or(f64::NAN)
+    };
+    let weir_bin = weir_tests::tools::weir();
+    let sizes = Table {
+        title: "Binary size".into(),
+        columns: vec![("size", "MiB", false)],
+        rows: vec![
+            Row {
+                name: "envoy (the proxy it runs; floor)".into(),
+                metrics: vec![Samples(vec![size(&envoy::binary()?)])],
+            },
+            Row {
+                name: "weir (agent, capture, eBPF objects, CNI plugin, demo: one binary)".into(),
+                metrics: vec![Samples(vec![size(&weir_bin)])],
+            },
+        ],
+        notes: vec![format!("{} as built by scripts/bench (release).", weir_bin.display())],
+    };
+    Ok(vec![start, footprint, sizes])
 }
