@@ -98,23 +98,7 @@ impl Table {
             }
             lines.push(line);
         }
-        let widths: Vec<usize> = (0..lines[0].len())
-            .map(|c| lines.iter().map(|l| l[c].chars().count()).max().unwrap_or(0))
-            .collect();
-        let _ =
-            writeln!(out, "{}", if markdown { format!("### {}", self.title) } else { self.title.clone() });
-        for (n, line) in lines.iter().enumerate() {
-            if markdown {
-                let _ = writeln!(out, "| {} |", line.join(" | "));
-                if n == 0 {
-                    let _ = writeln!(out, "|{}|", line.iter().map(|_| "---").collect::<Vec<_>>().join("|"));
-                }
-            } else {
-                let cells: Vec<String> =
-                    line.iter().enumerate().map(|(c, v)| format!("{v:<w$}", w = widths[c])).collect();
-                let _ = writeln!(out, "{}", cells.join("  "));
-            }
-        }
+        emit(&mut out, &self.title, &lines, markdown);
         let mut seen = std::collections::HashSet::new();
         for note in self.notes.iter().filter(|n| seen.insert(n.as_str())) {
             let _ = writeln!(out, "{}{note}", if markdown { "\n" } else { "  " });
@@ -161,11 +145,13 @@ pub fn headline(tables: &[Table], markdown: bool) -> String {
         }
     }
     let mut out = String::new();
-    let _ = writeln!(
-        out,
-        "{}",
-        if markdown { "### Every benchmark against its floor" } else { "Every benchmark against its floor" }
-    );
+    emit(&mut out, "Every benchmark against its floor", &lines, markdown);
+    out
+}
+
+/// A titled grid (first line the header): markdown, or columns padded for a terminal.
+fn emit(out: &mut String, title: &str, lines: &[Vec<String>], markdown: bool) {
+    let _ = writeln!(out, "{}", if markdown { format!("### {title}") } else { title.to_string() });
     let widths: Vec<usize> =
         (0..lines[0].len()).map(|c| lines.iter().map(|l| l[c].chars().count()).max().unwrap_or(0)).collect();
     for (n, line) in lines.iter().enumerate() {
@@ -180,7 +166,6 @@ pub fn headline(tables: &[Table], markdown: bool) -> String {
             let _ = writeln!(out, "{}", cells.join("  "));
         }
     }
-    out
 }
 
 /// `wrk --latency` output: (requests/s, p50 ms, p99 ms).
