@@ -74,6 +74,8 @@ pub enum AgentError {
     },
     #[error(transparent)]
     Envoy(#[from] SupervisorError),
+    #[error(transparent)]
+    GrpcBootstrap(#[from] crate::xds::grpc_bootstrap::GrpcBootstrapError),
     #[error("standalone mode")]
     Standalone(#[from] crate::standalone::StandaloneError),
     #[error("Envoy needs {missing} for {why}, but the agent lacks it")]
@@ -175,6 +177,17 @@ impl Agent {
         let supervisor = if envoy { Some(self.prepare_envoy()?) } else { None };
         let uds_path = self.config.xds.uds_path.clone();
         let listener = crate::xds::uds::bind(&uds_path, None)?;
+        // Proxyless gRPC applications read this to reach the same socket.
+        let grpc = crate::xds::grpc_bootstrap::render(
+            &self.config.node.id,
+            &self.config.node.metadata,
+            &uds_path,
+            self.config.identity.output_dir.as_deref(),
+        );
+        if let Err(e) = crate::xds::grpc_bootstrap::write(&self.config.node.grpc_bootstrap, &grpc) {
+            let _ = std::fs::remove_file(&uds_path);
+            return Err(e.into());
+        }
         let sds_path = self.config.identity.sds_socket.clone();
         let sds = async {
             if external_sds(&sds_path).await? {

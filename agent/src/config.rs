@@ -272,6 +272,8 @@ pub struct NodeSettings {
     pub metadata: BTreeMap<String, serde_json::Value>,
     /// `ISTIO_DELTA_XDS` (default true): Delta ADS, else state of the world.
     pub delta_xds: bool,
+    /// `GRPC_XDS_BOOTSTRAP`: where proxyless gRPC applications find their bootstrap.
+    pub grpc_bootstrap: PathBuf,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -708,6 +710,10 @@ impl AgentConfig {
             cluster: service_cluster(&pc.service_cluster, labels, &metadata, &pod.namespace),
             metadata,
             delta_xds: env.bool_or("ISTIO_DELTA_XDS", true)?,
+            grpc_bootstrap: env
+                .text("GRPC_XDS_BOOTSTRAP")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| Path::new(&pc.config_path).join("grpc-bootstrap.json")),
         })
     }
 

@@ -332,6 +332,15 @@ fn injected_command_line_starts_envoy_that_becomes_ready_and_carries_traffic() {
         String::from_utf8_lossy(&validate.stderr)
     );
 
+    // Proxyless gRPC applications get a bootstrap to the same socket.
+    let grpc: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(rig.root.path().join("etc/istio/proxy/grpc-bootstrap.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(grpc["xds_servers"][0]["server_uri"], "unix:///./etc/istio/proxy/XDS");
+    assert_eq!(grpc["node"]["id"], b["node"]["id"]);
+    assert_eq!(grpc["node"]["metadata"]["GENERATOR"], "grpc");
+
     // istiod saw a Delta stream from this node.
     let streams = rig.cp.ads.log().streams();
     assert!(streams.iter().any(|s| s.delta && s.refused.is_none()), "{streams:?}");
