@@ -57,6 +57,8 @@ struct Demo {
     server: Pod,
     _mesh: Mesh,
     dir: PathBuf,
+    /// Last: released after the eBPF capture is detached (unmounts a bpffs it mounted).
+    _bpffs: crate::ebpf::capture::BpffsUse,
 }
 
 impl Drop for Demo {
@@ -122,6 +124,7 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
         server,
         _mesh: mesh,
         dir,
+        _bpffs: crate::ebpf::capture::BpffsUse::acquire()?,
     };
     let server_addr = SocketAddr::new(demo.server.ipv4().into(), APP_PORT);
     let services = demo.dir.join("mesh.yaml");

@@ -23,7 +23,10 @@ pub mod privilege;
 pub mod sidecar;
 pub mod tools;
 
-pub use weir_agent::sandbox::{Cgroup, Mesh, Placement, Pod, PodChild, leftovers, reap};
+pub use weir_agent::{
+    ebpf::capture::BpffsUse,
+    sandbox::{Cgroup, Mesh, Placement, Pod, PodChild, leftovers, reap},
+};
 
 /// The current test's name (its function path), for naming its sandbox.
 #[macro_export]

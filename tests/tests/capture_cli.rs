@@ -25,13 +25,30 @@ fn ok(out: &Output, what: &str) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// Removes a pinned capture (record, pins, inbound filter) on drop; idempotent.
+struct PinnedCapture(String);
+
+impl Drop for PinnedCapture {
+    fn drop(&mut self) {
+        use weir_agent::ebpf::capture::{PinRecord, pin_dir, unpin};
+        match PinRecord::load(&self.0) {
+            Some(record) => drop(record.remove()),
+            None => drop(unpin(&pin_dir(&self.0))),
+        }
+    }
+}
+
 #[test]
 fn pinned_capture_outlives_the_command_and_cleans_up_completely() {
     require_root!();
+    // Declared first, dropped last: a bpffs this test mounted is unmounted, pass or fail.
+    let _bpffs = weir_tests::BpffsUse::acquire().unwrap();
     let test = test_name!();
     let cgroup = test_cgroup(&test);
     let s = CaptureScene::in_cgroup(&test, Family::V4, &cgroup);
     let pod = cgroup.path().file_name().unwrap().to_string_lossy().into_owned();
+    // Whatever the test reaches, the pinned capture goes before the cgroup and bpffs.
+    let _pins = PinnedCapture(pod.clone());
     let cg = cgroup.path().to_str().unwrap();
     let netns = s.client.netns().path().to_str().unwrap();
     let attach = [

@@ -317,6 +317,8 @@ impl Drop for NodeCapture {
 #[test]
 fn ebpf_capture_registers_pods_with_the_node_capture() {
     require_root!();
+    // Declared first, dropped last: a bpffs this test mounted is unmounted, pass or fail.
+    let _bpffs = weir_tests::BpffsUse::acquire().unwrap();
     let node = Node::new(&test_name!(), false);
     node.api.set_pod(pod_object("shop", "web-1", true, &[], &[]));
     let cgroup = test_cgroup(&test_name!());
@@ -409,6 +411,7 @@ fn ebpf_capture_registers_pods_with_the_node_capture() {
 #[test]
 fn repair_captures_pods_that_started_before_the_plugin() {
     require_root!();
+    let _bpffs = weir_tests::BpffsUse::acquire().unwrap();
     let node = Node::new(&test_name!(), false);
     let rt = CniRuntime::new(&node.ns).unwrap();
     // The cluster's CNI without Weir: these pods start uncaptured. (A subnet of its

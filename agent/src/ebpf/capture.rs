@@ -396,17 +396,95 @@ impl CapturePrograms {
     }
 }
 
-/// Mounts bpffs at /sys/fs/bpf if nothing is mounted there yet.
-pub fn mount_bpffs() -> Result<(), EbpfError> {
+/// Whether bpffs is mounted at /sys/fs/bpf.
+pub fn bpffs_mounted() -> bool {
     let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
-    if mounts.lines().any(|l| {
+    mounts.lines().any(|l| {
         let mut f = l.split_whitespace();
         f.nth(1) == Some("/sys/fs/bpf") && f.next() == Some("bpf")
-    }) {
+    })
+}
+
+/// Mounts bpffs at /sys/fs/bpf if nothing is mounted there yet.
+pub fn mount_bpffs() -> Result<(), EbpfError> {
+    if bpffs_mounted() {
         return Ok(());
     }
     nix::mount::mount(Some("bpf"), "/sys/fs/bpf", Some("bpf"), nix::mount::MsFlags::empty(), None::<&str>)
         .map_err(|e| EbpfError::Pin { path: "/sys/fs/bpf (mount bpffs)".into(), source: e.into() })
+}
+
+/// A temporary user of bpffs (`weir demo`, tests that pin): bpffs is mounted for it
+/// when nothing is, and when the last such user leaves, a bpffs one of them mounted is
+/// unmounted again if nothing but the kernel's own `*.debug` iterators is in it. Users
+/// coordinate through locks in /run/weir: each holds a shared "users" lock; mounting
+/// and unmounting happen under an exclusive "mount" lock, unmounting only when no one
+/// holds "users".
+pub struct BpffsUse {
+    users: Option<nix::fcntl::Flock<File>>,
+}
+
+const BPFFS_LOCK_DIR: &str = "/run/weir";
+/// Present while bpffs is mounted by a temporary user (not by the node or the admin).
+const BPFFS_MARKER: &str = "/run/weir/bpffs-mounted-temporarily";
+
+fn lock_file(name: &str) -> Result<File, EbpfError> {
+    let io = |source| EbpfError::Io { what: "open a bpffs lock in /run/weir", source };
+    std::fs::create_dir_all(BPFFS_LOCK_DIR).map_err(io)?;
+    std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(Path::new(BPFFS_LOCK_DIR).join(name))
+        .map_err(io)
+}
+
+fn flock(file: File, arg: nix::fcntl::FlockArg) -> Result<nix::fcntl::Flock<File>, EbpfError> {
+    nix::fcntl::Flock::lock(file, arg)
+        .map_err(|(_, e)| EbpfError::Io { what: "lock a bpffs lock in /run/weir", source: e.into() })
+}
+
+impl BpffsUse {
+    pub fn acquire() -> Result<Self, EbpfError> {
+        let users = flock(lock_file("bpffs-users.lock")?, nix::fcntl::FlockArg::LockShared)?;
+        let _mount = flock(lock_file("bpffs-mount.lock")?, nix::fcntl::FlockArg::LockExclusive)?;
+        if !bpffs_mounted() {
+            mount_bpffs()?;
+            std::fs::write(BPFFS_MARKER, b"")
+                .map_err(|source| EbpfError::Io { what: "mark bpffs as mounted", source })?;
+        }
+        Ok(Self { users: Some(users) })
+    }
+}
+
+/// Whether /sys/fs/bpf holds nothing but the kernel's `*.debug` iterators (and an
+/// empty `weir` folder, which it removes).
+fn bpffs_unused() -> bool {
+    let _ = std::fs::remove_dir(PIN_ROOT);
+    std::fs::read_dir("/sys/fs/bpf")
+        .map(|d| d.flatten().all(|e| e.file_name().to_string_lossy().ends_with(".debug")))
+        .unwrap_or(false)
+}
+
+impl Drop for BpffsUse {
+    fn drop(&mut self) {
+        drop(self.users.take());
+        let Ok(mount) = lock_file("bpffs-mount.lock") else { return };
+        let Ok(_mount) = flock(mount, nix::fcntl::FlockArg::LockExclusive) else { return };
+        let Ok(users) = lock_file("bpffs-users.lock") else { return };
+        // Another user still holds it: the last one unmounts.
+        let Ok(_last) = flock(users, nix::fcntl::FlockArg::LockExclusiveNonblock) else { return };
+        if Path::new(BPFFS_MARKER).exists() && bpffs_mounted() && bpffs_unused() {
+            match nix::mount::umount("/sys/fs/bpf") {
+                Ok(()) => {
+                    let _ = std::fs::remove_file(BPFFS_MARKER);
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot unmount /sys/fs/bpf"),
+            }
+        } else if !bpffs_mounted() {
+            let _ = std::fs::remove_file(BPFFS_MARKER);
+        }
+    }
 }
 
 /// Removes every pin under `dir` (links first, which detaches the programs) and the

@@ -91,6 +91,8 @@ fn run_once(chain: Chain) -> anyhow::Result<(f64, f64)> {
 }
 
 pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
+    // The eBPF rows pin; a bpffs mounted for them is unmounted afterwards.
+    let _bpffs = weir_tests::BpffsUse::acquire()?;
     let chains = [Chain::BridgeOnly, Chain::Weir("iptables"), Chain::Weir("nftables"), Chain::Weir("ebpf")];
     let mut rows = Vec::new();
     for chain in chains {

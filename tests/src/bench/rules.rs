@@ -104,6 +104,8 @@ fn run_once(backend: Backend) -> anyhow::Result<(f64, f64)> {
 }
 
 pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
+    // The eBPF rows pin; a bpffs mounted for them is unmounted afterwards.
+    let _bpffs = weir_tests::BpffsUse::acquire()?;
     let mut rows = Vec::new();
     for backend in [Backend::Floor, Backend::Iptables, Backend::Nftables, Backend::Ebpf] {
         let (mut apply, mut remove) = (Samples::default(), Samples::default());
