@@ -193,8 +193,14 @@ pub enum XdsTarget<'a> {
 /// socket), as a `static_resources.clusters` entry to append to a bootstrap from
 /// [`ads_bootstrap`].
 pub fn sds_cluster(socket: &std::path::Path) -> String {
+    grpc_cluster("sds-grpc", &format!("pipe: {{ path: \"{}\" }}", socket.display()))
+}
+
+/// A static HTTP/2 (gRPC) cluster with one endpoint at `address` (YAML of an
+/// `Address`), as a `static_resources.clusters` entry.
+fn grpc_cluster(name: &str, address: &str) -> String {
     format!(
-        r#"  - name: sds-grpc
+        r#"  - name: {name}
     type: STATIC
     connect_timeout: 1s
     typed_extension_protocol_options:
@@ -202,10 +208,9 @@ pub fn sds_cluster(socket: &std::path::Path) -> String {
         "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
         explicit_http_config: {{ http2_protocol_options: {{}} }}
     load_assignment:
-      cluster_name: sds-grpc
-      endpoints: [{{ lb_endpoints: [{{ endpoint: {{ address: {{ pipe: {{ path: "{}" }} }} }} }}] }}]
-"#,
-        socket.display()
+      cluster_name: {name}
+      endpoints: [{{ lb_endpoints: [{{ endpoint: {{ address: {{ {address} }} }} }}] }}]
+"#
     )
 }
 
@@ -257,17 +262,8 @@ dynamic_resources:
   cds_config: {{ ads: {{}}, resource_api_version: V3 }}
 static_resources:
   clusters:
-  - name: xds-grpc
-    type: STATIC
-    connect_timeout: 1s
-    typed_extension_protocol_options:
-      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
-        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
-        explicit_http_config: {{ http2_protocol_options: {{}} }}
-    load_assignment:
-      cluster_name: xds-grpc
-      endpoints: [{{ lb_endpoints: [{{ endpoint: {{ address: {{ {address} }} }} }}] }}]
-{transport}"#,
+{xds_cluster}{transport}"#,
+        xds_cluster = grpc_cluster("xds-grpc", &address),
         admin_ip = admin.ip(),
         admin_port = admin.port(),
     )

@@ -435,26 +435,14 @@ fn repair_captures_pods_that_started_before_the_plugin() {
     assert_eq!(istio_rules(&pods[0].0), "");
 
     let kubeconfig = node.run_dir.path().join("istio-cni-kubeconfig").display().to_string();
-    let repair = || {
-        run_in(
-            &node.ns,
-            None,
-            &tools::weir(),
-            &[
-                "cni",
-                "repair",
-                "--once",
-                "--node-name",
-                "node-1",
-                "--netns-dir",
-                "/run/netns",
-                "--kubeconfig",
-                &kubeconfig,
-                "--capture-mode",
-                "iptables",
-            ],
-        )
+    // `weir cni repair --once` for a node, with extra flags.
+    let repair_node = |node_name: &str, extra: &[&str]| {
+        let mut args = vec!["cni", "repair", "--once", "--node-name", node_name, "--netns-dir", "/run/netns"];
+        args.extend(["--kubeconfig", kubeconfig.as_str()]);
+        args.extend(extra);
+        run_in(&node.ns, None, &tools::weir(), &args)
     };
+    let repair = || repair_node("node-1", &["--capture-mode", "iptables"]);
     let out = repair();
     assert!(out.contains(&format!("repaired shop/old-web in {}", pods[0].0.path().display())), "{out}");
     assert!(!out.contains("old-plain") && !out.contains("other-node"), "{out}");
@@ -481,26 +469,7 @@ fn repair_captures_pods_that_started_before_the_plugin() {
     object["spec"]["nodeName"] = json!("node-3");
     object["status"] = json!({"podIP": pod_ip(&result)});
     node.api.set_pod(object);
-    let out = run_in(
-        &node.ns,
-        None,
-        &tools::weir(),
-        &[
-            "cni",
-            "repair",
-            "--once",
-            "--node-name",
-            "node-3",
-            "--netns-dir",
-            "/run/netns",
-            "--kubeconfig",
-            &kubeconfig,
-            "--capture-mode",
-            "ebpf",
-            "--ebpf-name",
-            &name,
-        ],
-    );
+    let out = repair_node("node-3", &["--capture-mode", "ebpf", "--ebpf-name", &name]);
     assert!(out.contains("repaired shop/old-ebpf"), "{out}");
     assert!(weir_agent::cni::ebpf::registered(&name, "repair-uid-old-ebpf", ns.path()).unwrap());
     let weir = node.conflist(json!({"capture_mode": "ebpf", "ebpf_node_capture": name}));

@@ -4,7 +4,7 @@
 
 use std::process::Command;
 
-use weir_tests::{require_root, test_name, tools};
+use weir_tests::{require_root, tools};
 
 fn demo(mode: &str) {
     let envoy = weir_tests::envoy::binary().unwrap();
@@ -62,7 +62,6 @@ fn demo(mode: &str) {
 #[test]
 fn the_demo_carries_traffic_over_mtls_with_ebpf() {
     require_root!();
-    let _ = test_name!();
     demo("ebpf");
 }
 

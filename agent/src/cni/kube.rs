@@ -354,10 +354,7 @@ impl KubeClient {
         where
             IO: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
         {
-            let (mut sender, conn) =
-                hyper::client::conn::http1::handshake(io).await.map_err(|e| e.to_string())?;
-            tokio::spawn(conn);
-            let response = sender.send_request(request).await.map_err(|e| e.to_string())?;
+            let response = crate::http1::exchange(io, request).await.map_err(|e| e.to_string())?;
             let status = response.status();
             let body = http_body_util::Limited::new(response.into_body(), 4 * 1024 * 1024)
                 .collect()

@@ -77,9 +77,6 @@ async fn send(
     let io = |source| AdminError::Io { method: method.clone(), address, path: path.into(), source };
     let http = |source| AdminError::Http { method: method.clone(), address, path: path.into(), source };
     let stream = tokio::net::TcpStream::connect(address).await.map_err(io)?;
-    let (mut sender, conn) =
-        hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(http)?;
-    tokio::spawn(conn);
     let uri: hyper::Uri = path
         .parse()
         .map_err(|_| io(std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a valid request path")))?;
@@ -89,7 +86,7 @@ async fn send(
         None => builder.body(Empty::<Bytes>::new().map_err(|e| match e {}).boxed()),
     }
     .expect("a method, a parsed URI and a host header make a valid request");
-    let response = sender.send_request(request).await.map_err(http)?;
+    let response = crate::http1::exchange(TokioIo::new(stream), request).await.map_err(http)?;
     Ok((response.status(), response.into_body()))
 }
 

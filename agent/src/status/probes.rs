@@ -170,33 +170,29 @@ pub struct AppProber {
     probers: Arc<AppProbers>,
     /// The pod IP (`INSTANCE_IP`), as kubelet would have dialled it.
     destination: IpAddr,
+    /// Where probes come from: 127.0.0.6 (or ::6), which capture lets through to the
+    /// app. Only usable toward a local address (the pod IP, loopback); decided once.
+    source: Option<SocketAddr>,
     status_port: u16,
     tls: tokio_rustls::TlsConnector,
 }
 
 impl AppProber {
     pub fn new(probers: AppProbers, destination: IpAddr, status_port: u16) -> Self {
-        Self { probers: Arc::new(probers), destination, status_port, tls: insecure_tls() }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.probers.0.is_empty()
-    }
-
-    /// Where probes come from: 127.0.0.6 (or ::6), excluded from capture.
-    fn source(&self) -> SocketAddr {
-        match self.destination {
+        let local =
+            destination.is_loopback() || std::net::UdpSocket::bind(SocketAddr::new(destination, 0)).is_ok();
+        let source = local.then(|| match destination {
             IpAddr::V4(_) => SocketAddr::from((Ipv4Addr::new(127, 0, 0, 6), 0)),
             IpAddr::V6(_) => SocketAddr::from((Ipv6Addr::new(0, 0, 0, 0, 0, 0, 0, 6), 0)),
-        }
+        });
+        Self { probers: Arc::new(probers), destination, source, status_port, tls: insecure_tls() }
     }
 
     async fn connect(&self, port: u16, timeout: Duration) -> std::io::Result<TcpStream> {
         let target = SocketAddr::new(self.destination, port);
         let socket = if target.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
-        // Loopback sources only work toward local addresses; a pod IP is one.
-        if self.destination.is_loopback() || is_local(self.destination) {
-            socket.bind(self.source())?;
+        if let Some(source) = self.source {
+            socket.bind(source)?;
         }
         tokio::time::timeout(timeout, socket.connect(target)).await.map_err(|_| {
             std::io::Error::new(std::io::ErrorKind::TimedOut, format!("connect {target}: timed out"))
@@ -366,9 +362,7 @@ async fn send<IO>(io: IO, request: Request<Empty<Bytes>>) -> Result<Answer, Stri
 where
     IO: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
 {
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(io).await.map_err(|e| e.to_string())?;
-    tokio::spawn(conn);
-    let response = sender.send_request(request).await.map_err(|e| e.to_string())?;
+    let response = crate::http1::exchange(io, request).await.map_err(|e| e.to_string())?;
     let status = response.status();
     let location =
         response.headers().get(hyper::header::LOCATION).and_then(|l| l.to_str().ok()).map(String::from);
@@ -387,11 +381,6 @@ where
     }
     out.truncate(MAX_BODY);
     Ok((status, location, Bytes::from(out)))
-}
-
-/// Whether `ip` is one of this namespace's addresses (the pod IP).
-fn is_local(ip: IpAddr) -> bool {
-    std::net::UdpSocket::bind(SocketAddr::new(ip, 0)).is_ok()
 }
 
 fn rustls_name(ip: &IpAddr) -> tokio_rustls::rustls::pki_types::ServerName<'static> {

@@ -57,17 +57,18 @@ fn run_once(backend: Backend) -> anyhow::Result<(f64, f64)> {
             Backend::Floor => {
                 let netns = pod.netns().path().to_path_buf();
                 let started = Instant::now();
-                weir_iptables::apply::in_netns(&netns, || {
+                // Entered the same way weir-iptables enters a pod namespace.
+                weir_agent::ebpf::capture::in_netns(&netns, || {
                     use std::io::Write as _;
                     let mut child = Command::new("iptables-restore")
                         .arg("--noflush")
                         .stdin(std::process::Stdio::piped())
-                        .spawn()
-                        .map_err(weir_iptables::CaptureError::Runtime)?;
-                    child.stdin.take().expect("piped").write_all(b"*nat\nCOMMIT\n").ok();
-                    child.wait().map_err(weir_iptables::CaptureError::Runtime)?;
+                        .spawn()?;
+                    child.stdin.take().expect("piped").write_all(b"*nat\nCOMMIT\n")?;
+                    child.wait()?;
                     Ok(())
-                })?;
+                })
+                .map_err(|e| anyhow::anyhow!("iptables-restore in {}: {e}", netns.display()))?;
                 apply.push(started.elapsed().as_secs_f64() * 1000.0);
                 remove.push(f64::NAN);
             }
