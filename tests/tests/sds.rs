@@ -346,14 +346,24 @@ fn a_ca_outage_at_rotation_keeps_the_old_certificate_until_the_ca_returns() {
     require_root!();
     let mut rig = Rig::new(&test_name!(), Some(Duration::from_secs(12)));
     rig.expect_calls_pass();
-    // Start the clock on a fresh certificate, then take istiod (xDS and CA) down.
-    let first = rig.client.serial();
-    let fresh = eventually(CONVERGE, || {
-        let s = rig.client.serials();
-        (s.len() == 1 && s[0] != first).then(|| s[0].clone())
-    })
-    .expect("a rotation");
-    let since = Instant::now();
+    // Start the clock once both sides hold a freshly rotated certificate (the server's
+    // own rotation must not be the one the outage interrupts), then take istiod (xDS
+    // and CA) down. The clock starts at the older of the two rotations.
+    let (client_first, server_first) = (rig.client.serial(), rig.server.serial());
+    let (mut client_seen, mut server_seen) = (None, None);
+    let both = eventually(CONVERGE, || {
+        for (side, first, seen) in
+            [(&rig.client, &client_first, &mut client_seen), (&rig.server, &server_first, &mut server_seen)]
+        {
+            let s = side.serials();
+            if seen.is_none() && s.len() == 1 && &s[0] != first {
+                *seen = Some((s[0].clone(), Instant::now()));
+            }
+        }
+        client_seen.clone().zip(server_seen.clone())
+    });
+    let ((fresh, client_since), (_, server_since)) = both.expect("a rotation on both sides");
+    let since = client_since.min(server_since);
     rig.cp.stop();
 
     // Rotation (at ~6 s) fails; the agent keeps the still-valid certificate.
