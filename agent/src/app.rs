@@ -173,24 +173,31 @@ impl Agent {
             }
             None => None,
         };
-        let envoy = !self.config.disable_envoy;
+        let envoy = self.config.envoy_mode.launches();
         let supervisor = if envoy { Some(self.prepare_envoy()?) } else { None };
         let uds_path = self.config.xds.uds_path.clone();
         let listener = crate::xds::uds::bind(&uds_path, None)?;
-        // Proxyless gRPC applications read this to reach the same socket.
+        // Proxyless gRPC applications read this to reach the same socket. Paths are
+        // made absolute: the application's working directory is not the agent's (in
+        // a container both are `/`, and this is what pilot-agent's `./` paths mean).
+        let absolute = |p: &std::path::Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
         let grpc = crate::xds::grpc_bootstrap::render(
             &self.config.node.id,
             &self.config.node.metadata,
-            &uds_path,
-            self.config.identity.output_dir.as_deref(),
+            &absolute(&uds_path),
+            self.config.identity.output_dir.as_deref().map(absolute).as_deref(),
         );
         if let Err(e) = crate::xds::grpc_bootstrap::write(&self.config.node.grpc_bootstrap, &grpc) {
             let _ = std::fs::remove_file(&uds_path);
             return Err(e.into());
         }
         let sds_path = self.config.identity.sds_socket.clone();
+        let serve_sds = self.config.envoy_mode.serves_sds();
         let sds = async {
-            if external_sds(&sds_path).await? {
+            if !serve_sds {
+                // Proxyless: nothing reads SDS; certificates go to OUTPUT_CERTS.
+                Ok((false, None))
+            } else if external_sds(&sds_path).await? {
                 tracing::info!(path = %sds_path.display(), "existing workload SDS socket found (SPIRE or similar): using it, not serving SDS");
                 Ok((true, None))
             } else {
@@ -218,7 +225,8 @@ impl Agent {
             upstream = %self.config.xds.discovery_address,
             dns = self.dns.is_some(),
             status_port = self.config.status.port,
-            envoy,
+            envoy = ?self.config.envoy_mode,
+            sds_server = serve_sds && !external,
             "agent started"
         );
         let shutdown = tokio_util::sync::CancellationToken::new();
@@ -244,8 +252,12 @@ impl Agent {
                 Ok(())
             });
         }
-        if let Some(listener) = sds_listener {
+        let owns_sds = sds_listener.is_some();
+        if owns_sds || !serve_sds {
+            // Issues, rotates and (with OUTPUT_CERTS) writes the workload certificate.
             tasks.spawn(self.secrets.clone().run(shutdown.clone()).map(Ok));
+        }
+        if let Some(listener) = sds_listener {
             let stop = shutdown.clone();
             let server = SdsServer::new(self.secrets.clone());
             let path = sds_path.clone();
@@ -327,7 +339,7 @@ impl Agent {
             t.abort_all();
         }
         let _ = std::fs::remove_file(&uds_path);
-        if !external {
+        if owns_sds {
             let _ = std::fs::remove_file(&sds_path);
         }
         result

@@ -289,11 +289,53 @@ pub struct AgentConfig {
     pub status: StatusSettings,
     /// What Envoy tells istiod about itself.
     pub node: NodeSettings,
-    /// `DISABLE_ENVOY`: run the agent's services without starting Envoy.
-    pub disable_envoy: bool,
+    /// Who runs Envoy: the agent, somebody else, or nobody (proxyless).
+    pub envoy_mode: EnvoyMode,
     /// Standalone mode (`--discovery-address embedded`): the embedded control plane.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub standalone: Option<crate::standalone::StandaloneSettings>,
+}
+
+/// Who runs Envoy, and so which of the agent's services Envoy needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum EnvoyMode {
+    /// The agent launches, supervises and drains Envoy (the default).
+    Launch,
+    /// `WEIR_ENVOY_MODE=external`: Envoy is run by somebody else (systemd on a VM, a
+    /// test); the agent serves the XDS and SDS sockets it connects to.
+    External,
+    /// `DISABLE_ENVOY=true`: no Envoy at all (proxyless gRPC). As pilot-agent, no SDS
+    /// server either; the workload certificate is still issued, rotated and written
+    /// to `OUTPUT_CERTS`, and the XDS socket serves the application's gRPC library.
+    Disabled,
+}
+
+impl EnvoyMode {
+    fn from_env(env: &dyn Env) -> Result<Self, ConfigError> {
+        if env.bool_or("DISABLE_ENVOY", false)? {
+            return Ok(Self::Disabled);
+        }
+        match env.text("WEIR_ENVOY_MODE").as_deref() {
+            None | Some("" | "launch") => Ok(Self::Launch),
+            Some("external") => Ok(Self::External),
+            Some(other) => Err(ConfigError::Env {
+                name: "WEIR_ENVOY_MODE".into(),
+                value: other.into(),
+                expected: "launch or external",
+            }),
+        }
+    }
+
+    /// Whether the agent starts Envoy itself.
+    pub fn launches(self) -> bool {
+        self == Self::Launch
+    }
+
+    /// Whether an Envoy (the agent's or another's) reads secrets from the SDS socket.
+    pub fn serves_sds(self) -> bool {
+        self != Self::Disabled
+    }
 }
 
 impl AgentConfig {
@@ -379,7 +421,7 @@ impl AgentConfig {
             .unwrap_or_default();
         let node = Self::node(env, &args, &pod, &proxy_config, &labels)?;
         let status = Self::status(env, &args, &pod, &proxy_config)?;
-        let disable_envoy = env.bool_or("DISABLE_ENVOY", false)?;
+        let envoy_mode = EnvoyMode::from_env(env)?;
         let standalone = (args.discovery_address.as_deref() == Some("embedded")).then(|| {
             crate::standalone::StandaloneSettings {
                 services: args
@@ -406,7 +448,7 @@ impl AgentConfig {
             envoy,
             status,
             node,
-            disable_envoy,
+            envoy_mode,
             standalone,
         })
     }
@@ -1104,5 +1146,20 @@ mod tests {
             let text = crate::error_chain(&e);
             assert!(text.contains(needle), "{needle}: {text}");
         }
+    }
+    #[test]
+    fn who_runs_envoy() {
+        let mode = |env: &[(&str, &str)]| resolve(&[], env, &[ROOT]).map(|c| c.envoy_mode);
+        assert_eq!(mode(&[]).unwrap(), EnvoyMode::Launch);
+        assert_eq!(mode(&[("DISABLE_ENVOY", "true")]).unwrap(), EnvoyMode::Disabled);
+        assert_eq!(mode(&[("WEIR_ENVOY_MODE", "external")]).unwrap(), EnvoyMode::External);
+        // DISABLE_ENVOY wins: with no Envoy at all, nobody reads SDS.
+        let both = [("DISABLE_ENVOY", "1"), ("WEIR_ENVOY_MODE", "external")];
+        assert_eq!(mode(&both).unwrap(), EnvoyMode::Disabled);
+        assert!(!EnvoyMode::Disabled.serves_sds() && EnvoyMode::External.serves_sds());
+        assert!(EnvoyMode::Launch.launches() && !EnvoyMode::External.launches());
+        let err = mode(&[("WEIR_ENVOY_MODE", "systemd")]).unwrap_err().to_string();
+        assert!(err.contains("WEIR_ENVOY_MODE") && err.contains("launch or external"), "{err}");
+        assert!(mode(&[("DISABLE_ENVOY", "maybe")]).unwrap_err().to_string().contains("DISABLE_ENVOY"));
     }
 }

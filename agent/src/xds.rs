@@ -4,6 +4,7 @@
 //! (NDS) are consumed, ACKed and NACKed here and never reach Envoy. `grpc_bootstrap`
 //! points proxyless gRPC applications at the same socket.
 
+pub mod authority;
 pub mod flavor;
 pub mod grpc_bootstrap;
 pub mod relay;

@@ -103,7 +103,7 @@ impl Sidecar {
         let proxy_config = format!("{{\"discoveryAddress\": \"{}\"}}", cp.addr);
         let ip = pod.ipv4().to_string();
         let env = [
-            ("DISABLE_ENVOY", "true"),
+            ("WEIR_ENVOY_MODE", "external"),
             ("PROXY_CONFIG", proxy_config.as_str()),
             ("ISTIOD_SAN", weir_tests::control_plane::ISTIOD_SAN),
             ("ISTIO_META_CLUSTER_ID", CLUSTER_ID),
@@ -439,7 +439,7 @@ fn an_existing_sds_socket_is_left_to_its_owner_and_a_stale_one_replaced() {
     let cp = ControlPlane::istiod(&istiod, &tls_ca, ads).unwrap().with_ca(ca.clone()).unwrap();
     let proxy_config = format!("{{\"discoveryAddress\": \"{}\"}}", cp.addr);
     let env = [
-        ("DISABLE_ENVOY", "true"),
+        ("WEIR_ENVOY_MODE", "external"),
         ("PROXY_CONFIG", proxy_config.as_str()),
         ("ISTIOD_SAN", weir_tests::control_plane::ISTIOD_SAN),
         ("ISTIO_META_CLUSTER_ID", CLUSTER_ID),

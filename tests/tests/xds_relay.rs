@@ -104,7 +104,7 @@ impl Rig {
         let proxy_config = format!("{{\"discoveryAddress\": \"{}\"}}", cp.addr);
         let ip = app.ipv4().to_string();
         let mut env = vec![
-            ("DISABLE_ENVOY", "true"),
+            ("WEIR_ENVOY_MODE", "external"),
             ("PROXY_CONFIG", proxy_config.as_str()),
             ("ISTIOD_SAN", weir_tests::control_plane::ISTIOD_SAN),
             ("ISTIO_META_CLUSTER_ID", CLUSTER_ID),

@@ -14,12 +14,13 @@ use weir_proto::{
             cluster::v3::{Cluster, cluster},
             core::v3::{
                 AggregatedConfigSource, ApiConfigSource, ApiVersion, CidrRange, ConfigSource, DataSource,
-                GrpcService, TrafficDirection, TransportSocket, address, api_config_source, config_source,
+                GrpcService, Locality, TrafficDirection, TransportSocket, address, api_config_source, config_source,
                 data_source, grpc_service, socket_address, transport_socket,
             },
             endpoint::v3::{ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints, lb_endpoint},
             listener::v3::{
-                Filter, FilterChain, FilterChainMatch, Listener, ListenerFilter, filter, listener_filter,
+                ApiListener, Filter, FilterChain, FilterChainMatch, Listener, ListenerFilter, filter,
+                listener_filter,
             },
             route::v3::{
                 DirectResponseAction, RetryPolicy, Route, RouteAction, RouteConfiguration, RouteMatch,
@@ -244,6 +245,31 @@ pub fn http_listener(name: &str, bind: SocketAddr, route_config: &str) -> Any {
     )
 }
 
+/// What a proxyless gRPC client asks for by the name of its `xds:///` target
+/// (`host:port`): an API listener whose HTTP connection manager takes its routes
+/// from RDS, as istiod's gRPC generator builds it.
+pub fn grpc_api_listener(name: &str, route_config: &str) -> Any {
+    let hcm = HttpConnectionManager {
+        stat_prefix: name.to_string(),
+        route_specifier: Some(http_connection_manager::RouteSpecifier::Rds(Rds {
+            config_source: Some(ads()),
+            route_config_name: route_config.to_string(),
+        })),
+        http_filters: vec![HttpFilter {
+            name: "envoy.filters.http.router".into(),
+            config_type: Some(http_filter::ConfigType::TypedConfig(to_any(ROUTER, &Router {}))),
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    let listener = Listener {
+        name: name.to_string(),
+        api_listener: Some(ApiListener { api_listener: Some(to_any(HCM, &hcm)) }),
+        ..Default::default()
+    };
+    to_any(type_url::LISTENER, &listener)
+}
+
 fn load_assignment_message(cluster: &str, endpoints: &[SocketAddr]) -> ClusterLoadAssignment {
     ClusterLoadAssignment {
         cluster_name: cluster.to_string(),
@@ -258,6 +284,10 @@ fn load_assignment_message(cluster: &str, endpoints: &[SocketAddr]) -> ClusterLo
                     ..Default::default()
                 })
                 .collect(),
+            // gRPC clients refuse a locality that is absent and skip one without a
+            // weight; Envoy ignores the weight unless locality-weighted balancing is on.
+            locality: Some(Locality::default()),
+            load_balancing_weight: Some(1),
             ..Default::default()
         }],
     }

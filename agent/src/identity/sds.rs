@@ -63,7 +63,7 @@ impl SdsServer {
     ) -> Result<(), tonic::transport::Error> {
         tonic::transport::Server::builder()
             .add_service(SecretDiscoveryServiceServer::new(self))
-            .serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(listener), shutdown)
+            .serve_with_incoming_shutdown(crate::xds::authority::incoming(listener), shutdown)
             .await
     }
 

@@ -27,7 +27,7 @@ pub fn render(
     metadata.insert("GENERATOR".into(), json!("grpc"));
     let mut bootstrap = json!({
         "xds_servers": [{
-            "server_uri": format!("unix:///{}", xds_socket.display()),
+            "server_uri": format!("unix:///{}", xds_socket.strip_prefix("/").unwrap_or(xds_socket).display()),
             "channel_creds": [{"type": "insecure"}],
             "server_features": ["xds_v3"]
         }],
@@ -90,7 +90,8 @@ mod tests {
         assert_eq!(b["node"]["metadata"]["CLUSTER_ID"], "Kubernetes");
         assert_eq!(b["server_listener_resource_name_template"], SERVER_LISTENER_TEMPLATE);
         assert!(b.get("certificate_providers").is_none(), "no certificates written: no provider");
-        let b = render("n", &meta, Path::new("./XDS"), Some(Path::new("/var/lib/istio/data")));
+        let b = render("n", &meta, Path::new("/pod/etc/istio/proxy/XDS"), Some(Path::new("/var/lib/istio/data")));
+        assert_eq!(b["xds_servers"][0]["server_uri"], "unix:///pod/etc/istio/proxy/XDS");
         let cfg = &b["certificate_providers"]["default"]["config"];
         assert_eq!(b["certificate_providers"]["default"]["plugin_name"], "file_watcher");
         assert_eq!(cfg["private_key_file"], "/var/lib/istio/data/key.pem");

@@ -10,7 +10,6 @@ use std::{
 };
 
 use tokio::net::UnixListener;
-use tokio_stream::wrappers::UnixListenerStream;
 use weir_proto::envoy::service::discovery::v3::aggregated_discovery_service_server::AggregatedDiscoveryServiceServer;
 
 use super::relay::XdsProxy;
@@ -92,7 +91,7 @@ impl XdsProxy {
             .initial_connection_window_size(super::upstream::WINDOW)
             .timeout(Duration::MAX)
             .add_service(service)
-            .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async move {
+            .serve_with_incoming_shutdown(super::authority::incoming(listener), async move {
                 shutdown.await;
                 me.close_active();
             })

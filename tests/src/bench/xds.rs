@@ -139,7 +139,7 @@ fn run_once(path: Path) -> anyhow::Result<RunResult> {
         Path::Relay { delta } => {
             let proxy_config = format!("{{\"discoveryAddress\": \"{}\"}}", cp.addr);
             let env = [
-                ("DISABLE_ENVOY", "true"),
+                ("WEIR_ENVOY_MODE", "external"),
                 ("WEIR_LOG", "warn"),
                 ("PROXY_CONFIG", proxy_config.as_str()),
                 ("ISTIOD_SAN", ISTIOD_SAN),
