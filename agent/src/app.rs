@@ -40,6 +40,8 @@ pub enum AgentError {
     Uds(#[from] crate::xds::uds::UdsError),
     #[error(transparent)]
     Status(#[from] crate::status::StatusBindError),
+    #[error(transparent)]
+    Sts(#[from] crate::sts::StsError),
     #[error("SDS socket")]
     SdsUds(#[source] crate::xds::uds::UdsError),
     #[error(
@@ -160,6 +162,13 @@ impl Agent {
         } else {
             None
         };
+        let sts = match &self.config.sts {
+            Some(settings) => Some((
+                crate::sts::StsServer::new(crate::sts::TokenManager::new(settings.clone())?),
+                crate::sts::StsServer::bind(settings.port).await?,
+            )),
+            None => None,
+        };
         let mut dns_tasks = match &self.dns {
             Some(dns) => Some(dns.bind().await?),
             None => None,
@@ -225,11 +234,22 @@ impl Agent {
             upstream = %self.config.xds.discovery_address,
             dns = self.dns.is_some(),
             status_port = self.config.status.port,
+            sts_port = self.config.sts.as_ref().map(|s| s.port).unwrap_or(0),
             envoy = ?self.config.envoy_mode,
             sds_server = serve_sds && !external,
             "agent started"
         );
         let shutdown = tokio_util::sync::CancellationToken::new();
+        if let Some((server, listener)) = sts {
+            let stop = shutdown.clone();
+            tasks.spawn(async move {
+                tokio::select! {
+                    _ = server.serve(listener) => {}
+                    _ = stop.cancelled() => {}
+                }
+                Ok(())
+            });
+        }
         if let Some(listener) = status {
             let merge = MetricsMerge {
                 metrics: self.metrics.clone(),

@@ -173,6 +173,10 @@ pub(crate) fn serialize_duration<S: serde::Serializer>(d: &Duration, s: S) -> Re
     s.serialize_str(&env::format_duration(*d))
 }
 
+pub(crate) fn serialize_display<S: serde::Serializer, T: std::fmt::Display>(v: &T, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(v)
+}
+
 /// The connection to the CA (istiod's, by default on the discovery address).
 #[derive(Debug, Clone, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -294,6 +298,9 @@ pub struct AgentConfig {
     /// Standalone mode (`--discovery-address embedded`): the embedded control plane.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub standalone: Option<crate::standalone::StandaloneSettings>,
+    /// The STS server (`--stsPort` above 0).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sts: Option<crate::sts::StsSettings>,
 }
 
 /// Who runs Envoy, and so which of the agent's services Envoy needs.
@@ -438,6 +445,7 @@ impl AgentConfig {
                     .into(),
             }
         });
+        let sts = Self::sts(env, &args, &identity)?;
         Ok(Self {
             args,
             pod,
@@ -450,7 +458,43 @@ impl AgentConfig {
             node,
             envoy_mode,
             standalone,
+            sts,
         })
+    }
+
+    fn sts(
+        env: &dyn Env,
+        args: &ProxyArgs,
+        identity: &IdentitySettings,
+    ) -> Result<Option<crate::sts::StsSettings>, ConfigError> {
+        if args.sts_port == 0 {
+            return Ok(None);
+        }
+        let plugin = args.token_manager_plugin.clone();
+        if !plugin.is_empty() && plugin != crate::sts::GOOGLE_TOKEN_EXCHANGE {
+            return Err(ConfigError::Flag {
+                name: "--tokenManagerPlugin".into(),
+                value: plugin,
+                expected: "GoogleTokenExchange",
+            });
+        }
+        let text = env.text("WEIR_STS_TOKEN_ENDPOINT").unwrap_or_else(|| crate::sts::DEFAULT_ENDPOINT.into());
+        let endpoint = text
+            .parse::<hyper::Uri>()
+            .ok()
+            .filter(|u| matches!(u.scheme_str(), Some("http" | "https")) && u.host().is_some())
+            .ok_or_else(|| ConfigError::Env {
+                name: "WEIR_STS_TOKEN_ENDPOINT".into(),
+                value: text.clone(),
+                expected: "an http:// or https:// URL",
+            })?;
+        Ok(Some(crate::sts::StsSettings {
+            port: args.sts_port,
+            plugin: if plugin.is_empty() { crate::sts::GOOGLE_TOKEN_EXCHANGE.into() } else { plugin },
+            endpoint,
+            trust_domain: identity.identity.trust_domain.clone(),
+            identity_provider: env.text("GKE_CLUSTER_URL").unwrap_or_default(),
+        }))
     }
 
     fn proxy_config(args: &ProxyArgs, env: &dyn Env, files: &dyn Files) -> Result<ProxyConfig, ConfigError> {

@@ -24,6 +24,7 @@ pub mod privileges;
 pub mod sandbox;
 pub mod standalone;
 pub mod status;
+pub mod sts;
 pub mod xds;
 
 /// An error and its sources on one line: `outer: inner: innermost`.

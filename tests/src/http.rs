@@ -17,12 +17,24 @@ pub async fn request(
     path: &str,
     body: Option<&str>,
 ) -> anyhow::Result<(u16, String)> {
+    request_with(addr, method, path, &[], body).await
+}
+
+/// Sends one request with extra `headers` and returns (status, body).
+pub async fn request_with(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&str>,
+) -> anyhow::Result<(u16, String)> {
+    let extra: String = headers.iter().map(|(n, v)| format!("{n}: {v}\r\n")).collect();
     let mut stream =
         tokio::time::timeout(std::time::Duration::from_secs(5), tokio::net::TcpStream::connect(addr))
             .await??;
     let body = body.unwrap_or("");
     let req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n{extra}Content-Length: {}\r\n\r\n{body}",
         body.len()
     );
     stream.write_all(req.as_bytes()).await?;

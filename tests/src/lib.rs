@@ -19,6 +19,7 @@ pub mod cni;
 pub mod control_plane;
 pub mod envoy;
 pub mod http;
+pub mod http_server;
 pub mod privilege;
 pub mod sidecar;
 pub mod tools;

@@ -14,13 +14,12 @@ use std::{
 
 use base64::Engine as _;
 use bytes::Bytes;
-use http_body_util::{BodyExt as _, Empty};
+use http_body_util::Empty;
 use hyper::{Request, StatusCode, Uri};
-use hyper_util::rt::TokioIo;
 use serde::Deserialize;
 use tokio_rustls::rustls::{
     self,
-    pki_types::{CertificateDer, PrivateKeyDer, ServerName, pem::PemObject as _},
+    pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject as _},
 };
 
 use super::pod::PodInfo;
@@ -247,18 +246,7 @@ impl KubeClient {
                         }
                     }
                     // No CA in the kubeconfig: the system's roots, as client-go.
-                    None => {
-                        for bundle in
-                            ["/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt"]
-                        {
-                            if let Ok(pem) = std::fs::read(bundle) {
-                                roots.add_parsable_certificates(
-                                    CertificateDer::pem_slice_iter(&pem).flatten(),
-                                );
-                                break;
-                            }
-                        }
-                    }
+                    None => roots = crate::http1::system_roots(),
                 }
                 builder.with_root_certificates(roots)
             };
@@ -325,11 +313,6 @@ impl KubeClient {
 
     async fn get(&self, path: &str, url: &str) -> Result<(StatusCode, Bytes), KubeError> {
         let fail = |message: String| KubeError::Request { url: url.into(), message };
-        let host =
-            self.config.server.host().unwrap_or_default().trim_start_matches('[').trim_end_matches(']');
-        let port = self.config.server.port_u16().unwrap_or(if self.tls.is_some() { 443 } else { 80 });
-        let stream =
-            tokio::net::TcpStream::connect((host, port)).await.map_err(|e| fail(format!("connect: {e}")))?;
         let mut request = Request::builder()
             .method("GET")
             .uri(path)
@@ -350,28 +333,8 @@ impl KubeClient {
             _ => {}
         }
         let request = request.body(Empty::<Bytes>::new()).map_err(|e| fail(e.to_string()))?;
-        async fn send<IO>(io: IO, request: Request<Empty<Bytes>>) -> Result<(StatusCode, Bytes), String>
-        where
-            IO: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
-        {
-            let response = crate::http1::exchange(io, request).await.map_err(|e| e.to_string())?;
-            let status = response.status();
-            let body = http_body_util::Limited::new(response.into_body(), 4 * 1024 * 1024)
-                .collect()
-                .await
-                .map_err(|e| e.to_string())?
-                .to_bytes();
-            Ok((status, body))
-        }
-        match &self.tls {
-            Some(tls) => {
-                let name = ServerName::try_from(host.to_string())
-                    .map_err(|e| fail(format!("server name {host:?}: {e}")))?;
-                let stream = tls.connect(name, stream).await.map_err(|e| fail(format!("TLS: {e}")))?;
-                send(TokioIo::new(stream), request).await.map_err(fail)
-            }
-            None => send(TokioIo::new(stream), request).await.map_err(fail),
-        }
+        let target = crate::http1::Target::of(&self.config.server, self.tls.as_ref());
+        crate::http1::fetch(target, request, 4 * 1024 * 1024).await.map_err(fail)
     }
 }
 
