@@ -288,6 +288,19 @@ impl Agent {
                     .map_err(|source| AgentError::SdsServe { path, source })
             });
         }
+        if let Some(settings) = self.config.health_check.clone() {
+            let checker = crate::health::WorkloadHealthChecker::new(
+                settings,
+                self.config.status.probe_destination,
+                self.config.status.port,
+                envoy.then(|| readiness.clone()),
+            );
+            let (relay, stop) = (self.xds.clone(), shutdown.clone());
+            tasks.spawn(async move {
+                checker.run(relay, stop).await;
+                Ok(())
+            });
+        }
         let stop = shutdown.clone();
         let xds = self.xds.clone();
         let path = uds_path.clone();

@@ -301,6 +301,9 @@ pub struct AgentConfig {
     /// The STS server (`--stsPort` above 0).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sts: Option<crate::sts::StsSettings>,
+    /// ProxyConfig `readinessProbe` (VMs): the workload health check.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub health_check: Option<crate::health::HealthCheckSettings>,
 }
 
 /// Who runs Envoy, and so which of the agent's services Envoy needs.
@@ -446,6 +449,17 @@ impl AgentConfig {
             }
         });
         let sts = Self::sts(env, &args, &identity)?;
+        let health_check = match proxy_config.other.get("readinessProbe") {
+            Some(value) => {
+                let invalid = |message: String| ConfigError::ProxyConfig {
+                    source_name: "ProxyConfig readinessProbe".into(),
+                    message,
+                };
+                let json = serde_json::to_value(value).map_err(|e| invalid(e.to_string()))?;
+                Some(crate::health::HealthCheckSettings::from_json(&json).map_err(invalid)?)
+            }
+            None => None,
+        };
         Ok(Self {
             args,
             pod,
@@ -459,6 +473,7 @@ impl AgentConfig {
             envoy_mode,
             standalone,
             sts,
+            health_check,
         })
     }
 

@@ -15,6 +15,7 @@ pub mod dns;
 pub mod ebpf;
 pub mod envoy;
 pub mod exit;
+pub mod health;
 pub mod http1;
 pub mod identity;
 pub mod istio_iptables;

@@ -337,7 +337,8 @@ fn injected_command_line_starts_envoy_that_becomes_ready_and_carries_traffic() {
         &std::fs::read(rig.root.path().join("etc/istio/proxy/grpc-bootstrap.json")).unwrap(),
     )
     .unwrap();
-    assert_eq!(grpc["xds_servers"][0]["server_uri"], "unix:///./etc/istio/proxy/XDS");
+    let socket = rig.root.xds_socket();
+    assert_eq!(grpc["xds_servers"][0]["server_uri"], format!("unix://{}", socket.display()));
     assert_eq!(grpc["node"]["id"], b["node"]["id"]);
     assert_eq!(grpc["node"]["metadata"]["GENERATOR"], "grpc");
 
@@ -650,4 +651,58 @@ fn wait_times_out_naming_the_last_error() {
         err.contains("timeout waiting for Envoy proxy to become ready") && err.contains("127.0.0.1:15021"),
         "{err}"
     );
+}
+
+/// VM workload health: ProxyConfig's `readinessProbe` (a WorkloadGroup's) probes the
+/// app together with Envoy's readiness, and each transition reaches istiod once as
+/// `istio.v1.HealthInformation`: healthy with no error, unhealthy with code 13 and why.
+#[test]
+fn vm_readiness_probe_transitions_reach_istiod_once_each() {
+    require_root!();
+    let probe = r#""readinessProbe": {"httpGet": {"path": "/status/200", "port": 8081}, "periodSeconds": 1, "failureThreshold": 2}"#;
+    let mut rig = Rig::try_new(&test_name!(), AgentUser::Proxy, probe, &[], |pod| {
+        vec![start_server(pod, APP_UID, &["serve-http", "0.0.0.0:8081"])]
+    })
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    let reports = |rig: &Rig| -> Vec<Option<(i32, String)>> {
+        rig.cp
+            .ads
+            .log()
+            .requests()
+            .into_iter()
+            .filter(|r| r.type_url == type_url::HEALTH_INFO)
+            .map(|r| r.error.map(|m| (r.error_code.unwrap_or_default(), m)))
+            .collect()
+    };
+    let settle = Duration::from_secs(30);
+
+    // Healthy once Envoy is ready and the app answers (an unhealthy report may come
+    // first while Envoy starts).
+    let healthy_at = eventually(settle, || {
+        let r = reports(&rig);
+        (r.last() == Some(&None)).then_some(r.len())
+    })
+    .unwrap_or_else(|| panic!("no healthy report: {:?}\n{}", reports(&rig), rig.agent.log()));
+
+    // The app goes away: after two failed probes, one unhealthy report.
+    let app = rig._apps.pop().expect("the local app is the last one started");
+    drop(app);
+    let unhealthy = eventually(settle, || {
+        let r = reports(&rig);
+        (r.len() > healthy_at).then(|| r[healthy_at].clone())
+    });
+    let (code, message) = unhealthy.flatten().unwrap_or_else(|| panic!("{:?}", reports(&rig)));
+    assert_eq!(code, 13, "INTERNAL, as pilot-agent");
+    assert!(message.contains("8081"), "the reason names the probe: {message}");
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(reports(&rig).len(), healthy_at + 1, "repeated while unhealthy: {:?}", reports(&rig));
+
+    // Back again: one healthy report.
+    rig._apps.push(start_server(&rig.pod, APP_UID, &["serve-http", "0.0.0.0:8081"]));
+    let recovered = eventually(settle, || (reports(&rig).len() > healthy_at + 1).then(|| reports(&rig)));
+    assert_eq!(recovered.as_ref().and_then(|r| r.last().cloned()), Some(None), "{recovered:?}");
+    std::thread::sleep(Duration::from_secs(3));
+    let all = reports(&rig);
+    assert_eq!(all.len(), healthy_at + 2, "repeated while healthy: {all:?}");
+    assert!(all.windows(2).all(|w| w[0].is_none() != w[1].is_none()), "only transitions: {all:?}");
 }

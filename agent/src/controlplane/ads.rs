@@ -233,6 +233,7 @@ impl AdsServer {
                         names: request.resource_names.clone(),
                         unsubscribe: vec![],
                         error: request.error_detail.as_ref().map(|e| e.message.clone()),
+                        error_code: request.error_detail.as_ref().map(|e| e.code),
                         node_id: request.node.as_ref().map(|n| n.id.clone()),
                     });
                     let watch = watches.entry(request.type_url.clone()).or_default();
@@ -318,6 +319,7 @@ impl AdsServer {
                         names: request.resource_names_subscribe.clone(),
                         unsubscribe: request.resource_names_unsubscribe.clone(),
                         error: request.error_detail.as_ref().map(|e| e.message.clone()),
+                        error_code: request.error_detail.as_ref().map(|e| e.code),
                         node_id: request.node.as_ref().map(|n| n.id.clone()),
                     });
                     let first = !watches.contains_key(&request.type_url);

@@ -21,8 +21,10 @@ pub struct RecordedRequest {
     /// SotW `resource_names` or Delta `resource_names_subscribe`.
     pub names: Vec<String>,
     pub unsubscribe: Vec<String>,
-    /// `error_detail.message` when this is a NACK.
+    /// `error_detail.message` when this is a NACK (or an unhealthy report).
     pub error: Option<String>,
+    /// `error_detail.code`, with the message.
+    pub error_code: Option<i32>,
     /// The node id, when the request carried a node.
     pub node_id: Option<String>,
 }

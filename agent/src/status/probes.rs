@@ -151,6 +151,13 @@ fn is_prober_path(path: &str) -> bool {
     matches!(parts.as_slice(), ["", "app-health" | "app-lifecycle", container, "livez" | "readyz" | "startupz" | "prestopz" | "poststartz"] if !container.is_empty())
 }
 
+/// Why a probe has no answer from the app.
+#[derive(Debug, PartialEq)]
+pub enum CheckError {
+    NoProber,
+    Failed(String),
+}
+
 /// The probe's answer for kubelet: a status and (for HTTP) the app's body.
 #[derive(Debug, PartialEq)]
 pub struct ProbeOutcome {
@@ -201,48 +208,51 @@ impl AppProber {
 
     /// Answers kubelet's request for `path` (with kubelet's `host` and headers).
     pub async fn probe(&self, path: &str, headers: &HeaderMap) -> ProbeOutcome {
-        let Some(prober) = self.probers.get(path) else {
-            tracing::error!(path, "no app prober configured for this path");
-            return ProbeOutcome {
-                status: StatusCode::BAD_REQUEST,
-                body: Bytes::from(format!("app prober config does not exists for {path}")),
-            };
-        };
+        match self.check(path, headers).await {
+            Ok(outcome) => outcome,
+            Err(CheckError::NoProber) => {
+                tracing::error!(path, "no app prober configured for this path");
+                ProbeOutcome {
+                    status: StatusCode::BAD_REQUEST,
+                    body: Bytes::from(format!("app prober config does not exists for {path}")),
+                }
+            }
+            Err(CheckError::Failed(e)) => {
+                tracing::warn!(path, error = %e, "app probe failed");
+                ProbeOutcome::status(StatusCode::INTERNAL_SERVER_ERROR)
+            }
+        }
+    }
+
+    /// Probes the app for `path`: the app's answer (HTTP), or why there is none.
+    pub async fn check(&self, path: &str, headers: &HeaderMap) -> Result<ProbeOutcome, CheckError> {
+        let prober = self.probers.get(path).ok_or(CheckError::NoProber)?;
         let timeout = prober.timeout();
+        let timed_out = |kind: &str| CheckError::Failed(format!("{kind} probe timed out after {timeout:?}"));
         if let Some(http) = &prober.http_get {
-            match tokio::time::timeout(timeout, self.http_get(http, headers, timeout)).await {
-                Ok(Ok(outcome)) => outcome,
-                Ok(Err(e)) => {
-                    tracing::warn!(path, error = %e, "app HTTP probe failed");
-                    ProbeOutcome::status(StatusCode::INTERNAL_SERVER_ERROR)
-                }
-                Err(_) => {
-                    tracing::warn!(path, ?timeout, "app HTTP probe timed out");
-                    ProbeOutcome::status(StatusCode::INTERNAL_SERVER_ERROR)
-                }
-            }
+            tokio::time::timeout(timeout, self.http_get(http, headers, timeout))
+                .await
+                .map_err(|_| timed_out("HTTP"))?
+                .map_err(|e| {
+                    let at = SocketAddr::new(self.destination, http.port.0);
+                    CheckError::Failed(format!("HTTP probe of {at}{}: {e}", http.path))
+                })
         } else if let Some(tcp) = &prober.tcp_socket {
-            match self.connect(tcp.port.0, timeout).await {
-                Ok(_) => ProbeOutcome::status(StatusCode::OK),
-                Err(e) => {
-                    tracing::warn!(path, error = %e, "app TCP probe failed");
-                    ProbeOutcome::status(StatusCode::INTERNAL_SERVER_ERROR)
-                }
-            }
+            self.connect(tcp.port.0, timeout)
+                .await
+                .map(|_| ProbeOutcome::status(StatusCode::OK))
+                .map_err(|e| {
+                    let at = SocketAddr::new(self.destination, tcp.port.0);
+                    CheckError::Failed(format!("TCP probe of {at}: {e}"))
+                })
         } else if let Some(grpc) = &prober.grpc {
-            match tokio::time::timeout(timeout, self.grpc(grpc, headers, timeout)).await {
-                Ok(Ok(())) => ProbeOutcome::status(StatusCode::OK),
-                Ok(Err(e)) => {
-                    tracing::warn!(path, error = %e, "app gRPC probe failed");
-                    ProbeOutcome::status(StatusCode::INTERNAL_SERVER_ERROR)
-                }
-                Err(_) => {
-                    tracing::warn!(path, ?timeout, "app gRPC probe timed out");
-                    ProbeOutcome::status(StatusCode::INTERNAL_SERVER_ERROR)
-                }
-            }
+            tokio::time::timeout(timeout, self.grpc(grpc, headers, timeout))
+                .await
+                .map_err(|_| timed_out("gRPC"))?
+                .map(|()| ProbeOutcome::status(StatusCode::OK))
+                .map_err(|e| CheckError::Failed(format!("gRPC probe of port {}: {e}", grpc.port)))
         } else {
-            ProbeOutcome::status(StatusCode::INTERNAL_SERVER_ERROR)
+            Err(CheckError::Failed("the prober has no action".into()))
         }
     }
 
