@@ -21,6 +21,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "envoy/extensions/filters/listener/original_dst/v3/original_dst.proto",
         "envoy/extensions/transport_sockets/tls/v3/tls.proto",
         "grpc/health/v1/health.proto",
+        "envoy/extensions/filters/http/wasm/v3/wasm.proto",
+        "envoy/extensions/filters/network/wasm/v3/wasm.proto",
     ];
     println!("cargo:rerun-if-changed={}", root.display());
     let fds = protox::compile(files, [&root])?;

@@ -91,6 +91,7 @@ pub struct Agent {
     pub dns: Option<Arc<DnsProxy>>,
     pub xds: XdsProxy,
     pub secrets: SecretManager,
+    pub wasm_cache: Arc<crate::wasm::ModuleCache>,
 }
 
 impl Agent {
@@ -127,11 +128,13 @@ impl Agent {
             }
             up
         };
+        let wasm_cache = Arc::new(crate::wasm::ModuleCache::new(config.wasm.clone(), metrics.clone()));
         let xds = XdsProxy::new(
             without_token(config.xds.upstream(&config.pod.cluster_id)),
             handlers,
             metrics.clone(),
-        );
+        )
+        .with_wasm(Arc::new(crate::wasm::WasmConverter::new(wasm_cache.clone())));
         let id = &config.identity;
         let source = match (&id.mounted, &id.ca) {
             (Some(files), _) => WorkloadSource::Files(files.clone()),
@@ -149,7 +152,7 @@ impl Agent {
         };
         let secrets =
             SecretManager::new(source, id.rotation, id.output_dir.clone(), id.file_debounce, metrics.clone());
-        Ok(Self { config, metrics, dns, xds, secrets })
+        Ok(Self { config, metrics, dns, xds, secrets, wasm_cache })
     }
 
     /// Binds everything (all or nothing: ports first, then the sockets, removed again
@@ -240,15 +243,19 @@ impl Agent {
             "agent started"
         );
         let shutdown = tokio_util::sync::CancellationToken::new();
-        if let Some((server, listener)) = sts {
+        // A background service that runs until shutdown and cannot fail the agent.
+        let until_shutdown = |task: futures::future::BoxFuture<'static, ()>| {
             let stop = shutdown.clone();
-            tasks.spawn(async move {
+            async move {
                 tokio::select! {
-                    _ = server.serve(listener) => {}
+                    _ = task => {}
                     _ = stop.cancelled() => {}
                 }
                 Ok(())
-            });
+            }
+        };
+        if let Some((server, listener)) = sts {
+            tasks.spawn(until_shutdown(Box::pin(server.serve(listener))));
         }
         if let Some(listener) = status {
             let merge = MetricsMerge {
@@ -263,14 +270,7 @@ impl Agent {
             );
             let server =
                 StatusServer::new(self.dns.clone(), readiness.clone(), lifecycle.clone(), merge, probes);
-            let stop = shutdown.clone();
-            tasks.spawn(async move {
-                tokio::select! {
-                    _ = server.serve(listener) => {}
-                    _ = stop.cancelled() => {}
-                }
-                Ok(())
-            });
+            tasks.spawn(until_shutdown(Box::pin(server.serve(listener))));
         }
         let owns_sds = sds_listener.is_some();
         if owns_sds || !serve_sds {
@@ -288,6 +288,8 @@ impl Agent {
                     .map_err(|source| AgentError::SdsServe { path, source })
             });
         }
+        let purger = self.wasm_cache.clone();
+        tasks.spawn(until_shutdown(Box::pin(async move { purger.purge_forever().await })));
         if let Some(settings) = self.config.health_check.clone() {
             let checker = crate::health::WorkloadHealthChecker::new(
                 settings,

@@ -173,7 +173,10 @@ pub(crate) fn serialize_duration<S: serde::Serializer>(d: &Duration, s: S) -> Re
     s.serialize_str(&env::format_duration(*d))
 }
 
-pub(crate) fn serialize_display<S: serde::Serializer, T: std::fmt::Display>(v: &T, s: S) -> Result<S::Ok, S::Error> {
+pub(crate) fn serialize_display<S: serde::Serializer, T: std::fmt::Display>(
+    v: &T,
+    s: S,
+) -> Result<S::Ok, S::Error> {
     s.collect_str(v)
 }
 
@@ -304,6 +307,8 @@ pub struct AgentConfig {
     /// ProxyConfig `readinessProbe` (VMs): the workload health check.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub health_check: Option<crate::health::HealthCheckSettings>,
+    /// Where remote Wasm modules are fetched to, and how.
+    pub wasm: crate::wasm::CacheOptions,
 }
 
 /// Who runs Envoy, and so which of the agent's services Envoy needs.
@@ -460,6 +465,7 @@ impl AgentConfig {
             }
             None => None,
         };
+        let wasm = Self::wasm(env)?;
         Ok(Self {
             args,
             pod,
@@ -474,6 +480,23 @@ impl AgentConfig {
             standalone,
             sts,
             health_check,
+            wasm,
+        })
+    }
+
+    fn wasm(env: &dyn Env) -> Result<crate::wasm::CacheOptions, ConfigError> {
+        let d = crate::wasm::CacheOptions::default();
+        Ok(crate::wasm::CacheOptions {
+            dir: env.text("WEIR_WASM_CACHE_DIR").map(PathBuf::from).unwrap_or(d.dir),
+            module_expiry: env.duration_or("WASM_MODULE_EXPIRY", d.module_expiry)?,
+            purge_interval: env.duration_or("WASM_PURGE_INTERVAL", d.purge_interval)?,
+            insecure_registries: env
+                .text("WASM_INSECURE_REGISTRIES")
+                .map(|v| v.split(',').map(|r| r.trim().to_string()).filter(|r| !r.is_empty()).collect())
+                .unwrap_or_default(),
+            http_timeout: env.duration_or("WASM_HTTP_REQUEST_TIMEOUT", d.http_timeout)?,
+            max_retries: env.u32_or("WASM_HTTP_REQUEST_MAX_RETRIES", d.max_retries)?,
+            max_bytes: d.max_bytes,
         })
     }
 
@@ -1220,5 +1243,25 @@ mod tests {
         let err = mode(&[("WEIR_ENVOY_MODE", "systemd")]).unwrap_err().to_string();
         assert!(err.contains("WEIR_ENVOY_MODE") && err.contains("launch or external"), "{err}");
         assert!(mode(&[("DISABLE_ENVOY", "maybe")]).unwrap_err().to_string().contains("DISABLE_ENVOY"));
+    }
+    #[test]
+    fn wasm_settings_read_pilot_agents_variables() {
+        let c = resolve(&[], &[], &[ROOT]).unwrap();
+        assert_eq!(c.wasm, crate::wasm::CacheOptions::default());
+        let env = [
+            ("WASM_MODULE_EXPIRY", "2h"),
+            ("WASM_PURGE_INTERVAL", "10m"),
+            ("WASM_INSECURE_REGISTRIES", "localhost:5000, registry.local"),
+            ("WASM_HTTP_REQUEST_TIMEOUT", "3s"),
+            ("WASM_HTTP_REQUEST_MAX_RETRIES", "2"),
+        ];
+        let w = resolve(&[], &env, &[ROOT]).unwrap().wasm;
+        assert_eq!(w.module_expiry, Duration::from_secs(7200));
+        assert_eq!(w.purge_interval, Duration::from_secs(600));
+        assert_eq!(w.insecure_registries, ["localhost:5000", "registry.local"]);
+        assert_eq!((w.http_timeout, w.max_retries), (Duration::from_secs(3), 2));
+        let err =
+            resolve(&[], &[("WASM_HTTP_REQUEST_MAX_RETRIES", "many")], &[ROOT]).unwrap_err().to_string();
+        assert!(err.contains("WASM_HTTP_REQUEST_MAX_RETRIES"), "{err}");
     }
 }

@@ -67,17 +67,23 @@ impl HealthCheckSettings {
     /// Parses ProxyConfig's `readinessProbe` value; errors say what is wrong with it.
     pub fn from_json(value: &serde_json::Value) -> Result<Self, String> {
         let probe: ReadinessProbe = serde_json::from_value(value.clone()).map_err(|e| e.to_string())?;
-        let kinds = [probe.http_get.is_some(), probe.tcp_socket.is_some(), probe.exec.is_some(), probe.grpc.is_some()];
+        let kinds = [
+            probe.http_get.is_some(),
+            probe.tcp_socket.is_some(),
+            probe.exec.is_some(),
+            probe.grpc.is_some(),
+        ];
         if kinds.iter().filter(|k| **k).count() != 1 {
             return Err("exactly one of httpGet, tcpSocket, exec or grpc is required".into());
         }
         if probe.exec.as_ref().is_some_and(|e| e.command.is_empty()) {
             return Err("exec.command is empty".into());
         }
-        if let Some(scheme) = probe.http_get.as_ref().and_then(|h| h.scheme.as_deref()) {
-            if !scheme.eq_ignore_ascii_case("http") && !scheme.eq_ignore_ascii_case("https") {
-                return Err(format!("httpGet.scheme {scheme:?}: expected HTTP or HTTPS"));
-            }
+        if let Some(scheme) = probe.http_get.as_ref().and_then(|h| h.scheme.as_deref())
+            && !scheme.eq_ignore_ascii_case("http")
+            && !scheme.eq_ignore_ascii_case("https")
+        {
+            return Err(format!("httpGet.scheme {scheme:?}: expected HTTP or HTTPS"));
         }
         let or = |v: u32, default: u32| if v == 0 { default } else { v };
         Ok(Self {
@@ -101,7 +107,12 @@ pub struct Transitions {
 
 impl Transitions {
     /// The report to send after this result, if the state changed.
-    pub fn observe(&mut self, result: Result<(), String>, success_threshold: u32, failure_threshold: u32) -> Option<Health> {
+    pub fn observe(
+        &mut self,
+        result: Result<(), String>,
+        success_threshold: u32,
+        failure_threshold: u32,
+    ) -> Option<Health> {
         match result {
             Ok(()) => {
                 self.successes += 1;
@@ -138,7 +149,12 @@ const PROBE_PATH: &str = "/app-health/workload/readyz";
 impl WorkloadHealthChecker {
     /// `destination`: where app probes go (the pod IP, as Istio's default host);
     /// `envoy`: Envoy's readiness when the agent runs Envoy.
-    pub fn new(settings: HealthCheckSettings, destination: IpAddr, status_port: u16, envoy: Option<Arc<Readiness>>) -> Self {
+    pub fn new(
+        settings: HealthCheckSettings,
+        destination: IpAddr,
+        status_port: u16,
+        envoy: Option<Arc<Readiness>>,
+    ) -> Self {
         let p = &settings.probe;
         let prober = Prober {
             http_get: p.http_get.clone().map(|mut h| {
@@ -285,7 +301,9 @@ mod tests {
     async fn exec_probes_use_the_exit_status_and_the_timeout() {
         let cmd = |c: &[&str]| c.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         assert!(run_exec(&cmd(&["true"]), Duration::from_secs(5)).await.is_ok());
-        let err = run_exec(&cmd(&["sh", "-c", "echo not ready >&2; exit 3"]), Duration::from_secs(5)).await.unwrap_err();
+        let err = run_exec(&cmd(&["sh", "-c", "echo not ready >&2; exit 3"]), Duration::from_secs(5))
+            .await
+            .unwrap_err();
         assert!(err.contains("exit status: 3") && err.contains("not ready"), "{err}");
         let err = run_exec(&cmd(&["sleep", "5"]), Duration::from_millis(200)).await.unwrap_err();
         assert!(err.contains("timed out"), "{err}");

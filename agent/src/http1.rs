@@ -30,7 +30,11 @@ impl<'a> Target<'a> {
     pub fn of(url: &'a hyper::Uri, tls: Option<&'a tokio_rustls::TlsConnector>) -> Self {
         let https = url.scheme_str() == Some("https");
         let host = url.host().unwrap_or_default().trim_start_matches('[').trim_end_matches(']');
-        Self { host, port: url.port_u16().unwrap_or(if https { 443 } else { 80 }), tls: tls.filter(|_| https) }
+        Self {
+            host,
+            port: url.port_u16().unwrap_or(if https { 443 } else { 80 }),
+            tls: tls.filter(|_| https),
+        }
     }
 }
 
@@ -48,7 +52,11 @@ where
 {
     use http_body_util::BodyExt as _;
     use hyper_util::rt::TokioIo;
-    async fn send<IO, B>(io: IO, request: Request<B>, limit: usize) -> Result<(hyper::StatusCode, bytes::Bytes), String>
+    async fn send<IO, B>(
+        io: IO,
+        request: Request<B>,
+        limit: usize,
+    ) -> Result<(hyper::StatusCode, bytes::Bytes), String>
     where
         IO: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
         B: hyper::body::Body + Send + 'static,

@@ -26,6 +26,7 @@ pub mod sandbox;
 pub mod standalone;
 pub mod status;
 pub mod sts;
+pub mod wasm;
 pub mod xds;
 
 /// An error and its sources on one line: `outer: inner: innermost`.

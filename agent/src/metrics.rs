@@ -41,6 +41,12 @@ pub struct ScrapeType {
 pub const SCRAPE_ENVOY: ScrapeType = ScrapeType { r#type: "envoy" };
 pub const SCRAPE_APP: ScrapeType = ScrapeType { r#type: "application" };
 
+/// Istio's `result` label of `wasm_remote_fetch_count`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FetchResult {
+    pub result: &'static str,
+}
+
 pub const CANCELLED: Termination = Termination { r#type: "cancelled" };
 pub const ERROR: Termination = Termination { r#type: "error" };
 
@@ -65,6 +71,7 @@ pub struct Metrics {
     pub num_failed_outgoing_requests: Family<RequestType, Counter>,
     pub scrapes: Counter,
     pub scrape_failures: Family<ScrapeType, Counter>,
+    pub wasm_remote_fetches: Family<FetchResult, Counter>,
 }
 
 impl Default for Metrics {
@@ -94,6 +101,7 @@ impl Metrics {
             num_failed_outgoing_requests: Family::default(),
             scrapes: Counter::default(),
             scrape_failures: Family::default(),
+            wasm_remote_fetches: Family::default(),
         };
         root.register(
             "xds_proxy_requests",
@@ -158,6 +166,11 @@ impl Metrics {
         );
         root.register("scrapes", "The total number of scrapes.", m.scrapes.clone());
         root.register("scrape_failures", "The total number of failed scrapes.", m.scrape_failures.clone());
+        root.register(
+            "wasm_remote_fetch_count",
+            "number of Wasm remote fetches and results, including success, download failure, and checksum mismatch",
+            m.wasm_remote_fetches.clone(),
+        );
         Self { registry: root, ..m }
     }
 

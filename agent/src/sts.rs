@@ -200,7 +200,8 @@ impl TokenManager {
     /// Istio's audience: the token's single `aud` claim (else the trust domain) as the
     /// identity namespace, and the cluster URL as the provider.
     fn audience(&self, subject_token: &str) -> String {
-        let namespace = jwt_single_audience(subject_token).unwrap_or_else(|| self.settings.trust_domain.clone());
+        let namespace =
+            jwt_single_audience(subject_token).unwrap_or_else(|| self.settings.trust_domain.clone());
         format!("identitynamespace:{namespace}:{}", self.settings.identity_provider)
     }
 
@@ -208,12 +209,11 @@ impl TokenManager {
         let scope = if request.scope.is_empty() { DEFAULT_SCOPE.to_string() } else { request.scope.clone() };
         let key = (request.subject_token.clone(), scope.clone());
         let now = SystemTime::now();
-        if let Some(c) = self.cache.lock().expect("cache lock").get(&key) {
-            if let Ok(left) = c.expires.duration_since(now) {
-                if left > GRACE {
-                    return Ok(response(&c.token, left));
-                }
-            }
+        if let Some(c) = self.cache.lock().expect("cache lock").get(&key)
+            && let Ok(left) = c.expires.duration_since(now)
+            && left > GRACE
+        {
+            return Ok(response(&c.token, left));
         }
         let body = serde_json::json!({
             "audience": self.audience(&request.subject_token),
@@ -254,7 +254,8 @@ impl TokenManager {
                     return Ok(response(&token, ttl));
                 }
                 Ok((status, body)) => {
-                    last = format!("HTTP status {}, body: {}", status.as_u16(), String::from_utf8_lossy(&body));
+                    last =
+                        format!("HTTP status {}, body: {}", status.as_u16(), String::from_utf8_lossy(&body));
                     if status.is_client_error() {
                         break;
                     }
@@ -270,16 +271,20 @@ impl TokenManager {
     fn status(&self) -> serde_json::Value {
         let cache = self.cache.lock().expect("cache lock");
         let rfc3339 = |t: SystemTime| {
-            time::OffsetDateTime::from(t).format(&time::format_description::well_known::Rfc3339).unwrap_or_default()
+            time::OffsetDateTime::from(t)
+                .format(&time::format_description::well_known::Rfc3339)
+                .unwrap_or_default()
         };
-        serde_json::json!(cache
-            .values()
-            .map(|c| serde_json::json!({
-                "token_type": "federated token",
-                "issue_time": rfc3339(c.issued),
-                "expire_time": rfc3339(c.expires),
-            }))
-            .collect::<Vec<_>>())
+        serde_json::json!(
+            cache
+                .values()
+                .map(|c| serde_json::json!({
+                    "token_type": "federated token",
+                    "issue_time": rfc3339(c.issued),
+                    "expire_time": rfc3339(c.expires),
+                }))
+                .collect::<Vec<_>>()
+        )
     }
 }
 
@@ -297,11 +302,14 @@ fn response(token: &str, ttl: Duration) -> TokenResponse {
 fn jwt_single_audience(token: &str) -> Option<String> {
     use base64::Engine as _;
     let payload = token.split('.').nth(1)?;
-    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(payload.trim_end_matches('=')).ok()?;
+    let bytes =
+        base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(payload.trim_end_matches('=')).ok()?;
     let claims: serde_json::Value = serde_json::from_slice(&bytes).ok()?;
     match &claims["aud"] {
         serde_json::Value::String(a) if !a.is_empty() => Some(a.clone()),
-        serde_json::Value::Array(a) if a.len() == 1 => a[0].as_str().filter(|s| !s.is_empty()).map(String::from),
+        serde_json::Value::Array(a) if a.len() == 1 => {
+            a[0].as_str().filter(|s| !s.is_empty()).map(String::from)
+        }
         _ => None,
     }
 }
@@ -430,7 +438,11 @@ mod tests {
             (
                 Method::POST,
                 Some(FORM),
-                form(&[("grant_type", TOKEN_EXCHANGE), ("subject_token", "t"), ("subject_token_type", "saml")]),
+                form(&[
+                    ("grant_type", TOKEN_EXCHANGE),
+                    ("subject_token", "t"),
+                    ("subject_token_type", "saml"),
+                ]),
                 "subject_token_type is invalid",
             ),
             (Method::POST, Some(FORM), b"grant_type=%zz".to_vec(), "failed to parse query"),
@@ -452,9 +464,8 @@ mod tests {
             identity_provider: "https://container.googleapis.com/v1/projects/p/locations/l/clusters/c".into(),
         };
         let m = TokenManager::new(settings).unwrap();
-        let jwt = |claims: &str| {
-            format!("h.{}.s", base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(claims))
-        };
+        let jwt =
+            |claims: &str| format!("h.{}.s", base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(claims));
         assert_eq!(
             m.audience(&jwt(r#"{"aud":["other.svc.id.goog"]}"#)),
             "identitynamespace:other.svc.id.goog:https://container.googleapis.com/v1/projects/p/locations/l/clusters/c"
@@ -473,6 +484,9 @@ mod tests {
             identity_provider: String::new(),
         };
         let err = TokenManager::new(settings).err().unwrap().to_string();
-        assert!(err.contains("--tokenManagerPlugin \"Vault\"") && err.contains(GOOGLE_TOKEN_EXCHANGE), "{err}");
+        assert!(
+            err.contains("--tokenManagerPlugin \"Vault\"") && err.contains(GOOGLE_TOKEN_EXCHANGE),
+            "{err}"
+        );
     }
 }

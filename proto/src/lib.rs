@@ -73,6 +73,11 @@ pub mod envoy {
                         tonic::include_proto!("envoy.extensions.filters.network.http_connection_manager.v3");
                     }
                 }
+                pub mod wasm {
+                    pub mod v3 {
+                        tonic::include_proto!("envoy.extensions.filters.network.wasm.v3");
+                    }
+                }
                 pub mod tcp_proxy {
                     pub mod v3 {
                         tonic::include_proto!("envoy.extensions.filters.network.tcp_proxy.v3");
@@ -80,6 +85,11 @@ pub mod envoy {
                 }
             }
             pub mod http {
+                pub mod wasm {
+                    pub mod v3 {
+                        tonic::include_proto!("envoy.extensions.filters.http.wasm.v3");
+                    }
+                }
                 pub mod router {
                     pub mod v3 {
                         tonic::include_proto!("envoy.extensions.filters.http.router.v3");
@@ -92,6 +102,11 @@ pub mod envoy {
                         tonic::include_proto!("envoy.extensions.filters.listener.original_dst.v3");
                     }
                 }
+            }
+        }
+        pub mod wasm {
+            pub mod v3 {
+                tonic::include_proto!("envoy.extensions.wasm.v3");
             }
         }
         pub mod transport_sockets {

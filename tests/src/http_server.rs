@@ -69,33 +69,41 @@ impl TestHttpServer {
                 };
                 let (h, r) = (h.clone(), r.clone());
                 tokio::spawn(async move {
-                    let service = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                        let (h, r) = (h.clone(), r.clone());
-                        async move {
-                            let (parts, body) = req.into_parts();
-                            let body = body.collect().await.map(|b| b.to_bytes().to_vec()).unwrap_or_default();
-                            let seen = SeenRequest {
-                                method: parts.method.to_string(),
-                                path: parts.uri.path_and_query().map(|p| p.to_string()).unwrap_or_default(),
-                                headers: parts
-                                    .headers
-                                    .iter()
-                                    .map(|(n, v)| (n.to_string(), v.to_str().unwrap_or_default().to_string()))
-                                    .collect(),
-                                body,
-                            };
-                            let handler = h.lock().expect("handler lock").clone();
-                            let (status, content_type, body) = handler(&seen);
-                            r.lock().expect("requests lock").push(seen);
-                            Ok::<_, std::convert::Infallible>(
-                                hyper::Response::builder()
-                                    .status(status)
-                                    .header("content-type", content_type)
-                                    .body(Full::new(Bytes::from(body)))
-                                    .expect("valid response"),
-                            )
-                        }
-                    });
+                    let service =
+                        hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                            let (h, r) = (h.clone(), r.clone());
+                            async move {
+                                let (parts, body) = req.into_parts();
+                                let body =
+                                    body.collect().await.map(|b| b.to_bytes().to_vec()).unwrap_or_default();
+                                let seen = SeenRequest {
+                                    method: parts.method.to_string(),
+                                    path: parts
+                                        .uri
+                                        .path_and_query()
+                                        .map(|p| p.to_string())
+                                        .unwrap_or_default(),
+                                    headers: parts
+                                        .headers
+                                        .iter()
+                                        .map(|(n, v)| {
+                                            (n.to_string(), v.to_str().unwrap_or_default().to_string())
+                                        })
+                                        .collect(),
+                                    body,
+                                };
+                                let handler = h.lock().expect("handler lock").clone();
+                                let (status, content_type, body) = handler(&seen);
+                                r.lock().expect("requests lock").push(seen);
+                                Ok::<_, std::convert::Infallible>(
+                                    hyper::Response::builder()
+                                        .status(status)
+                                        .header("content-type", content_type)
+                                        .body(Full::new(Bytes::from(body)))
+                                        .expect("valid response"),
+                                )
+                            }
+                        });
                     let _ = hyper::server::conn::http1::Builder::new()
                         .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
                         .await;

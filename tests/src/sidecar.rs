@@ -207,3 +207,37 @@ pub fn peak_rss_kib(pid: u32) -> anyhow::Result<u64> {
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .ok_or_else(|| anyhow::anyhow!("no VmHWM in /proc/{pid}/status"))
 }
+
+/// The env of an `istio-proxy` container talking to the test istiod at `discovery`:
+/// `PROXY_CONFIG` naming it, `ISTIOD_SAN`, the cluster id, the pod's name (also its
+/// service account) and namespace `default`, and its instance IP.
+pub struct IstiodEnv {
+    proxy_config: String,
+    ip: String,
+    name: String,
+}
+
+impl IstiodEnv {
+    pub fn new(discovery: std::net::SocketAddr, pod: &Pod, name: &str) -> Self {
+        Self {
+            proxy_config: format!("{{\"discoveryAddress\": \"{discovery}\"}}"),
+            ip: pod.ipv4().to_string(),
+            name: name.into(),
+        }
+    }
+
+    /// These variables followed by `extra`.
+    pub fn with<'a>(&'a self, extra: &[(&'a str, &'a str)]) -> Vec<(&'a str, &'a str)> {
+        let mut env = vec![
+            ("PROXY_CONFIG", self.proxy_config.as_str()),
+            ("ISTIOD_SAN", crate::control_plane::ISTIOD_SAN),
+            ("ISTIO_META_CLUSTER_ID", crate::control_plane::CLUSTER_ID),
+            ("POD_NAME", self.name.as_str()),
+            ("POD_NAMESPACE", "default"),
+            ("SERVICE_ACCOUNT", self.name.as_str()),
+            ("INSTANCE_IP", self.ip.as_str()),
+        ];
+        env.extend_from_slice(extra);
+        env
+    }
+}

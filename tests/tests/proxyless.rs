@@ -20,9 +20,9 @@ use weir_proto::type_url;
 use weir_tests::{
     Mesh, Pod, PodChild,
     capture::start_server,
-    control_plane::{CLUSTER_ID, ControlPlane, ISTIOD_SAN, TOKEN, TestCa, eventually},
+    control_plane::{CLUSTER_ID, ControlPlane, TOKEN, TestCa, eventually},
     require_root,
-    sidecar::{AgentProcess, SidecarRoot},
+    sidecar::{AgentProcess, IstiodEnv, SidecarRoot},
     test_name,
 };
 
@@ -41,10 +41,21 @@ fn grpc_snapshot(endpoint: SocketAddr, version: &str) -> Snapshot {
     s.set(
         type_url::ROUTE,
         version,
-        [(target.clone(), resources::route_config(&target, resources::RouteTarget::Cluster(cluster.clone())))],
+        [(
+            target.clone(),
+            resources::route_config(&target, resources::RouteTarget::Cluster(cluster.clone())),
+        )],
     );
-    s.set(type_url::CLUSTER, version, [(cluster.clone(), resources::eds_cluster(&cluster, Duration::from_secs(1)))]);
-    s.set(type_url::ENDPOINT, version, [(cluster.clone(), resources::load_assignment(&cluster, &[endpoint]))]);
+    s.set(
+        type_url::CLUSTER,
+        version,
+        [(cluster.clone(), resources::eds_cluster(&cluster, Duration::from_secs(1)))],
+    );
+    s.set(
+        type_url::ENDPOINT,
+        version,
+        [(cluster.clone(), resources::load_assignment(&cluster, &[endpoint]))],
+    );
     s
 }
 
@@ -114,19 +125,8 @@ impl Rig {
         );
         let cp = ControlPlane::istiod(&istiod, &tls_ca, ads).unwrap().with_ca(ca).unwrap();
         let root = SidecarRoot::new(tls_ca.root_pem(), TOKEN).unwrap();
-        let proxy_config = format!("{{\"discoveryAddress\": \"{}\"}}", cp.addr);
-        let ip = app.ipv4().to_string();
-        let env = [
-            ("DISABLE_ENVOY", "true"),
-            ("OUTPUT_CERTS", "./var/lib/istio/data"),
-            ("PROXY_CONFIG", proxy_config.as_str()),
-            ("ISTIOD_SAN", ISTIOD_SAN),
-            ("ISTIO_META_CLUSTER_ID", CLUSTER_ID),
-            ("POD_NAME", "app"),
-            ("POD_NAMESPACE", "default"),
-            ("SERVICE_ACCOUNT", "app"),
-            ("INSTANCE_IP", ip.as_str()),
-        ];
+        let pod_env = IstiodEnv::new(cp.addr, &app, "app");
+        let env = pod_env.with(&[("DISABLE_ENVOY", "true"), ("OUTPUT_CERTS", "./var/lib/istio/data")]);
         std::fs::create_dir_all(root.path().join("var/lib/istio")).unwrap();
         std::os::unix::fs::chown(root.path().join("var/lib/istio"), Some(1337), Some(1337)).unwrap();
         let agent = AgentProcess::start(&app, &root, &env, None).unwrap();

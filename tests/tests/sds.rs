@@ -18,7 +18,7 @@ use weir_tests::{
     control_plane::{CLUSTER_ID, ControlPlane, TOKEN, TestCa, eventually},
     envoy::{Envoy, ads_bootstrap, sds_cluster},
     http, require_root,
-    sidecar::{AgentProcess, PROXY_UID, SidecarRoot},
+    sidecar::{AgentProcess, IstiodEnv, PROXY_UID, SidecarRoot},
     test_name,
 };
 
@@ -100,18 +100,9 @@ struct Sidecar {
 impl Sidecar {
     fn start(pod: Pod, sa: &str, cp: &ControlPlane, istiod_root: &str) -> Self {
         let root = SidecarRoot::new(istiod_root, TOKEN).unwrap();
-        let proxy_config = format!("{{\"discoveryAddress\": \"{}\"}}", cp.addr);
         let ip = pod.ipv4().to_string();
-        let env = [
-            ("WEIR_ENVOY_MODE", "external"),
-            ("PROXY_CONFIG", proxy_config.as_str()),
-            ("ISTIOD_SAN", weir_tests::control_plane::ISTIOD_SAN),
-            ("ISTIO_META_CLUSTER_ID", CLUSTER_ID),
-            ("POD_NAME", sa),
-            ("POD_NAMESPACE", "default"),
-            ("SERVICE_ACCOUNT", sa),
-            ("INSTANCE_IP", ip.as_str()),
-        ];
+        let pod_env = IstiodEnv::new(cp.addr, &pod, sa);
+        let env = pod_env.with(&[("WEIR_ENVOY_MODE", "external")]);
         let agent = AgentProcess::start(&pod, &root, &env, None).unwrap();
         let node = format!("sidecar~{ip}~{sa}.default~default.svc.cluster.local");
         let mut bootstrap = ads_bootstrap(&root.xds_socket(), false, &node, ADMIN.parse().unwrap());

@@ -12,8 +12,7 @@ use weir_tests::{
     http_server::{SeenRequest, TestHttpServer},
     require_root,
     sidecar::{AgentProcess, SidecarRoot},
-    test_name,
-    tools,
+    test_name, tools,
 };
 
 const STS: &str = "127.0.0.1:15463";
@@ -73,7 +72,8 @@ impl Rig {
             "--tokenManagerPlugin",
             "GoogleTokenExchange",
         ];
-        let agent = AgentProcess::launch(&app, &root, &tools::weir(), &args, &env, Some((1337, 1337)), None).unwrap();
+        let agent =
+            AgentProcess::launch(&app, &root, &tools::weir(), &args, &env, Some((1337, 1337)), None).unwrap();
         Self { agent, upstream, app, _root: root, _upstream_pod: upstream_pod, _mesh: mesh }
     }
 
@@ -85,8 +85,14 @@ impl Rig {
         let (status, text) = self
             .app
             .run(|| async {
-                request_with(STS.parse().unwrap(), method, "/token", &[("Content-Type", content_type)], Some(body))
-                    .await
+                request_with(
+                    STS.parse().unwrap(),
+                    method,
+                    "/token",
+                    &[("Content-Type", content_type)],
+                    Some(body),
+                )
+                .await
             })
             .unwrap()
             .unwrap_or_else(|e| panic!("STS request: {e:#}\nagent log:\n{}", self.agent.log()));
@@ -164,7 +170,10 @@ fn an_upstream_failure_is_retried_then_reported_as_invalid_target() {
     assert_eq!(status, 500, "{json}");
     assert_eq!(json["error"], "invalid_target");
     let description = json["error_description"].as_str().unwrap_or_default();
-    assert!(description.contains("HTTP status 503") && description.contains("backend unavailable"), "{description}");
+    assert!(
+        description.contains("HTTP status 503") && description.contains("backend unavailable"),
+        "{description}"
+    );
     assert_eq!(rig.upstream.seen().len(), 5, "5xx is retried up to 5 times");
 
     // A 4xx is the upstream's final word: no retry.

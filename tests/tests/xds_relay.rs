@@ -19,7 +19,7 @@ use weir_tests::{
     control_plane::{CLUSTER_ID, ControlPlane, TOKEN, TestCa, eventually, filler_clusters},
     envoy::{Envoy, ads_bootstrap},
     http, require_root,
-    sidecar::{AgentProcess, PROXY_UID, SidecarRoot, peak_rss_kib},
+    sidecar::{AgentProcess, IstiodEnv, PROXY_UID, SidecarRoot, peak_rss_kib},
     test_name,
 };
 
@@ -101,18 +101,9 @@ impl Rig {
             ca.root_pem()
         };
         let root = SidecarRoot::new(root_pem, options.token).unwrap();
-        let proxy_config = format!("{{\"discoveryAddress\": \"{}\"}}", cp.addr);
         let ip = app.ipv4().to_string();
-        let mut env = vec![
-            ("WEIR_ENVOY_MODE", "external"),
-            ("PROXY_CONFIG", proxy_config.as_str()),
-            ("ISTIOD_SAN", weir_tests::control_plane::ISTIOD_SAN),
-            ("ISTIO_META_CLUSTER_ID", CLUSTER_ID),
-            ("POD_NAME", "app"),
-            ("POD_NAMESPACE", "default"),
-            ("INSTANCE_IP", ip.as_str()),
-            ("XDS_HEADER_WEIR_TEST", "relay"),
-        ];
+        let pod_env = IstiodEnv::new(cp.addr, &app, "app");
+        let mut env = pod_env.with(&[("WEIR_ENVOY_MODE", "external"), ("XDS_HEADER_WEIR_TEST", "relay")]);
         if options.dns {
             env.push(("ISTIO_META_DNS_CAPTURE", "true"));
         }

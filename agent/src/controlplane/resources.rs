@@ -14,8 +14,9 @@ use weir_proto::{
             cluster::v3::{Cluster, cluster},
             core::v3::{
                 AggregatedConfigSource, ApiConfigSource, ApiVersion, CidrRange, ConfigSource, DataSource,
-                GrpcService, Locality, TrafficDirection, TransportSocket, address, api_config_source, config_source,
-                data_source, grpc_service, socket_address, transport_socket,
+                ExtensionConfigSource, GrpcService, Locality, TrafficDirection, TransportSocket, address,
+                api_config_source, config_source, data_source, grpc_service, socket_address,
+                transport_socket,
             },
             endpoint::v3::{ClusterLoadAssignment, Endpoint, LbEndpoint, LocalityLbEndpoints, lb_endpoint},
             listener::v3::{
@@ -222,17 +223,41 @@ fn tcp_proxy_filter(name: &str, cluster: &str) -> Filter {
 
 /// An HTTP listener on `bind` whose routes come over ADS as `route_config`.
 pub fn http_listener(name: &str, bind: SocketAddr, route_config: &str) -> Any {
+    http_listener_with_ecds(name, bind, route_config, &[])
+}
+
+/// An HTTP listener whose filters before the router come over ECDS by name, as
+/// istiod configures WasmPlugins.
+pub fn http_listener_with_ecds(
+    name: &str,
+    bind: SocketAddr,
+    route_config: &str,
+    ecds: &[(&str, &str)],
+) -> Any {
+    let mut http_filters: Vec<HttpFilter> = ecds
+        .iter()
+        .map(|(filter, type_url)| HttpFilter {
+            name: filter.to_string(),
+            config_type: Some(http_filter::ConfigType::ConfigDiscovery(ExtensionConfigSource {
+                config_source: Some(ads()),
+                type_urls: vec![type_url.to_string()],
+                ..Default::default()
+            })),
+            ..Default::default()
+        })
+        .collect();
+    http_filters.push(HttpFilter {
+        name: "envoy.filters.http.router".into(),
+        config_type: Some(http_filter::ConfigType::TypedConfig(to_any(ROUTER, &Router {}))),
+        ..Default::default()
+    });
     let hcm = HttpConnectionManager {
         stat_prefix: name.to_string(),
         route_specifier: Some(http_connection_manager::RouteSpecifier::Rds(Rds {
             config_source: Some(ads()),
             route_config_name: route_config.to_string(),
         })),
-        http_filters: vec![HttpFilter {
-            name: "envoy.filters.http.router".into(),
-            config_type: Some(http_filter::ConfigType::TypedConfig(to_any(ROUTER, &Router {}))),
-            ..Default::default()
-        }],
+        http_filters,
         ..Default::default()
     };
     listener(
@@ -514,6 +539,52 @@ pub fn passthrough_cluster(name: &str, connect_timeout: Duration) -> Any {
         ..Default::default()
     };
     to_any(type_url::CLUSTER, &cluster)
+}
+
+/// An ECDS resource for an HTTP Wasm filter (V8) whose code is fetched from `uri`
+/// (`sha256` hex, or empty), as istiod writes it for a WasmPlugin.
+pub fn remote_wasm_filter(name: &str, uri: &str, sha256: &str) -> Any {
+    use weir_proto::envoy::{
+        config::core::v3::{
+            AsyncDataSource, HttpUri, RemoteDataSource, TypedExtensionConfig, async_data_source,
+        },
+        extensions::{
+            filters::http::wasm::v3::Wasm,
+            wasm::v3::{PluginConfig, VmConfig, plugin_config},
+        },
+    };
+    let wasm = Wasm {
+        config: Some(PluginConfig {
+            name: name.into(),
+            vm: Some(plugin_config::Vm::VmConfig(VmConfig {
+                vm_id: name.into(),
+                runtime: "envoy.wasm.runtime.v8".into(),
+                code: Some(AsyncDataSource {
+                    specifier: Some(async_data_source::Specifier::Remote(RemoteDataSource {
+                        http_uri: Some(HttpUri {
+                            uri: uri.into(),
+                            http_upstream_type: Some(
+                                weir_proto::envoy::config::core::v3::http_uri::HttpUpstreamType::Cluster(
+                                    uri.into(),
+                                ),
+                            ),
+                            timeout: Some(duration(Duration::from_secs(10))),
+                        }),
+                        sha256: sha256.into(),
+                    })),
+                }),
+                ..Default::default()
+            })),
+            ..Default::default()
+        }),
+    };
+    to_any(
+        type_url::EXTENSION_CONFIG,
+        &TypedExtensionConfig {
+            name: name.into(),
+            typed_config: Some(to_any(crate::wasm::rewrite::HTTP_WASM, &wasm)),
+        },
+    )
 }
 
 #[cfg(test)]

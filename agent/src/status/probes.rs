@@ -238,13 +238,12 @@ impl AppProber {
                     CheckError::Failed(format!("HTTP probe of {at}{}: {e}", http.path))
                 })
         } else if let Some(tcp) = &prober.tcp_socket {
-            self.connect(tcp.port.0, timeout)
-                .await
-                .map(|_| ProbeOutcome::status(StatusCode::OK))
-                .map_err(|e| {
+            self.connect(tcp.port.0, timeout).await.map(|_| ProbeOutcome::status(StatusCode::OK)).map_err(
+                |e| {
                     let at = SocketAddr::new(self.destination, tcp.port.0);
                     CheckError::Failed(format!("TCP probe of {at}: {e}"))
-                })
+                },
+            )
         } else if let Some(grpc) = &prober.grpc {
             tokio::time::timeout(timeout, self.grpc(grpc, headers, timeout))
                 .await
@@ -398,7 +397,7 @@ fn rustls_name(ip: &IpAddr) -> tokio_rustls::rustls::pki_types::ServerName<'stat
 }
 
 /// kubelet does not verify an HTTPS probe's certificate; neither does the agent.
-fn insecure_tls() -> tokio_rustls::TlsConnector {
+pub(crate) fn insecure_tls() -> tokio_rustls::TlsConnector {
     use tokio_rustls::rustls::{ClientConfig, crypto::ring};
     let provider = Arc::new(ring::default_provider());
     let config = ClientConfig::builder_with_provider(provider.clone())

@@ -89,8 +89,11 @@ impl<S> AuthorityRepair<S> {
                     }
                     let preface = self.raw.split_to(PREFACE.len());
                     // Not HTTP/2: hand it over as it is and let h2 say why.
-                    self.state =
-                        if preface[..] == *PREFACE { State::FrameHeader } else { State::Passthrough(usize::MAX) };
+                    self.state = if preface[..] == *PREFACE {
+                        State::FrameHeader
+                    } else {
+                        State::Passthrough(usize::MAX)
+                    };
                     self.ready.extend_from_slice(&preface);
                 }
                 State::FrameHeader => {
@@ -143,23 +146,31 @@ impl<S> AuthorityRepair<S> {
             let mut body = payload;
             let mut padding = 0;
             if flags & PADDED != 0 {
-                let (&pad, rest) = body.split_first().ok_or_else(|| invalid("PADDED HEADERS frame is empty".into()))?;
+                let (&pad, rest) =
+                    body.split_first().ok_or_else(|| invalid("PADDED HEADERS frame is empty".into()))?;
                 padding = usize::from(pad);
                 body = rest;
             }
             if flags & PRIORITY != 0 {
-                body = body.get(5..).ok_or_else(|| invalid("HEADERS frame too short for its PRIORITY".into()))?;
+                body = body
+                    .get(5..)
+                    .ok_or_else(|| invalid("HEADERS frame too short for its PRIORITY".into()))?;
             }
             let end = body
                 .len()
                 .checked_sub(padding)
                 .ok_or_else(|| invalid("HEADERS padding longer than the frame".into()))?;
-            self.pending = Some(PendingBlock { stream, end_stream: flags & END_STREAM != 0, fragment: Vec::new() });
+            self.pending =
+                Some(PendingBlock { stream, end_stream: flags & END_STREAM != 0, fragment: Vec::new() });
             &body[..end]
         } else {
             match &self.pending {
                 Some(p) if p.stream == stream => payload,
-                _ => return Err(invalid(format!("CONTINUATION frame on stream {stream} without a header block"))),
+                _ => {
+                    return Err(invalid(format!(
+                        "CONTINUATION frame on stream {stream} without a header block"
+                    )));
+                }
             }
         };
         let pending = self.pending.as_mut().expect("set above");
@@ -171,10 +182,7 @@ impl<S> AuthorityRepair<S> {
             return Ok(());
         }
         let block = self.pending.take().expect("set above");
-        let mut fields = self
-            .decoder
-            .decode(&block.fragment)
-            .map_err(|e| invalid(format!("HPACK: {e}")))?;
+        let mut fields = self.decoder.decode(&block.fragment).map_err(|e| invalid(format!("HPACK: {e}")))?;
         for (name, value) in &mut fields {
             if name.as_slice() == b":authority" && http::uri::Authority::try_from(value.as_slice()).is_err() {
                 if !self.repaired {
@@ -249,7 +257,11 @@ fn write_frames(out: &mut BytesMut, stream: u32, end_stream: bool, block: &[u8])
 }
 
 impl<S: AsyncRead + Unpin> AsyncRead for AuthorityRepair<S> {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
         let this = &mut *self;
         loop {
             if !this.ready.is_empty() {
@@ -350,22 +362,20 @@ mod tests {
 
     fn tokio_test_io(input: Vec<u8>) -> impl AsyncRead + Unpin {
         let chunks: Vec<Vec<u8>> = input.chunks(7).map(<[u8]>::to_vec).collect();
-        let stream = futures::stream::iter(chunks.into_iter().map(|c| Ok::<_, io::Error>(bytes::Bytes::from(c))));
+        let stream =
+            futures::stream::iter(chunks.into_iter().map(|c| Ok::<_, io::Error>(bytes::Bytes::from(c))));
         tokio_util::io::StreamReader::new(stream)
     }
 
     fn request(encoder: &mut loona_hpack::Encoder<'_>, authority: &[u8]) -> Vec<u8> {
-        encoder.encode(
-            [
-                (&b":method"[..], &b"POST"[..]),
-                (b":scheme", b"http"),
-                (b":path", b"/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources"),
-                (b":authority", authority),
-                (b"te", b"trailers"),
-                (b"content-type", b"application/grpc"),
-            ]
-            .into_iter(),
-        )
+        encoder.encode([
+            (&b":method"[..], &b"POST"[..]),
+            (b":scheme", b"http"),
+            (b":path", b"/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources"),
+            (b":authority", authority),
+            (b"te", b"trailers"),
+            (b"content-type", b"application/grpc"),
+        ])
     }
 
     #[tokio::test]
@@ -421,7 +431,7 @@ mod tests {
     async fn a_large_block_is_split_into_continuations() {
         let long = vec![b'a'; 40_000];
         let mut enc = loona_hpack::Encoder::new();
-        let block = enc.encode([(&b":authority"[..], &b"/a/path"[..]), (b"x-big", &long[..])].into_iter());
+        let block = enc.encode([(&b":authority"[..], &b"/a/path"[..]), (b"x-big", &long[..])]);
         let mut input = PREFACE.to_vec();
         input.extend(frame(HEADERS, 0, 1, &block[..MAX_FRAME]));
         input.extend(frame(CONTINUATION, 0, 1, &block[MAX_FRAME..2 * MAX_FRAME]));

@@ -58,6 +58,8 @@ pub trait Flavor: Send + Sync + 'static {
     fn health(health: &Health) -> Self::Request;
     /// The first resource of a response (agent-internal types are singletons).
     fn first_resource(r: &Self::Response) -> Option<&Any>;
+    /// Every resource of a response, to rewrite in place (Wasm modules).
+    fn resources_mut(r: &mut Self::Response) -> Vec<&mut Any>;
     /// ACK (no error) or NACK for a response the agent consumed itself.
     fn ack(r: &Self::Response, error: Option<rpc::Status>) -> Self::Request;
     fn open(
@@ -98,6 +100,9 @@ impl Flavor for Sotw {
     }
     fn first_resource(r: &DiscoveryResponse) -> Option<&Any> {
         r.resources.first()
+    }
+    fn resources_mut(r: &mut DiscoveryResponse) -> Vec<&mut Any> {
+        r.resources.iter_mut().collect()
     }
     fn ack(r: &DiscoveryResponse, error: Option<rpc::Status>) -> DiscoveryRequest {
         DiscoveryRequest {
@@ -148,6 +153,9 @@ impl Flavor for Delta {
     }
     fn first_resource(r: &DeltaDiscoveryResponse) -> Option<&Any> {
         r.resources.first().and_then(|r| r.resource.as_ref())
+    }
+    fn resources_mut(r: &mut DeltaDiscoveryResponse) -> Vec<&mut Any> {
+        r.resources.iter_mut().filter_map(|r| r.resource.as_mut()).collect()
     }
     fn ack(r: &DeltaDiscoveryResponse, error: Option<rpc::Status>) -> DeltaDiscoveryRequest {
         DeltaDiscoveryRequest {

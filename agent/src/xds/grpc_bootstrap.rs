@@ -90,7 +90,8 @@ mod tests {
         assert_eq!(b["node"]["metadata"]["CLUSTER_ID"], "Kubernetes");
         assert_eq!(b["server_listener_resource_name_template"], SERVER_LISTENER_TEMPLATE);
         assert!(b.get("certificate_providers").is_none(), "no certificates written: no provider");
-        let b = render("n", &meta, Path::new("/pod/etc/istio/proxy/XDS"), Some(Path::new("/var/lib/istio/data")));
+        let b =
+            render("n", &meta, Path::new("/pod/etc/istio/proxy/XDS"), Some(Path::new("/var/lib/istio/data")));
         assert_eq!(b["xds_servers"][0]["server_uri"], "unix:///pod/etc/istio/proxy/XDS");
         let cfg = &b["certificate_providers"]["default"]["config"];
         assert_eq!(b["certificate_providers"]["default"]["plugin_name"], "file_watcher");

@@ -55,6 +55,8 @@ pub struct XdsProxy {
 struct Inner {
     upstream: UpstreamConfig,
     handlers: HashMap<String, Handler>,
+    /// Rewrites remote Wasm modules in ECDS responses (None: passed as they are).
+    wasm: Option<Arc<crate::wasm::WasmConverter>>,
     health: watch::Sender<Option<Health>>,
     active: Mutex<Option<(u64, CancellationToken)>>,
     next_id: AtomicU64,
@@ -67,12 +69,20 @@ impl XdsProxy {
         let inner = Inner {
             upstream,
             handlers,
+            wasm: None,
             health: watch::channel(None).0,
             active: Mutex::new(None),
             next_id: AtomicU64::new(0),
             metrics,
         };
         Self { inner: Arc::new(inner) }
+    }
+
+    /// Rewrites remote Wasm modules in ECDS responses with `converter` (call right
+    /// after `new`, before the relay is shared).
+    pub fn with_wasm(mut self, converter: Arc<crate::wasm::WasmConverter>) -> Self {
+        Arc::get_mut(&mut self.inner).expect("with_wasm before the relay is shared").wasm = Some(converter);
+        self
     }
 
     /// Reports the workload's readiness upstream (now, if connected, and on every
@@ -284,7 +294,8 @@ async fn pump_upstream<F: Flavor>(
             }
         };
         inner.metrics.xds_proxy_responses.inc();
-        let type_url = F::response_type(&response);
+        let type_url = F::response_type(&response).to_string();
+        let type_url = type_url.as_str();
         tracing::debug!(
             r#type = short_type(type_url),
             resources = F::resource_count(&response),
@@ -302,6 +313,16 @@ async fn pump_upstream<F: Flavor>(
             inner.send_upstream::<F>(&req_tx, F::ack(&response, error));
             continue;
         }
+        let mut response = response;
+        if F::response_type(&response) == type_url::EXTENSION_CONFIG
+            && let Some(wasm) = &inner.wasm
+            && let Err(message) = wasm.convert(F::resources_mut(&mut response)).await
+        {
+            tracing::warn!(error = %message, "NACK: Wasm module unavailable; nothing forwarded to Envoy");
+            inner.send_upstream::<F>(&req_tx, F::ack(&response, Some(internal(message))));
+            continue;
+        }
+        let type_url = F::response_type(&response);
         if !is_envoy_type(type_url) {
             tracing::error!(
                 type_url,

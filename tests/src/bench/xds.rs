@@ -18,7 +18,7 @@ use weir_tests::{
     capture::start_server,
     control_plane::{CLUSTER_ID, ControlPlane, ISTIOD_SAN, TOKEN, TestCa, filler_clusters},
     envoy::{Envoy, XdsTarget, ads_bootstrap_to},
-    sidecar::{AgentProcess, PROXY_UID, SidecarRoot, peak_rss_kib},
+    sidecar::{AgentProcess, IstiodEnv, PROXY_UID, SidecarRoot, peak_rss_kib},
 };
 
 use crate::report::{Options, Row, Samples, Table};
@@ -137,17 +137,8 @@ fn run_once(path: Path) -> anyhow::Result<RunResult> {
             false,
         ),
         Path::Relay { delta } => {
-            let proxy_config = format!("{{\"discoveryAddress\": \"{}\"}}", cp.addr);
-            let env = [
-                ("WEIR_ENVOY_MODE", "external"),
-                ("WEIR_LOG", "warn"),
-                ("PROXY_CONFIG", proxy_config.as_str()),
-                ("ISTIOD_SAN", ISTIOD_SAN),
-                ("ISTIO_META_CLUSTER_ID", CLUSTER_ID),
-                ("POD_NAME", "app"),
-                ("POD_NAMESPACE", "default"),
-                ("INSTANCE_IP", ip.as_str()),
-            ];
+            let pod_env = IstiodEnv::new(cp.addr, &app, "app");
+            let env = pod_env.with(&[("WEIR_ENVOY_MODE", "external"), ("WEIR_LOG", "warn")]);
             let agent = AgentProcess::start(&app, &root, &env, None)?;
             (Some(agent), XdsTarget::Uds(&socket), delta)
         }

@@ -1,0 +1,400 @@
+//! The module cache under `/var/lib/istio/data` (pilot-agent's directory): modules are
+//! fetched over HTTP(S) or pulled from an OCI registry, checked (`\0asm` magic, the
+//! sha256 istiod gave), and kept as `<sha256>.wasm`. A module fetched without a
+//! checksum is reused by URL until `WASM_MODULE_EXPIRY`; every `WASM_PURGE_INTERVAL`
+//! modules unused for `WASM_MODULE_EXPIRY` are removed, and the least recently used go
+//! first when the cache would outgrow its size bound.
+
+use std::{
+    collections::HashMap,
+    path::{Path, PathBuf},
+    sync::Mutex,
+    time::{Duration, Instant},
+};
+
+use bytes::Bytes;
+use http_body_util::Empty;
+use hyper::{Request, StatusCode, Uri};
+use serde::Serialize;
+
+use super::rewrite::RemoteModule;
+
+/// The largest module accepted.
+const MAX_MODULE: usize = 64 << 20;
+const WASM_MAGIC: &[u8] = b"\0asm";
+/// The OCI artifact layer that holds the module (Wasm OCI image spec), and the
+/// compat variant's layer (a tar holding `plugin.wasm`) which Weir does not read.
+const WASM_LAYER: &str = "application/vnd.module.wasm.content.layer.v1+wasm";
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CacheOptions {
+    pub dir: PathBuf,
+    #[serde(serialize_with = "crate::config::serialize_duration")]
+    pub module_expiry: Duration,
+    #[serde(serialize_with = "crate::config::serialize_duration")]
+    pub purge_interval: Duration,
+    /// Registries pulled from over plain HTTP or unverified TLS (`*` for all).
+    pub insecure_registries: Vec<String>,
+    #[serde(serialize_with = "crate::config::serialize_duration")]
+    pub http_timeout: Duration,
+    pub max_retries: u32,
+    pub max_bytes: u64,
+}
+
+impl Default for CacheOptions {
+    /// pilot-agent's defaults.
+    fn default() -> Self {
+        Self {
+            dir: "/var/lib/istio/data".into(),
+            module_expiry: Duration::from_secs(24 * 3600),
+            purge_interval: Duration::from_secs(3600),
+            insecure_registries: Vec::new(),
+            http_timeout: Duration::from_secs(15),
+            max_retries: 5,
+            max_bytes: 1 << 30,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum FetchError {
+    #[error("cannot fetch Wasm module {uri}: {message}")]
+    Fetch { uri: String, message: String },
+    #[error("module downloaded from {uri} has checksum {actual}, which does not match: {expected}")]
+    Checksum { uri: String, expected: String, actual: String },
+    #[error("module downloaded from {uri} is not a Wasm binary (no \\0asm header)")]
+    NotWasm { uri: String },
+    #[error("cannot store the Wasm module in {path}")]
+    Store {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+#[derive(Debug, Clone)]
+struct ByUrl {
+    sha256: String,
+    fetched: Instant,
+}
+
+pub struct ModuleCache {
+    options: CacheOptions,
+    tls: tokio_rustls::TlsConnector,
+    insecure_tls: tokio_rustls::TlsConnector,
+    by_url: Mutex<HashMap<String, ByUrl>>,
+    last_used: Mutex<HashMap<String, Instant>>,
+    metrics: std::sync::Arc<crate::metrics::Metrics>,
+}
+
+impl ModuleCache {
+    pub fn new(mut options: CacheOptions, metrics: std::sync::Arc<crate::metrics::Metrics>) -> Self {
+        // Envoy refuses relative module paths.
+        if let Ok(dir) = std::path::absolute(&options.dir) {
+            options.dir = dir;
+        }
+        Self {
+            metrics,
+            options,
+            tls: crate::http1::tls_client(crate::http1::system_roots()),
+            insecure_tls: crate::status::probes::insecure_tls(),
+            by_url: Mutex::default(),
+            last_used: Mutex::default(),
+        }
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.options.dir
+    }
+
+    fn path_of(&self, sha256: &str) -> PathBuf {
+        self.options.dir.join(format!("{sha256}.wasm"))
+    }
+
+    /// The local file holding `module`, fetched if need be.
+    pub async fn get(&self, module: &RemoteModule) -> Result<PathBuf, FetchError> {
+        let known = if module.sha256.is_empty() {
+            let by_url = self.by_url.lock().expect("cache lock");
+            by_url
+                .get(&module.uri)
+                .filter(|e| e.fetched.elapsed() < self.options.module_expiry)
+                .map(|e| e.sha256.clone())
+        } else {
+            Some(module.sha256.clone())
+        };
+        if let Some(sha) = known {
+            let path = self.path_of(&sha);
+            if path.is_file() {
+                tracing::debug!(uri = %module.uri, path = %path.display(), "Wasm module cache hit");
+                self.last_used.lock().expect("cache lock").insert(sha, Instant::now());
+                return Ok(path);
+            }
+        }
+        let started = Instant::now();
+        let count = |result: &'static str| {
+            self.metrics.wasm_remote_fetches.get_or_create(&crate::metrics::FetchResult { result }).inc();
+        };
+        let bytes = self.fetch(module).await.inspect_err(|_| count("download_failure"))?;
+        if !bytes.starts_with(WASM_MAGIC) {
+            count("fetch_failure");
+            return Err(FetchError::NotWasm { uri: module.uri.clone() });
+        }
+        let actual = hex(ring::digest::digest(&ring::digest::SHA256, &bytes).as_ref());
+        if !module.sha256.is_empty() && module.sha256 != actual {
+            count("checksum_mismatched");
+            return Err(FetchError::Checksum {
+                uri: module.uri.clone(),
+                expected: module.sha256.clone(),
+                actual,
+            });
+        }
+        let path = self.path_of(&actual);
+        self.store(&path, &bytes)?;
+        count("success");
+        self.by_url
+            .lock()
+            .expect("cache lock")
+            .insert(module.uri.clone(), ByUrl { sha256: actual.clone(), fetched: Instant::now() });
+        self.last_used.lock().expect("cache lock").insert(actual.clone(), Instant::now());
+        tracing::info!(
+            resource = %module.resource,
+            uri = %module.uri,
+            sha256 = %actual,
+            size = bytes.len(),
+            latency = ?started.elapsed(),
+            "fetched Wasm module"
+        );
+        self.evict_over_bound(&actual);
+        Ok(path)
+    }
+
+    fn store(&self, path: &Path, bytes: &[u8]) -> Result<(), FetchError> {
+        use std::os::unix::fs::PermissionsExt as _;
+        let err = |source| FetchError::Store { path: path.into(), source };
+        std::fs::create_dir_all(&self.options.dir).map_err(err)?;
+        let tmp = path.with_extension("wasm.tmp");
+        std::fs::write(&tmp, bytes).map_err(err)?;
+        // Envoy may run as another user than the agent.
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o644)).map_err(err)?;
+        std::fs::rename(&tmp, path).map_err(err)
+    }
+
+    async fn fetch(&self, module: &RemoteModule) -> Result<Bytes, FetchError> {
+        let fail = |message: String| FetchError::Fetch { uri: module.uri.clone(), message };
+        let timeout = module.timeout.unwrap_or(self.options.http_timeout);
+        if let Some(reference) = module.uri.strip_prefix("oci://") {
+            return self.pull_oci(reference, timeout).await.map_err(fail);
+        }
+        let url: Uri = module.uri.parse().map_err(|e| fail(format!("not a URL: {e}")))?;
+        match url.scheme_str() {
+            Some("http" | "https") => {}
+            other => {
+                return Err(fail(format!(
+                    "unsupported scheme {:?} (expected http, https or oci)",
+                    other.unwrap_or("")
+                )));
+            }
+        }
+        let mut last = String::new();
+        let mut backoff = Duration::from_millis(100);
+        for attempt in 0..=self.options.max_retries {
+            if attempt > 0 {
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+            match self.get_url(&url, &[], timeout, false).await {
+                Ok((StatusCode::OK, body)) => return Ok(body),
+                Ok((status, _)) if status.is_client_error() && status != StatusCode::TOO_MANY_REQUESTS => {
+                    return Err(fail(format!("HTTP status {}", status.as_u16())));
+                }
+                Ok((status, _)) => last = format!("HTTP status {}", status.as_u16()),
+                Err(e) => last = e,
+            }
+            tracing::warn!(uri = %module.uri, attempt, error = %last, "Wasm module download failed");
+        }
+        Err(fail(format!("{last} (after {} attempts)", self.options.max_retries + 1)))
+    }
+
+    async fn get_url(
+        &self,
+        url: &Uri,
+        headers: &[(&str, &str)],
+        timeout: Duration,
+        insecure: bool,
+    ) -> Result<(StatusCode, Bytes), String> {
+        let mut request = Request::get(url.path_and_query().map(|p| p.as_str()).unwrap_or("/"))
+            .header(hyper::header::HOST, url.authority().map(|a| a.as_str()).unwrap_or_default())
+            .header(hyper::header::USER_AGENT, concat!("weir/", env!("CARGO_PKG_VERSION")));
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        let request = request.body(Empty::<Bytes>::new()).map_err(|e| e.to_string())?;
+        let tls = if insecure { &self.insecure_tls } else { &self.tls };
+        let target = crate::http1::Target::of(url, Some(tls));
+        tokio::time::timeout(timeout, crate::http1::fetch(target, request, MAX_MODULE))
+            .await
+            .unwrap_or_else(|_| Err(format!("no answer in {timeout:?}")))
+    }
+
+    /// An anonymous pull of a Wasm OCI artifact: the manifest for the tag (or digest),
+    /// then the blob of its Wasm layer. Registries in `WASM_INSECURE_REGISTRIES` are
+    /// reached over plain HTTP.
+    async fn pull_oci(&self, reference: &str, timeout: Duration) -> Result<Bytes, String> {
+        let (registry, rest) =
+            reference.split_once('/').ok_or("expected oci://<registry>/<repository>[:tag|@digest]")?;
+        let (repository, tag) = match rest.rsplit_once('@') {
+            Some((repo, digest)) => (repo, digest.to_string()),
+            None => match rest.rsplit_once(':') {
+                Some((repo, tag)) if !tag.contains('/') => (repo, tag.to_string()),
+                _ => (rest, "latest".to_string()),
+            },
+        };
+        let insecure = self.options.insecure_registries.iter().any(|r| r == "*" || r == registry);
+        let scheme = if insecure { "http" } else { "https" };
+        let manifest_url: Uri = format!("{scheme}://{registry}/v2/{repository}/manifests/{tag}")
+            .parse()
+            .map_err(|e| format!("registry URL: {e}"))?;
+        let accept = "application/vnd.oci.image.manifest.v1+json, application/vnd.docker.distribution.manifest.v2+json";
+        let (status, body) = self.get_url(&manifest_url, &[("accept", accept)], timeout, insecure).await?;
+        if status != StatusCode::OK {
+            return Err(format!("manifest {manifest_url}: HTTP status {}", status.as_u16()));
+        }
+        let manifest: serde_json::Value =
+            serde_json::from_slice(&body).map_err(|e| format!("manifest {manifest_url}: {e}"))?;
+        let layers = manifest["layers"].as_array().cloned().unwrap_or_default();
+        let layer = layers
+            .iter()
+            .find(|l| l["mediaType"] == WASM_LAYER)
+            .or_else(|| {
+                (layers.len() == 1)
+                    .then(|| &layers[0])
+                    .filter(|l| l["mediaType"] != "application/vnd.docker.image.rootfs.diff.tar.gzip")
+            })
+            .ok_or_else(|| format!("manifest {manifest_url} has no {WASM_LAYER} layer"))?;
+        let digest = layer["digest"].as_str().ok_or("the Wasm layer has no digest")?;
+        let blob_url: Uri = format!("{scheme}://{registry}/v2/{repository}/blobs/{digest}")
+            .parse()
+            .map_err(|e| format!("registry URL: {e}"))?;
+        let (status, blob) = self.get_url(&blob_url, &[], timeout, insecure).await?;
+        if status != StatusCode::OK {
+            return Err(format!("blob {blob_url}: HTTP status {}", status.as_u16()));
+        }
+        if let Some(expected) = digest.strip_prefix("sha256:") {
+            let actual = hex(ring::digest::digest(&ring::digest::SHA256, &blob).as_ref());
+            if actual != expected {
+                return Err(format!("blob {blob_url} has digest sha256:{actual}, not {digest}"));
+            }
+        }
+        Ok(blob)
+    }
+
+    /// Removes modules unused for `WASM_MODULE_EXPIRY`; returns how many.
+    pub fn purge(&self) -> usize {
+        let expiry = self.options.module_expiry;
+        let stale: Vec<String> = {
+            let used = self.last_used.lock().expect("cache lock");
+            used.iter().filter(|(_, t)| t.elapsed() >= expiry).map(|(s, _)| s.clone()).collect()
+        };
+        for sha in &stale {
+            self.remove(sha);
+        }
+        stale.len()
+    }
+
+    fn remove(&self, sha: &str) {
+        let _ = std::fs::remove_file(self.path_of(sha));
+        self.last_used.lock().expect("cache lock").remove(sha);
+        self.by_url.lock().expect("cache lock").retain(|_, e| e.sha256 != sha);
+        tracing::info!(sha256 = sha, "removed Wasm module from the cache");
+    }
+
+    /// Keeps the cache within its bound, least recently used first (never `keep`).
+    fn evict_over_bound(&self, keep: &str) {
+        let mut entries: Vec<(String, Instant, u64)> = {
+            let used = self.last_used.lock().expect("cache lock");
+            used.iter()
+                .map(|(s, t)| {
+                    (s.clone(), *t, std::fs::metadata(self.path_of(s)).map(|m| m.len()).unwrap_or(0))
+                })
+                .collect()
+        };
+        let mut total: u64 = entries.iter().map(|e| e.2).sum();
+        entries.sort_by_key(|e| e.1);
+        for (sha, _, size) in entries {
+            if total <= self.options.max_bytes {
+                break;
+            }
+            if sha != keep {
+                self.remove(&sha);
+                total -= size;
+            }
+        }
+    }
+
+    /// Purges every `WASM_PURGE_INTERVAL` until the task is dropped.
+    pub async fn purge_forever(&self) {
+        let mut ticker = tokio::time::interval(self.options.purge_interval);
+        ticker.tick().await;
+        loop {
+            ticker.tick().await;
+            let removed = self.purge();
+            if removed > 0 {
+                tracing::info!(removed, "purged expired Wasm modules");
+            }
+        }
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hex_is_lowercase() {
+        assert_eq!(hex(&[0x00, 0xab, 0x7f]), "00ab7f");
+    }
+
+    #[tokio::test]
+    async fn unsupported_schemes_and_bad_urls_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let options = CacheOptions { dir: dir.path().into(), max_retries: 0, ..Default::default() };
+        let cache = ModuleCache::new(options, Default::default());
+        let module = |uri: &str| RemoteModule {
+            resource: "r".into(),
+            uri: uri.into(),
+            sha256: String::new(),
+            timeout: None,
+        };
+        let err = cache.get(&module("ftp://host/f.wasm")).await.unwrap_err().to_string();
+        assert!(err.contains("ftp://host/f.wasm") && err.contains("unsupported scheme"), "{err}");
+        let err = cache.get(&module("oci://registry-without-repo")).await.unwrap_err().to_string();
+        assert!(err.contains("expected oci://"), "{err}");
+    }
+
+    #[test]
+    fn expired_modules_are_purged_and_the_bound_evicts_the_oldest() {
+        let dir = tempfile::tempdir().unwrap();
+        let options = CacheOptions {
+            dir: dir.path().into(),
+            module_expiry: Duration::from_secs(3600),
+            max_bytes: 10,
+            ..Default::default()
+        };
+        let cache = ModuleCache::new(options, Default::default());
+        let now = Instant::now();
+        for (sha, age) in [("old", 7200), ("mid", 60), ("new", 0)] {
+            std::fs::write(cache.path_of(sha), b"\0asm1234").unwrap();
+            cache.last_used.lock().unwrap().insert(sha.into(), now - Duration::from_secs(age));
+        }
+        assert_eq!(cache.purge(), 1);
+        assert!(!cache.path_of("old").exists() && cache.path_of("mid").exists());
+        // 16 bytes over a 10-byte bound: the older of the two goes.
+        cache.evict_over_bound("new");
+        assert!(!cache.path_of("mid").exists() && cache.path_of("new").exists());
+    }
+}
