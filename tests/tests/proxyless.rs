@@ -63,7 +63,10 @@ fn grpc_snapshot(endpoint: SocketAddr, version: &str) -> Snapshot {
 fn grpc_calls(pod: &Pod, bootstrap: &Path, calls: u32) -> (bool, String) {
     let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace");
     let script = workspace.join("tests/py/grpc_xds_client.py");
-    let mut cmd = Command::new("python3");
+    // The interpreter scripts/bootstrap installed grpcio for (one the app user can run).
+    let interpreter = std::fs::read_to_string(workspace.join(".tools/python/INTERPRETER"))
+        .expect("scripts/bootstrap records the Python interpreter grpcio was installed for");
+    let mut cmd = Command::new(interpreter.trim());
     cmd.arg(&script)
         .arg(format!("xds:///{SERVICE}:{PORT}"))
         .arg(calls.to_string())
