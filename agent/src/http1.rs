@@ -111,3 +111,27 @@ pub fn tls_client(roots: tokio_rustls::rustls::RootCertStore) -> tokio_rustls::T
         .with_no_client_auth();
     tokio_rustls::TlsConnector::from(Arc::new(config))
 }
+
+/// Serves HTTP/1.1 on `listener` until the task is dropped: one task per connection,
+/// `handle(request, peer)` per request, 30 s to send the headers.
+pub async fn serve<F, Fut>(listener: tokio::net::TcpListener, handle: F)
+where
+    F: Fn(Request<hyper::body::Incoming>, std::net::SocketAddr) -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Response<http_body_util::Full<bytes::Bytes>>> + Send + 'static,
+{
+    loop {
+        let Ok((stream, peer)) = listener.accept().await else { continue };
+        let handle = handle.clone();
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |req| {
+                let answer = handle(req, peer);
+                async move { Ok::<_, std::convert::Infallible>(answer.await) }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(std::time::Duration::from_secs(30))
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                .await;
+        });
+    }
+}

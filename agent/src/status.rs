@@ -8,7 +8,6 @@ pub mod merge;
 pub mod probes;
 
 use std::{
-    convert::Infallible,
     net::SocketAddr,
     sync::{
         Arc,
@@ -18,8 +17,7 @@ use std::{
 
 use bytes::Bytes;
 use http_body_util::Full;
-use hyper::{Request, Response, StatusCode, body::Incoming, service::service_fn};
-use hyper_util::rt::TokioIo;
+use hyper::{Request, Response, StatusCode, body::Incoming};
 use tokio::net::TcpListener;
 
 use crate::{
@@ -67,19 +65,11 @@ impl StatusServer {
 
     /// Serves HTTP/1.1 on `listener` until the task is dropped.
     pub async fn serve(self, listener: TcpListener) {
-        loop {
-            let Ok((stream, peer)) = listener.accept().await else { continue };
+        crate::http1::serve(listener, move |req, peer| {
             let me = self.clone();
-            tokio::spawn(async move {
-                let service = service_fn(move |req| {
-                    let me = me.clone();
-                    async move { Ok::<_, Infallible>(me.route(req, peer).await) }
-                });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), service)
-                    .await;
-            });
-        }
+            async move { me.route(req, peer).await }
+        })
+        .await
     }
 
     async fn route(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<Full<Bytes>> {

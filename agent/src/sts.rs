@@ -15,7 +15,6 @@
 
 use std::{
     collections::HashMap,
-    convert::Infallible,
     net::SocketAddr,
     sync::{Arc, Mutex},
     time::{Duration, SystemTime},
@@ -23,8 +22,7 @@ use std::{
 
 use bytes::Bytes;
 use http_body_util::{BodyExt as _, Full};
-use hyper::{Method, Request, Response, StatusCode, Uri, body::Incoming, service::service_fn};
-use hyper_util::rt::TokioIo;
+use hyper::{Method, Request, Response, StatusCode, Uri, body::Incoming};
 use serde::Serialize;
 use tokio::net::TcpListener;
 
@@ -333,21 +331,11 @@ impl StsServer {
 
     /// Serves HTTP/1.1 on `listener` until the task is dropped.
     pub async fn serve(self, listener: TcpListener) {
-        loop {
-            let Ok((stream, _)) = listener.accept().await else { continue };
+        crate::http1::serve(listener, move |req, _| {
             let me = self.clone();
-            tokio::spawn(async move {
-                let service = service_fn(move |req| {
-                    let me = me.clone();
-                    async move { Ok::<_, Infallible>(me.route(req).await) }
-                });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .timer(hyper_util::rt::TokioTimer::new())
-                    .header_read_timeout(Duration::from_secs(30))
-                    .serve_connection(TokioIo::new(stream), service)
-                    .await;
-            });
-        }
+            async move { me.route(req).await }
+        })
+        .await
     }
 
     async fn route(&self, req: Request<Incoming>) -> Response<Full<Bytes>> {
