@@ -15,7 +15,6 @@ use std::{
 
 use anyhow::{Context as _, bail};
 use serde_json::{Value, json};
-use tokio_util::sync::CancellationToken;
 
 use crate::{Placement, envoy::tempfile_dir::Dir, tools};
 use weir_agent::sandbox::NetNs;
@@ -262,8 +261,7 @@ pub struct TestApiServer {
     pub https: bool,
     pods: Pods,
     pub requests: Arc<Mutex<Vec<String>>>,
-    stop: CancellationToken,
-    thread: Option<std::thread::JoinHandle<()>>,
+    _server: crate::http_server::TestHttpServer,
 }
 
 impl TestApiServer {
@@ -271,65 +269,15 @@ impl TestApiServer {
     pub fn start(netns: &NetNs, token: &str, tls: Option<(String, String)>) -> anyhow::Result<Self> {
         let pods: Pods = Arc::default();
         let requests: Arc<Mutex<Vec<String>>> = Arc::default();
-        let stop = CancellationToken::new();
-        let (tx, rx) = std::sync::mpsc::channel();
         let https = tls.is_some();
-        let acceptor = match tls {
-            Some((chain, key)) => {
-                use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject as _};
-                let certs =
-                    CertificateDer::pem_slice_iter(chain.as_bytes()).collect::<Result<Vec<_>, _>>()?;
-                let key = PrivateKeyDer::from_pem_slice(key.as_bytes())?;
-                let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
-                let config = tokio_rustls::rustls::ServerConfig::builder_with_provider(provider)
-                    .with_safe_default_protocol_versions()?
-                    .with_no_client_auth()
-                    .with_single_cert(certs, key)?;
-                Some(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
-            }
-            None => None,
-        };
-        let (p, r, s, token) = (pods.clone(), requests.clone(), stop.clone(), token.to_string());
-        let thread = netns.spawn_thread(move || async move {
-            let listener = match tokio::net::TcpListener::bind("127.0.0.1:0").await {
-                Ok(l) => l,
-                Err(e) => {
-                    let _ = tx.send(Err(e.to_string()));
-                    return;
-                }
-            };
-            let _ = tx.send(Ok(listener.local_addr().expect("bound")));
-            loop {
-                let (stream, _) = tokio::select! {
-                    _ = s.cancelled() => return,
-                    accepted = listener.accept() => match accepted { Ok(a) => a, Err(_) => continue },
-                };
-                let (p, r, token, acceptor) = (p.clone(), r.clone(), token.clone(), acceptor.clone());
-                tokio::spawn(async move {
-                    let service =
-                        hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                            let (p, r, token) = (p.clone(), r.clone(), token.clone());
-                            async move { Ok::<_, std::convert::Infallible>(answer(&p, &r, &token, &req)) }
-                        });
-                    let builder = hyper::server::conn::http1::Builder::new();
-                    match acceptor {
-                        Some(a) => {
-                            if let Ok(tls) = a.accept(stream).await {
-                                let _ = builder
-                                    .serve_connection(hyper_util::rt::TokioIo::new(tls), service)
-                                    .await;
-                            }
-                        }
-                        None => {
-                            let _ =
-                                builder.serve_connection(hyper_util::rt::TokioIo::new(stream), service).await;
-                        }
-                    }
-                });
-            }
-        })?;
-        let addr = rx.recv()?.map_err(|e| anyhow::anyhow!("test API server: {e}"))?;
-        Ok(Self { addr, https, pods, requests, stop, thread: Some(thread) })
+        let (p, r, token) = (pods.clone(), requests.clone(), token.to_string());
+        let server = crate::http_server::TestHttpServer::start_tls(
+            netns,
+            "127.0.0.1:0".parse().expect("address"),
+            tls,
+            move |req| answer(&p, &r, &token, req),
+        )?;
+        Ok(Self { addr: server.addr, https, pods, requests, _server: server })
     }
 
     /// Serves `pod` (a Pod object) from now on.
@@ -366,26 +314,24 @@ fn answer(
     pods: &Pods,
     requests: &Mutex<Vec<String>>,
     token: &str,
-    req: &hyper::Request<hyper::body::Incoming>,
-) -> hyper::Response<http_body_util::Full<bytes::Bytes>> {
-    let path = req.uri().path().to_string();
-    requests.lock().unwrap().push(req.uri().to_string());
+    req: &crate::http_server::SeenRequest,
+) -> crate::http_server::Answer {
+    let (path, query) = req.path.split_once('?').unwrap_or((req.path.as_str(), ""));
+    requests.lock().unwrap().push(req.path.clone());
+    let json_answer = |code: u16, body: Value| (code, "application/json", body.to_string().into_bytes());
     let status = |code: u16, message: String| {
-        let body = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message, "code": code});
-        hyper::Response::builder()
-            .status(code)
-            .header("content-type", "application/json")
-            .body(http_body_util::Full::new(bytes::Bytes::from(body.to_string())))
-            .expect("valid response")
+        json_answer(
+            code,
+            json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message, "code": code}),
+        )
     };
-    let auth = req.headers().get("authorization").and_then(|v| v.to_str().ok()).unwrap_or_default();
-    if auth != format!("Bearer {token}") {
+    if req.header("authorization").unwrap_or_default() != format!("Bearer {token}") {
         return status(401, "Unauthorized".into());
     }
     let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
     if parts == ["api", "v1", "pods"] {
         // `?fieldSelector=spec.nodeName=<node>` (the only selector the plugin uses).
-        let query = req.uri().query().unwrap_or_default().replace("%3D", "=");
+        let query = query.replace("%3D", "=");
         let node =
             query.split('&').find_map(|kv| kv.strip_prefix("fieldSelector=spec.nodeName=")).map(String::from);
         let items: Vec<Value> = pods
@@ -395,32 +341,16 @@ fn answer(
             .filter(|p| node.as_deref().is_none_or(|n| p["spec"]["nodeName"] == n))
             .cloned()
             .collect();
-        let list = json!({"apiVersion": "v1", "kind": "PodList", "items": items});
-        return hyper::Response::builder()
-            .header("content-type", "application/json")
-            .body(http_body_util::Full::new(bytes::Bytes::from(list.to_string())))
-            .expect("valid response");
+        return json_answer(200, json!({"apiVersion": "v1", "kind": "PodList", "items": items}));
     }
     match parts.as_slice() {
         ["api", "v1", "namespaces", ns, "pods", name] => {
             match pods.lock().unwrap().get(&(ns.to_string(), name.to_string())) {
-                Some(pod) => hyper::Response::builder()
-                    .header("content-type", "application/json")
-                    .body(http_body_util::Full::new(bytes::Bytes::from(pod.to_string())))
-                    .expect("valid response"),
+                Some(pod) => json_answer(200, pod.clone()),
                 None => status(404, format!("pods \"{name}\" not found")),
             }
         }
         _ => status(404, "the server could not find the requested resource".into()),
-    }
-}
-
-impl Drop for TestApiServer {
-    fn drop(&mut self) {
-        self.stop.cancel();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
     }
 }
 

@@ -48,6 +48,31 @@ impl TestHttpServer {
         addr: SocketAddr,
         handler: impl Fn(&SeenRequest) -> Answer + Send + Sync + 'static,
     ) -> anyhow::Result<Self> {
+        Self::start_tls(netns, addr, None, handler)
+    }
+
+    /// As `start`, over TLS with `tls` = (certificate chain, key) PEM when given.
+    pub fn start_tls(
+        netns: &NetNs,
+        addr: SocketAddr,
+        tls: Option<(String, String)>,
+        handler: impl Fn(&SeenRequest) -> Answer + Send + Sync + 'static,
+    ) -> anyhow::Result<Self> {
+        let acceptor = match tls {
+            Some((chain, key)) => {
+                use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject as _};
+                let certs =
+                    CertificateDer::pem_slice_iter(chain.as_bytes()).collect::<Result<Vec<_>, _>>()?;
+                let key = PrivateKeyDer::from_pem_slice(key.as_bytes())?;
+                let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
+                let config = tokio_rustls::rustls::ServerConfig::builder_with_provider(provider)
+                    .with_safe_default_protocol_versions()?
+                    .with_no_client_auth()
+                    .with_single_cert(certs, key)?;
+                Some(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
+            }
+            None => None,
+        };
         let handler: Arc<Mutex<Handler>> = Arc::new(Mutex::new(Arc::new(handler)));
         let requests: Arc<Mutex<Vec<SeenRequest>>> = Arc::default();
         let stop = CancellationToken::new();
@@ -67,7 +92,7 @@ impl TestHttpServer {
                     _ = s.cancelled() => return,
                     accepted = listener.accept() => match accepted { Ok(a) => a, Err(_) => continue },
                 };
-                let (h, r) = (h.clone(), r.clone());
+                let (h, r, acceptor) = (h.clone(), r.clone(), acceptor.clone());
                 tokio::spawn(async move {
                     let service =
                         hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
@@ -104,9 +129,20 @@ impl TestHttpServer {
                                 )
                             }
                         });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                        .await;
+                    let builder = hyper::server::conn::http1::Builder::new();
+                    match acceptor {
+                        Some(a) => {
+                            if let Ok(tls) = a.accept(stream).await {
+                                let _ = builder
+                                    .serve_connection(hyper_util::rt::TokioIo::new(tls), service)
+                                    .await;
+                            }
+                        }
+                        None => {
+                            let _ =
+                                builder.serve_connection(hyper_util::rt::TokioIo::new(stream), service).await;
+                        }
+                    }
                 });
             }
         })?;
