@@ -110,6 +110,11 @@ impl<S> AuthorityRepair<S> {
                         self.state = State::Passthrough(len);
                         continue;
                     }
+                    if len > MAX_BLOCK {
+                        // Bounded before buffering: h2 refuses such a frame anyway.
+                        self.state = State::Failed;
+                        return Err(invalid(format!("header frame of {len} bytes (over {MAX_BLOCK})")));
+                    }
                     if self.raw.len() < FRAME_HEADER + len {
                         return Ok(());
                     }
@@ -454,6 +459,8 @@ mod tests {
             frame(CONTINUATION, END_HEADERS, 1, &[0x82]),
             frame(HEADERS, END_HEADERS | PADDED, 1, &[9, 0x82]),
             frame(HEADERS, END_HEADERS | PRIORITY, 1, &[0, 0]),
+            // A 2 MiB header frame announced: refused from its 9-byte header alone.
+            vec![0x20, 0, 0, HEADERS, END_HEADERS, 0, 0, 0, 1],
         ] {
             let mut input = PREFACE.to_vec();
             input.extend(bad);
