@@ -276,12 +276,7 @@ impl KubeClient {
 
     /// `GET /api/v1/namespaces/<ns>/pods/<name>`.
     pub async fn pod(&self, namespace: &str, name: &str) -> Result<PodInfo, KubeError> {
-        let path = format!("/api/v1/namespaces/{namespace}/pods/{name}");
-        let url =
-            format!("{}://{}{path}", self.config.server.scheme_str().unwrap_or("https"), self.authority());
-        let (status, body) = tokio::time::timeout(REQUEST_TIMEOUT, self.get(&path, &url))
-            .await
-            .map_err(|_| KubeError::Timeout { url: url.clone() })??;
+        let (url, status, body) = self.get(&format!("/api/v1/namespaces/{namespace}/pods/{name}")).await?;
         match status {
             StatusCode::OK => {
                 PodInfo::from_json(&body).map_err(|e| KubeError::Decode { url, message: e.to_string() })
@@ -295,12 +290,8 @@ impl KubeClient {
 
     /// `GET /api/v1/pods?fieldSelector=spec.nodeName=<node>`: the pods on a node.
     pub async fn pods_on_node(&self, node: &str) -> Result<Vec<PodInfo>, KubeError> {
-        let path = format!("/api/v1/pods?fieldSelector=spec.nodeName%3D{node}");
-        let url =
-            format!("{}://{}{path}", self.config.server.scheme_str().unwrap_or("https"), self.authority());
-        let (status, body) = tokio::time::timeout(REQUEST_TIMEOUT, self.get(&path, &url))
-            .await
-            .map_err(|_| KubeError::Timeout { url: url.clone() })??;
+        let (url, status, body) =
+            self.get(&format!("/api/v1/pods?fieldSelector=spec.nodeName%3D{node}")).await?;
         if status != StatusCode::OK {
             return Err(status_error(url, status, &body));
         }
@@ -311,8 +302,12 @@ impl KubeClient {
         self.config.server.authority().map(|a| a.to_string()).unwrap_or_default()
     }
 
-    async fn get(&self, path: &str, url: &str) -> Result<(StatusCode, Bytes), KubeError> {
-        let fail = |message: String| KubeError::Request { url: url.into(), message };
+    /// GETs `path` within `REQUEST_TIMEOUT`; returns the full URL (for errors), the
+    /// status and the body.
+    async fn get(&self, path: &str) -> Result<(String, StatusCode, Bytes), KubeError> {
+        let url =
+            format!("{}://{}{path}", self.config.server.scheme_str().unwrap_or("https"), self.authority());
+        let fail = |message: String| KubeError::Request { url: url.clone(), message };
         let mut request = Request::builder()
             .method("GET")
             .uri(path)
@@ -334,7 +329,12 @@ impl KubeClient {
         }
         let request = request.body(Empty::<Bytes>::new()).map_err(|e| fail(e.to_string()))?;
         let target = crate::http1::Target::of(&self.config.server, self.tls.as_ref());
-        crate::http1::fetch(target, request, 4 * 1024 * 1024).await.map_err(fail)
+        let (status, body) =
+            tokio::time::timeout(REQUEST_TIMEOUT, crate::http1::fetch(target, request, 4 * 1024 * 1024))
+                .await
+                .map_err(|_| KubeError::Timeout { url: url.clone() })?
+                .map_err(fail)?;
+        Ok((url, status, body))
     }
 }
 

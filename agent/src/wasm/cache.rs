@@ -81,8 +81,10 @@ struct ByUrl {
 
 pub struct ModuleCache {
     options: CacheOptions,
-    tls: tokio_rustls::TlsConnector,
-    insecure_tls: tokio_rustls::TlsConnector,
+    /// Built on the first fetch: most agents never fetch a module, and reading the
+    /// system's roots has no place at start-up.
+    tls: std::sync::OnceLock<tokio_rustls::TlsConnector>,
+    insecure_tls: std::sync::OnceLock<tokio_rustls::TlsConnector>,
     by_url: Mutex<HashMap<String, ByUrl>>,
     last_used: Mutex<HashMap<String, Instant>>,
     metrics: std::sync::Arc<crate::metrics::Metrics>,
@@ -97,15 +99,11 @@ impl ModuleCache {
         Self {
             metrics,
             options,
-            tls: crate::http1::tls_client(crate::http1::system_roots()),
-            insecure_tls: crate::status::probes::insecure_tls(),
+            tls: std::sync::OnceLock::new(),
+            insecure_tls: std::sync::OnceLock::new(),
             by_url: Mutex::default(),
             last_used: Mutex::default(),
         }
-    }
-
-    pub fn dir(&self) -> &Path {
-        &self.options.dir
     }
 
     fn path_of(&self, sha256: &str) -> PathBuf {
@@ -230,7 +228,11 @@ impl ModuleCache {
             request = request.header(*name, *value);
         }
         let request = request.body(Empty::<Bytes>::new()).map_err(|e| e.to_string())?;
-        let tls = if insecure { &self.insecure_tls } else { &self.tls };
+        let tls = if insecure {
+            self.insecure_tls.get_or_init(crate::status::probes::insecure_tls)
+        } else {
+            self.tls.get_or_init(|| crate::http1::tls_client(crate::http1::system_roots()))
+        };
         let target = crate::http1::Target::of(url, Some(tls));
         tokio::time::timeout(timeout, crate::http1::fetch(target, request, MAX_MODULE))
             .await

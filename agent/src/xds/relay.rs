@@ -294,24 +294,25 @@ async fn pump_upstream<F: Flavor>(
             }
         };
         inner.metrics.xds_proxy_responses.inc();
-        let type_url = F::response_type(&response).to_string();
-        let type_url = type_url.as_str();
-        tracing::debug!(
-            r#type = short_type(type_url),
-            resources = F::resource_count(&response),
-            nonce = F::response_nonce(&response),
-            "upstream response"
-        );
-        if let Some(handler) = inner.handlers.get(type_url) {
-            let error = F::first_resource(&response).and_then(|resource| match handler(resource) {
-                Ok(()) => None,
-                Err(message) => {
-                    tracing::warn!(r#type = short_type(type_url), error = %message, "NACK: agent rejected a resource");
-                    Some(internal(message))
-                }
-            });
-            inner.send_upstream::<F>(&req_tx, F::ack(&response, error));
-            continue;
+        {
+            let type_url = F::response_type(&response);
+            tracing::debug!(
+                r#type = short_type(type_url),
+                resources = F::resource_count(&response),
+                nonce = F::response_nonce(&response),
+                "upstream response"
+            );
+            if let Some(handler) = inner.handlers.get(type_url) {
+                let error = F::first_resource(&response).and_then(|resource| match handler(resource) {
+                    Ok(()) => None,
+                    Err(message) => {
+                        tracing::warn!(r#type = short_type(type_url), error = %message, "NACK: agent rejected a resource");
+                        Some(internal(message))
+                    }
+                });
+                inner.send_upstream::<F>(&req_tx, F::ack(&response, error));
+                continue;
+            }
         }
         let mut response = response;
         if F::response_type(&response) == type_url::EXTENSION_CONFIG

@@ -12,7 +12,7 @@ use weir_tests::{
     envoy::tempfile_dir::Dir,
 };
 
-use crate::report::{Options, Row, Samples, Table};
+use crate::report::{Options, Row, Table, repeat_pair};
 
 /// ADDs per run.
 const PODS: usize = 40;
@@ -96,21 +96,7 @@ pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
     let chains = [Chain::BridgeOnly, Chain::Weir("iptables"), Chain::Weir("nftables"), Chain::Weir("ebpf")];
     let mut rows = Vec::new();
     for chain in chains {
-        let (mut p50, mut p99) = (Samples::default(), Samples::default());
-        for run in 0..opts.runs {
-            eprintln!("[bench cni] {} run {}/{}", chain.name(), run + 1, opts.runs);
-            match run_once(chain) {
-                Ok((a, b)) => {
-                    p50.0.push(a);
-                    p99.0.push(b);
-                }
-                Err(e) => {
-                    eprintln!("[bench cni] {} failed: {e:#}", chain.name());
-                    p50.0.push(f64::NAN);
-                    p99.0.push(f64::NAN);
-                }
-            }
-        }
+        let (p50, p99) = repeat_pair("cni", &chain.name(), opts.runs, || run_once(chain));
         rows.push(Row { name: chain.name(), metrics: vec![p50, p99] });
     }
     let table = Table {

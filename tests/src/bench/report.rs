@@ -11,6 +11,27 @@ pub struct Options {
     pub markdown: bool,
 }
 
+/// Runs `once` `runs` times, logging each run as `[bench <bench>] <row> run i/n`, and
+/// collects its two figures; a failed run is logged and recorded as NaN in both.
+pub fn repeat_pair(
+    bench: &str,
+    row: &str,
+    runs: usize,
+    mut once: impl FnMut() -> anyhow::Result<(f64, f64)>,
+) -> (Samples, Samples) {
+    let (mut first, mut second) = (Samples::default(), Samples::default());
+    for run in 0..runs {
+        eprintln!("[bench {bench}] {row} run {}/{runs}", run + 1);
+        let (a, b) = once().unwrap_or_else(|e| {
+            eprintln!("[bench {bench}] {row} failed: {e:#}");
+            (f64::NAN, f64::NAN)
+        });
+        first.0.push(a);
+        second.0.push(b);
+    }
+    (first, second)
+}
+
 /// Repeated measurements of one quantity.
 #[derive(Debug, Clone, Default)]
 pub struct Samples(pub Vec<f64>);

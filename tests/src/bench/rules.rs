@@ -10,7 +10,7 @@ use std::{process::Command, time::Instant};
 use weir_agent::sandbox::{Cgroup, Mesh, unique_name};
 use weir_iptables::RunOptions;
 
-use crate::report::{Options, Row, Samples, Table};
+use crate::report::{Options, Row, Table, repeat_pair};
 
 /// Applies per run.
 const ROUNDS: usize = 20;
@@ -109,21 +109,7 @@ pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
     let _bpffs = weir_tests::BpffsUse::acquire()?;
     let mut rows = Vec::new();
     for backend in [Backend::Floor, Backend::Iptables, Backend::Nftables, Backend::Ebpf] {
-        let (mut apply, mut remove) = (Samples::default(), Samples::default());
-        for run in 0..opts.runs {
-            eprintln!("[bench rules] {} run {}/{}", backend.name(), run + 1, opts.runs);
-            match run_once(backend) {
-                Ok((a, r)) => {
-                    apply.0.push(a);
-                    remove.0.push(r);
-                }
-                Err(e) => {
-                    eprintln!("[bench rules] {} failed: {e:#}", backend.name());
-                    apply.0.push(f64::NAN);
-                    remove.0.push(f64::NAN);
-                }
-            }
-        }
+        let (apply, mut remove) = repeat_pair("rules", backend.name(), opts.runs, || run_once(backend));
         // The floor has no removal: its column stays empty rather than "failed".
         if backend == Backend::Floor {
             remove.0.clear();

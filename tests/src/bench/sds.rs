@@ -14,7 +14,7 @@ use weir_agent::{
     xds::UpstreamConfig,
 };
 
-use super::report::{Options, Row, Samples, Table};
+use super::report::{Options, Row, Table, repeat_pair};
 
 /// Issuances per run.
 const ISSUES: usize = 40;
@@ -95,21 +95,7 @@ pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
     let kinds = [Kind::CaOnly, Kind::Issue(KeyAlgorithm::EcdsaP256), Kind::Issue(KeyAlgorithm::Rsa(2048))];
     let mut rows = Vec::new();
     for kind in kinds {
-        let (mut p50, mut p99) = (Samples::default(), Samples::default());
-        for run in 0..opts.runs {
-            eprintln!("[bench sds] {} run {}/{}", kind.name(), run + 1, opts.runs);
-            match runtime.block_on(run_once(kind)) {
-                Ok((a, b)) => {
-                    p50.0.push(a);
-                    p99.0.push(b);
-                }
-                Err(e) => {
-                    eprintln!("[bench sds] {} failed: {e:#}", kind.name());
-                    p50.0.push(f64::NAN);
-                    p99.0.push(f64::NAN);
-                }
-            }
-        }
+        let (p50, p99) = repeat_pair("sds", &kind.name(), opts.runs, || runtime.block_on(run_once(kind)));
         rows.push(Row { name: kind.name(), metrics: vec![p50, p99] });
     }
     let table = Table {
