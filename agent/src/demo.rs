@@ -27,6 +27,7 @@ use crate::{
     cli::DemoArgs,
     cni::pod::PodInfo,
     ebpf::detect::{self, Backend, CaptureMode},
+    executable::Executable,
     privileges::{self, Capability},
     sandbox::{Cgroup, Mesh, Placement, Pod, PodChild, unique_name},
 };
@@ -142,9 +143,11 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
     );
 
     // The server's app.
-    let exe = std::env::current_exe().context("find the weir binary")?;
+    // The apps run as an unprivileged user: through a descriptor opened here, so the
+    // directories above this binary (a checkout under /root) need not admit them.
+    let exe = Executable::open(std::env::current_exe().context("find the weir binary")?)?;
     let cg = demo.cgroup.as_ref().expect("made above");
-    let mut serve = Command::new(&exe);
+    let mut serve = exe.command();
     serve.args(["demo-app", "serve", &format!("0.0.0.0:{APP_PORT}")]).stdout(Stdio::null()).process_group(0);
     let app = demo.server.spawn_placed(
         &mut serve,
@@ -204,7 +207,7 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
     let flag = stop.clone();
     ctrlc_flag(flag);
     let seconds = args.duration.unwrap_or(u64::MAX);
-    let mut load = Command::new(&exe);
+    let mut load = exe.command();
     load.args(["demo-app", "load", &format!("http://{server_addr}/"), &seconds.to_string()])
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())

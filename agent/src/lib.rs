@@ -14,6 +14,7 @@ pub mod demo;
 pub mod dns;
 pub mod ebpf;
 pub mod envoy;
+pub mod executable;
 pub mod exit;
 pub mod health;
 pub mod http1;

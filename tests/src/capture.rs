@@ -45,7 +45,7 @@ pub fn start_server(pod: &Pod, uid: u32, args: &[&str]) -> PodChild {
 }
 
 pub fn start_server_placed(pod: &Pod, placement: Placement<'_>, args: &[&str]) -> PodChild {
-    let mut cmd = Command::new(tools::testkit());
+    let mut cmd = tools::testkit_command();
     cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::inherit());
     let mut child = pod.spawn_placed(&mut cmd, placement).expect("spawn testkit server");
     let stdout = child.child_mut().stdout.take().expect("stdout");
@@ -67,7 +67,7 @@ pub fn ask_placed(pod: &Pod, placement: Placement<'_>, addr: SocketAddr) -> Stri
 
 /// Runs a testkit client command; stdout on success, `error: <stderr>` otherwise.
 pub fn run_testkit(pod: &Pod, placement: Placement<'_>, args: &[&str]) -> String {
-    let mut cmd = Command::new(tools::testkit());
+    let mut cmd = tools::testkit_command();
     cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
     let child = pod.spawn_placed(&mut cmd, placement).expect("spawn testkit client");
     let out = child.into_inner().wait_with_output().expect("wait testkit client");
@@ -81,7 +81,7 @@ pub fn run_testkit(pod: &Pod, placement: Placement<'_>, args: &[&str]) -> String
 /// `weir istio-iptables <args>` inside `pod`, as root, optionally with the pod's own
 /// resolv.conf.
 pub fn istio_iptables(pod: &Pod, args: &[&str], resolv_conf: Option<&Path>) -> Output {
-    let mut cmd = Command::new(tools::weir());
+    let mut cmd = tools::weir_command();
     cmd.arg("istio-iptables")
         .args(args)
         .env("WEIR_LOG", "warn")
@@ -200,5 +200,19 @@ pub fn inbound_programs(pod: &Pod) -> Vec<String> {
             .filter(|w| w.starts_with("weir_"))
             .map(|w| w.split(':').next().unwrap_or(w).to_string())
             .collect(),
+    }
+}
+
+/// Removes a pinned capture (record, pins, inbound filter) on drop; idempotent. Declare
+/// it after the scene and cgroup, so the capture goes first whatever the test reached.
+pub struct PinnedCapture(pub String);
+
+impl Drop for PinnedCapture {
+    fn drop(&mut self) {
+        use weir_agent::ebpf::capture::{PinRecord, pin_dir, unpin};
+        match PinRecord::load(&self.0) {
+            Some(record) => drop(record.remove()),
+            None => drop(unpin(&pin_dir(&self.0))),
+        }
     }
 }

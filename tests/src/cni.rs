@@ -372,7 +372,7 @@ pub fn start_in(ns: &NetNs, uid: u32, args: &[&str]) -> anyhow::Result<crate::Po
 /// As [`start_in`], placed as `placement` says (a cgroup for eBPF capture).
 pub fn start_placed(placement: Placement<'_>, args: &[&str]) -> anyhow::Result<crate::PodChild> {
     use std::io::BufRead as _;
-    let mut cmd = Command::new(tools::testkit());
+    let mut cmd = tools::testkit_command();
     cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::inherit());
     let mut child = weir_agent::sandbox::process::spawn(&mut cmd, placement)?;
     let stdout = child.child_mut().stdout.take().context("stdout")?;
@@ -385,7 +385,7 @@ pub fn start_placed(placement: Placement<'_>, args: &[&str]) -> anyhow::Result<c
 }
 
 /// Runs `program args` in `ns` as `uid` (root when `None`); stdout, or `error: <stderr>`.
-pub fn run_in(ns: &NetNs, uid: Option<u32>, program: &Path, args: &[&str]) -> String {
+pub fn run_in(ns: &NetNs, uid: Option<u32>, program: Command, args: &[&str]) -> String {
     run_placed(
         Placement { netns: Some(ns), user: uid.map(|u| (u, u)), ..Placement::default() },
         program,
@@ -394,8 +394,7 @@ pub fn run_in(ns: &NetNs, uid: Option<u32>, program: &Path, args: &[&str]) -> St
 }
 
 /// As [`run_in`], placed as `placement` says.
-pub fn run_placed(placement: Placement<'_>, program: &Path, args: &[&str]) -> String {
-    let mut cmd = Command::new(program);
+pub fn run_placed(placement: Placement<'_>, mut cmd: Command, args: &[&str]) -> String {
     cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
     let child = weir_agent::sandbox::process::spawn(&mut cmd, placement).expect("spawn in namespace");
     let out = child.into_inner().wait_with_output().expect("wait");

@@ -24,6 +24,12 @@ pub fn binary() -> anyhow::Result<PathBuf> {
     Ok(path.canonicalize()?)
 }
 
+/// Envoy's path for a child that starts Envoy itself (`binaryPath` for an agent that
+/// runs as 1337): reachable whatever the directories above the checkout allow.
+pub fn binary_for_children() -> anyhow::Result<PathBuf> {
+    Ok(crate::tools::for_children(&binary()?))
+}
+
 /// A running Envoy in a pod.
 pub struct Envoy {
     pub admin: SocketAddr,
@@ -102,7 +108,8 @@ impl Envoy {
         let config_path = dir.path().join("envoy.yaml");
         std::fs::write(&config_path, config)?;
         let log = std::fs::File::create(dir.path().join("envoy.log"))?;
-        let mut cmd = Command::new(binary()?);
+        let envoy = weir_agent::executable::Executable::open(binary()?)?;
+        let mut cmd = envoy.command();
         cmd.arg("-c")
             .arg(&config_path)
             .args(["--disable-hot-restart", "--log-level", "warning", "--concurrency", "1"])

@@ -17,6 +17,7 @@
 pub mod capture;
 pub mod cni;
 pub mod control_plane;
+pub mod demo;
 pub mod envoy;
 pub mod http;
 pub mod http_server;

@@ -72,21 +72,6 @@ impl SidecarRoot {
         self.path().join("var/run/secrets/workload-spiffe-uds/socket")
     }
 
-    /// `pilot-agent` in the pod (`usr/local/bin/pilot-agent`, a link to `weir`): the
-    /// name the istio-proxy container runs.
-    pub fn pilot_agent(&self) -> anyhow::Result<PathBuf> {
-        let bin = self.path().join("usr/local/bin");
-        std::fs::create_dir_all(&bin)?;
-        for d in ["usr", "usr/local", "usr/local/bin"] {
-            std::fs::set_permissions(self.path().join(d), std::fs::Permissions::from_mode(0o755))?;
-        }
-        let link = bin.join("pilot-agent");
-        if !link.exists() {
-            std::os::unix::fs::symlink(tools::weir(), &link)?;
-        }
-        Ok(link)
-    }
-
     /// The bootstrap the agent wrote for Envoy.
     pub fn bootstrap(&self) -> PathBuf {
         self.path().join("etc/istio/proxy/envoy-rev.json")
@@ -114,16 +99,16 @@ impl AgentProcess {
         resolv_conf: Option<&Path>,
     ) -> anyhow::Result<Self> {
         let args = ["proxy", "sidecar", "--domain", "default.svc.cluster.local"];
-        Self::launch(pod, root, &tools::weir(), &args, env, Some((PROXY_UID, PROXY_UID)), resolv_conf)
+        Self::launch(pod, root, tools::weir_command(), &args, env, Some((PROXY_UID, PROXY_UID)), resolv_conf)
     }
 
-    /// Starts `program` (`weir` or a `pilot-agent` link) with `args` in `pod`, as `user`
-    /// (root when `None`), in `root`, with `env` added to a clean environment; returns
-    /// once its XDS socket exists.
+    /// Starts `cmd` (`tools::weir_command()` or `tools::pilot_agent_command()`) with
+    /// `args` in `pod`, as `user` (root when `None`), in `root`, with `env` added to a
+    /// clean environment; returns once its XDS socket exists.
     pub fn launch(
         pod: &Pod,
         root: &SidecarRoot,
-        program: &Path,
+        mut cmd: Command,
         args: &[&str],
         env: &[(&str, &str)],
         user: Option<(u32, u32)>,
@@ -131,7 +116,6 @@ impl AgentProcess {
     ) -> anyhow::Result<Self> {
         let log = root.path().join("agent.log");
         let file = std::fs::File::create(&log)?;
-        let mut cmd = Command::new(program);
         cmd.args(args)
             .current_dir(root.path())
             .env_clear()

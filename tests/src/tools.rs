@@ -1,7 +1,22 @@
-//! Paths of the binaries tests drive: `weir` itself and the `weir-testkit` traffic tool.
-//! Both are built by `cargo nextest run --workspace` next to the test executables.
+//! The binaries and tool paths tests drive: `weir` itself, the `weir-testkit` traffic
+//! tool (both built by `cargo nextest run --workspace` next to the test executables),
+//! and paths under `.tools/` that children running as other users must reach.
+//!
+//! Tests run processes as 1000 and 1337 from a checkout that may sit under a 0700
+//! directory (`/root/<clone>`), so nothing here hands a child a path it would have to
+//! walk: commands run through a descriptor opened by the test
+//! ([`weir_agent::executable::Executable`]), and paths given to children by name are
+//! the test's own inherited descriptors ([`for_children`]).
 
-use std::path::PathBuf;
+use std::{
+    collections::HashMap,
+    os::{fd::AsRawFd as _, unix::process::CommandExt as _},
+    path::{Path, PathBuf},
+    process::Command,
+    sync::{Mutex, OnceLock},
+};
+
+use weir_agent::executable::Executable;
 
 /// `target/<profile>/`, found from the running test executable (`.../deps/<test>`).
 fn target_dir() -> PathBuf {
@@ -24,12 +39,58 @@ fn binary(name: &str) -> PathBuf {
     path
 }
 
-/// The `weir` binary under test.
+/// The workspace root of the checkout under test.
+pub fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ is inside the workspace").to_path_buf()
+}
+
+/// The `weir` binary under test (its path: for root-only uses such as copying it).
 pub fn weir() -> PathBuf {
     binary("weir")
 }
 
-/// The `weir-testkit` helper (TCP/UDP clients and servers for traffic tests).
+/// The `weir-testkit` helper's path (TCP/UDP clients and servers for traffic tests).
 pub fn testkit() -> PathBuf {
     binary("weir-testkit")
+}
+
+fn opened(cell: &'static OnceLock<Executable>, name: &str) -> &'static Executable {
+    cell.get_or_init(|| Executable::open(binary(name)).unwrap_or_else(|e| panic!("open {name}: {e}")))
+}
+
+/// A command running `weir`, as any user.
+pub fn weir_command() -> Command {
+    static WEIR: OnceLock<Executable> = OnceLock::new();
+    opened(&WEIR, "weir").command()
+}
+
+/// A command running `weir` under the name `pilot-agent` (the istio-proxy container's).
+pub fn pilot_agent_command() -> Command {
+    let mut cmd = weir_command();
+    cmd.arg0("pilot-agent");
+    cmd
+}
+
+/// A command running `weir-testkit`, as any user.
+pub fn testkit_command() -> Command {
+    static TESTKIT: OnceLock<Executable> = OnceLock::new();
+    opened(&TESTKIT, "weir-testkit").command()
+}
+
+/// A path to `path` that this test process and every child it starts can use whatever
+/// its uid (Envoy's `binaryPath` for an agent running as 1337, grpcio's `PYTHONPATH`
+/// for an app running as 1000): `/proc/self/fd/<n>` of a descriptor opened here, once,
+/// and inherited by children (not close-on-exec). A child that itself starts programs
+/// opens the path again through its own copy of the descriptor.
+pub fn for_children(path: &Path) -> PathBuf {
+    static HELD: OnceLock<Mutex<HashMap<PathBuf, std::fs::File>>> = OnceLock::new();
+    let mut held = HELD.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    let file = held.entry(path.to_path_buf()).or_insert_with(|| {
+        let file = std::fs::File::open(path).unwrap_or_else(|e| panic!("open {}: {e}", path.display()));
+        // Kept open for the life of the test process, and across exec.
+        nix::fcntl::fcntl(&file, nix::fcntl::FcntlArg::F_SETFD(nix::fcntl::FdFlag::empty()))
+            .unwrap_or_else(|e| panic!("clear close-on-exec on {}: {e}", path.display()));
+        file
+    });
+    PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()))
 }

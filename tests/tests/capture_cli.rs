@@ -6,7 +6,7 @@ use std::process::{Command, Output, Stdio};
 
 use weir_tests::{
     Placement,
-    capture::{CaptureScene, Family, ask_placed, capture_state, captured, in_pod},
+    capture::{CaptureScene, Family, PinnedCapture, ask_placed, capture_state, captured, in_pod},
     require_root, test_cgroup, test_name, tools,
 };
 
@@ -23,19 +23,6 @@ fn weir(args: &[&str]) -> Output {
 fn ok(out: &Output, what: &str) -> String {
     assert!(out.status.success(), "{what}: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// Removes a pinned capture (record, pins, inbound filter) on drop; idempotent.
-struct PinnedCapture(String);
-
-impl Drop for PinnedCapture {
-    fn drop(&mut self) {
-        use weir_agent::ebpf::capture::{PinRecord, pin_dir, unpin};
-        match PinRecord::load(&self.0) {
-            Some(record) => drop(record.remove()),
-            None => drop(unpin(&pin_dir(&self.0))),
-        }
-    }
 }
 
 #[test]

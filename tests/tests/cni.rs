@@ -5,7 +5,7 @@
 //! rules removed behind its back; DEL removes them (twice is fine); bad input gets the
 //! spec's error JSON; 100 ADDs in parallel stay correct.
 
-use std::path::Path;
+use std::{path::Path, process::Command};
 
 use serde_json::{Value, json};
 use weir_agent::sandbox::{NetNs, unique_name};
@@ -37,7 +37,7 @@ struct Node {
 impl Node {
     fn new(test: &str, https: bool) -> Self {
         let ns = NetNs::create(&unique_name(&format!("{test}-node"))).unwrap();
-        assert_eq!(run_in(&ns, None, Path::new("ip"), &["link", "set", "lo", "up"]), "");
+        assert_eq!(run_in(&ns, None, Command::new("ip"), &["link", "set", "lo", "up"]), "");
         let (tls, ca) = if https {
             let ca = TestCa::new("test API server CA").unwrap();
             (Some(ca.server_cert(&["localhost"]).unwrap()), Some(ca.root_pem().to_string()))
@@ -70,8 +70,8 @@ fn pod_netns(rt: &CniRuntime<'_>, name: &str) -> NetNs {
 }
 
 fn istio_rules(ns: &NetNs) -> String {
-    let mut out = run_in(ns, None, Path::new("iptables-save"), &[]);
-    out.push_str(&run_in(ns, None, Path::new("nft"), &["list", "ruleset"]));
+    let mut out = run_in(ns, None, Command::new("iptables-save"), &[]);
+    out.push_str(&run_in(ns, None, Command::new("nft"), &["list", "ruleset"]));
     out.lines().filter(|l| l.contains("ISTIO") || l.contains("istio")).collect::<Vec<_>>().join("\n")
 }
 
@@ -87,11 +87,11 @@ fn assert_captured(node: &Node, pod: &NetNs, ip: &str) {
     let gateway = format!("{}.1", ip.rsplit_once('.').unwrap().0);
     let _outbound = start_in(pod, 1337, &["capture-listener", "0.0.0.0:15001"]).unwrap();
     let _inbound = start_in(pod, 1337, &["capture-listener", "0.0.0.0:15006"]).unwrap();
-    let out = run_in(pod, Some(1000), &tools::testkit(), &["ask", &format!("{gateway}:80")]);
+    let out = run_in(pod, Some(1000), tools::testkit_command(), &["ask", &format!("{gateway}:80")]);
     let (local, orig) =
         captured(&out).unwrap_or_else(|| panic!("outbound not captured: {out}\n{}", istio_rules(pod)));
     assert!(local.ends_with(":15001") && orig == format!("{gateway}:80"), "{out}");
-    let out = run_in(&node.ns, None, &tools::testkit(), &["ask", &format!("{ip}:8080")]);
+    let out = run_in(&node.ns, None, tools::testkit_command(), &["ask", &format!("{ip}:8080")]);
     let (local, orig) = captured(&out).unwrap_or_else(|| panic!("inbound not captured: {out}"));
     assert!(local.ends_with(":15006") && orig == format!("{ip}:8080"), "{out}");
 }
@@ -127,15 +127,15 @@ fn add_check_break_del(https: bool, mode: &str) {
     // Rules removed behind the plugin's back: CHECK says so.
     match mode {
         "nftables" => {
-            let tables = run_in(&pod, None, Path::new("nft"), &["list", "tables"]);
+            let tables = run_in(&pod, None, Command::new("nft"), &["list", "tables"]);
             for table in tables.lines().filter(|l| l.contains("istio")) {
                 let name = table.split_whitespace().last().unwrap();
-                run_in(&pod, None, Path::new("nft"), &["delete", "table", "inet", name]);
+                run_in(&pod, None, Command::new("nft"), &["delete", "table", "inet", name]);
             }
         }
         _ => {
-            run_in(&pod, None, Path::new("iptables"), &["-t", "nat", "-F"]);
-            run_in(&pod, None, Path::new("iptables"), &["-t", "nat", "-X"]);
+            run_in(&pod, None, Command::new("iptables"), &["-t", "nat", "-F"]);
+            run_in(&pod, None, Command::new("iptables"), &["-t", "nat", "-X"]);
         }
     }
     let e = rt.check(&list, &a, &result).unwrap_err();
@@ -291,9 +291,9 @@ fn a_hundred_parallel_adds_each_capture_their_own_pod() {
     let mut ips: Vec<String> = results.iter().map(|r| pod_ip(r.as_ref().unwrap())).collect();
     // Every pod has its own address and exactly one copy of the rules.
     for (i, ns) in pods.iter().enumerate() {
-        let rules = run_in(ns, None, Path::new("iptables-save"), &["-t", "nat"]);
+        let rules = run_in(ns, None, Command::new("iptables-save"), &["-t", "nat"]);
         assert_eq!(rules.matches("-A ISTIO_OUTPUT -j ISTIO_REDIRECT").count(), 1, "pod {i}:\n{rules}");
-        let addr = run_in(ns, None, Path::new("ip"), &["-4", "-o", "addr", "show", "eth0"]);
+        let addr = run_in(ns, None, Command::new("ip"), &["-4", "-o", "addr", "show", "eth0"]);
         assert!(addr.contains(&format!("{}/24", ips[i])), "pod {i} holds {addr}, CNI said {}", ips[i]);
     }
     ips.sort();
@@ -338,7 +338,7 @@ fn ebpf_capture_registers_pods_with_the_node_capture() {
     let cg = cgroup.path().display().to_string();
     // `weir cni install|uninstall` on this test's host folders.
     let node_agent = |verb: &str, once: &[&str]| {
-        std::process::Command::new(tools::weir())
+        tools::weir_command()
             .args(["cni", verb])
             .args(once)
             .args(["--ebpf-cgroup", &cg, "--ebpf-name", &name])
@@ -377,10 +377,10 @@ fn ebpf_capture_registers_pods_with_the_node_capture() {
     };
     let _outbound = start_placed(placed(1337), &["capture-listener", "0.0.0.0:15001"]).unwrap();
     let _inbound = start_placed(placed(1337), &["capture-listener", "0.0.0.0:15006"]).unwrap();
-    let out = run_placed(placed(1000), &tools::testkit(), &["ask", &format!("{GATEWAY}:80")]);
+    let out = run_placed(placed(1000), tools::testkit_command(), &["ask", &format!("{GATEWAY}:80")]);
     let (local, orig) = captured(&out).unwrap_or_else(|| panic!("outbound not captured: {out}"));
     assert!(local.ends_with(":15001") && orig == format!("{GATEWAY}:80"), "{out}");
-    let out = run_in(&node.ns, None, &tools::testkit(), &["ask", &format!("{ip}:8080")]);
+    let out = run_in(&node.ns, None, tools::testkit_command(), &["ask", &format!("{ip}:8080")]);
     let (local, _) = captured(&out).unwrap_or_else(|| panic!("inbound not captured: {out}"));
     // Nothing listens on 8080: the 15006 listener answered; sk_assign keeps the original
     // destination as the local address.
@@ -398,7 +398,7 @@ fn ebpf_capture_registers_pods_with_the_node_capture() {
 
     // DEL unregisters: the app's connections go where they were sent; CHECK says so.
     rt.del(&list, &a, Some(&result)).unwrap_or_else(|e| panic!("DEL: {e}"));
-    let out = run_placed(placed(1000), &tools::testkit(), &["ask", &format!("{GATEWAY}:80")]);
+    let out = run_placed(placed(1000), tools::testkit_command(), &["ask", &format!("{GATEWAY}:80")]);
     assert!(out.starts_with("error:"), "still captured after DEL: {out}");
     rt.del(&list, &a, Some(&result)).unwrap_or_else(|e| panic!("second DEL: {e}"));
 
@@ -440,7 +440,7 @@ fn repair_captures_pods_that_started_before_the_plugin() {
         let mut args = vec!["cni", "repair", "--once", "--node-name", node_name, "--netns-dir", "/run/netns"];
         args.extend(["--kubeconfig", kubeconfig.as_str()]);
         args.extend(extra);
-        run_in(&node.ns, None, &tools::weir(), &args)
+        run_in(&node.ns, None, tools::weir_command(), &args)
     };
     let repair = || repair_node("node-1", &["--capture-mode", "iptables"]);
     let out = repair();

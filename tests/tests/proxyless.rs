@@ -23,7 +23,7 @@ use weir_tests::{
     control_plane::{CLUSTER_ID, ControlPlane, TOKEN, TestCa, eventually},
     require_root,
     sidecar::{AgentProcess, IstiodEnv, SidecarRoot},
-    test_name,
+    test_name, tools,
 };
 
 const APP_UID: u32 = 1000;
@@ -61,8 +61,10 @@ fn grpc_snapshot(endpoint: SocketAddr, version: &str) -> Snapshot {
 
 /// Runs the grpcio client in `pod` as the app user, with the agent's bootstrap.
 fn grpc_calls(pod: &Pod, bootstrap: &Path, calls: u32) -> (bool, String) {
-    let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace");
-    let script = workspace.join("tests/py/grpc_xds_client.py");
+    let workspace = tools::workspace();
+    // The app user reaches the script and grpcio through this test's descriptors,
+    // whatever the directories above the checkout allow.
+    let script = tools::for_children(&workspace.join("tests/py/grpc_xds_client.py"));
     // The interpreter scripts/bootstrap installed grpcio for (one the app user can run).
     let interpreter = std::fs::read_to_string(workspace.join(".tools/python/INTERPRETER"))
         .expect("scripts/bootstrap records the Python interpreter grpcio was installed for");
@@ -72,7 +74,7 @@ fn grpc_calls(pod: &Pod, bootstrap: &Path, calls: u32) -> (bool, String) {
         .arg(calls.to_string())
         .env_clear()
         .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-        .env("PYTHONPATH", workspace.join(".tools/python"))
+        .env("PYTHONPATH", tools::for_children(&workspace.join(".tools/python")))
         .env("GRPC_XDS_BOOTSTRAP", bootstrap)
         .envs(std::env::vars().filter(|(k, _)| k == "GRPC_TRACE" || k == "GRPC_VERBOSITY"))
         .stdin(Stdio::null())

@@ -16,7 +16,7 @@ use weir_tests::{Mesh, Placement, Pod, PodChild, envoy, require_root, test_cgrou
 
 /// Starts the testkit echo server in `pod` and waits for its "listening" line.
 fn echo_server(pod: &Pod, addr: SocketAddr) -> PodChild {
-    let mut cmd = Command::new(tools::testkit());
+    let mut cmd = tools::testkit_command();
     cmd.args(["serve-echo", &addr.to_string()]).stdout(Stdio::piped());
     let mut child = pod.spawn(&mut cmd, 0).expect("spawn echo server");
     let stdout = child.child_mut().stdout.take().expect("stdout");
@@ -27,7 +27,7 @@ fn echo_server(pod: &Pod, addr: SocketAddr) -> PodChild {
 }
 
 fn testkit_connect(pod: &Pod, placement: Placement<'_>, addr: SocketAddr, count: u32) -> bool {
-    let mut cmd = Command::new(tools::testkit());
+    let mut cmd = tools::testkit_command();
     cmd.args(["connect", &addr.to_string(), &count.to_string()]).stdout(Stdio::null());
     let mut child = pod.spawn_placed(&mut cmd, placement).expect("spawn client");
     child.child_mut().wait().expect("wait client").success()

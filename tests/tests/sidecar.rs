@@ -20,7 +20,7 @@ use weir_tests::{
     control_plane::{CLUSTER_ID, ControlPlane, ISTIOD_SAN, TOKEN, TestCa, eventually},
     envoy, http, require_root,
     sidecar::{AgentProcess, PROXY_UID, SidecarRoot},
-    test_name,
+    test_name, tools,
 };
 
 const APP_UID: u32 = 1000;
@@ -165,7 +165,7 @@ impl Rig {
             cp.stop();
         }
         let root = SidecarRoot::new(tls_ca.root_pem(), TOKEN)?;
-        let envoy_binary = envoy::binary()?;
+        let envoy_binary = envoy::binary_for_children()?;
         let mut pc = format!(
             "{{\"discoveryAddress\": \"{}\", \"binaryPath\": \"{}\", \"proxyMetadata\": {{\"DNS_AGENT\": \"\"}}",
             cp.addr,
@@ -203,18 +203,25 @@ impl Rig {
             all_env.push(("ISTIO_KUBE_APP_PROBERS", "{}"));
         }
         all_env.extend_from_slice(env);
-        let program = root.pilot_agent()?;
         let uid = match user {
             AgentUser::Proxy => Some((PROXY_UID, PROXY_UID)),
             AgentUser::Root => None,
         };
-        let agent = AgentProcess::launch(&pod, &root, &program, &INJECTED_ARGS, &all_env, uid, None)?;
+        let agent = AgentProcess::launch(
+            &pod,
+            &root,
+            tools::pilot_agent_command(),
+            &INJECTED_ARGS,
+            &all_env,
+            uid,
+            None,
+        )?;
         Ok(Self { agent, root, pod, _apps: apps, upstream, cp, _istiod: istiod, _mesh: mesh })
     }
 
     /// `pilot-agent <args>` in the pod as the proxy user, as a container's command.
     fn pilot_agent(&self, args: &[&str]) -> Output {
-        let mut cmd = Command::new(self.root.pilot_agent().unwrap());
+        let mut cmd = tools::pilot_agent_command();
         cmd.args(args).env("WEIR_LOG", "warn").stdout(Stdio::piped()).stderr(Stdio::piped());
         let child = self.pod.spawn(&mut cmd, PROXY_UID).unwrap();
         child.into_inner().wait_with_output().unwrap()
@@ -640,7 +647,7 @@ fn wait_times_out_naming_the_last_error() {
     let mesh = Mesh::new(&test_name!()).unwrap();
     let pod = mesh.pod("app").unwrap();
     // No Envoy in this pod: nothing answers on 15021.
-    let mut cmd = Command::new(weir_tests::tools::weir());
+    let mut cmd = weir_tests::tools::weir_command();
     cmd.args(["wait", "--timeoutSeconds=1", "--periodMillis=100"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());

@@ -73,7 +73,8 @@ impl Rig {
             "GoogleTokenExchange",
         ];
         let agent =
-            AgentProcess::launch(&app, &root, &tools::weir(), &args, &env, Some((1337, 1337)), None).unwrap();
+            AgentProcess::launch(&app, &root, tools::weir_command(), &args, &env, Some((1337, 1337)), None)
+                .unwrap();
         Self { agent, upstream, app, _root: root, _upstream_pod: upstream_pod, _mesh: mesh }
     }
 

@@ -11,9 +11,10 @@ use std::{
 };
 
 use serde::Serialize;
-use tokio::process::{Child, Command};
+use tokio::process::Child;
 
 use super::admin::EnvoyAdmin;
+use crate::executable::Executable;
 
 /// How the agent ends Envoy on SIGTERM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -124,6 +125,8 @@ pub fn log_levels(proxy_log_level: &str, component_log_level: &str) -> (String, 
 
 #[derive(Debug, thiserror::Error)]
 pub enum EnvoyError {
+    #[error("Envoy's binary")]
+    Binary(#[from] crate::executable::ExecutableError),
     #[error("start Envoy {binary}")]
     Spawn {
         binary: PathBuf,
@@ -153,9 +156,11 @@ pub struct EnvoyProcess {
 impl EnvoyProcess {
     /// Starts Envoy with `args`; as `run_as` when given. Envoy inherits the agent's
     /// stdout/stderr (its logs are the container's logs, as in Istio) and dies with
-    /// the agent.
+    /// the agent. The binary is opened by the agent and run through that descriptor,
+    /// so Envoy's user needs no access to the directories above it.
     pub fn spawn(s: &EnvoySettings, args: &[String], run_as: Option<RunAs>) -> Result<Self, EnvoyError> {
-        let mut cmd = Command::new(&s.binary);
+        let binary = Executable::open(&s.binary)?;
+        let mut cmd = binary.tokio_command();
         cmd.args(args).stdin(Stdio::null()).kill_on_drop(true);
         // Computed before fork: the child may only make raw system calls.
         let mask: u32 = run_as.map(|r| r.capabilities.iter().fold(0, |m, c| m | 1 << c.index())).unwrap_or(0);

@@ -40,7 +40,7 @@ fn percentile(sorted: &[f64], q: f64) -> f64 {
 /// (p50, p99) ms of `PODS` sequential ADDs.
 fn run_once(chain: Chain) -> anyhow::Result<(f64, f64)> {
     let node = NetNs::create(&unique_name("bench-cni-node"))?;
-    run_in(&node, None, std::path::Path::new("ip"), &["link", "set", "lo", "up"]);
+    run_in(&node, None, std::process::Command::new("ip"), &["link", "set", "lo", "up"]);
     let api = TestApiServer::start(&node, TOKEN, None)?;
     for i in 0..PODS {
         api.set_pod(pod_object("bench", &format!("p{i}"), true, &[], &[]));

@@ -167,7 +167,7 @@ fn run_agent(opts: &Options) -> anyhow::Result<AgentRun> {
     let pc = format!(
         "{{\"discoveryAddress\": \"{}\", \"binaryPath\": \"{}\", \"concurrency\": 2}}",
         st.cp.addr,
-        envoy::binary()?.display()
+        envoy::binary_for_children()?.display()
     );
     let ip = st.app.ipv4().to_string();
     let env = [
@@ -185,7 +185,7 @@ fn run_agent(opts: &Options) -> anyhow::Result<AgentRun> {
     let mut agent = AgentProcess::launch(
         &st.app,
         &root,
-        &weir_tests::tools::weir(),
+        weir_tests::tools::weir_command(),
         &args,
         &env,
         Some((PROXY_UID, PROXY_UID)),
