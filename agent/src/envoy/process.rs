@@ -125,7 +125,7 @@ pub fn log_levels(proxy_log_level: &str, component_log_level: &str) -> (String, 
 
 #[derive(Debug, thiserror::Error)]
 pub enum EnvoyError {
-    #[error("Envoy's binary")]
+    #[error("start Envoy")]
     Binary(#[from] crate::executable::ExecutableError),
     #[error("start Envoy {binary}")]
     Spawn {
