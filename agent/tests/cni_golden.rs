@@ -66,22 +66,31 @@ fn pod(annotations: &[(&str, &str)], env: &[(&str, &str)], ids: Option<(i64, i64
     PodInfo::from_json(json.to_string().as_bytes()).unwrap()
 }
 
-/// Istio's comparison: table → block, from text split on COMMIT.
+/// Istio's comparison: table → block, from text split on COMMIT. A table seen twice
+/// (an IPv4 and an IPv6 `* nat`) is keyed `* nat #2`, so a second block can never
+/// hide behind the first as it would in Istio's map.
 fn blocks(text: &str) -> BTreeMap<String, String> {
     let kept: Vec<&str> = text
         .lines()
         .map(str::trim)
         .filter(|l| !l.is_empty() && *l != "iptables-save" && *l != "ip6tables-save")
         .collect();
-    kept.join("\n")
-        .split("COMMIT")
-        .map(str::trim)
-        .filter(|b| !b.is_empty())
-        .map(|b| {
-            assert!(b.starts_with("* "), "a block must start with '* ': {b}");
-            (b.lines().next().unwrap().to_string(), b.to_string())
-        })
-        .collect()
+    let mut out = BTreeMap::new();
+    for block in kept.join("\n").split("COMMIT").map(str::trim).filter(|b| !b.is_empty()) {
+        assert!(block.starts_with("* "), "a block must start with '* ': {block}");
+        let header = block.lines().next().unwrap_or_default();
+        let key = (1..).map(|n| if n == 1 { header.to_string() } else { format!("{header} #{n}") });
+        let key = key.into_iter().find(|k| !out.contains_key(k)).expect("an unused key");
+        out.insert(key, block.to_string());
+    }
+    out
+}
+
+#[test]
+fn a_second_block_for_the_same_table_is_not_collapsed() {
+    let v4_and_v6 = "* nat\n-N ISTIO_OUTPUT\nCOMMIT\n* nat\n-N ISTIO_OUTPUT\nCOMMIT\n";
+    assert_eq!(blocks(v4_and_v6).len(), 2);
+    assert_ne!(blocks(v4_and_v6), blocks("* nat\n-N ISTIO_OUTPUT\nCOMMIT\n"));
 }
 
 #[test]

@@ -133,6 +133,7 @@ async fn agent_internal_types_never_reach_envoy_and_are_acked_by_the_agent() {
     {
         seen.push(response.type_url);
     }
+    assert!(seen.iter().any(|t| t == type_url::LISTENER), "no listener response reached Envoy: {seen:?}");
     assert!(seen.iter().all(|t| t.starts_with("type.googleapis.com/envoy.")), "Envoy received {seen:?}");
     drop(tx);
     s.stop.cancel();

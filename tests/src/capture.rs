@@ -190,6 +190,24 @@ pub fn captured(line: &str) -> Option<(String, String)> {
     Some((field("local=")?, field("orig=")?))
 }
 
+/// The programs attached to `cgroup`, one `bpftool cgroup show` line each (header
+/// dropped); panics when bpftool itself fails, so "nothing attached" is never a
+/// failed probe.
+pub fn cgroup_programs(cgroup: &Path) -> Vec<String> {
+    let out = Command::new("bpftool")
+        .args(["cgroup", "show"])
+        .arg(cgroup)
+        .output()
+        .unwrap_or_else(|e| panic!("run bpftool (scripts/bootstrap installs it): {e}"));
+    assert!(
+        out.status.success(),
+        "bpftool cgroup show {}: {}",
+        cgroup.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).lines().skip(1).map(String::from).collect()
+}
+
 /// Names of the programs on `pod`'s eth0 ingress: TCX links (Linux 6.6+), else the
 /// legacy tc filters older kernels use (`tc filter show`).
 pub fn inbound_programs(pod: &Pod) -> Vec<String> {

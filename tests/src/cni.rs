@@ -384,7 +384,8 @@ pub fn start_placed(placement: Placement<'_>, args: &[&str]) -> anyhow::Result<c
     Ok(child)
 }
 
-/// Runs `program args` in `ns` as `uid` (root when `None`); stdout, or `error: <stderr>`.
+/// Runs `program args` in `ns` as `uid` (root when `None`) and returns its stdout;
+/// panics, naming the command and its stderr, when it fails.
 pub fn run_in(ns: &NetNs, uid: Option<u32>, program: Command, args: &[&str]) -> String {
     run_placed(
         Placement { netns: Some(ns), user: uid.map(|u| (u, u)), ..Placement::default() },
@@ -394,13 +395,20 @@ pub fn run_in(ns: &NetNs, uid: Option<u32>, program: Command, args: &[&str]) -> 
 }
 
 /// As [`run_in`], placed as `placement` says.
-pub fn run_placed(placement: Placement<'_>, mut cmd: Command, args: &[&str]) -> String {
+pub fn run_placed(placement: Placement<'_>, cmd: Command, args: &[&str]) -> String {
+    let what = format!("{:?} {args:?}", cmd.get_program());
+    try_run_placed(placement, cmd, args).unwrap_or_else(|stderr| panic!("{what} failed: {stderr}"))
+}
+
+/// As [`run_placed`], for a command whose failure is the point: stdout, or its stderr
+/// when it exits non-zero. Failing to start it at all still panics.
+pub fn try_run_placed(placement: Placement<'_>, mut cmd: Command, args: &[&str]) -> Result<String, String> {
     cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
     let child = weir_agent::sandbox::process::spawn(&mut cmd, placement).expect("spawn in namespace");
     let out = child.into_inner().wait_with_output().expect("wait");
     if out.status.success() {
-        String::from_utf8_lossy(&out.stdout).trim().to_string()
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
     } else {
-        format!("error: {}", String::from_utf8_lossy(&out.stderr).trim())
+        Err(format!("exit {}: {}", out.status, String::from_utf8_lossy(&out.stderr).trim()))
     }
 }

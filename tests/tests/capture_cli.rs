@@ -68,6 +68,7 @@ fn pinned_capture_outlives_the_command_and_cleans_up_completely() {
     again.extend(["-x".into(), format!("{}/32", s.server.ipv4())]);
     let again: Vec<&str> = again.iter().map(String::as_str).collect();
     let out = weir(&again);
+    ok(&out, "weir capture ebpf, again");
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("updated in place"),
         "{}",
@@ -79,12 +80,8 @@ fn pinned_capture_outlives_the_command_and_cleans_up_completely() {
         ok(&weir(&["capture", "clean", "--cgroup", cg]), "clean");
     }
     assert!(!weir_agent::ebpf::capture::pin_dir(&pod).exists(), "pins removed");
-    let attached = Command::new("bpftool").args(["cgroup", "show", cg]).output().unwrap();
-    assert_eq!(
-        String::from_utf8_lossy(&attached.stdout).lines().skip(1).count(),
-        0,
-        "no program left on the cgroup"
-    );
+    let attached = weir_tests::capture::cgroup_programs(cgroup.path());
+    assert!(attached.is_empty(), "no program left on the cgroup: {attached:?}");
     assert!(weir_tests::capture::inbound_programs(&s.client).is_empty());
     assert!(
         ask_placed(&s.client, app, s.addr(&s.server2, 8080)).starts_with("hello server2 "),
@@ -144,6 +141,7 @@ fn ebpf_limits_are_named_errors() {
     );
     let out =
         weir(&["capture", "ebpf", "--cgroup", cgroup.path().to_str().unwrap(), "-o", "8000:8080", "-i", "*"]);
+    assert_eq!(out.status.code(), Some(1));
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("port ranges"),
         "{}",

@@ -98,10 +98,10 @@ fn ebpf_capture_ipv6() {
 /// Programs, links and classifiers on `cgroup` and the pod's eth0, as bpftool and tc
 /// report them.
 fn attached(cgroup: &weir_tests::Cgroup, pod: &weir_tests::Pod) -> String {
-    let cg =
-        std::process::Command::new("bpftool").args(["cgroup", "show"]).arg(cgroup.path()).output().unwrap();
-    let mut out =
-        String::from_utf8_lossy(&cg.stdout).lines().skip(1).map(|l| format!("{l}\n")).collect::<String>();
+    let mut out = weir_tests::capture::cgroup_programs(cgroup.path())
+        .iter()
+        .map(|l| format!("{l}\n"))
+        .collect::<String>();
     for name in weir_tests::capture::inbound_programs(pod) {
         out.push_str(&format!("eth0 ingress {name}\n"));
     }

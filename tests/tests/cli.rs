@@ -105,7 +105,12 @@ fn bad_proxy_input_exits_with_a_clear_error_naming_it() {
             64,
             "ISTIO_KUBE_APP_PROBERS",
         ),
-        (&["proxy", "sidecar"], &[("PROXY_CONFIG", pc)], 1, "start Envoy: open the executable /nonexistent/envoy"),
+        (
+            &["proxy", "sidecar"],
+            &[("PROXY_CONFIG", pc)],
+            1,
+            "start Envoy: open the executable /nonexistent/envoy",
+        ),
         (
             &["proxy", "sidecar", "--templateFile", "/nonexistent/template.json"],
             &[("PROXY_CONFIG", pc)],

@@ -188,8 +188,10 @@ fn install_errors_name_what_is_missing() {
 
     std::fs::remove_file(host.sa.join("token")).unwrap();
     let out = host.install(&["--once"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("service account's token") && err.contains("sa/token"), "{err}");
     let out = host.install(&["--once"]).env_remove("KUBERNETES_SERVICE_HOST").output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("KUBERNETES_SERVICE_HOST"));
 }
