@@ -24,6 +24,7 @@ pub mod local_cmd;
 pub mod metrics;
 pub mod privileges;
 pub mod sandbox;
+pub mod services;
 pub mod standalone;
 pub mod status;
 pub mod sts;
