@@ -153,7 +153,7 @@ impl ProxyArgs {
                 Some(v) => Some(v),
                 // pflag's whitelist: an unknown flag's next word is its value unless it
                 // looks like a flag.
-                None if !known && !args.get(i).is_some_and(|a| !a.starts_with('-')) => None,
+                None if !known && args.get(i).is_none_or(|a| a.starts_with('-')) => None,
                 None => {
                     let v = args.get(i).cloned().ok_or_else(|| flag_error(name, "", "a value"))?;
                     i += 1;
