@@ -40,7 +40,7 @@ pub enum WeirCommand {
     /// Run a proxy (as pilot-agent does): `weir proxy sidecar --domain ...`.
     Proxy(PassThrough),
     /// Program Istio's capture rules (istio-iptables compatible flags).
-    #[command(name = "istio-iptables")]
+    #[command(name = "istio-iptables", args_override_self = true)]
     IstioIptables(Box<IstioIptablesArgs>),
     /// eBPF capture: attach, inspect and remove Weir's programs.
     Capture(crate::capture_cmd::CaptureArgs),
@@ -85,7 +85,7 @@ pub enum PilotAgentCommand {
     /// XDS proxy agent: `pilot-agent proxy sidecar ...`.
     Proxy(PassThrough),
     /// Script to set up iptables to divert traffic to Envoy (istio-iptables).
-    #[command(name = "istio-iptables")]
+    #[command(name = "istio-iptables", args_override_self = true)]
     IstioIptables(Box<IstioIptablesArgs>),
     /// Wait for the Envoy proxy to become ready.
     Wait(PassThrough),
