@@ -16,7 +16,7 @@ use crate::{
     dns::{DnsConfig, DnsProxy},
     envoy::{
         EnvoyAdmin, LifecycleControl, Readiness, Supervisor,
-        bootstrap::{self, BootstrapError, BootstrapParams},
+        bootstrap::{self, BootstrapError},
         process::RunAs,
         supervisor::SupervisorError,
     },
@@ -74,7 +74,7 @@ pub enum AgentError {
     #[error(transparent)]
     Service(#[from] crate::services::ServiceExit),
     #[error(transparent)]
-    Bootstrap(#[from] BootstrapError),
+    Bootstrap(#[from] Box<BootstrapError>),
     #[error("custom Envoy bootstrap {path} (customConfigFile) cannot be read")]
     CustomBootstrap {
         path: std::path::PathBuf,
@@ -233,7 +233,7 @@ impl Agent {
         let absolute = |p: &std::path::Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
         let grpc = crate::xds::grpc_bootstrap::render(
             &c.node.id,
-            &c.node.metadata,
+            c.node.typed_metadata(),
             &absolute(&uds_path),
             c.identity.output_dir.as_deref().map(absolute).as_deref(),
         );
@@ -392,34 +392,22 @@ impl Agent {
             std::fs::File::open(&settings.bootstrap)
                 .map_err(|source| AgentError::CustomBootstrap { path: settings.bootstrap.clone(), source })?;
         } else {
-            let params = BootstrapParams {
-                node_id: c.node.id.clone(),
-                cluster: c.node.cluster.clone(),
-                metadata: c.node.metadata.clone(),
-                admin_port: settings.admin_port,
-                status_port: c.status.port,
-                prometheus_port: c.status.prometheus_port,
-                readiness_port: c.status.readiness_port,
-                xds_socket: c.xds.uds_path.clone(),
-                sds_socket: c.identity.sds_socket.clone(),
-                delta: c.node.delta_xds,
-            };
-            let document = match &settings.template {
-                Some(path) => {
-                    let text = std::fs::read_to_string(path).map_err(|source| BootstrapError::Read {
-                        what: "bootstrap template",
-                        path: path.clone(),
-                        source,
-                    })?;
-                    bootstrap::render_template(path, &text, &bootstrap::template_vars(&params))?
-                }
-                None => bootstrap::render(&params),
-            };
-            bootstrap::write(&settings.bootstrap, &document)?;
-            tracing::info!(path = %settings.bootstrap.display(), node = %c.node.id, "Envoy bootstrap written");
+            let started = std::time::Instant::now();
+            let (text, data) = render_bootstrap(c).map_err(Box::new)?;
+            for (path, content) in &data.files {
+                bootstrap::write(path, content).map_err(Box::new)?;
+            }
+            bootstrap::write(&settings.bootstrap, &text).map_err(Box::new)?;
+            tracing::info!(
+                path = %settings.bootstrap.display(),
+                template = %settings.template.as_deref().map(|t| t.display().to_string()).unwrap_or_else(|| "built-in".into()),
+                node = %c.node.id,
+                elapsed_ms = started.elapsed().as_secs_f64() * 1000.0,
+                "Envoy bootstrap written"
+            );
         }
         let override_json = match &settings.bootstrap_override {
-            Some(path) => Some(bootstrap::override_json(path, c.pod.host_ip.as_deref())?),
+            Some(path) => Some(bootstrap::override_json(path, c.pod.host_ip.as_deref()).map_err(Box::new)?),
             None => None,
         };
         let run_as = if nix::unistd::geteuid().is_root() {
@@ -487,6 +475,25 @@ impl Drop for SocketFile {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.0);
     }
+}
+
+/// The bootstrap Envoy gets from `c` (its text, and the data it was rendered from),
+/// written by nobody: `weir config bootstrap` prints it, the agent writes it.
+pub fn render_bootstrap(c: &AgentConfig) -> Result<(String, bootstrap::TemplateData), BootstrapError> {
+    let null = serde_json::Value::Null;
+    let inputs = bootstrap::BootstrapInputs {
+        node_id: &c.node.id,
+        cluster: &c.node.cluster,
+        metadata: &c.node.parts,
+        proxy_config: c.node.metadata.get("PROXY_CONFIG").unwrap_or(&null),
+        env: c.envoy.bootstrap_env.clone(),
+        sts_port: c.args.sts_port,
+        outlier_log_path: &c.args.outlier_log_path,
+        log_as_json: c.args.log_as_json,
+    };
+    let data = bootstrap::options::template_data(&inputs)?;
+    let text = bootstrap::render(c.envoy.template.as_deref(), &data)?;
+    Ok((text, data))
 }
 
 /// An SDS server already listens on `path` (SPIRE's agent, mounted into the pod). A

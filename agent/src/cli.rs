@@ -48,7 +48,8 @@ pub enum WeirCommand {
     Wait(PassThrough),
     /// Send a request to Envoy's admin or the agent's status port (pilot-agent request).
     Request(PassThrough),
-    /// Print the effective configuration (`weir config [dump] [proxy flags]`), or every
+    /// Print the effective configuration (`weir config [dump] [proxy flags]`), the
+    /// bootstrap Envoy would get (`weir config bootstrap [proxy flags]`), or every
     /// environment variable the agent reads (`weir config env`).
     Config(PassThrough),
     /// The CNI plugin's node side: install, uninstall, repair.

@@ -18,7 +18,9 @@ pub mod envoy;
 pub mod identity;
 pub mod node;
 pub mod pod;
+pub mod podinfo;
 pub mod proxy_config;
+pub mod proxy_json;
 pub mod status;
 pub mod sts;
 pub mod vars;
@@ -54,6 +56,8 @@ pub mod paths {
     pub const POD_ANNOTATIONS: &str = "./etc/istio/pod/annotations";
     /// The pod's labels (downward API), for the service cluster name.
     pub const POD_LABELS: &str = "./etc/istio/pod/labels";
+    /// An SDS server for credentials other than the workload's (istio's `credential-uds`).
+    pub const CREDENTIAL_SOCKET: &str = "./var/run/secrets/credential-uds/socket";
     pub const TOKEN: &str = "./var/run/secrets/tokens/istio-token";
     /// The old mounted-certificate location, checked first for the XDS root.
     pub const MOUNTED_ROOT_CERT: &str = "./etc/certs/root-cert.pem";
@@ -136,29 +140,100 @@ impl Files for BTreeMap<PathBuf, String> {
 }
 
 /// What every part of the configuration is resolved from: the command line, the
-/// environment and the files, plus the pod's downward-API files read once.
+/// environment, the files, the pod's downward-API files read once, and what the agent
+/// found on the host at start.
 pub struct Sources<'a> {
     pub args: &'a ProxyArgs,
     pub env: &'a dyn Env,
     pub files: &'a dyn Files,
-    /// `./etc/istio/pod/annotations`.
+    /// `./etc/istio/pod/annotations`, parsed (empty when absent or invalid).
     pub annotations: BTreeMap<String, String>,
-    /// `./etc/istio/pod/labels`.
-    pub labels: BTreeMap<String, String>,
+    /// The annotations and labels files' text, when present.
+    pub annotations_file: Option<String>,
+    pub labels_file: Option<String>,
+    pub host: HostFacts,
+}
+
+/// What the agent finds on the host before resolving its configuration.
+#[derive(Debug, Clone, Default)]
+pub struct HostFacts {
+    /// The pod's addresses by interface (up, not loopback, not link-local), as
+    /// pilot-agent's `GetPrivateIPs` lists them.
+    pub interface_ips: Vec<(String, std::net::IpAddr)>,
+    /// An SDS server answers on `./var/run/secrets/credential-uds/socket`.
+    pub credential_socket: bool,
+    /// Another SDS server (SPIRE) owns the workload socket.
+    pub external_sds: bool,
+}
+
+impl HostFacts {
+    /// The real host: interface addresses and the two sockets pilot-agent probes.
+    pub fn discover(sds_socket: &Path) -> Self {
+        Self {
+            interface_ips: private_ips(),
+            credential_socket: answers(Path::new(paths::CREDENTIAL_SOCKET)),
+            external_sds: answers(sds_socket),
+        }
+    }
+}
+
+/// `GetPrivateIPs`: addresses of up, non-loopback interfaces, without loopback and
+/// link-local ones, IPv4-mapped ones unwrapped.
+fn private_ips() -> Vec<(String, std::net::IpAddr)> {
+    use nix::net::if_::InterfaceFlags;
+    let Ok(addrs) = nix::ifaddrs::getifaddrs() else { return Vec::new() };
+    let mut v4 = Vec::new();
+    let mut v6 = Vec::new();
+    for ifa in addrs {
+        if !ifa.flags.contains(InterfaceFlags::IFF_UP) || ifa.flags.contains(InterfaceFlags::IFF_LOOPBACK) {
+            continue;
+        }
+        let Some(addr) = ifa.address else { continue };
+        if let Some(sin) = addr.as_sockaddr_in() {
+            let ip = sin.ip();
+            if !ip.is_loopback() && !ip.is_link_local() && !ip.is_unspecified() {
+                v4.push((ifa.interface_name.clone(), ip.into()));
+            }
+        } else if let Some(sin6) = addr.as_sockaddr_in6() {
+            let ip = sin6.ip();
+            match ip.to_ipv4_mapped() {
+                Some(v) => v4.push((ifa.interface_name.clone(), v.into())),
+                None if !ip.is_loopback() && !ip.is_unicast_link_local() && !ip.is_unspecified() => {
+                    v6.push((ifa.interface_name.clone(), ip.into()))
+                }
+                None => {}
+            }
+        }
+    }
+    v4.extend(v6);
+    v4
+}
+
+/// A Unix socket at `path` accepts a connection (pilot-agent's `checkSocket`).
+fn answers(path: &Path) -> bool {
+    use std::os::unix::fs::FileTypeExt as _;
+    std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket())
+        && std::os::unix::net::UnixStream::connect(path).is_ok()
 }
 
 impl<'a> Sources<'a> {
-    pub fn read(args: &'a ProxyArgs, env: &'a dyn Env, files: &'a dyn Files) -> Result<Self, ConfigError> {
-        let podinfo = |path: &str| -> Result<_, ConfigError> {
-            Ok(files.read(Path::new(path))?.map(|t| proxy_config::parse_annotations(&t)).unwrap_or_default())
+    pub fn read(
+        args: &'a ProxyArgs,
+        env: &'a dyn Env,
+        files: &'a dyn Files,
+        host: HostFacts,
+    ) -> Result<Self, ConfigError> {
+        let annotations_file = files.read(Path::new(paths::POD_ANNOTATIONS))?;
+        let labels_file = files.read(Path::new(paths::POD_LABELS))?;
+        let annotations = match annotations_file.as_deref().map(podinfo::parse) {
+            Some(Ok(map)) => map,
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, file = paths::POD_ANNOTATIONS, "pod annotations ignored");
+                BTreeMap::new()
+            }
+            None => BTreeMap::new(),
         };
-        Ok(Self {
-            args,
-            env,
-            files,
-            annotations: podinfo(paths::POD_ANNOTATIONS)?,
-            labels: podinfo(paths::POD_LABELS)?,
-        })
+        Ok(Self { args, env, files, annotations, annotations_file, labels_file, host })
     }
 }
 
@@ -202,22 +277,36 @@ pub struct AgentConfig {
 }
 
 impl AgentConfig {
-    /// Loads the configuration from the process's flags, env and files.
+    /// Loads the configuration from the process's flags, env and files, and the host.
     pub fn load(args: &[String]) -> Result<Self, ConfigError> {
-        Self::resolve(ProxyArgs::parse(args)?, &ProcessEnv, &RealFiles)
+        let args = ProxyArgs::parse(args)?;
+        let socket = vars::WORKLOAD_IDENTITY_SOCKET_FILE.text(&ProcessEnv);
+        let host = HostFacts::discover(&Path::new(paths::SDS_SOCKET_DIR).join(socket));
+        Self::resolve_on(args, &ProcessEnv, &RealFiles, host)
     }
 
-    /// Resolves the configuration from its sources (pure over `env` and `files`), each
-    /// part in the order the later ones need it.
+    /// Resolves the configuration from its sources (pure over `env` and `files`), on a
+    /// host with nothing found on it.
     pub fn resolve(args: ProxyArgs, env: &dyn Env, files: &dyn Files) -> Result<Self, ConfigError> {
-        let src = Sources::read(&args, env, files)?;
+        Self::resolve_on(args, env, files, HostFacts::default())
+    }
+
+    /// Resolves the configuration, each part in the order the later ones need it.
+    pub fn resolve_on(
+        args: ProxyArgs,
+        env: &dyn Env,
+        files: &dyn Files,
+        host: HostFacts,
+    ) -> Result<Self, ConfigError> {
+        let src = Sources::read(&args, env, files, host)?;
         let pod = PodIdentity::resolve(&src)?;
         let proxy_config = proxy_config::resolve(&src)?;
         let xds = XdsSettings::resolve(&src, &pod, &proxy_config)?;
         let dns = DnsSettings::resolve(&src)?;
         let identity = IdentitySettings::resolve(&src, &pod, &proxy_config)?;
-        let envoy = envoy::settings(&src, &pod, &proxy_config)?;
-        let node = NodeSettings::resolve(&src, &pod, &proxy_config)?;
+        let pc_json = proxy_json::proxy_config_json(&proxy_config, &src.args.service_cluster);
+        let node = NodeSettings::resolve(&src, &pod, &proxy_config, pc_json)?;
+        let envoy = envoy::settings(&src, &node, &proxy_config)?;
         let status = StatusSettings::resolve(&src, &pod, &proxy_config)?;
         let envoy_mode = EnvoyMode::resolve(&src)?;
         let standalone = xds::standalone(&src);

@@ -22,6 +22,7 @@ pub mod envoy;
 pub mod http;
 pub mod http_server;
 pub mod privilege;
+pub mod prototext;
 pub mod sidecar;
 pub mod tools;
 

@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use super::{ConfigError, PodIdentity, ProxyConfig, Sources, vars};
+use super::{ConfigError, NodeSettings, ProxyConfig, Sources, vars};
 use crate::envoy::{DrainPolicy, EnvoySettings};
 
 /// Who runs Envoy, and so which of the agent's services Envoy needs.
@@ -47,7 +47,7 @@ impl EnvoyMode {
 /// What Envoy is started with.
 pub fn settings(
     src: &Sources<'_>,
-    pod: &PodIdentity,
+    node: &NodeSettings,
     pc: &ProxyConfig,
 ) -> Result<EnvoySettings, ConfigError> {
     let (env, args) = (src.env, src.args);
@@ -58,20 +58,43 @@ pub fn settings(
     } else {
         DrainPolicy::Fixed { wait: pc.termination_drain_duration }
     };
-    let v6 = pod.ip().is_some_and(|ip| ip.is_ipv6());
+    // IPv6 only when every IP the proxy has is IPv6, as pilot-agent decides.
+    let v6 = !node.ips.is_empty()
+        && node.ips.iter().all(|ip| ip.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_ipv6()));
     let custom = !pc.custom_config_file.is_empty();
+    // The template pilot-agent renders: ISTIO_BOOTSTRAP, else ProxyConfig's (or
+    // --templateFile), else the image's; Weir's built-in bootstrap when there is none.
+    let template = vars::ISTIO_BOOTSTRAP
+        .value(env)
+        .or_else(|| Some(pc.proxy_bootstrap_template_path.clone()).filter(|t| !t.is_empty()))
+        .map(PathBuf::from)
+        .or_else(|| {
+            let image = Path::new(crate::envoy::bootstrap::IMAGE_TEMPLATE);
+            src.files.is_file(image).then(|| image.to_path_buf())
+        });
+    let yaml = template.as_ref().is_some_and(|t| {
+        let name = t.to_string_lossy();
+        name.ends_with(".yaml") || name.ends_with(".yaml.tmpl")
+    });
     Ok(EnvoySettings {
         binary: pc.binary_path.clone().into(),
         bootstrap: if custom {
             pc.custom_config_file.clone().into()
         } else {
-            Path::new(&pc.config_path).join("envoy-rev.json")
+            Path::new(&pc.config_path).join(if yaml { "envoy-rev.yaml" } else { "envoy-rev.json" })
         },
         custom_bootstrap: custom,
-        template: [args.template_file.as_str(), pc.proxy_bootstrap_template_path.as_str()]
-            .into_iter()
-            .find(|t| !t.is_empty())
-            .map(PathBuf::from),
+        template,
+        bootstrap_env: crate::envoy::bootstrap::BootstrapEnv {
+            delta_xds: vars::ISTIO_DELTA_XDS.bool(env)?,
+            dual_stack: vars::ISTIO_DUAL_STACK.bool(env)?,
+            status_port_proxy_protocol: vars::ENVOY_STATUS_PORT_ENABLE_PROXY_PROTOCOL.bool(env)?,
+            strip_fragment_from_path: vars::HTTP_STRIP_FRAGMENT_FROM_PATH_UNSAFE_IF_DISABLED.bool(env)?,
+            compliance_policy: vars::COMPLIANCE_POLICY.text(env),
+            xds_root_cert: vars::XDS_ROOT_CA.value(env).unwrap_or_default(),
+            host_ip: vars::HOST_IP.value(env),
+        },
+        skip_deprecated_logs: vars::ENVOY_SKIP_DEPRECATED_LOGS.bool(env)?,
         bootstrap_override: vars::ISTIO_BOOTSTRAP_OVERRIDE.value(env).map(PathBuf::from),
         drain_duration: pc.drain_duration,
         drain,

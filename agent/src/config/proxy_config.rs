@@ -72,7 +72,7 @@ impl Default for ProxyConfig {
         Self {
             config_path: "./etc/istio/proxy".into(),
             binary_path: "/usr/local/bin/envoy".into(),
-            service_cluster: String::new(),
+            service_cluster: "istio-proxy".into(),
             drain_duration: Duration::from_secs(45),
             termination_drain_duration: Duration::from_secs(5),
             discovery_address: "istiod.istio-system.svc:15012".into(),
@@ -206,13 +206,21 @@ fn snake_to_camel(key: &str) -> String {
     out
 }
 
+/// Field names in `camelCase` at every level of nested messages; the keys of map
+/// fields (`proxyMetadata`, `runtimeValues`, `customTags`) are data and stay.
 fn normalize_keys(value: Value) -> Value {
     match value {
         Value::Mapping(m) => Value::Mapping(
             m.into_iter()
-                .map(|(k, v)| (k.as_str().map(|s| Value::String(snake_to_camel(s))).unwrap_or(k), v))
+                .map(|(k, v)| {
+                    let Some(name) = k.as_str().map(snake_to_camel) else { return (k, v) };
+                    let v =
+                        if super::proxy_json::MAPS.contains(&name.as_str()) { v } else { normalize_keys(v) };
+                    (Value::String(name), v)
+                })
                 .collect(),
         ),
+        Value::Sequence(items) => Value::Sequence(items.into_iter().map(normalize_keys).collect()),
         other => other,
     }
 }
@@ -269,12 +277,24 @@ pub fn resolve(src: &Sources<'_>) -> Result<ProxyConfig, ConfigError> {
         layers.push(Layer { source: "annotation proxy.istio.io/config".into(), yaml: text });
     }
     let mut config = layered(&layers)?;
+    // No concurrency configured: the container's CPU limit, as pilot-agent reads it.
+    if config.concurrency.is_none() {
+        let limit = vars::ISTIO_CPU_LIMIT.count(src.env)?;
+        if limit != 0 {
+            config.concurrency = Some(limit);
+        }
+    }
     if args.concurrency != 0 {
         tracing::warn!(
             concurrency = args.concurrency,
             "legacy --concurrency flag detected; prefer ProxyConfig"
         );
         config.concurrency = Some(args.concurrency);
+    }
+    // `--templateFile` is ProxyConfig's template (and so shows in PROXY_CONFIG),
+    // unless a custom bootstrap is used instead.
+    if !args.template_file.is_empty() && config.custom_config_file.is_empty() {
+        config.proxy_bootstrap_template_path = args.template_file.clone();
     }
     // `--serviceCluster` only fills a ProxyConfig that names the serviceCluster
     // variant with no value; Istio's default naming (tracingServiceName

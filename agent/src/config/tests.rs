@@ -189,7 +189,9 @@ fn envoy_and_node_settings_follow_pilot_agent() {
         ("info", "upstream:debug")
     );
     assert_eq!(c.envoy.concurrency, Some(2));
-    assert_eq!(c.envoy.local_address_ip_version, "v6");
+    // No interface address found: pilot-agent adds 127.0.0.1 and ::1, so not IPv6-only.
+    assert_eq!(c.node.ips, ["fd00::5", "127.0.0.1", "::1"]);
+    assert_eq!(c.envoy.local_address_ip_version, "v4");
     assert_eq!(c.envoy.drain, DrainPolicy::Fixed { wait: Duration::from_secs(7) });
     assert!(c.envoy.capabilities.is_empty());
     assert_eq!(c.status.probe_destination, "fd00::5".parse::<std::net::IpAddr>().unwrap());
@@ -251,7 +253,9 @@ fn bad_input_is_named() {
             &[("ISTIO_PROMETHEUS_ANNOTATIONS", r#"{"port":"15090"}"#)],
             "ISTIO_PROMETHEUS_ANNOTATIONS: target port 15090",
         ),
-        (&[("ISTIO_METAJSON_LABELS", "{")], "ISTIO_METAJSON_LABELS"),
+        (&[("ISTIO_META_ENABLE_HBONE", "yes")], "node metadata ENABLE_HBONE"),
+        (&[("ISTIO_METAJSON_X", r#"{"ENVOY_STATUS_PORT": "15021"}"#)], "ENVOY_STATUS_PORT"),
+        (&[("ENVOY_STATUS_PORT", "ready")], "ENVOY_STATUS_PORT"),
         (&[("EXIT_ON_ZERO_ACTIVE_CONNECTIONS", "maybe")], "EXIT_ON_ZERO_ACTIVE_CONNECTIONS"),
         (
             &[("EXIT_ON_ZERO_ACTIVE_CONNECTIONS", "true"), ("MINIMUM_DRAIN_DURATION", "5")],
@@ -314,4 +318,23 @@ fn the_tables_defaults_are_the_components_own() {
         vars::WEIR_WASM_CACHE_DIR.text(&none),
         crate::wasm::CacheOptions::default().dir.to_string_lossy()
     );
+}
+
+#[test]
+fn an_ipv6_only_pod_gets_an_ipv6_envoy_and_its_interfaces_follow_the_pod_ip() {
+    let host = HostFacts {
+        interface_ips: vec![
+            ("eth0".into(), "fd00::5".parse().unwrap()),
+            ("eth1".into(), "fd00::6".parse().unwrap()),
+            ("net1".into(), "fd00::7".parse().unwrap()),
+        ],
+        ..HostFacts::default()
+    };
+    let args = ProxyArgs::parse(&[]).unwrap();
+    let env = MapEnv::from([("XDS_ROOT_CA", "SYSTEM"), ("CA_ROOT_CA", "SYSTEM"), ("INSTANCE_IP", "fd00::5")]);
+    let fs = files(&[(paths::POD_ANNOTATIONS, "traffic.sidecar.istio.io/excludeInterfaces=\"net1\"\n")]);
+    let c = AgentConfig::resolve_on(args, &env, &fs, host).unwrap();
+    assert_eq!(c.node.ips, ["fd00::5", "fd00::6"], "the pod IP first, once; excluded interfaces left out");
+    assert_eq!(c.envoy.local_address_ip_version, "v6");
+    assert_eq!(c.node.metadata["INSTANCE_IPS"], "fd00::5,fd00::6");
 }
