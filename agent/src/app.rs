@@ -87,6 +87,14 @@ pub enum AgentError {
     GrpcBootstrap(#[from] crate::xds::grpc_bootstrap::GrpcBootstrapError),
     #[error("standalone mode")]
     Standalone(#[from] crate::standalone::StandaloneError),
+    #[error("create the configuration directory {path}")]
+    ConfigDir {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    EnvoyAccess(crate::envoy::access::AccessError),
     #[error("Envoy needs {missing} for {why}, but the agent lacks it")]
     EnvoyCapability { missing: crate::privileges::MissingCapabilities, why: &'static str },
 }
@@ -223,9 +231,14 @@ impl Agent {
             }
             None => None,
         };
+        // What pilot-agent creates, made reachable by the user Envoy runs as.
+        let owner = self.envoy_user();
+        crate::envoy::access::create_dir(std::path::Path::new(&c.proxy_config.config_path), owner).map_err(
+            |source| AgentError::ConfigDir { path: c.proxy_config.config_path.clone().into(), source },
+        )?;
         let supervisor = if c.envoy_mode.launches() { Some(self.prepare_envoy()?) } else { None };
         let uds_path = c.xds.uds_path.clone();
-        let xds = crate::xds::uds::bind(&uds_path, None)?;
+        let xds = crate::xds::uds::bind(&uds_path, owner)?;
         let xds_socket = SocketFile(uds_path.clone());
         // Proxyless gRPC applications read this to reach the same socket. Paths are
         // made absolute: the application's working directory is not the agent's (in
@@ -238,12 +251,41 @@ impl Agent {
             c.identity.output_dir.as_deref().map(absolute).as_deref(),
         );
         crate::xds::grpc_bootstrap::write(&c.node.grpc_bootstrap, &grpc)?;
-        let sds = self.bind_sds().await?;
+        let sds = self.bind_sds(owner).await?;
+        if let (Some(supervisor), Some((uid, gid))) = (&supervisor, owner) {
+            self.check_envoy_access(supervisor, uid, gid, &sds)?;
+        }
         Ok(Bound { status, sts, dns, embedded, supervisor, xds: (xds, xds_socket), sds })
     }
 
+    /// The user Envoy runs as when the agent starts it as root (istio-proxy, 1337).
+    fn envoy_user(&self) -> Option<(u32, u32)> {
+        (self.config.envoy_mode.launches() && nix::unistd::geteuid().is_root()).then_some((1337, 1337))
+    }
+
+    /// Envoy, as its user, can read its bootstrap and reach both sockets — or the
+    /// agent does not start, naming the path and the uid.
+    fn check_envoy_access(
+        &self,
+        supervisor: &Supervisor,
+        uid: u32,
+        gid: u32,
+        sds: &SdsSocket,
+    ) -> Result<(), AgentError> {
+        use crate::envoy::access::Need;
+        let c = &self.config;
+        let mut needs = vec![
+            Need::Read { what: "its bootstrap", path: supervisor.settings.bootstrap.clone() },
+            Need::Connect { what: "the XDS socket", path: c.xds.uds_path.clone() },
+        ];
+        if !matches!(sds, SdsSocket::NotServed) {
+            needs.push(Need::Connect { what: "the SDS socket", path: c.identity.sds_socket.clone() });
+        }
+        crate::envoy::access::check(uid, gid, &needs).map_err(AgentError::EnvoyAccess)
+    }
+
     /// The SDS socket: not served (proxyless), another server's (SPIRE), or ours.
-    async fn bind_sds(&self) -> Result<SdsSocket, AgentError> {
+    async fn bind_sds(&self, owner: Option<(u32, u32)>) -> Result<SdsSocket, AgentError> {
         let path = &self.config.identity.sds_socket;
         if !self.config.envoy_mode.serves_sds() {
             // Proxyless: nothing reads SDS; certificates go to OUTPUT_CERTS.
@@ -253,7 +295,7 @@ impl Agent {
             tracing::info!(path = %path.display(), "existing workload SDS socket found (SPIRE or similar): using it, not serving SDS");
             return Ok(SdsSocket::External);
         }
-        let listener = crate::xds::uds::bind(path, None).map_err(AgentError::SdsUds)?;
+        let listener = crate::xds::uds::bind(path, owner).map_err(AgentError::SdsUds)?;
         Ok(SdsSocket::Served(listener, SocketFile(path.clone())))
     }
 
@@ -410,14 +452,18 @@ impl Agent {
             Some(path) => Some(bootstrap::override_json(path, c.pod.host_ip.as_deref()).map_err(Box::new)?),
             None => None,
         };
-        let run_as = if nix::unistd::geteuid().is_root() {
-            if !settings.capabilities.is_empty() {
-                crate::privileges::require(settings.capabilities, "Envoy (TPROXY interception)")
-                    .map_err(|missing| AgentError::EnvoyCapability { missing, why: "TPROXY interception" })?;
+        let run_as = match self.envoy_user() {
+            Some((uid, gid)) => {
+                if !settings.capabilities.is_empty() {
+                    crate::privileges::require(settings.capabilities, "Envoy (TPROXY interception)")
+                        .map_err(|missing| AgentError::EnvoyCapability {
+                            missing,
+                            why: "TPROXY interception",
+                        })?;
+                }
+                Some(RunAs { uid, gid, capabilities: settings.capabilities })
             }
-            Some(RunAs { uid: 1337, gid: 1337, capabilities: settings.capabilities })
-        } else {
-            None
+            None => None,
         };
         let args = crate::envoy::process::args(&settings, override_json.as_deref());
         let readiness = Arc::new(Readiness::new(Some(EnvoyAdmin::new(settings.admin_port))));

@@ -58,6 +58,26 @@ impl SidecarRoot {
         Ok(Self { dir })
     }
 
+    /// A bare host's root (a VM, no Kubernetes volumes): only istiod's root
+    /// certificate and the token, every directory root's and 0755; the agent makes the
+    /// rest.
+    pub fn bare(root_cert_pem: &str, token: &str) -> anyhow::Result<Self> {
+        let dir = Dir::new("bare-root")?;
+        for (path, text) in [
+            ("var/run/secrets/istio/root-cert.pem", root_cert_pem),
+            ("var/run/secrets/tokens/istio-token", token),
+        ] {
+            let path = dir.path().join(path);
+            std::fs::create_dir_all(path.parent().expect("has a parent"))?;
+            std::fs::write(&path, text)?;
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644))?;
+        }
+        for d in ["var", "var/run", "var/run/secrets", "var/run/secrets/istio", "var/run/secrets/tokens"] {
+            std::fs::set_permissions(dir.path().join(d), std::fs::Permissions::from_mode(0o755))?;
+        }
+        Ok(Self { dir })
+    }
+
     pub fn path(&self) -> &Path {
         self.dir.path()
     }
