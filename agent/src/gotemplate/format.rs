@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 use serde_json::{Map, Number, Value};
 
 /// Go's name for the dynamic type of a decoded JSON value, as `fmt` and the template errors show it.
-pub(crate) fn go_type(v: &Value) -> &'static str {
+pub(super) fn go_type(v: &Value) -> &'static str {
     match v {
         Value::Null => "<nil>",
         Value::Bool(_) => "bool",
@@ -21,19 +21,19 @@ pub(crate) fn go_type(v: &Value) -> &'static str {
 }
 
 /// An object's entries in Go's map order (sorted keys), whatever order serde_json keeps.
-pub(crate) fn sorted(m: &Map<String, Value>) -> Vec<(&String, &Value)> {
+fn sorted(m: &Map<String, Value>) -> Vec<(&String, &Value)> {
     let mut entries: Vec<_> = m.iter().collect();
     entries.sort_by(|a, b| a.0.cmp(b.0));
     entries
 }
 
 /// `fmt`'s `%v`: strings raw, `<nil>`, `[a b]`, `map[k:v]`, floats in `%g` form.
-pub(crate) fn write_v(out: &mut String, v: &Value) {
+pub(super) fn write_v(out: &mut String, v: &Value) {
     format_arg(out, 'v', &Spec::default(), v);
 }
 
 /// `fmt.Sprint`: a space between operands when neither side is a string.
-pub(crate) fn sprint(args: &[Value]) -> String {
+pub(super) fn sprint(args: &[Value]) -> String {
     let mut out = String::new();
     let mut prev_string = true;
     for a in args {
@@ -47,7 +47,7 @@ pub(crate) fn sprint(args: &[Value]) -> String {
 }
 
 /// `fmt.Sprintln`: operands always space-separated, then a newline.
-pub(crate) fn sprintln(args: &[Value]) -> String {
+pub(super) fn sprintln(args: &[Value]) -> String {
     let mut out = String::new();
     for (i, a) in args.iter().enumerate() {
         if i > 0 {
@@ -61,7 +61,7 @@ pub(crate) fn sprintln(args: &[Value]) -> String {
 
 /// The text the escaper builtins work on (Go's `evalArgs`): one string as is, else `Sprint`
 /// with nil shown as `<no value>`.
-pub(crate) fn eval_args(args: &[Value]) -> String {
+pub(super) fn eval_args(args: &[Value]) -> String {
     if let [Value::String(s)] = args {
         return s.clone();
     }
@@ -89,7 +89,7 @@ const MAX_WIDTH: usize = 1_000_000;
 
 /// `fmt.Sprintf` for the verbs templates use: `v s d t q x X o b c e E f F g G %`, flags
 /// `-+# 0`, width and precision; Go's `%!verb(type=value)`, `(MISSING)` and `(EXTRA ...)` notes.
-pub(crate) fn sprintf(format: &str, args: &[Value]) -> String {
+pub(super) fn sprintf(format: &str, args: &[Value]) -> String {
     let mut out = String::new();
     let mut used = 0;
     let mut rest = format;
@@ -345,7 +345,7 @@ fn fmt_g(f: f64, prec: Option<usize>, upper: bool) -> String {
 /// Go's `unicode.IsPrint`: letters, marks, numbers, punctuation, symbols and U+0020. Other
 /// spaces, controls, format characters, private use and noncharacters are not; unassigned
 /// code points (which Rust's std can't tell apart) count as printable.
-pub(crate) fn is_print(c: char) -> bool {
+fn is_print(c: char) -> bool {
     if c == ' ' {
         return true;
     }
@@ -394,7 +394,7 @@ fn quote(s: &str, q: char) -> String {
 
 /// `template.JSEscapeString`: `\ ' "` backslashed; `< > & =` and controls as `\u00XX`;
 /// non-ASCII kept when printable, else `\uXXXX`.
-pub(crate) fn js_escape(s: &str) -> String {
+pub(super) fn js_escape(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     for c in s.chars() {
         match c {
@@ -415,7 +415,7 @@ pub(crate) fn js_escape(s: &str) -> String {
 }
 
 /// `template.HTMLEscapeString`.
-pub(crate) fn html_escape(s: &str) -> String {
+pub(super) fn html_escape(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     for c in s.chars() {
         match c {
@@ -432,7 +432,7 @@ pub(crate) fn html_escape(s: &str) -> String {
 }
 
 /// `url.QueryEscape`: unreserved bytes kept, space as `+`, the rest `%XX`.
-pub(crate) fn url_query_escape(s: &str) -> String {
+pub(super) fn url_query_escape(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     for b in s.bytes() {
         match b {
