@@ -281,6 +281,10 @@ impl Agent {
         if !matches!(sds, SdsSocket::NotServed) {
             needs.push(Need::Connect { what: "the SDS socket", path: c.identity.sds_socket.clone() });
         }
+        if let SdsSocket::External { files: Some(_) } = sds {
+            let path = crate::config::paths::FILES_SOCKET.into();
+            needs.push(Need::Connect { what: "the file-secret SDS socket", path });
+        }
         crate::envoy::access::check(uid, gid, &needs).map_err(AgentError::EnvoyAccess)
     }
 
@@ -292,8 +296,18 @@ impl Agent {
             return Ok(SdsSocket::NotServed);
         }
         if external_sds(path).await? {
-            tracing::info!(path = %path.display(), "existing workload SDS socket found (SPIRE or similar): using it, not serving SDS");
-            return Ok(SdsSocket::External);
+            // As pilot-agent: the workload identity is the other server's; Weir serves
+            // only file-based secrets, on the credential socket Envoy's bootstrap names.
+            let files = std::path::PathBuf::from(crate::config::paths::FILES_SOCKET);
+            tracing::info!(path = %path.display(), files = %files.display(), "existing workload SDS socket found (SPIRE or similar): using it; serving only file secrets");
+            return Ok(match crate::xds::uds::bind(&files, owner) {
+                Ok(listener) => SdsSocket::External { files: Some((listener, SocketFile(files))) },
+                // The injector mounts a volume there; without one, file secrets go unserved.
+                Err(e) => {
+                    tracing::warn!(error = %crate::error_chain(&e), "no file-secret SDS server: the credential socket cannot be made");
+                    SdsSocket::External { files: None }
+                }
+            });
         }
         let listener = crate::xds::uds::bind(path, owner).map_err(AgentError::SdsUds)?;
         Ok(SdsSocket::Served(listener, SocketFile(path.clone())))
@@ -344,7 +358,30 @@ impl Agent {
                 sockets.push(file);
                 (true, Some(listener))
             }
-            SdsSocket::External => (false, None),
+            SdsSocket::External { files: None } => (false, None),
+            SdsSocket::External { files: Some((files, file)) } => {
+                sockets.push(file);
+                // File secrets only: the workload's own come from the other server.
+                let id = &c.identity;
+                let manager = SecretManager::new(
+                    WorkloadSource::None,
+                    id.rotation,
+                    None,
+                    id.file_debounce,
+                    self.metrics.clone(),
+                );
+                let poller = manager.clone();
+                services.start_infallible("file certificates", move |stop| poller.run(stop));
+                let path = std::path::PathBuf::from(crate::config::paths::FILES_SOCKET);
+                let server = SdsServer::new(manager);
+                services.start("SDS server (files)", move |stop| async move {
+                    server
+                        .serve(files, stop.cancelled_owned())
+                        .await
+                        .map_err(|source| AgentError::SdsServe { path, source })
+                });
+                (false, None)
+            }
             SdsSocket::NotServed => (false, None),
         };
         if serves_sds || !c.envoy_mode.serves_sds() {
@@ -509,8 +546,10 @@ struct Bound {
 enum SdsSocket {
     /// Proxyless: no SDS server, as pilot-agent.
     NotServed,
-    /// Another SDS server (SPIRE) owns the socket.
-    External,
+    /// Another SDS server (SPIRE) owns the socket; Weir serves file secrets on its own.
+    External {
+        files: Option<(tokio::net::UnixListener, SocketFile)>,
+    },
     Served(tokio::net::UnixListener, SocketFile),
 }
 

@@ -58,6 +58,9 @@ pub mod paths {
     pub const POD_LABELS: &str = "./etc/istio/pod/labels";
     /// An SDS server for credentials other than the workload's (istio's `credential-uds`).
     pub const CREDENTIAL_SOCKET: &str = "./var/run/secrets/credential-uds/socket";
+    /// Where the agent serves file-based secrets when another SDS server owns the
+    /// workload socket (`sds-files-grpc` in the bootstrap).
+    pub const FILES_SOCKET: &str = "./var/run/secrets/credential-uds/files-socket";
     pub const TOKEN: &str = "./var/run/secrets/tokens/istio-token";
     /// The old mounted-certificate location, checked first for the XDS root.
     pub const MOUNTED_ROOT_CERT: &str = "./etc/certs/root-cert.pem";

@@ -23,13 +23,15 @@ pub struct SidecarRoot {
 }
 
 impl SidecarRoot {
-    /// Lays out the mounts: `etc/istio/proxy` and `var/run/secrets/workload-spiffe-uds`
-    /// (the injector's emptyDirs, writable by the proxy user),
+    /// Lays out the mounts: `etc/istio/proxy`, `var/run/secrets/workload-spiffe-uds` and
+    /// `var/run/secrets/credential-uds` (the injector's emptyDirs, writable by the proxy user),
     /// `var/run/secrets/istio/root-cert.pem` and `var/run/secrets/tokens/istio-token`.
     pub fn new(root_cert_pem: &str, token: &str) -> anyhow::Result<Self> {
         let dir = Dir::new("pod-root")?;
         let root = dir.path();
-        for dir in ["etc/istio/proxy", "var/run/secrets/workload-spiffe-uds"] {
+        for dir in
+            ["etc/istio/proxy", "var/run/secrets/workload-spiffe-uds", "var/run/secrets/credential-uds"]
+        {
             let dir = root.join(dir);
             std::fs::create_dir_all(&dir)?;
             std::os::unix::fs::chown(&dir, Some(PROXY_UID), Some(PROXY_UID))?;
