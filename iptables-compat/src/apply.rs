@@ -2,17 +2,19 @@
 //! and classify it (clean / applied / drifted); apply a clean namespace in one restore
 //! per family (or one nft transaction); leave an applied one alone; repair drift only
 //! with `--reconcile` (behind Istio's guardrails); and if anything fails part-way, put
-//! the namespace back as it was before the run.
+//! the namespace back as it was before the run. Executors are passed in (the system's
+//! tools or dry-run recorders); [`system`] runs it all on the system.
 
-use std::path::Path;
+mod system;
+
+pub use system::{in_netns, program, verify};
 
 use crate::{
     config::{CaptureConfig, RunOptions},
-    netlink::{Family, Netlink, NetlinkError},
+    netlink::{Family, NetlinkError},
     nft::{self},
     nft_exec::{Nft, NftError},
-    plan::{self, RulePlan},
-    render, routes,
+    plan, render,
     state::{self, Verdict},
     xtables::{Xtables, XtablesError},
 };
@@ -102,13 +104,21 @@ pub fn program_iptables(
     opts: &RunOptions,
     x: &mut dyn Xtables,
 ) -> Result<Report, CaptureError> {
+    // Verify, as Istio's VerifyIptablesState: both families are always read.
+    let saves = (x.save(Family::V4), x.save(Family::V6));
+    program_iptables_from(cfg, opts, x, saves)
+}
+
+/// [`program_iptables`] with both families' `iptables-save` already read.
+pub(crate) fn program_iptables_from(
+    cfg: &CaptureConfig,
+    opts: &RunOptions,
+    x: &mut dyn Xtables,
+    (save4, save6): (Option<String>, Option<String>),
+) -> Result<Report, CaptureError> {
     let plan = plan::plan(cfg);
     let restore4 = render::restore(&plan.v4);
     let restore6 = render::restore(&plan.v6);
-
-    // Verify, as Istio's VerifyIptablesState: both families are always read.
-    let save4 = x.save(Family::V4);
-    let save6 = x.save(Family::V6);
     let checks4 = render::checks(&plan.v4);
     let checks6 = render::checks(&plan.v6);
     let v4 =
@@ -170,9 +180,12 @@ pub fn program_iptables(
     }
 
     // Istio logs the final state of each family it programmed.
-    let _ = x.save(Family::V4);
-    if plan.ipv6 {
-        let _ = x.save(Family::V6);
+    for (family, name) in [(Family::V4, "IPv4"), (Family::V6, "IPv6")] {
+        if (family == Family::V4 || plan.ipv6)
+            && let Some(state) = x.save(family)
+        {
+            tracing::info!("Final iptables state ({name}):\n{state}");
+        }
     }
     let action = match (opts.cleanup_only, verdict, opts.force_apply) {
         (true, _, _) => Action::Cleaned,
@@ -201,7 +214,7 @@ fn cleanup_family(x: &mut dyn Xtables, family: Family, rules: &[plan::Rule], sav
 
 /// Puts each family back to its snapshot: the saved tables restored whole, and tables
 /// that did not exist before flushed and emptied of chains.
-fn rollback_iptables(
+pub(crate) fn rollback_iptables(
     x: &mut dyn Xtables,
     cause: CaptureError,
     snapshots: &[(Family, Option<String>)],
@@ -238,14 +251,27 @@ fn rollback_iptables(
 
 /// Programs Istio's nftables rules through `n` as one transaction.
 pub fn program_nft(cfg: &CaptureConfig, opts: &RunOptions, n: &mut dyn Nft) -> Result<Report, CaptureError> {
+    let current = n.list()?;
+    program_nft_from(cfg, opts, n, &current)
+}
+
+/// [`program_nft`] with the current Istio tables already listed. Removal where there
+/// is no Istio table runs nothing.
+pub(crate) fn program_nft_from(
+    cfg: &CaptureConfig,
+    opts: &RunOptions,
+    n: &mut dyn Nft,
+    current: &str,
+) -> Result<Report, CaptureError> {
     let report = |verdict, action| Report { backend: Backend::Nftables, verdict, action, transcript: None };
     if opts.cleanup_only {
-        n.apply(&nft::render_cleanup())?;
+        if !current.is_empty() || !n.is_real() {
+            n.apply(&nft::render_cleanup())?;
+        }
         return Ok(report(None, Action::Cleaned));
     }
     let plan = nft::plan(cfg);
     let tx = nft::render(&plan);
-    let current = n.list()?;
     let verdict = if current.is_empty() {
         Verdict::Clean
     } else if n.expected(&tx)? == current {
@@ -271,50 +297,6 @@ pub fn program_nft(cfg: &CaptureConfig, opts: &RunOptions, n: &mut dyn Nft) -> R
         }
         Verdict::Drifted => Err(CaptureError::Drift { backend: "nftables" }),
     }
-}
-
-/// The whole run on the system: rules with the chosen backend, then routes; rules are
-/// rolled back if the routes cannot be set. Runs in `opts.network_namespace` when set.
-pub fn program(cfg: &CaptureConfig, opts: &RunOptions) -> Result<Report, CaptureError> {
-    match &opts.network_namespace {
-        Some(path) => in_netns(path, || program_here(cfg, opts)),
-        None => program_here(cfg, opts),
-    }
-}
-
-fn program_here(cfg: &CaptureConfig, opts: &RunOptions) -> Result<Report, CaptureError> {
-    if opts.dry_run {
-        return dry_run(cfg, opts);
-    }
-    if !opts.cleanup_only {
-        check_names(cfg, &crate::detect::SystemFacts::default())?;
-    }
-    let lock = lock(opts);
-    // Snapshot the nft tables so a routes failure can restore them.
-    let mut nft_exec = crate::nft_exec::SystemNft;
-    let (report, nft_before) = if opts.native_nftables {
-        let before = nft_exec.list()?;
-        (program_nft(cfg, opts, &mut nft_exec)?, Some(before))
-    } else {
-        let mut x = crate::xtables::SystemXtables::detect(opts.force_iptables_binary, cfg.enable_ipv6, lock)?;
-        let snapshots = [(Family::V4, x.save(Family::V4)), (Family::V6, x.save(Family::V6))];
-        match program_iptables(cfg, opts, &mut x) {
-            Ok(report) => match configure_routes(cfg, opts) {
-                Ok(()) => return Ok(report),
-                Err(e) => return Err(rollback_iptables(&mut x, e, &snapshots)),
-            },
-            Err(e) => return Err(e),
-        }
-    };
-    if let Err(cause) = configure_routes(cfg, opts) {
-        let before = nft_before.unwrap_or_default();
-        let restore = format!("{}{}", nft::render_cleanup(), before);
-        return Err(match nft_exec.apply(&restore) {
-            Ok(()) => CaptureError::RolledBack { cause: Box::new(cause) },
-            Err(e) => CaptureError::RollbackFailed { cause: Box::new(cause), rollback: e.to_string() },
-        });
-    }
-    Ok(report)
 }
 
 /// User and group names in the rules are the kernel tools' to resolve when the rules
@@ -355,27 +337,8 @@ pub fn check_names(cfg: &CaptureConfig, facts: &dyn crate::detect::HostFacts) ->
     Ok(())
 }
 
-/// A CNI plugin working on a pod namespace never takes the node's xtables lock.
-fn lock(opts: &RunOptions) -> crate::xtables::Lock {
-    match (&opts.network_namespace, opts.cni_mode) {
-        (Some(ns), true) => crate::xtables::Lock::PodScoped(ns.clone()),
-        _ => crate::xtables::Lock::Global,
-    }
-}
-
-fn configure_routes(cfg: &CaptureConfig, opts: &RunOptions) -> Result<(), CaptureError> {
-    let runtime =
-        tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(CaptureError::Runtime)?;
-    runtime
-        .block_on(async {
-            let nl = Netlink::open()?;
-            if opts.cleanup_only { routes::remove(&nl, cfg).await } else { routes::configure(&nl, cfg).await }
-        })
-        .map_err(CaptureError::Routes)
-}
-
 /// A dry run: the same path with recorders; nothing is changed.
-fn dry_run(cfg: &CaptureConfig, opts: &RunOptions) -> Result<Report, CaptureError> {
+pub(crate) fn dry_run(cfg: &CaptureConfig, opts: &RunOptions) -> Result<Report, CaptureError> {
     if opts.native_nftables {
         let mut rec = crate::nft_exec::NftRecorder::default();
         let mut report = program_nft(cfg, opts, &mut rec)?;
@@ -386,76 +349,4 @@ fn dry_run(cfg: &CaptureConfig, opts: &RunOptions) -> Result<Report, CaptureErro
     let mut report = program_iptables(cfg, opts, &mut rec)?;
     report.transcript = Some(rec.transcript());
     Ok(report)
-}
-
-/// Runs `f` on a thread that has entered the network namespace at `path`; processes it
-/// spawns and netlink sockets it opens belong to that namespace.
-pub fn in_netns<T: Send>(
-    path: &Path,
-    f: impl FnOnce() -> Result<T, CaptureError> + Send,
-) -> Result<T, CaptureError> {
-    let file = std::fs::File::open(path)
-        .map_err(|source| CaptureError::Netns { path: path.display().to_string(), source })?;
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            use std::os::fd::AsFd as _;
-            nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)
-                .map_err(|e| CaptureError::Netns { path: path.display().to_string(), source: e.into() })?;
-            f()
-        })
-        .join()
-        .unwrap_or_else(|p| std::panic::resume_unwind(p))
-    })
-}
-
-/// Whether a plan's rules and routes are in place in the current namespace (for
-/// `CHECK`-style callers). `Ok(Verdict::Applied)` means complete.
-pub fn verify(cfg: &CaptureConfig, opts: &RunOptions) -> Result<Verdict, CaptureError> {
-    let check = || -> Result<Verdict, CaptureError> {
-        let rules = if opts.native_nftables {
-            let mut n = crate::nft_exec::SystemNft;
-            let plan = nft::plan(cfg);
-            let current = n.list()?;
-            if current.is_empty() {
-                Verdict::Clean
-            } else if n.expected(&nft::render(&plan))? == current {
-                Verdict::Applied
-            } else {
-                Verdict::Drifted
-            }
-        } else {
-            let mut x = crate::xtables::SystemXtables::detect(
-                opts.force_iptables_binary,
-                cfg.enable_ipv6,
-                lock(opts),
-            )?;
-            let plan: RulePlan = plan::plan(cfg);
-            let families = [(Family::V4, &plan.v4), (Family::V6, &plan.v6)];
-            let mut verdicts = Vec::new();
-            for (family, rules) in families {
-                let saved = x.save(family);
-                let restore = render::restore(rules);
-                let checks = render::checks(rules);
-                verdicts.push(state::verify_family(saved.as_deref(), &restore, &checks, |c| {
-                    x.run(family, c).is_ok()
-                }));
-            }
-            state::combine(&verdicts)
-        };
-        if rules != Verdict::Applied {
-            return Ok(rules);
-        }
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(CaptureError::Runtime)?;
-        let routes_ok = runtime
-            .block_on(async { routes::present(&Netlink::open()?, cfg).await })
-            .map_err(CaptureError::Routes)?;
-        Ok(if routes_ok { Verdict::Applied } else { Verdict::Drifted })
-    };
-    match &opts.network_namespace {
-        Some(path) => in_netns(path, check),
-        None => check(),
-    }
 }

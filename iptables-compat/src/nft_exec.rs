@@ -77,12 +77,33 @@ fn nft(args: &[&str], stdin: Option<&str>) -> Result<String, NftError> {
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
+/// The inet tables present: read in process (no nft run), or from `nft list tables`
+/// if that probe fails.
+fn inet_tables() -> Result<Vec<String>, NftError> {
+    match crate::nf_probe::tables() {
+        Ok(t) => Ok(t.nft_in(crate::nf_probe::NFPROTO_INET).map(|t| t.table.clone()).collect()),
+        Err(e) => {
+            tracing::debug!(error = %e, "netfilter probe failed; asking nft");
+            Ok(nft(&["list", "tables"], None)?
+                .lines()
+                .filter_map(|l| l.trim().strip_prefix("table inet ").map(String::from))
+                .collect())
+        }
+    }
+}
+
+/// Whether any Istio table is present in the current namespace.
+pub fn istio_tables_present() -> Result<bool, NftError> {
+    let present = inet_tables()?;
+    Ok(NftTable::ALL.iter().any(|t| present.iter().any(|p| p == t.name())))
+}
+
 /// Lists the Istio tables present, counters zeroed, in a fixed order.
 fn list_istio_tables() -> Result<String, NftError> {
-    let tables = nft(&["list", "tables"], None)?;
+    let present = inet_tables()?;
     let mut out = String::new();
     for table in NftTable::ALL {
-        if tables.lines().any(|l| l.trim() == format!("table inet {}", table.name())) {
+        if present.iter().any(|p| p == table.name()) {
             out.push_str(&zero_counters(&nft(&["list", "table", "inet", table.name()], None)?));
         }
     }

@@ -100,6 +100,32 @@ pub fn cleanup(rules: &[Rule]) -> Vec<Vec<String>> {
     out
 }
 
+/// [`cleanup`] as one `iptables-restore --noflush` input: per table, the rule
+/// deletions, then every chain flushed, then every chain deleted (a chain another one
+/// jumps to can go only once that one is flushed). Unlike the commands one by one, a
+/// restore fails whole if any rule or chain is missing. Empty for an empty plan.
+pub fn removal(rules: &[Rule]) -> String {
+    let mut tables: BTreeMap<String, [Vec<String>; 3]> = BTreeMap::new();
+    for cmd in cleanup(rules) {
+        let stage = match cmd[2].as_str() {
+            "-D" => 0,
+            "-F" => 1,
+            _ => 2,
+        };
+        tables.entry(cmd[1].clone()).or_default()[stage].push(cmd[2..].join(" "));
+    }
+    let mut out = String::new();
+    for (table, stages) in tables {
+        out.push_str(&format!("* {table}\n"));
+        for line in stages.iter().flatten() {
+            out.push_str(line);
+            out.push('\n');
+        }
+        out.push_str("COMMIT\n");
+    }
+    out
+}
+
 /// Istio's safety guardrails, inserted while rules are swapped during a reconcile:
 /// drop all TCP and UDP in filter INPUT, FORWARD and OUTPUT.
 pub fn guardrails() -> Vec<Vec<String>> {

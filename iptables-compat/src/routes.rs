@@ -51,12 +51,41 @@ pub async fn present(nl: &Netlink, cfg: &CaptureConfig) -> Result<bool, NetlinkE
     Ok(true)
 }
 
+/// Which of `cfg`'s fwmark rules and local routes a removal took away, per family
+/// (rule, route), so that a removal failing later can put them back.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Removed {
+    pub v4: (bool, bool),
+    pub v6: (bool, bool),
+}
+
 /// Removes the fwmark rules and local routes for `cfg`'s mark and table, both
-/// families, whether or not TPROXY is configured now; idempotent.
-pub async fn remove(nl: &Netlink, cfg: &CaptureConfig) -> Result<(), NetlinkError> {
+/// families, whether or not TPROXY is configured now; idempotent. Says what was there.
+pub async fn remove(nl: &Netlink, cfg: &CaptureConfig) -> Result<Removed, NetlinkError> {
+    let mut removed = Removed::default();
     for family in [Family::V4, Family::V6] {
-        nl.delete_fwmark_rule(family, cfg.tproxy_mark, cfg.tproxy_route_table).await?;
-        nl.delete_local_default_route(family, cfg.tproxy_route_table).await?;
+        let rule = nl.has_fwmark_rule(family, cfg.tproxy_mark, cfg.tproxy_route_table).await?;
+        let route = nl.has_local_default_route(family, cfg.tproxy_route_table).await?;
+        if rule {
+            nl.delete_fwmark_rule(family, cfg.tproxy_mark, cfg.tproxy_route_table).await?;
+        }
+        if route {
+            nl.delete_local_default_route(family, cfg.tproxy_route_table).await?;
+        }
+        *(if family == Family::V4 { &mut removed.v4 } else { &mut removed.v6 }) = (rule, route);
+    }
+    Ok(removed)
+}
+
+/// Puts back what [`remove`] took away.
+pub async fn restore(nl: &Netlink, cfg: &CaptureConfig, removed: Removed) -> Result<(), NetlinkError> {
+    for (family, (rule, route)) in [(Family::V4, removed.v4), (Family::V6, removed.v6)] {
+        if rule {
+            nl.ensure_fwmark_rule(family, cfg.tproxy_mark, cfg.tproxy_route_table).await?;
+        }
+        if route {
+            nl.ensure_local_default_route(family, cfg.tproxy_route_table).await?;
+        }
     }
     Ok(())
 }

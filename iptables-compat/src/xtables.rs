@@ -125,8 +125,20 @@ impl SystemXtables {
     /// Detects binaries for both families. A missing v6 binary is an error only when
     /// IPv6 rules are needed.
     pub fn detect(force: Option<IptablesBackend>, need_v6: bool, lock: Lock) -> Result<Self, XtablesError> {
-        let v4 = detect_family(Family::V4, force)?;
-        let v6 = match detect_family(Family::V6, force) {
+        Self::detect_with(force, need_v6, lock, false)
+    }
+
+    /// [`SystemXtables::detect`], told whether legacy tables are known to hold no rule
+    /// (read in process): then the legacy binaries, which Istio takes only when they
+    /// hold rules, are not run at all.
+    pub fn detect_with(
+        force: Option<IptablesBackend>,
+        need_v6: bool,
+        lock: Lock,
+        legacy_unused: bool,
+    ) -> Result<Self, XtablesError> {
+        let v4 = detect_family(Family::V4, force, legacy_unused)?;
+        let v6 = match detect_family(Family::V6, force, legacy_unused) {
             Ok(b) => Some(b),
             Err(e) if need_v6 => return Err(e),
             Err(e) => {
@@ -293,7 +305,11 @@ fn probe_binary(iptables: &str) -> Result<Binaries, String> {
     Ok(bin)
 }
 
-fn detect_family(family: Family, force: Option<IptablesBackend>) -> Result<Binaries, XtablesError> {
+fn detect_family(
+    family: Family,
+    force: Option<IptablesBackend>,
+    legacy_unused: bool,
+) -> Result<Binaries, XtablesError> {
     let base = if family == Family::V4 { "iptables" } else { "ip6tables" };
     let legacy = format!("{base}-legacy");
     let nft = format!("{base}-nft");
@@ -304,7 +320,8 @@ fn detect_family(family: Family, force: Option<IptablesBackend>) -> Result<Binar
         Some(IptablesBackend::Nft) => return probe_binary(&nft).map_err(not_found),
         None => {}
     }
-    if let Ok(b) = probe_binary(&legacy)
+    if !legacy_unused
+        && let Ok(b) = probe_binary(&legacy)
         && b.existing_rules
     {
         return Ok(b);

@@ -1,0 +1,138 @@
+//! The iptables fast path (one restore into a namespace the in-process probe finds
+//! empty) must leave exactly what the full path (save, verify, restore) leaves, and
+//! must hand every namespace it cannot settle to the full path: rules of others kept,
+//! legacy rules keep the run on legacy, another plan's rules still removed whole.
+
+use weir_iptables::{
+    Action, CaptureConfig, CaptureError, RunOptions,
+    config::{InboundPorts, InterceptionMode, IpRanges, parse_ports},
+    nft_exec::zero_counters,
+    state::Verdict,
+};
+use weir_tests::{
+    capture::{CaptureScene, Family, ask, capture_state, captured, in_pod},
+    require_root, test_name,
+};
+
+const OTHERS_RULE: [&str; 9] = ["-t", "filter", "-A", "INPUT", "-p", "tcp", "--dport", "9", "-j"];
+
+fn config(mode: InterceptionMode) -> CaptureConfig {
+    CaptureConfig {
+        interception_mode: mode,
+        outbound_ip_ranges_include: IpRanges::All,
+        inbound_ports: InboundPorts::All,
+        inbound_ports_exclude: parse_ports("-d", "15090,15021,15020").unwrap(),
+        ..CaptureConfig::default()
+    }
+}
+
+fn opts(scene: &CaptureScene) -> RunOptions {
+    RunOptions { network_namespace: Some(scene.client.netns().path().to_path_buf()), ..RunOptions::default() }
+}
+
+fn reconcile(scene: &CaptureScene) -> RunOptions {
+    RunOptions { reconcile: true, ..opts(scene) }
+}
+
+fn cleanup(scene: &CaptureScene) -> RunOptions {
+    RunOptions { cleanup_only: true, ..opts(scene) }
+}
+
+fn is_captured(scene: &CaptureScene) -> bool {
+    captured(&ask(&scene.client, 1000, scene.addr(&scene.server, 8080))).is_some()
+}
+
+/// Someone else's rule, added with `binary` (iptables-nft or iptables-legacy).
+fn add_others_rule(scene: &CaptureScene, binary: &str) {
+    let mut args = OTHERS_RULE.to_vec();
+    args.push("ACCEPT");
+    in_pod(&scene.client, binary, &args);
+}
+
+fn has_others_rule(scene: &CaptureScene, save: &str) -> bool {
+    in_pod(&scene.client, save, &["-t", "filter"]).contains("-A INPUT -p tcp -m tcp --dport 9 -j ACCEPT")
+}
+
+#[test]
+fn an_empty_namespace_and_a_busy_one_end_with_the_same_rules() {
+    require_root!();
+    for (i, mode) in [InterceptionMode::Redirect, InterceptionMode::Tproxy].into_iter().enumerate() {
+        let cfg = config(mode);
+        let empty = CaptureScene::new(&format!("{}-e{i}", test_name!()), Family::V4, true);
+        let busy = CaptureScene::new(&format!("{}-b{i}", test_name!()), Family::V4, true);
+        add_others_rule(&busy, "iptables-nft");
+
+        // Another rule is a residue to Istio's verify: without --reconcile the run
+        // refuses, as Istio's does; with it, Istio's rules go in beside the other.
+        let refused = weir_iptables::program(&cfg, &opts(&busy)).unwrap_err();
+        assert!(matches!(refused, CaptureError::Drift { .. }), "{refused}");
+        assert_eq!(capture_state(&busy.client), "", "a refused run changes nothing");
+        let report = weir_iptables::program(&cfg, &opts(&empty)).unwrap();
+        assert_eq!(report.action, Action::Applied, "{mode:?}");
+        let report = weir_iptables::program(&cfg, &reconcile(&busy)).unwrap();
+        assert_eq!(report.action, Action::Reconciled, "{mode:?}");
+        for scene in [&empty, &busy] {
+            assert_eq!(weir_iptables::apply::verify(&cfg, &opts(scene)).unwrap(), Verdict::Applied);
+            assert!(is_captured(scene), "{mode:?}: traffic captured");
+        }
+        let state = |s: &CaptureScene| zero_counters(&capture_state(&s.client));
+        assert_eq!(state(&empty), state(&busy), "{mode:?}: the fast path's rules are the full path's");
+        assert!(!state(&empty).is_empty());
+        assert!(has_others_rule(&busy, "iptables-nft-save"), "the other rule is kept");
+
+        // A second run sees its own rules and changes nothing.
+        let again = weir_iptables::program(&cfg, &opts(&empty)).unwrap();
+        assert_eq!(again.action, Action::AlreadyApplied);
+
+        for scene in [&empty, &busy] {
+            let report = weir_iptables::program(&cfg, &cleanup(scene)).unwrap();
+            assert_eq!(report.action, Action::Cleaned);
+            assert_eq!(capture_state(&scene.client), "", "{mode:?}: nothing of Istio's remains");
+            assert!(!in_pod(&scene.client, "ip", &["rule", "show"]).contains("lookup 133"));
+        }
+        assert_eq!(weir_iptables::apply::verify(&cfg, &opts(&empty)).unwrap(), Verdict::Clean);
+        // Istio's verify reads the other rule as a residue, never as Istio's rules.
+        assert_eq!(weir_iptables::apply::verify(&cfg, &opts(&busy)).unwrap(), Verdict::Drifted);
+        assert!(has_others_rule(&busy, "iptables-nft-save"), "removal keeps the other rule");
+    }
+}
+
+#[test]
+fn legacy_rules_keep_the_run_on_iptables_legacy() {
+    require_root!();
+    let scene = CaptureScene::new(&test_name!(), Family::V4, false);
+    add_others_rule(&scene, "iptables-legacy");
+    let cfg = config(InterceptionMode::Redirect);
+
+    assert_eq!(weir_iptables::program(&cfg, &reconcile(&scene)).unwrap().action, Action::Reconciled);
+    let legacy = in_pod(&scene.client, "iptables-legacy-save", &["-t", "nat"]);
+    assert!(legacy.contains("-A OUTPUT -j ISTIO_OUTPUT"), "Istio's rules went to legacy:\n{legacy}");
+    let nft = in_pod(&scene.client, "iptables-nft-save", &[]);
+    assert!(!nft.contains("ISTIO"), "nothing went to nf_tables:\n{nft}");
+    assert!(is_captured(&scene));
+    assert_eq!(weir_iptables::apply::verify(&cfg, &opts(&scene)).unwrap(), Verdict::Applied);
+
+    assert_eq!(weir_iptables::program(&cfg, &cleanup(&scene)).unwrap().action, Action::Cleaned);
+    assert!(!in_pod(&scene.client, "iptables-legacy-save", &[]).contains("ISTIO"));
+    assert!(has_others_rule(&scene, "iptables-legacy-save"), "removal keeps the other rule");
+}
+
+#[test]
+fn removal_with_another_plan_still_removes_every_istio_rule() {
+    require_root!();
+    let scene = CaptureScene::new(&test_name!(), Family::V4, true);
+    let applied = config(InterceptionMode::Redirect);
+    assert_eq!(weir_iptables::program(&applied, &opts(&scene)).unwrap().action, Action::Applied);
+    assert!(is_captured(&scene));
+
+    // Istio's cleanup does not depend on the flags it is given: a removal whose plan
+    // differs from what is installed (TPROXY, other exclusions) removes all of it.
+    let other = CaptureConfig {
+        inbound_ports_exclude: parse_ports("-d", "15090").unwrap(),
+        ..config(InterceptionMode::Tproxy)
+    };
+    assert_eq!(weir_iptables::program(&other, &cleanup(&scene)).unwrap().action, Action::Cleaned);
+    assert_eq!(capture_state(&scene.client), "", "no Istio chain or rule remains");
+    assert!(ask(&scene.client, 1000, scene.addr(&scene.server, 8080)).starts_with("hello server "));
+    assert_eq!(weir_iptables::apply::verify(&applied, &opts(&scene)).unwrap(), Verdict::Clean);
+}
