@@ -10,7 +10,7 @@ pub mod mesh;
 
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
-use crate::controlplane::{AdsServer, AuthPolicy, CaServer};
+use crate::controlplane::{AdsServer, AuthPolicy, MeshCa, WorkloadCa};
 
 /// Where the embedded control plane listens (inside the pod).
 pub const EMBEDDED_ADDRESS: &str = "127.0.0.1:15010";
@@ -40,7 +40,7 @@ pub enum StandaloneError {
 /// The embedded control plane, bound and serving.
 pub struct EmbeddedControlPlane {
     pub ads: AdsServer,
-    pub ca: CaServer,
+    pub ca: WorkloadCa,
     pub task: tokio::task::JoinHandle<()>,
 }
 
@@ -53,7 +53,7 @@ pub async fn start(
 ) -> Result<EmbeddedControlPlane, StandaloneError> {
     let file = mesh::MeshFile::load(&settings.services)?;
     let snapshot = file.snapshot(workload_ip, "1");
-    let ca = CaServer::load_or_create(CA_ORG, &settings.state_dir)?;
+    let ca = WorkloadCa::new(MeshCa::load_or_create(CA_ORG, &settings.state_dir)?);
     let ads = AdsServer::new(snapshot, AuthPolicy::default());
     let address: SocketAddr = EMBEDDED_ADDRESS.parse().expect("a socket address");
     let listener = tokio::net::TcpListener::bind(address).await.map_err(StandaloneError::Bind)?;
