@@ -1,25 +1,28 @@
-//! The agent's wiring (`proxy sidecar`): from an `AgentConfig`, start the DNS proxy,
-//! the xDS relay and the SDS server on their Unix sockets, the secret manager and the
-//! status server, write Envoy's bootstrap and start Envoy under supervision; then run
-//! until SIGTERM/SIGINT or `/quitquitquit` (drain Envoy, exit 0) or until Envoy exits
-//! on its own (report it, exit non-zero).
-//! Every component is built with `new(..)` and started here; nothing else wires.
+//! The agent's wiring (`proxy sidecar`): from an `AgentConfig`, build the components,
+//! bind every port and socket, write Envoy's bootstrap, and start the services in one
+//! order — embedded control plane (standalone), workload certificate, SDS server, xDS
+//! relay, DNS proxy, Wasm cache, workload health check, STS server, status server,
+//! Envoy — then run until SIGTERM/SIGINT or `/quitquitquit` (drain, exit 0) or until
+//! any service ends on its own (report it by name, exit non-zero), and stop them in the
+//! reverse order. Every component is built with `new(..)` and started here; nothing
+//! else wires.
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
-use futures::FutureExt as _;
+use tokio_util::sync::CancellationToken;
 
 use crate::{
     config::{AgentConfig, args::ProxyType},
     dns::{DnsConfig, DnsProxy},
     envoy::{
         EnvoyAdmin, LifecycleControl, Readiness, Supervisor,
-        bootstrap::{self, BootstrapError, BootstrapParams},
+        bootstrap::{self, BootstrapError},
         process::RunAs,
         supervisor::SupervisorError,
     },
     identity::{CaClient, SdsServer, SecretManager, WorkloadSource},
     metrics::Metrics,
+    services::Services,
     status::{AppProber, MetricsMerge, StatusServer},
     xds::{XdsProxy, relay::Handler},
 };
@@ -66,8 +69,12 @@ pub enum AgentError {
     },
     #[error("signal handler")]
     Signal(#[source] std::io::Error),
+    #[error("DNS proxy")]
+    DnsServe(#[source] std::io::Error),
     #[error(transparent)]
-    Bootstrap(#[from] BootstrapError),
+    Service(#[from] crate::services::ServiceExit),
+    #[error(transparent)]
+    Bootstrap(#[from] Box<BootstrapError>),
     #[error("custom Envoy bootstrap {path} (customConfigFile) cannot be read")]
     CustomBootstrap {
         path: std::path::PathBuf,
@@ -80,6 +87,14 @@ pub enum AgentError {
     GrpcBootstrap(#[from] crate::xds::grpc_bootstrap::GrpcBootstrapError),
     #[error("standalone mode")]
     Standalone(#[from] crate::standalone::StandaloneError),
+    #[error("create the configuration directory {path}")]
+    ConfigDir {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    EnvoyAccess(crate::envoy::access::AccessError),
     #[error("Envoy needs {missing} for {why}, but the agent lacks it")]
     EnvoyCapability { missing: crate::privileges::MissingCapabilities, why: &'static str },
 }
@@ -155,229 +170,296 @@ impl Agent {
         Ok(Self { config, metrics, dns, xds, secrets, wasm_cache })
     }
 
-    /// Binds everything (all or nothing: ports first, then the sockets, removed again
-    /// if a later one fails), then serves until SIGTERM/SIGINT.
+    /// Binds every port and socket (all or nothing: a port in use fails start-up
+    /// before any socket file exists, and sockets already made are removed again),
+    /// starts the services in order, runs until SIGTERM, SIGINT, `/quitquitquit` or a
+    /// service's end, then drains: readiness turns 503, and the services stop in
+    /// reverse order, Envoy first.
     pub async fn run(self) -> Result<(), AgentError> {
-        let mut tasks = tokio::task::JoinSet::new();
-        let status = if self.config.status.port > 0 {
-            let address = SocketAddr::from(([0, 0, 0, 0], self.config.status.port));
-            Some(StatusServer::bind(address).await?)
-        } else {
-            None
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .map_err(AgentError::Signal)?;
+        let bound = self.bind().await?;
+        let readiness = bound
+            .supervisor
+            .as_ref()
+            .map(|s| s.readiness.clone())
+            .unwrap_or_else(|| Arc::new(Readiness::new(None)));
+        let admin = bound.supervisor.is_some().then(|| EnvoyAdmin::new(self.config.envoy.admin_port));
+        let lifecycle = LifecycleControl::new(admin, self.config.args.proxy_type == ProxyType::Sidecar);
+        self.log_started(&bound);
+        let (mut services, _sockets) = self.start(bound, &readiness, &lifecycle);
+        let result = tokio::select! {
+            _ = term.recv() => { tracing::info!("SIGTERM: draining and shutting down"); Ok(()) }
+            _ = tokio::signal::ctrl_c() => { tracing::info!("SIGINT: draining and shutting down"); Ok(()) }
+            _ = lifecycle.quit_requested() => Ok(()),
+            exit = services.first_exit() => {
+                tracing::error!(service = exit.name(), error = %crate::error_chain(&exit), "a service ended: stopping the agent");
+                Err(AgentError::Service(exit))
+            }
         };
-        let sts = match &self.config.sts {
+        readiness.set_draining();
+        services.stop(STOP_GRACE).await;
+        result
+    }
+
+    /// Binds, in order: the status and STS ports, the DNS proxy's sockets, the embedded
+    /// control plane (standalone), Envoy's bootstrap, the XDS socket, the gRPC
+    /// bootstrap, the SDS socket.
+    async fn bind(&self) -> Result<Bound, AgentError> {
+        let c = &self.config;
+        let status = match c.status.port {
+            0 => None,
+            port => Some(StatusServer::bind(SocketAddr::from(([0, 0, 0, 0], port))).await?),
+        };
+        let sts = match &c.sts {
             Some(settings) => Some((
                 crate::sts::StsServer::new(crate::sts::TokenManager::new(settings.clone())?),
                 crate::sts::StsServer::bind(settings.port).await?,
             )),
             None => None,
         };
-        let mut dns_tasks = match &self.dns {
+        let dns = match &self.dns {
             Some(dns) => Some(dns.bind().await?),
             None => None,
         };
         // Standalone: the control plane comes up first, inside the pod.
-        let embedded_stop = tokio_util::sync::CancellationToken::new();
-        let embedded = match &self.config.standalone {
+        let embedded_stop = CancellationToken::new();
+        let embedded = match &c.standalone {
             Some(settings) => {
-                let ip = self.config.pod.instance_ip.as_deref().and_then(|ip| ip.parse().ok());
-                Some(crate::standalone::start(settings, ip, embedded_stop.clone()).await?)
+                let ip = c.pod.ip();
+                Some((crate::standalone::start(settings, ip, embedded_stop.clone()).await?, embedded_stop))
             }
             None => None,
         };
-        let envoy = self.config.envoy_mode.launches();
-        let supervisor = if envoy { Some(self.prepare_envoy()?) } else { None };
-        let uds_path = self.config.xds.uds_path.clone();
-        let listener = crate::xds::uds::bind(&uds_path, None)?;
+        // What pilot-agent creates, made reachable by the user Envoy runs as.
+        let owner = self.envoy_user();
+        crate::envoy::access::create_dir(std::path::Path::new(&c.proxy_config.config_path), owner).map_err(
+            |source| AgentError::ConfigDir { path: c.proxy_config.config_path.clone().into(), source },
+        )?;
+        let supervisor = if c.envoy_mode.launches() { Some(self.prepare_envoy()?) } else { None };
+        let uds_path = c.xds.uds_path.clone();
+        let xds = crate::xds::uds::bind(&uds_path, owner)?;
+        let xds_socket = SocketFile(uds_path.clone());
         // Proxyless gRPC applications read this to reach the same socket. Paths are
         // made absolute: the application's working directory is not the agent's (in
         // a container both are `/`, and this is what pilot-agent's `./` paths mean).
         let absolute = |p: &std::path::Path| std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf());
         let grpc = crate::xds::grpc_bootstrap::render(
-            &self.config.node.id,
-            &self.config.node.metadata,
+            &c.node.id,
+            c.node.typed_metadata(),
             &absolute(&uds_path),
-            self.config.identity.output_dir.as_deref().map(absolute).as_deref(),
+            c.identity.output_dir.as_deref().map(absolute).as_deref(),
         );
-        if let Err(e) = crate::xds::grpc_bootstrap::write(&self.config.node.grpc_bootstrap, &grpc) {
-            let _ = std::fs::remove_file(&uds_path);
-            return Err(e.into());
+        crate::xds::grpc_bootstrap::write(&c.node.grpc_bootstrap, &grpc)?;
+        let sds = self.bind_sds(owner).await?;
+        if let (Some(supervisor), Some((uid, gid))) = (&supervisor, owner) {
+            self.check_envoy_access(supervisor, uid, gid, &sds)?;
         }
-        let sds_path = self.config.identity.sds_socket.clone();
-        let serve_sds = self.config.envoy_mode.serves_sds();
-        let sds = async {
-            if !serve_sds {
-                // Proxyless: nothing reads SDS; certificates go to OUTPUT_CERTS.
-                Ok((false, None))
-            } else if external_sds(&sds_path).await? {
-                tracing::info!(path = %sds_path.display(), "existing workload SDS socket found (SPIRE or similar): using it, not serving SDS");
-                Ok((true, None))
-            } else {
-                Ok((false, Some(crate::xds::uds::bind(&sds_path, None).map_err(AgentError::SdsUds)?)))
-            }
-        };
-        let (external, sds_listener) = match sds.await {
-            Ok(bound) => bound,
-            Err(e) => {
-                let _ = std::fs::remove_file(&uds_path);
-                return Err(e);
-            }
-        };
-        let admin = envoy.then(|| EnvoyAdmin::new(self.config.envoy.admin_port));
-        let readiness = supervisor
-            .as_ref()
-            .map(|s| s.readiness.clone())
-            .unwrap_or_else(|| Arc::new(Readiness::new(None)));
-        let lifecycle = LifecycleControl::new(admin, self.config.args.proxy_type == ProxyType::Sidecar);
+        Ok(Bound { status, sts, dns, embedded, supervisor, xds: (xds, xds_socket), sds })
+    }
+
+    /// The user Envoy runs as when the agent starts it as root (istio-proxy, 1337).
+    fn envoy_user(&self) -> Option<(u32, u32)> {
+        (self.config.envoy_mode.launches() && nix::unistd::geteuid().is_root()).then_some((1337, 1337))
+    }
+
+    /// Envoy, as its user, can read its bootstrap and reach both sockets — or the
+    /// agent does not start, naming the path and the uid.
+    fn check_envoy_access(
+        &self,
+        supervisor: &Supervisor,
+        uid: u32,
+        gid: u32,
+        sds: &SdsSocket,
+    ) -> Result<(), AgentError> {
+        use crate::envoy::access::Need;
+        let c = &self.config;
+        let mut needs = vec![
+            Need::Read { what: "its bootstrap", path: supervisor.settings.bootstrap.clone() },
+            Need::Connect { what: "the XDS socket", path: c.xds.uds_path.clone() },
+        ];
+        if !matches!(sds, SdsSocket::NotServed) {
+            needs.push(Need::Connect { what: "the SDS socket", path: c.identity.sds_socket.clone() });
+        }
+        if let SdsSocket::External { files: Some(_) } = sds {
+            let path = crate::config::paths::FILES_SOCKET.into();
+            needs.push(Need::Connect { what: "the file-secret SDS socket", path });
+        }
+        crate::envoy::access::check(uid, gid, &needs).map_err(AgentError::EnvoyAccess)
+    }
+
+    /// The SDS socket: not served (proxyless), another server's (SPIRE), or ours.
+    async fn bind_sds(&self, owner: Option<(u32, u32)>) -> Result<SdsSocket, AgentError> {
+        let path = &self.config.identity.sds_socket;
+        if !self.config.envoy_mode.serves_sds() {
+            // Proxyless: nothing reads SDS; certificates go to OUTPUT_CERTS.
+            return Ok(SdsSocket::NotServed);
+        }
+        if external_sds(path).await? {
+            // As pilot-agent: the workload identity is the other server's; Weir serves
+            // only file-based secrets, on the credential socket Envoy's bootstrap names.
+            let files = std::path::PathBuf::from(crate::config::paths::FILES_SOCKET);
+            tracing::info!(path = %path.display(), files = %files.display(), "existing workload SDS socket found (SPIRE or similar): using it; serving only file secrets");
+            return Ok(match crate::xds::uds::bind(&files, owner) {
+                Ok(listener) => SdsSocket::External { files: Some((listener, SocketFile(files))) },
+                // The injector mounts a volume there; without one, file secrets go unserved.
+                Err(e) => {
+                    tracing::warn!(error = %crate::error_chain(&e), "no file-secret SDS server: the credential socket cannot be made");
+                    SdsSocket::External { files: None }
+                }
+            });
+        }
+        let listener = crate::xds::uds::bind(path, owner).map_err(AgentError::SdsUds)?;
+        Ok(SdsSocket::Served(listener, SocketFile(path.clone())))
+    }
+
+    fn log_started(&self, bound: &Bound) {
+        let c = &self.config;
         tracing::info!(
-            uds = %uds_path.display(),
-            sds = %sds_path.display(),
-            identity = %self.config.identity.identity,
-            ca = self.config.identity.ca.as_ref().map(|c| c.address.as_str()).unwrap_or("none (mounted certificates)"),
-            upstream = %self.config.xds.discovery_address,
+            uds = %c.xds.uds_path.display(),
+            sds = %c.identity.sds_socket.display(),
+            identity = %c.identity.identity,
+            ca = c.identity.ca.as_ref().map(|c| c.address.as_str()).unwrap_or("none (mounted certificates)"),
+            upstream = %c.xds.discovery_address,
             dns = self.dns.is_some(),
-            status_port = self.config.status.port,
-            sts_port = self.config.sts.as_ref().map(|s| s.port).unwrap_or(0),
-            envoy = ?self.config.envoy_mode,
-            sds_server = serve_sds && !external,
+            status_port = c.status.port,
+            sts_port = c.sts.as_ref().map(|s| s.port).unwrap_or(0),
+            envoy = ?c.envoy_mode,
+            sds_server = matches!(bound.sds, SdsSocket::Served(..)),
             "agent started"
         );
-        let shutdown = tokio_util::sync::CancellationToken::new();
-        // A background service that runs until shutdown and cannot fail the agent.
-        let until_shutdown = |task: futures::future::BoxFuture<'static, ()>| {
-            let stop = shutdown.clone();
-            async move {
+    }
+
+    /// Starts the services in their order; returns them and the socket files they
+    /// serve on (removed when dropped, after the services stopped).
+    fn start(
+        self,
+        bound: Bound,
+        readiness: &Arc<Readiness>,
+        lifecycle: &LifecycleControl,
+    ) -> (Services, Vec<SocketFile>) {
+        let Bound { status, sts, dns, embedded, supervisor, xds: (xds_listener, xds_socket), sds } = bound;
+        let c = &self.config;
+        let mut services = Services::new();
+        let mut sockets = vec![xds_socket];
+        if let Some((mut cp, cp_stop)) = embedded {
+            services.start_infallible("embedded control plane", move |stop| async move {
                 tokio::select! {
-                    _ = task => {}
-                    _ = stop.cancelled() => {}
+                    _ = &mut cp.task => {}
+                    _ = stop.cancelled() => {
+                        cp_stop.cancel();
+                        let _ = tokio::time::timeout(Duration::from_secs(2), cp.task).await;
+                    }
                 }
-                Ok(())
+            });
+        }
+        let (serves_sds, sds_listener) = match sds {
+            SdsSocket::Served(listener, file) => {
+                sockets.push(file);
+                (true, Some(listener))
             }
+            SdsSocket::External { files: None } => (false, None),
+            SdsSocket::External { files: Some((files, file)) } => {
+                sockets.push(file);
+                // File secrets only: the workload's own come from the other server.
+                let id = &c.identity;
+                let manager = SecretManager::new(
+                    WorkloadSource::None,
+                    id.rotation,
+                    None,
+                    id.file_debounce,
+                    self.metrics.clone(),
+                );
+                let poller = manager.clone();
+                services.start_infallible("file certificates", move |stop| poller.run(stop));
+                let path = std::path::PathBuf::from(crate::config::paths::FILES_SOCKET);
+                let server = SdsServer::new(manager);
+                services.start("SDS server (files)", move |stop| async move {
+                    server
+                        .serve(files, stop.cancelled_owned())
+                        .await
+                        .map_err(|source| AgentError::SdsServe { path, source })
+                });
+                (false, None)
+            }
+            SdsSocket::NotServed => (false, None),
         };
-        if let Some((server, listener)) = sts {
-            tasks.spawn(until_shutdown(Box::pin(server.serve(listener))));
-        }
-        if let Some(listener) = status {
-            let merge = MetricsMerge {
-                metrics: self.metrics.clone(),
-                envoy: envoy.then(|| SocketAddr::from(([127, 0, 0, 1], self.config.status.prometheus_port))),
-                apps: Arc::new(self.config.status.app_metrics.clone()),
-            };
-            let probes = AppProber::new(
-                self.config.status.app_probers.clone(),
-                self.config.status.probe_destination,
-                self.config.status.port,
-            );
-            let server =
-                StatusServer::new(self.dns.clone(), readiness.clone(), lifecycle.clone(), merge, probes);
-            tasks.spawn(until_shutdown(Box::pin(server.serve(listener))));
-        }
-        let owns_sds = sds_listener.is_some();
-        if owns_sds || !serve_sds {
+        if serves_sds || !c.envoy_mode.serves_sds() {
             // Issues, rotates and (with OUTPUT_CERTS) writes the workload certificate.
-            tasks.spawn(self.secrets.clone().run(shutdown.clone()).map(Ok));
+            let secrets = self.secrets.clone();
+            services.start_infallible("workload certificate", move |stop| secrets.run(stop));
         }
         if let Some(listener) = sds_listener {
-            let stop = shutdown.clone();
-            let server = SdsServer::new(self.secrets.clone());
-            let path = sds_path.clone();
-            tasks.spawn(async move {
+            let (server, path) = (SdsServer::new(self.secrets.clone()), c.identity.sds_socket.clone());
+            services.start("SDS server", move |stop| async move {
                 server
                     .serve(listener, stop.cancelled_owned())
                     .await
                     .map_err(|source| AgentError::SdsServe { path, source })
             });
         }
-        let purger = self.wasm_cache.clone();
-        tasks.spawn(until_shutdown(Box::pin(async move { purger.purge_forever().await })));
-        if let Some(settings) = self.config.health_check.clone() {
-            let checker = crate::health::WorkloadHealthChecker::new(
-                settings,
-                self.config.status.probe_destination,
-                self.config.status.port,
-                envoy.then(|| readiness.clone()),
-            );
-            let (relay, stop) = (self.xds.clone(), shutdown.clone());
-            tasks.spawn(async move {
-                checker.run(relay, stop).await;
-                Ok(())
-            });
-        }
-        let stop = shutdown.clone();
-        let xds = self.xds.clone();
-        let path = uds_path.clone();
-        tasks.spawn(async move {
-            xds.serve(listener, stop.cancelled_owned())
+        let (xds, path) = (self.xds.clone(), c.xds.uds_path.clone());
+        services.start("xDS relay", move |stop| async move {
+            xds.serve(xds_listener, stop.cancelled_owned())
                 .await
                 .map_err(|source| AgentError::XdsServe { path, source })
         });
-
-        // Envoy runs until `stop_envoy`; its task ends early only if Envoy exits on
-        // its own (and is not restarted).
-        let stop_envoy = tokio_util::sync::CancellationToken::new();
-        let mut envoy_task = supervisor.map(|s| tokio::spawn(s.run(stop_envoy.clone(), lifecycle.clone())));
-        let envoy_done = async {
-            match envoy_task.as_mut() {
-                Some(task) => task.await,
-                None => std::future::pending().await,
-            }
-        };
-
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .map_err(AgentError::Signal)?;
-        let (mut result, stopping) = tokio::select! {
-            _ = term.recv() => { tracing::info!("SIGTERM: draining and shutting down"); (Ok(()), true) }
-            _ = tokio::signal::ctrl_c() => { tracing::info!("SIGINT: draining and shutting down"); (Ok(()), true) }
-            _ = lifecycle.quit_requested() => (Ok(()), true),
-            done = envoy_done => {
-                let result = match done {
-                    Ok(Ok(_)) => Ok(()),
-                    Ok(Err(e)) => Err(AgentError::Envoy(e)),
-                    Err(join) => {
-                        tracing::error!(error = %join, "Envoy supervisor task failed");
-                        Ok(())
-                    }
-                };
-                envoy_task = None;
-                (result, false)
-            }
-            Some(Ok(Err(e))) = tasks.join_next() => (Err(e), true),
-            Some(Ok(Err(e))) = async { match dns_tasks.as_mut() { Some(t) => t.join_next().await, None => std::future::pending().await } } => {
-                tracing::error!(error = %e, "DNS proxy stopped");
-                (Ok(()), true)
-            }
-        };
-        readiness.set_draining();
-        if stopping {
-            stop_envoy.cancel();
-            if let Some(task) = envoy_task {
-                // The drain itself is bounded by the policy; Envoy is killed after it.
-                match task.await {
-                    Ok(Ok(_)) => {}
-                    Ok(Err(e)) if result.is_ok() => result = Err(AgentError::Envoy(e)),
-                    Ok(Err(_)) => {}
-                    Err(join) => tracing::error!(error = %join, "Envoy supervisor task failed"),
+        if let Some(mut tasks) = dns {
+            services.start("DNS proxy", move |stop| async move {
+                tokio::select! {
+                    ended = tasks.join_next() => match ended {
+                        Some(Ok(Err(e))) => Err(AgentError::DnsServe(e)),
+                        _ => Ok(()),
+                    },
+                    _ = stop.cancelled() => { tasks.abort_all(); Ok(()) }
                 }
-            }
+            });
         }
-        shutdown.cancel();
-        let _ = tokio::time::timeout(Duration::from_secs(5), async {
-            while tasks.join_next().await.is_some() {}
-        })
-        .await;
-        embedded_stop.cancel();
-        if let Some(cp) = embedded {
-            let _ = tokio::time::timeout(Duration::from_secs(2), cp.task).await;
+        let purger = self.wasm_cache.clone();
+        services.start_infallible("Wasm module cache", move |stop| {
+            until(stop, async move { purger.purge_forever().await })
+        });
+        if let Some(settings) = c.health_check.clone() {
+            let checker = crate::health::WorkloadHealthChecker::new(
+                settings,
+                c.status.probe_destination,
+                c.status.port,
+                supervisor.is_some().then(|| readiness.clone()),
+            );
+            let relay = self.xds.clone();
+            services.start_infallible("workload health check", move |stop| checker.run(relay, stop));
         }
-        tasks.abort_all();
-        if let Some(mut t) = dns_tasks {
-            t.abort_all();
+        if let Some((server, listener)) = sts {
+            services.start_infallible("STS server", move |stop| until(stop, server.serve(listener)));
         }
-        let _ = std::fs::remove_file(&uds_path);
-        if owns_sds {
-            let _ = std::fs::remove_file(&sds_path);
+        if let Some(listener) = status {
+            let server = self.status_server(readiness, lifecycle, supervisor.is_some());
+            services.start_infallible("status server", move |stop| until(stop, server.serve(listener)));
         }
-        result
+        if let Some(supervisor) = supervisor {
+            // Last started, first stopped: Envoy drains while everything else serves.
+            let lifecycle = lifecycle.clone();
+            services.start_draining("Envoy", move |stop| async move {
+                supervisor.run(stop, lifecycle).await.map(drop)
+            });
+        }
+        (services, sockets)
+    }
+
+    fn status_server(
+        &self,
+        readiness: &Arc<Readiness>,
+        lifecycle: &LifecycleControl,
+        envoy: bool,
+    ) -> StatusServer {
+        let c = &self.config;
+        let merge = MetricsMerge {
+            metrics: self.metrics.clone(),
+            envoy: envoy.then(|| SocketAddr::from(([127, 0, 0, 1], c.status.prometheus_port))),
+            apps: Arc::new(c.status.app_metrics.clone()),
+        };
+        let probes = AppProber::new(c.status.app_probers.clone(), c.status.probe_destination, c.status.port);
+        StatusServer::new(self.dns.clone(), readiness.clone(), lifecycle.clone(), merge, probes)
     }
 
     /// Writes the bootstrap (unless a custom one is configured), reads the override,
@@ -389,44 +471,36 @@ impl Agent {
             std::fs::File::open(&settings.bootstrap)
                 .map_err(|source| AgentError::CustomBootstrap { path: settings.bootstrap.clone(), source })?;
         } else {
-            let params = BootstrapParams {
-                node_id: c.node.id.clone(),
-                cluster: c.node.cluster.clone(),
-                metadata: c.node.metadata.clone(),
-                admin_port: settings.admin_port,
-                status_port: c.status.port,
-                prometheus_port: c.status.prometheus_port,
-                readiness_port: c.status.readiness_port,
-                xds_socket: c.xds.uds_path.clone(),
-                sds_socket: c.identity.sds_socket.clone(),
-                delta: c.node.delta_xds,
-            };
-            let document = match &settings.template {
-                Some(path) => {
-                    let text = std::fs::read_to_string(path).map_err(|source| BootstrapError::Read {
-                        what: "bootstrap template",
-                        path: path.clone(),
-                        source,
-                    })?;
-                    bootstrap::render_template(path, &text, &bootstrap::template_vars(&params))?
-                }
-                None => bootstrap::render(&params),
-            };
-            bootstrap::write(&settings.bootstrap, &document)?;
-            tracing::info!(path = %settings.bootstrap.display(), node = %c.node.id, "Envoy bootstrap written");
+            let started = std::time::Instant::now();
+            let (text, data) = render_bootstrap(c).map_err(Box::new)?;
+            for (path, content) in &data.files {
+                bootstrap::write(path, content).map_err(Box::new)?;
+            }
+            bootstrap::write(&settings.bootstrap, &text).map_err(Box::new)?;
+            tracing::info!(
+                path = %settings.bootstrap.display(),
+                template = %settings.template.as_deref().map(|t| t.display().to_string()).unwrap_or_else(|| "built-in".into()),
+                node = %c.node.id,
+                elapsed_ms = started.elapsed().as_secs_f64() * 1000.0,
+                "Envoy bootstrap written"
+            );
         }
         let override_json = match &settings.bootstrap_override {
-            Some(path) => Some(bootstrap::override_json(path, c.pod.host_ip.as_deref())?),
+            Some(path) => Some(bootstrap::override_json(path, c.pod.host_ip.as_deref()).map_err(Box::new)?),
             None => None,
         };
-        let run_as = if nix::unistd::geteuid().is_root() {
-            if !settings.capabilities.is_empty() {
-                crate::privileges::require(settings.capabilities, "Envoy (TPROXY interception)")
-                    .map_err(|missing| AgentError::EnvoyCapability { missing, why: "TPROXY interception" })?;
+        let run_as = match self.envoy_user() {
+            Some((uid, gid)) => {
+                if !settings.capabilities.is_empty() {
+                    crate::privileges::require(settings.capabilities, "Envoy (TPROXY interception)")
+                        .map_err(|missing| AgentError::EnvoyCapability {
+                            missing,
+                            why: "TPROXY interception",
+                        })?;
+                }
+                Some(RunAs { uid, gid, capabilities: settings.capabilities })
             }
-            Some(RunAs { uid: 1337, gid: 1337, capabilities: settings.capabilities })
-        } else {
-            None
+            None => None,
         };
         let args = crate::envoy::process::args(&settings, override_json.as_deref());
         let readiness = Arc::new(Readiness::new(Some(EnvoyAdmin::new(settings.admin_port))));
@@ -444,6 +518,67 @@ impl Agent {
             ignored_listeners,
         })
     }
+}
+
+/// How long a service (other than Envoy, whose drain policy bounds it) may take to
+/// stop before it is aborted.
+const STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// Runs `task` until `stop` (for services that serve until dropped).
+async fn until(stop: CancellationToken, task: impl std::future::Future<Output = ()>) {
+    tokio::select! {
+        _ = task => {}
+        _ = stop.cancelled() => {}
+    }
+}
+
+/// Everything the services serve on, bound before any of them starts.
+struct Bound {
+    status: Option<tokio::net::TcpListener>,
+    sts: Option<(crate::sts::StsServer, tokio::net::TcpListener)>,
+    dns: Option<tokio::task::JoinSet<std::io::Result<()>>>,
+    embedded: Option<(crate::standalone::EmbeddedControlPlane, CancellationToken)>,
+    supervisor: Option<Supervisor>,
+    xds: (tokio::net::UnixListener, SocketFile),
+    sds: SdsSocket,
+}
+
+enum SdsSocket {
+    /// Proxyless: no SDS server, as pilot-agent.
+    NotServed,
+    /// Another SDS server (SPIRE) owns the socket; Weir serves file secrets on its own.
+    External {
+        files: Option<(tokio::net::UnixListener, SocketFile)>,
+    },
+    Served(tokio::net::UnixListener, SocketFile),
+}
+
+/// A socket file the agent made; removed when dropped (on every exit path).
+struct SocketFile(std::path::PathBuf);
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// The bootstrap Envoy gets from `c` (its text, and the data it was rendered from),
+/// written by nobody: `weir config bootstrap` prints it, the agent writes it.
+pub fn render_bootstrap(c: &AgentConfig) -> Result<(String, bootstrap::TemplateData), BootstrapError> {
+    let null = serde_json::Value::Null;
+    let inputs = bootstrap::BootstrapInputs {
+        node_id: &c.node.id,
+        cluster: &c.node.cluster,
+        metadata: &c.node.parts,
+        proxy_config: c.node.metadata.get("PROXY_CONFIG").unwrap_or(&null),
+        env: c.envoy.bootstrap_env.clone(),
+        sts_port: c.args.sts_port,
+        outlier_log_path: &c.args.outlier_log_path,
+        log_as_json: c.args.log_as_json,
+    };
+    let data = bootstrap::options::template_data(&inputs)?;
+    let text = bootstrap::render(c.envoy.template.as_deref(), &data)?;
+    Ok((text, data))
 }
 
 /// An SDS server already listens on `path` (SPIRE's agent, mounted into the pod). A

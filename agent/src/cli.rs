@@ -40,7 +40,7 @@ pub enum WeirCommand {
     /// Run a proxy (as pilot-agent does): `weir proxy sidecar --domain ...`.
     Proxy(PassThrough),
     /// Program Istio's capture rules (istio-iptables compatible flags).
-    #[command(name = "istio-iptables")]
+    #[command(name = "istio-iptables", args_override_self = true)]
     IstioIptables(Box<IstioIptablesArgs>),
     /// eBPF capture: attach, inspect and remove Weir's programs.
     Capture(crate::capture_cmd::CaptureArgs),
@@ -48,7 +48,9 @@ pub enum WeirCommand {
     Wait(PassThrough),
     /// Send a request to Envoy's admin or the agent's status port (pilot-agent request).
     Request(PassThrough),
-    /// Print the effective configuration: `weir config [dump] [proxy flags]`.
+    /// Print the effective configuration (`weir config [dump] [proxy flags]`), the
+    /// bootstrap Envoy would get (`weir config bootstrap [proxy flags]`), or every
+    /// environment variable the agent reads (`weir config env`).
     Config(PassThrough),
     /// The CNI plugin's node side: install, uninstall, repair.
     Cni(Box<crate::cni_cmd::CniArgs>),
@@ -84,7 +86,7 @@ pub enum PilotAgentCommand {
     /// XDS proxy agent: `pilot-agent proxy sidecar ...`.
     Proxy(PassThrough),
     /// Script to set up iptables to divert traffic to Envoy (istio-iptables).
-    #[command(name = "istio-iptables")]
+    #[command(name = "istio-iptables", args_override_self = true)]
     IstioIptables(Box<IstioIptablesArgs>),
     /// Wait for the Envoy proxy to become ready.
     Wait(PassThrough),

@@ -315,7 +315,11 @@ fn start_sidecar(
         .env(
             "PROXY_CONFIG",
             format!(
-                "{{\"binaryPath\": \"{}\", \"concurrency\": 1, \"terminationDrainDuration\": \"2s\"}}",
+                // Istio's bootstrap keeps only its own stats; the demo's proof reads the
+                // outbound cluster's and the inbound listener's, so it asks for them as
+                // an Istio user would (proxyStatsMatcher).
+                "{{\"binaryPath\": \"{}\", \"concurrency\": 1, \"terminationDrainDuration\": \"2s\", \
+                 \"proxyStatsMatcher\": {{\"inclusionPrefixes\": [\"cluster.outbound|\", \"listener.0.0.0.0_15006.\"]}}}}",
                 envoy.display()
             ),
         )

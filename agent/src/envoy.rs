@@ -1,7 +1,8 @@
-//! Envoy's lifecycle: its bootstrap (`bootstrap`), its command line, launch,
+//! Envoy's lifecycle: its bootstrap (`bootstrap`), what its user must reach (`access`), its command line, launch,
 //! graceful drain (`process`), supervision (`supervisor`), its admin API (`admin`) and whether it
 //! is ready to serve (`readiness`).
 
+pub mod access;
 pub mod admin;
 pub mod bootstrap;
 pub mod process;

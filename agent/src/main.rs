@@ -67,6 +67,27 @@ fn run_weir(cli: WeirCli) -> u8 {
         WeirCommand::Capture(args) => edge(capture_cmd::run(args)),
         WeirCommand::Wait(args) => wait(&args.args),
         WeirCommand::Request(args) => request(&args.args),
+        // `weir config env`: every environment variable the agent reads (docs/env.md).
+        WeirCommand::Config(args) if args.args.first().is_some_and(|a| a == "env") => {
+            print!("{}", config::vars::markdown());
+            exit::OK
+        }
+        // `weir config bootstrap [proxy flags]`: the bootstrap Envoy would get.
+        WeirCommand::Config(args) if args.args.first().is_some_and(|a| a == "bootstrap") => {
+            match load_config(&args.args[1..]) {
+                Ok(config) => match app::render_bootstrap(&config) {
+                    Ok((text, _)) => {
+                        print!("{text}");
+                        exit::OK
+                    }
+                    Err(e) => {
+                        eprintln!("weir: cannot render the bootstrap: {}", weir_agent::error_chain(&e));
+                        exit::FAILURE
+                    }
+                },
+                Err(code) => code,
+            }
+        }
         // `weir config [dump] [proxy flags]`: `dump` is optional.
         WeirCommand::Config(args) => {
             match load_config(args.args.strip_prefix(&["dump".to_string()]).unwrap_or(&args.args)) {

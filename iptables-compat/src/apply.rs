@@ -50,6 +50,8 @@ pub enum CaptureError {
     },
     #[error("tokio runtime for netlink")]
     Runtime(#[source] std::io::Error),
+    #[error("{input} names {kind} {name:?}, which does not exist on this host (nothing was changed)")]
+    UnknownName { input: &'static str, kind: &'static str, name: String },
 }
 
 /// Which backend programmed the rules.
@@ -284,6 +286,9 @@ fn program_here(cfg: &CaptureConfig, opts: &RunOptions) -> Result<Report, Captur
     if opts.dry_run {
         return dry_run(cfg, opts);
     }
+    if !opts.cleanup_only {
+        check_names(cfg, &crate::detect::SystemFacts::default())?;
+    }
     let lock = lock(opts);
     // Snapshot the nft tables so a routes failure can restore them.
     let mut nft_exec = crate::nft_exec::SystemNft;
@@ -310,6 +315,44 @@ fn program_here(cfg: &CaptureConfig, opts: &RunOptions) -> Result<Report, Captur
         });
     }
     Ok(report)
+}
+
+/// User and group names in the rules are the kernel tools' to resolve when the rules
+/// go in (a dry run prints them as given, as Istio's does); an unknown one is named
+/// here, before anything changes, rather than failing the transaction.
+pub fn check_names(cfg: &CaptureConfig, facts: &dyn crate::detect::HostFacts) -> Result<(), CaptureError> {
+    let numeric = |n: &str| n.parse::<u32>().is_ok();
+    for uid in cfg.proxy_uids.iter().filter(|u| !numeric(u)) {
+        if facts.user_id(uid).is_none() {
+            return Err(CaptureError::UnknownName {
+                input: "-u/--proxy-uid",
+                kind: "user",
+                name: uid.clone(),
+            });
+        }
+    }
+    for gid in cfg.proxy_gids.iter().filter(|g| !numeric(g)) {
+        if !facts.group_exists(gid) {
+            return Err(CaptureError::UnknownName {
+                input: "-g/--proxy-gid",
+                kind: "group",
+                name: gid.clone(),
+            });
+        }
+    }
+    let groups = match &cfg.owner_groups {
+        crate::config::OwnerGroups::AllExcept(g) | crate::config::OwnerGroups::Only(g) => g,
+    };
+    for group in groups.iter().filter(|g| !numeric(g)) {
+        if !facts.group_exists(group) {
+            return Err(CaptureError::UnknownName {
+                input: "ISTIO_OUTBOUND_OWNER_GROUPS[_EXCLUDE]",
+                kind: "group",
+                name: group.clone(),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// A CNI plugin working on a pod namespace never takes the node's xtables lock.

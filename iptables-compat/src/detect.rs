@@ -115,8 +115,9 @@ pub fn local_ip(addresses: &[IpAddr], dual_stack: bool) -> Option<(IpAddr, bool)
     found.first().map(|ip| (*ip, ipv6))
 }
 
-/// The `nameserver` addresses in a resolv.conf, split by family, printed canonically.
-/// Unparsable entries are skipped, as Istio does.
+/// The `nameserver` addresses in a resolv.conf, split by family as Istio splits them
+/// (`IPsSplitV4V6`: an IPv4-mapped IPv6 address stays IPv6), each printed as the
+/// kernel's tools print it ([`ipv6_text`]). Unparsable entries are skipped, as Istio does.
 pub fn resolv_conf_servers(text: &str) -> (Vec<String>, Vec<String>) {
     let mut v4 = Vec::new();
     let mut v6 = Vec::new();
@@ -128,14 +129,26 @@ pub fn resolv_conf_servers(text: &str) -> (Vec<String>, Vec<String>) {
         let Some(addr) = words.next() else { continue };
         match addr.parse::<IpAddr>() {
             Ok(IpAddr::V4(a)) => v4.push(a.to_string()),
-            Ok(IpAddr::V6(a)) => match a.to_ipv4_mapped() {
-                Some(m) => v4.push(m.to_string()),
-                None => v6.push(Ipv6Addr::to_string(&a)),
-            },
+            Ok(IpAddr::V6(a)) => v6.push(ipv6_text(a)),
             Err(_) => tracing::debug!(addr, "ignoring unparsable nameserver"),
         }
     }
     (v4, v6)
+}
+
+/// An IPv6 address as `inet_ntop` (and so `ip6tables-save`) writes it, which is also
+/// how Istio's goldens show it: RFC 5952 text, except that an IPv4-compatible
+/// (`::a.b.c.d`) or IPv4-mapped (`::ffff:a.b.c.d`) address keeps its dotted tail.
+pub fn ipv6_text(a: Ipv6Addr) -> String {
+    let s = a.segments();
+    let compatible = s[..6] == [0; 6] && s[6] != 0;
+    let mapped = s[..5] == [0; 5] && s[5] == 0xffff;
+    if compatible || mapped {
+        let [.., a1, a2, a3, a4] = a.octets();
+        let tail = std::net::Ipv4Addr::new(a1, a2, a3, a4);
+        return if mapped { format!("::ffff:{tail}") } else { format!("::{tail}") };
+    }
+    a.to_string()
 }
 
 #[cfg(test)]
@@ -160,5 +173,13 @@ mod tests {
     fn resolv_conf_servers_split_by_family() {
         let text = "# comment\nsearch ns.svc.cluster.local\nnameserver 10.96.0.10\nnameserver fd00::10\nnameserver bogus\noptions ndots:5\n";
         assert_eq!(resolv_conf_servers(text), (vec!["10.96.0.10".to_string()], vec!["fd00::10".to_string()]));
+    }
+
+    #[test]
+    fn ipv6_servers_print_as_inet_ntop_does() {
+        let text = "nameserver ::127.0.0.53\nnameserver ::ffff:10.0.0.1\nnameserver FD00:0::10\nnameserver ::1\nnameserver ::0.0.0.2\n";
+        let (v4, v6) = resolv_conf_servers(text);
+        assert!(v4.is_empty(), "an IPv4-mapped server stays IPv6, as Istio splits it: {v4:?}");
+        assert_eq!(v6, ["::127.0.0.53", "::ffff:10.0.0.1", "fd00::10", "::1", "::2"]);
     }
 }

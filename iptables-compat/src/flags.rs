@@ -191,23 +191,16 @@ impl IstioIptablesArgs {
         } else {
             uids
         };
+        // Names stay names: the kernel's tools resolve them when the rules go in
+        // (`apply::check_names` names an unknown one first), so a dry run is the
+        // same on any host.
         let proxy_uids: Vec<String> = split(&uids).into_iter().map(String::from).collect();
         if proxy_uids.is_empty() {
             return Err(ConfigError::new(uid_input, uids, "a uid or user name (comma-separated)"));
         }
-        for uid in &proxy_uids {
-            if uid.parse::<u32>().is_err() && facts.user_id(uid).is_none() {
-                return Err(ConfigError::new(&uid_input, uid, "a numeric uid or an existing user name"));
-            }
-        }
-        let (gid_input, gids) = text(src!(proxy_gid, "-g/--proxy-gid", ["PROXY_GID"]), "");
+        let (_, gids) = text(src!(proxy_gid, "-g/--proxy-gid", ["PROXY_GID"]), "");
         let gids = if gids.is_empty() { uids.clone() } else { gids };
         let proxy_gids: Vec<String> = split(&gids).into_iter().map(String::from).collect();
-        for gid in &proxy_gids {
-            if gid.parse::<u32>().is_err() && !facts.group_exists(gid) {
-                return Err(ConfigError::new(&gid_input, gid, "a numeric gid or an existing group name"));
-            }
-        }
 
         let (input, mode) =
             text(src!(mode, "-m/--istio-inbound-interception-mode", ["ISTIO_INBOUND_INTERCEPTION_MODE"]), "");
@@ -283,17 +276,6 @@ impl IstioIptablesArgs {
             &env("ISTIO_OUTBOUND_OWNER_GROUPS").unwrap_or_else(|| "*".into()),
             &env("ISTIO_OUTBOUND_OWNER_GROUPS_EXCLUDE").unwrap_or_default(),
         )?;
-        for group in match &owner_groups {
-            OwnerGroups::AllExcept(g) | OwnerGroups::Only(g) => g,
-        } {
-            if group.parse::<u32>().is_err() && !facts.group_exists(group) {
-                return Err(ConfigError::new(
-                    "ISTIO_OUTBOUND_OWNER_GROUPS[_EXCLUDE]",
-                    group,
-                    "a numeric gid or an existing group name",
-                ));
-            }
-        }
         let host_ipv4_loopback_cidr = parse_loopback_cidr(
             &env("ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR").unwrap_or_else(|| "127.0.0.1/32".into()),
         )?;
@@ -440,6 +422,7 @@ mod tests {
     use super::*;
 
     #[derive(Parser)]
+    #[command(args_override_self = true)]
     struct Cli {
         #[command(flatten)]
         args: IstioIptablesArgs,
@@ -540,6 +523,31 @@ mod tests {
     }
 
     #[test]
+    fn a_flag_given_twice_takes_the_last_value_as_pflag_does() {
+        let (_, opts) = resolve(&["-n", "--dry-run"], &[]).unwrap();
+        assert!(opts.dry_run);
+        let (cfg, _) = resolve(&["-p", "15001", "-p", "16001"], &[]).unwrap();
+        assert_eq!(cfg.proxy_port, 16001);
+    }
+
+    #[test]
+    fn names_are_kept_for_the_kernel_and_checked_only_when_applying() {
+        let env = [("ISTIO_OUTBOUND_OWNER_GROUPS", "nosuchgroup,202")];
+        let (cfg, _) = resolve(&["-u", "not-a-user", "-g", "wheel-less"], &env).unwrap();
+        assert_eq!(cfg.proxy_uids, ["not-a-user"]);
+        assert_eq!(cfg.proxy_gids, ["wheel-less"]);
+        let e = crate::apply::check_names(&cfg, &pod()).unwrap_err().to_string();
+        assert!(e.contains("-u/--proxy-uid names user \"not-a-user\""), "{e}");
+        let (cfg, _) = resolve(&["-u", "istio-proxy", "-g", "java"], &env).unwrap();
+        let e = crate::apply::check_names(&cfg, &pod()).unwrap_err().to_string();
+        assert!(e.contains("ISTIO_OUTBOUND_OWNER_GROUPS") && e.contains("nosuchgroup"), "{e}");
+        let (cfg, _) =
+            resolve(&["-u", "istio-proxy", "-g", "java"], &[("ISTIO_OUTBOUND_OWNER_GROUPS", "java,202")])
+                .unwrap();
+        crate::apply::check_names(&cfg, &pod()).unwrap();
+    }
+
+    #[test]
     fn bad_input_names_the_flag_and_the_form() {
         type Case<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)], &'a str);
         let cases: &[Case<'_>] = &[
@@ -552,11 +560,6 @@ mod tests {
             (&["-x", "*"], &[], "invalid -x/--istio-service-exclude-cidr: \"*\""),
             (&["-b", "80,http"], &[], "invalid -b/--istio-inbound-ports: \"http\""),
             (&["-d", "99999"], &[], "invalid -d/--istio-local-exclude-ports"),
-            (
-                &["-u", "not-a-user"],
-                &[],
-                "invalid -u/--proxy-uid: \"not-a-user\": a numeric uid or an existing user name",
-            ),
             (&["-p", "0"], &[], "invalid -p/--envoy-port"),
             (&["-t", "x"], &[], "invalid -t/--istio-inbound-tproxy-mark"),
             (&["--force-iptables-binary", "iptables"], &[], "legacy or nft"),
@@ -571,7 +574,6 @@ mod tests {
                 &[("ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR", "10.0.0.1/32")],
                 "ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR",
             ),
-            (&[], &[("ISTIO_OUTBOUND_OWNER_GROUPS", "nosuchgroup")], "nosuchgroup"),
         ];
         for (argv, env, want) in cases {
             let e = resolve(argv, env).unwrap_err().to_string();

@@ -25,6 +25,7 @@ pub mod http;
 pub mod http_server;
 pub mod istiod_ca;
 pub mod privilege;
+pub mod prototext;
 pub mod request_log;
 pub mod sidecar;
 pub mod tools;

@@ -23,13 +23,15 @@ pub struct SidecarRoot {
 }
 
 impl SidecarRoot {
-    /// Lays out the mounts: `etc/istio/proxy` and `var/run/secrets/workload-spiffe-uds`
-    /// (the injector's emptyDirs, writable by the proxy user),
+    /// Lays out the mounts: `etc/istio/proxy`, `var/run/secrets/workload-spiffe-uds` and
+    /// `var/run/secrets/credential-uds` (the injector's emptyDirs, writable by the proxy user),
     /// `var/run/secrets/istio/root-cert.pem` and `var/run/secrets/tokens/istio-token`.
     pub fn new(root_cert_pem: &str, token: &str) -> anyhow::Result<Self> {
         let dir = Dir::new("pod-root")?;
         let root = dir.path();
-        for dir in ["etc/istio/proxy", "var/run/secrets/workload-spiffe-uds"] {
+        for dir in
+            ["etc/istio/proxy", "var/run/secrets/workload-spiffe-uds", "var/run/secrets/credential-uds"]
+        {
             let dir = root.join(dir);
             std::fs::create_dir_all(&dir)?;
             std::os::unix::fs::chown(&dir, Some(PROXY_UID), Some(PROXY_UID))?;
@@ -54,6 +56,26 @@ impl SidecarRoot {
             "var/run/secrets/tokens",
         ] {
             std::fs::set_permissions(root.join(d), std::fs::Permissions::from_mode(0o755))?;
+        }
+        Ok(Self { dir })
+    }
+
+    /// A bare host's root (a VM, no Kubernetes volumes): only istiod's root
+    /// certificate and the token, every directory root's and 0755; the agent makes the
+    /// rest.
+    pub fn bare(root_cert_pem: &str, token: &str) -> anyhow::Result<Self> {
+        let dir = Dir::new("bare-root")?;
+        for (path, text) in [
+            ("var/run/secrets/istio/root-cert.pem", root_cert_pem),
+            ("var/run/secrets/tokens/istio-token", token),
+        ] {
+            let path = dir.path().join(path);
+            std::fs::create_dir_all(path.parent().expect("has a parent"))?;
+            std::fs::write(&path, text)?;
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644))?;
+        }
+        for d in ["var", "var/run", "var/run/secrets", "var/run/secrets/istio", "var/run/secrets/tokens"] {
+            std::fs::set_permissions(dir.path().join(d), std::fs::Permissions::from_mode(0o755))?;
         }
         Ok(Self { dir })
     }

@@ -455,6 +455,13 @@ fn an_existing_sds_socket_is_left_to_its_owner_and_a_stale_one_replaced() {
         move || std::os::unix::net::UnixStream::connect(path).is_ok()
     });
     assert!(spire.accept().is_ok() && dialer.join().unwrap(), "the socket still belongs to SPIRE");
+    // File-based secrets are still Weir's, on the credential socket, as pilot-agent's.
+    let files = root.path().join("var/run/secrets/credential-uds/files-socket");
+    assert!(
+        std::os::unix::net::UnixStream::connect(&files).is_ok(),
+        "no file-secret SDS server on {}",
+        files.display()
+    );
     std::thread::sleep(Duration::from_secs(1));
     assert!(ca.requests().is_empty(), "no CSR while another SDS server owns the identity");
     agent.terminate().unwrap();

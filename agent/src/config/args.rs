@@ -103,8 +103,24 @@ Flags (as pilot-agent's):
   --log_output_level string        agent log level (default default:info)
   --log_as_json                    agent logs as JSON";
 
+/// The flags pilot-agent takes without a value (`--profiling`, `--profiling=false`).
+const BOOL_FLAGS: &[&str] = &["profiling", "log_as_json", "log_caller_enabled"];
+/// pilot-agent's logging flags Weir accepts and ignores (its logs are `WEIR_LOG`'s).
+const IGNORED_WITH_VALUE: &[&str] = &[
+    "log_target",
+    "log_caller",
+    "log_stacktrace_level",
+    "log_rotate",
+    "log_rotate_max_age",
+    "log_rotate_max_backups",
+    "log_rotate_max_size",
+    "vklog",
+];
+
 impl ProxyArgs {
-    /// Parses the arguments after `proxy`.
+    /// Parses the arguments after `proxy` as pflag does: `--name value`,
+    /// `--name=value`, `-name`, `--` ending the flags; unknown flags are kept to be
+    /// warned about, as pilot-agent's whitelist does.
     pub fn parse(args: &[String]) -> Result<Self, ConfigError> {
         let mut out = Self::default();
         let mut positional = Vec::new();
@@ -125,90 +141,33 @@ impl ProxyArgs {
                 Some((n, v)) => (n, Some(v.to_string())),
                 None => (flag, None),
             };
-            let bad = |expected: &'static str, value: &str| ConfigError::Flag {
-                name: format!("--{name}"),
-                value: value.to_string(),
-                expected,
-            };
-            if matches!(name, "profiling" | "log_as_json" | "log_caller_enabled") {
-                let value = match inline.as_deref() {
-                    None => true,
-                    Some(v) => super::env::parse_bool(v).ok_or_else(|| bad("true or false", v))?,
-                };
-                match name {
-                    "profiling" => out.profiling = value,
-                    "log_as_json" => out.log_as_json = value,
-                    _ => {}
-                }
+            if BOOL_FLAGS.contains(&name) {
+                out.set_bool(name, inline.as_deref())?;
                 continue;
             }
-            let mut value = || -> Result<String, ConfigError> {
-                if let Some(v) = &inline {
-                    return Ok(v.clone());
+            if matches!(name, "h" | "help") {
+                return Err(ConfigError::Help);
+            }
+            let known = name_is_known(name);
+            let value = match inline {
+                Some(v) => Some(v),
+                // pflag's whitelist: an unknown flag's next word is its value unless it
+                // looks like a flag.
+                None if !known && args.get(i).is_none_or(|a| a.starts_with('-')) => None,
+                None => {
+                    let v = args.get(i).cloned().ok_or_else(|| flag_error(name, "", "a value"))?;
+                    i += 1;
+                    Some(v)
                 }
-                let v = args.get(i).cloned().ok_or_else(|| ConfigError::Flag {
-                    name: format!("--{name}"),
-                    value: String::new(),
-                    expected: "a value",
-                })?;
-                i += 1;
-                Ok(v)
             };
-            match name {
-                "domain" => out.domain = value()?,
-                "meshConfig" => out.mesh_config = value()?,
-                "serviceCluster" => out.service_cluster = value()?,
-                "proxyLogLevel" => {
-                    let v = value()?;
-                    let level = v.split(',').next().unwrap_or_default();
-                    if !level.contains(':') && !LOG_LEVELS.contains(&level) {
-                        return Err(bad("one of trace, debug, info, warning, error, critical, off", &v));
-                    }
-                    out.proxy_log_level = v;
-                }
-                "proxyComponentLogLevel" => out.proxy_component_log_level = value()?,
-                "concurrency" => {
-                    let v = value()?;
-                    out.concurrency = v.parse().map_err(|_| bad("a non-negative integer", &v))?;
-                }
-                "templateFile" => out.template_file = value()?,
-                "outlierLogPath" => out.outlier_log_path = value()?,
-                "stsPort" => {
-                    let v = value()?;
-                    out.sts_port = v.parse().map_err(|_| bad("a port number", &v))?;
-                }
-                "tokenManagerPlugin" => out.token_manager_plugin = value()?,
-                // Istio 1.7's injector still passes it (seed 003); later pilot-agents
-                // take the trust domain from TRUST_DOMAIN / meshConfig instead.
-                "trust-domain" => out.trust_domain = Some(value()?),
-                "discovery-address" | "discoveryAddress" => out.discovery_address = Some(value()?),
-                "mesh-services" => out.mesh_services = Some(value()?),
-                "state-dir" => out.state_dir = Some(value()?),
-                "log_output_level" => out.log_output_level = value()?,
-                "log_target"
-                | "log_caller"
-                | "log_stacktrace_level"
-                | "log_rotate"
-                | "log_rotate_max_age"
-                | "log_rotate_max_backups"
-                | "log_rotate_max_size"
-                | "vklog" => {
-                    let _ = value()?;
-                }
-                "h" | "help" => return Err(ConfigError::Help),
-                unknown => {
-                    // pflag's whitelist: the next word is this flag's value unless it
-                    // looks like a flag.
-                    if inline.is_none() && args.get(i).is_some_and(|a| !a.starts_with('-')) {
-                        i += 1;
-                    }
-                    out.ignored.push(format!("--{unknown}"));
-                }
+            match value {
+                Some(value) if known => out.set(name, value)?,
+                _ => out.ignored.push(format!("--{name}")),
             }
         }
-        match positional.first().map(String::as_str) {
-            None | Some("sidecar") => out.proxy_type = ProxyType::Sidecar,
-            Some("router") => out.proxy_type = ProxyType::Router,
+        out.proxy_type = match positional.first().map(String::as_str) {
+            None | Some("sidecar") => ProxyType::Sidecar,
+            Some("router") => ProxyType::Router,
             Some(other) => {
                 return Err(ConfigError::Flag {
                     name: "proxy type".into(),
@@ -216,9 +175,86 @@ impl ProxyArgs {
                     expected: "sidecar or router",
                 });
             }
-        }
+        };
         Ok(out)
     }
+
+    fn set_bool(&mut self, name: &str, inline: Option<&str>) -> Result<(), ConfigError> {
+        let value = match inline {
+            None => true,
+            Some(v) => super::env::parse_bool(v).ok_or_else(|| flag_error(name, v, "true or false"))?,
+        };
+        match name {
+            "profiling" => self.profiling = value,
+            "log_as_json" => self.log_as_json = value,
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Sets a known flag that takes a value.
+    fn set(&mut self, name: &str, v: String) -> Result<(), ConfigError> {
+        match name {
+            "domain" => self.domain = v,
+            "meshConfig" => self.mesh_config = v,
+            "serviceCluster" => self.service_cluster = v,
+            "proxyLogLevel" => {
+                let level = v.split(',').next().unwrap_or_default();
+                if !level.contains(':') && !LOG_LEVELS.contains(&level) {
+                    return Err(flag_error(
+                        name,
+                        &v,
+                        "one of trace, debug, info, warning, error, critical, off",
+                    ));
+                }
+                self.proxy_log_level = v;
+            }
+            "proxyComponentLogLevel" => self.proxy_component_log_level = v,
+            "concurrency" => {
+                self.concurrency = v.parse().map_err(|_| flag_error(name, &v, "a non-negative integer"))?
+            }
+            "templateFile" => self.template_file = v,
+            "outlierLogPath" => self.outlier_log_path = v,
+            "stsPort" => self.sts_port = v.parse().map_err(|_| flag_error(name, &v, "a port number"))?,
+            "tokenManagerPlugin" => self.token_manager_plugin = v,
+            // Istio 1.7's injector still passes it (seed 003); later pilot-agents take
+            // the trust domain from TRUST_DOMAIN / meshConfig instead.
+            "trust-domain" => self.trust_domain = Some(v),
+            "discovery-address" | "discoveryAddress" => self.discovery_address = Some(v),
+            "mesh-services" => self.mesh_services = Some(v),
+            "state-dir" => self.state_dir = Some(v),
+            "log_output_level" => self.log_output_level = v,
+            _ => {} // IGNORED_WITH_VALUE
+        }
+        Ok(())
+    }
+}
+
+/// Flags `ProxyArgs::set` takes, and the ignored ones that still take a value.
+fn name_is_known(name: &str) -> bool {
+    const KNOWN: &[&str] = &[
+        "domain",
+        "meshConfig",
+        "serviceCluster",
+        "proxyLogLevel",
+        "proxyComponentLogLevel",
+        "concurrency",
+        "templateFile",
+        "outlierLogPath",
+        "stsPort",
+        "tokenManagerPlugin",
+        "trust-domain",
+        "discovery-address",
+        "discoveryAddress",
+        "mesh-services",
+        "state-dir",
+        "log_output_level",
+    ];
+    KNOWN.contains(&name) || IGNORED_WITH_VALUE.contains(&name)
+}
+
+fn flag_error(name: &str, value: &str, expected: &'static str) -> ConfigError {
+    ConfigError::Flag { name: format!("--{name}"), value: value.to_string(), expected }
 }
 
 #[cfg(test)]

@@ -1,81 +1,13 @@
 //! Where environment variables come from: the process, or a map in tests (no
-//! `set_var`). Typed getters parse as Go's `strconv`/`time` do, since Istio's env
-//! values are written for pilot-agent, and name the variable when a value is wrong.
+//! `set_var`). Values are read through the table in `vars.rs`, whose entries parse
+//! them as Go's `strconv`/`time` do (Istio's env values are written for pilot-agent).
 
 use std::{collections::BTreeMap, time::Duration};
-
-use super::ConfigError;
 
 pub trait Env {
     fn var(&self, name: &str) -> Option<String>;
     /// Every variable, for prefixed families (`XDS_HEADER_*`).
     fn vars(&self) -> Vec<(String, String)>;
-
-    /// A non-empty value.
-    fn text(&self, name: &str) -> Option<String> {
-        self.var(name).filter(|v| !v.is_empty())
-    }
-
-    fn bool_or(&self, name: &str, default: bool) -> Result<bool, ConfigError> {
-        match self.text(name) {
-            None => Ok(default),
-            Some(v) => parse_bool(&v).ok_or(ConfigError::Env {
-                name: name.into(),
-                value: v,
-                expected: "a boolean (true/false/1/0)",
-            }),
-        }
-    }
-
-    fn duration_or(&self, name: &str, default: Duration) -> Result<Duration, ConfigError> {
-        match self.text(name) {
-            None => Ok(default),
-            Some(v) => parse_duration(&v).ok_or(ConfigError::Env {
-                name: name.into(),
-                value: v,
-                expected: "a duration such as 5s, 100ms or 1m30s",
-            }),
-        }
-    }
-
-    fn u32_or(&self, name: &str, default: u32) -> Result<u32, ConfigError> {
-        match self.text(name) {
-            None => Ok(default),
-            Some(v) => v.parse().map_err(|_| ConfigError::Env {
-                name: name.into(),
-                value: v,
-                expected: "a whole number",
-            }),
-        }
-    }
-
-    /// A float in `range` (Go's `strconv.ParseFloat` forms).
-    fn f64_in(
-        &self,
-        name: &str,
-        default: f64,
-        range: std::ops::RangeInclusive<f64>,
-    ) -> Result<f64, ConfigError> {
-        match self.text(name) {
-            None => Ok(default),
-            Some(v) => v.parse::<f64>().ok().filter(|f| range.contains(f)).ok_or(ConfigError::Env {
-                name: name.into(),
-                value: v,
-                expected: "a number between 0 and 1",
-            }),
-        }
-    }
-
-    fn u16_or(&self, name: &str, default: u16) -> Result<u16, ConfigError> {
-        match self.text(name) {
-            None => Ok(default),
-            Some(v) => v.parse().map_err(|_| ConfigError::Env {
-                name: name.into(),
-                value: v,
-                expected: "a port number (0-65535)",
-            }),
-        }
-    }
 }
 
 /// The process environment.
@@ -140,12 +72,5 @@ mod tests {
         assert_eq!(parse_bool("yes"), None);
         assert_eq!(format_duration(Duration::from_secs(45)), "45s");
         assert_eq!(format_duration(Duration::from_millis(500)), "0.5s");
-    }
-
-    #[test]
-    fn errors_name_the_variable() {
-        let env = MapEnv::from([("DNS_FORWARD_TIMEOUT", "soon")]);
-        let e = env.duration_or("DNS_FORWARD_TIMEOUT", Duration::from_secs(5)).unwrap_err();
-        assert!(e.to_string().contains("DNS_FORWARD_TIMEOUT") && e.to_string().contains("soon"), "{e}");
     }
 }

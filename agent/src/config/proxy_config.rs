@@ -12,8 +12,9 @@ use serde::{Deserialize, Serialize};
 use serde_yaml_ng::Value;
 
 use super::{
-    ConfigError,
+    ConfigError, Sources,
     env::{format_duration, parse_duration},
+    vars,
 };
 
 /// `controlPlaneAuthPolicy`.
@@ -71,7 +72,7 @@ impl Default for ProxyConfig {
         Self {
             config_path: "./etc/istio/proxy".into(),
             binary_path: "/usr/local/bin/envoy".into(),
-            service_cluster: String::new(),
+            service_cluster: "istio-proxy".into(),
             drain_duration: Duration::from_secs(45),
             termination_drain_duration: Duration::from_secs(5),
             discovery_address: "istiod.istio-system.svc:15012".into(),
@@ -205,13 +206,21 @@ fn snake_to_camel(key: &str) -> String {
     out
 }
 
+/// Field names in `camelCase` at every level of nested messages; the keys of map
+/// fields (`proxyMetadata`, `runtimeValues`, `customTags`) are data and stay.
 fn normalize_keys(value: Value) -> Value {
     match value {
         Value::Mapping(m) => Value::Mapping(
             m.into_iter()
-                .map(|(k, v)| (k.as_str().map(|s| Value::String(snake_to_camel(s))).unwrap_or(k), v))
+                .map(|(k, v)| {
+                    let Some(name) = k.as_str().map(snake_to_camel) else { return (k, v) };
+                    let v =
+                        if super::proxy_json::MAPS.contains(&name.as_str()) { v } else { normalize_keys(v) };
+                    (Value::String(name), v)
+                })
                 .collect(),
         ),
+        Value::Sequence(items) => Value::Sequence(items.into_iter().map(normalize_keys).collect()),
         other => other,
     }
 }
@@ -245,6 +254,66 @@ pub fn layered(layers: &[Layer<'_>]) -> Result<ProxyConfig, ConfigError> {
         source_name: "merged ProxyConfig".into(),
         message: e.to_string(),
     })
+}
+
+/// The effective ProxyConfig: the layers as Istio stacks them, then the flags and
+/// annotations that override single fields.
+pub fn resolve(src: &Sources<'_>) -> Result<ProxyConfig, ConfigError> {
+    let args = src.args;
+    let mesh_text = src.files.read(std::path::Path::new(&args.mesh_config))?;
+    let mesh_default = match &mesh_text {
+        Some(text) => mesh_default_config(&args.mesh_config, text)?,
+        None => None,
+    };
+    let proxy_env = vars::PROXY_CONFIG.value(src.env);
+    let mut layers = Vec::new();
+    if let Some(text) = &mesh_default {
+        layers.push(Layer { source: format!("mesh config {} defaultConfig", args.mesh_config), yaml: text });
+    }
+    if let Some(text) = &proxy_env {
+        layers.push(Layer { source: "PROXY_CONFIG".into(), yaml: text });
+    }
+    if let Some(text) = src.annotations.get("proxy.istio.io/config") {
+        layers.push(Layer { source: "annotation proxy.istio.io/config".into(), yaml: text });
+    }
+    let mut config = layered(&layers)?;
+    // No concurrency configured: the container's CPU limit, as pilot-agent reads it.
+    if config.concurrency.is_none() {
+        let limit = vars::ISTIO_CPU_LIMIT.count(src.env)?;
+        if limit != 0 {
+            config.concurrency = Some(limit);
+        }
+    }
+    if args.concurrency != 0 {
+        tracing::warn!(
+            concurrency = args.concurrency,
+            "legacy --concurrency flag detected; prefer ProxyConfig"
+        );
+        config.concurrency = Some(args.concurrency);
+    }
+    // `--templateFile` is ProxyConfig's template (and so shows in PROXY_CONFIG),
+    // unless a custom bootstrap is used instead.
+    if !args.template_file.is_empty() && config.custom_config_file.is_empty() {
+        config.proxy_bootstrap_template_path = args.template_file.clone();
+    }
+    // `--serviceCluster` only fills a ProxyConfig that names the serviceCluster
+    // variant with no value; Istio's default naming (tracingServiceName
+    // APP_LABEL_AND_NAMESPACE) ignores it, and so does Weir.
+    if let Some(address) = src.annotations.get("sidecar.istio.io/discoveryAddress") {
+        config.discovery_address = address.clone();
+    }
+    match args.discovery_address.as_deref() {
+        Some("embedded") => config.discovery_address = crate::standalone::EMBEDDED_ADDRESS.into(),
+        Some(address) => config.discovery_address = address.into(),
+        None => {}
+    }
+    if let Some(port) = src.annotations.get("status.sidecar.istio.io/port") {
+        config.status_port = port.parse().map_err(|_| ConfigError::ProxyConfig {
+            source_name: "annotation status.sidecar.istio.io/port".into(),
+            message: format!("{port:?} is not a port number"),
+        })?;
+    }
+    Ok(config)
 }
 
 /// The `defaultConfig` of a mesh config file, as YAML text (other mesh fields are not

@@ -42,10 +42,14 @@ pub struct EnvoySettings {
     /// `customConfigFile` used as is.
     pub bootstrap: PathBuf,
     pub custom_bootstrap: bool,
-    /// `--templateFile` / `proxyBootstrapTemplatePath`: rendered instead of the bundled
-    /// bootstrap.
+    /// The Go template rendered (`ISTIO_BOOTSTRAP`, `--templateFile` /
+    /// `proxyBootstrapTemplatePath`, or the image's); `None`: Weir's built-in bootstrap.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub template: Option<PathBuf>,
+    /// What the bootstrap options read from the environment.
+    pub bootstrap_env: crate::envoy::bootstrap::BootstrapEnv,
+    /// `ENVOY_SKIP_DEPRECATED_LOGS` (default true): Envoy's `--skip-deprecated-logs`.
+    pub skip_deprecated_logs: bool,
     /// `ISTIO_BOOTSTRAP_OVERRIDE`: merged by Envoy (`--config-yaml`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bootstrap_override: Option<PathBuf>,
@@ -96,6 +100,9 @@ pub fn args(s: &EnvoySettings, override_json: Option<&str>) -> Vec<String> {
     ];
     if !s.component_log_level.is_empty() {
         args.extend(["--component-log-level".into(), s.component_log_level.clone()]);
+    }
+    if s.skip_deprecated_logs {
+        args.push("--skip-deprecated-logs".into());
     }
     if let Some(json) = override_json {
         args.extend(["--config-yaml".into(), json.into()]);
@@ -311,6 +318,8 @@ mod tests {
             bootstrap: "./etc/istio/proxy/envoy-rev.json".into(),
             custom_bootstrap: false,
             template: None,
+            bootstrap_env: Default::default(),
+            skip_deprecated_logs: true,
             bootstrap_override: None,
             drain_duration: Duration::from_secs(45),
             drain: DrainPolicy::Fixed { wait: Duration::from_secs(5) },
@@ -332,7 +341,7 @@ mod tests {
             "-c ./etc/istio/proxy/envoy-rev.json --drain-time-s 45 --drain-strategy immediate \
              --local-address-ip-version v4 --file-flush-interval-msec 1000 --disable-hot-restart \
              --allow-unknown-static-fields -l warning --component-log-level misc:error \
-             --config-yaml {\"a\":1} --concurrency 2"
+             --skip-deprecated-logs --config-yaml {\"a\":1} --concurrency 2"
         );
     }
 

@@ -1,7 +1,10 @@
 //! Readiness as pilot-agent's probe decides it: Envoy has accepted at least one CDS
 //! and one LDS update (with distinct messages for "nothing received" and "rejected"),
-//! and it is LIVE with its workers started; both are cached once true, as Envoy never
-//! goes back. After SIGTERM the answer is "draining".
+//! and it is LIVE with its workers started and no listener still warming (one waits
+//! there for a secret or route it cannot get: an SDS socket Envoy's user cannot reach
+//! keeps the inbound listener warming, and the pod must not look ready); both are
+//! cached once true, as pilot-agent caches them. After SIGTERM the answer is
+//! "draining".
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -13,6 +16,7 @@ const LDS_SUCCESS: &str = "listener_manager.lds.update_success";
 const LDS_REJECTED: &str = "listener_manager.lds.update_rejected";
 const SERVER_STATE: &str = "server.state";
 const WORKERS_STARTED: &str = "listener_manager.workers_started";
+const LISTENERS_WARMING: &str = "listener_manager.total_listeners_warming";
 
 /// Shared by the status server and the lifecycle.
 pub struct Readiness {
@@ -78,7 +82,10 @@ impl Readiness {
             }
         }
         if !self.envoy_ready.load(Ordering::SeqCst) {
-            let s = admin.stats_named(&[SERVER_STATE, WORKERS_STARTED]).await.map_err(admin_error)?;
+            let s = admin
+                .stats_named(&[SERVER_STATE, WORKERS_STARTED, LISTENERS_WARMING])
+                .await
+                .map_err(admin_error)?;
             // server.state: 0 LIVE, 1 DRAINING, 2 PRE_INITIALIZING, 3 INITIALIZING.
             if s[SERVER_STATE] != 0 || s[WORKERS_STARTED] != 1 {
                 return Err(format!(
@@ -86,8 +93,57 @@ impl Readiness {
                     s[SERVER_STATE], s[WORKERS_STARTED]
                 ));
             }
+            if s[LISTENERS_WARMING] > 0 {
+                return Err(format!(
+                    "Envoy is not ready: {} listeners still warming (waiting for a secret or route)",
+                    s[LISTENERS_WARMING]
+                ));
+            }
             self.envoy_ready.store(true, Ordering::SeqCst);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+    use super::*;
+
+    /// An Envoy admin stand-in answering `/stats` with `stats`, whatever the filter.
+    async fn fake_admin(stats: Arc<Mutex<String>>) -> u16 {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        tokio::spawn(async move {
+            while let Ok((mut conn, _)) = listener.accept().await {
+                let body = stats.lock().unwrap().clone();
+                tokio::spawn(async move {
+                    let mut buf = [0u8; 4096];
+                    let _ = conn.read(&mut buf).await;
+                    let reply = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                    let _ = conn.write_all(reply.as_bytes()).await;
+                });
+            }
+        });
+        port
+    }
+
+    #[tokio::test]
+    async fn a_warming_listener_keeps_envoy_unready() {
+        let config = "cluster_manager.cds.update_success: 1\nlistener_manager.lds.update_success: 1\n";
+        let live = "server.state: 0\nlistener_manager.workers_started: 1\n";
+        let stats =
+            Arc::new(Mutex::new(format!("{config}{live}listener_manager.total_listeners_warming: 1\n")));
+        let readiness = Readiness::new(Some(EnvoyAdmin::new(fake_admin(stats.clone()).await)));
+        let e = readiness.check().await.unwrap_err();
+        assert!(e.contains("1 listeners still warming"), "{e}");
+        *stats.lock().unwrap() = format!("{config}{live}listener_manager.total_listeners_warming: 0\n");
+        readiness.check().await.unwrap();
     }
 }

@@ -6,10 +6,7 @@
 //! written there, and Istio's listener name template for gRPC servers. Pure, plus an
 //! atomic write.
 
-use std::{
-    collections::BTreeMap,
-    path::{Path, PathBuf},
-};
+use std::path::{Path, PathBuf};
 
 use serde_json::{Value, json};
 
@@ -19,7 +16,7 @@ pub const SERVER_LISTENER_TEMPLATE: &str = "xds.istio.io/grpc/lds/inbound/%s";
 /// The bootstrap document.
 pub fn render(
     node_id: &str,
-    metadata: &BTreeMap<String, Value>,
+    metadata: &serde_json::Map<String, Value>,
     xds_socket: &Path,
     cert_dir: Option<&Path>,
 ) -> Value {
@@ -77,7 +74,8 @@ mod tests {
 
     #[test]
     fn the_bootstrap_is_pilot_agents() {
-        let meta = [("CLUSTER_ID".to_string(), json!("Kubernetes"))].into();
+        let meta: serde_json::Map<String, Value> =
+            [("CLUSTER_ID".to_string(), json!("Kubernetes"))].into_iter().collect();
         let b = render(
             "sidecar~10.0.0.5~app.ns~ns.svc.cluster.local",
             &meta,
