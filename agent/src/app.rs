@@ -227,7 +227,10 @@ impl Agent {
         let embedded = match &c.standalone {
             Some(settings) => {
                 let ip = c.pod.ip();
-                Some((crate::standalone::start(settings, ip, embedded_stop.clone()).await?, embedded_stop))
+                let signing =
+                    crate::controlplane::SigningPolicy::new(&c.identity.identity, c.identity.secret_ttl);
+                let cp = crate::standalone::start(settings, ip, signing, embedded_stop.clone()).await?;
+                Some((cp, embedded_stop))
             }
             None => None,
         };

@@ -1,7 +1,7 @@
 //! A small local control plane, what standalone mode embeds: an ADS server (SotW and
 //! Delta) that serves a snapshot of resources with the checks istiod makes on a stream
 //! (bearer token, `ClusterID`) and tells an observer what it sees (`observe`), a CA
-//! that signs workload CSRs with the mesh root (`ca`), and builders for the Envoy
+//! that signs a workload's own CSRs with the mesh root under a policy (`ca`), and builders for the Envoy
 //! resources it serves (`resources`). It does no config translation (no Kubernetes,
 //! no Istio APIs): callers hand it Envoy resources. The tests run it as istiod, with
 //! their own CA and request log beside it (weir-tests).
@@ -25,7 +25,7 @@ use weir_proto::{
 };
 
 pub use ads::{AdsServer, AuthPolicy};
-pub use ca::{MeshCa, WorkloadCa};
+pub use ca::{MeshCa, SigningPolicy, WorkloadCa};
 pub use observe::{AdsObserver, ObservedRequest, ObservedStream};
 pub use snapshot::{Snapshot, TypeSnapshot};
 

@@ -4,6 +4,12 @@
 //! be told to fail, to answer slowly, to send only the leaf, garbage or an expired root,
 //! to force a short lifetime, and to rotate its root — the cases the agent's CA client
 //! must survive. Every request is recorded.
+//!
+//! istiod signs the identity the caller's token names. The tests give every workload
+//! one shared token, so this stand-in signs the workload SPIFFE ID the CSR names (its
+//! first URI SAN), through the product's `SigningPolicy` for that identity: any other
+//! SAN is refused as standalone mode refuses it, and lifetimes are capped at istiod's
+//! default maximum (`MAX_WORKLOAD_CERT_TTL`, 90 days).
 
 use std::{
     sync::{Arc, Mutex},
@@ -11,7 +17,10 @@ use std::{
 };
 
 use tonic::{Request, Response, Status};
-use weir_agent::controlplane::MeshCa;
+use weir_agent::{
+    controlplane::{MeshCa, SigningPolicy},
+    identity::WorkloadIdentity,
+};
 use weir_proto::istio::v1::auth::{
     IstioCertificateRequest, IstioCertificateResponse,
     istio_certificate_service_server::IstioCertificateService,
@@ -45,8 +54,11 @@ pub struct CaRequest {
     pub csr: String,
 }
 
-/// The lifetime of a certificate whose request names none.
+/// The lifetime of a certificate whose request names none (istiod's
+/// `DEFAULT_WORKLOAD_CERT_TTL`).
 const DEFAULT_LIFETIME: Duration = Duration::from_secs(24 * 3600);
+/// The longest lifetime signed (istiod's `MAX_WORKLOAD_CERT_TTL`).
+const MAX_LIFETIME: Duration = Duration::from_secs(90 * 24 * 3600);
 
 struct State {
     root: MeshCa,
@@ -130,6 +142,19 @@ fn uri_sans(csr_pem: &str) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// `spiffe://<trust domain>/ns/<namespace>/sa/<account>`, parsed.
+fn workload_identity(uri: &str) -> Option<WorkloadIdentity> {
+    let rest = uri.strip_prefix("spiffe://")?;
+    match rest.split('/').collect::<Vec<_>>().as_slice() {
+        [trust_domain, "ns", namespace, "sa", account] => Some(WorkloadIdentity {
+            trust_domain: trust_domain.to_string(),
+            namespace: namespace.to_string(),
+            service_account: account.to_string(),
+        }),
+        _ => None,
+    }
+}
+
 /// A CA certificate that expired ten days ago (PEM).
 fn expired_root(org: &str) -> Result<String, rcgen::Error> {
     let key = rcgen::KeyPair::generate()?;
@@ -156,12 +181,14 @@ impl IstioCertificateService for IstiodCa {
                 Some(prost_types::value::Kind::StringValue(s)) if !s.is_empty() => Some(s.clone()),
                 _ => None,
             });
+        let uri_sans = uri_sans(&body.csr);
+        let asked = uri_sans.first().and_then(|uri| workload_identity(uri));
         let (root, behaviour, delay, forced) = {
             let mut state = self.state();
             state.requests.push(CaRequest {
                 authorization: authorization.clone(),
                 validity_seconds: body.validity_duration,
-                uri_sans: uri_sans(&body.csr),
+                uri_sans,
                 cert_signer,
                 csr: body.csr.clone(),
             });
@@ -181,7 +208,16 @@ impl IstioCertificateService for IstiodCa {
                 .filter(|s| *s > 0)
                 .map_or(DEFAULT_LIFETIME, Duration::from_secs)
         });
-        let leaf = || root.sign(&body.csr, lifetime).map_err(|e| e.to_status());
+        let seconds = i64::try_from(lifetime.as_secs()).unwrap_or(i64::MAX);
+        let leaf = || {
+            let Some(identity) = &asked else {
+                let e = rcgen::CertificateSigningRequestParams::from_pem(&body.csr).err();
+                let why = e.map_or("no workload SPIFFE ID".to_string(), |e| format!("not a valid CSR: {e}"));
+                return Err(Status::invalid_argument(format!("the CSR asks for {why}")));
+            };
+            let policy = SigningPolicy::new(identity, forced.unwrap_or(MAX_LIFETIME));
+            root.sign(&body.csr, seconds, &policy).map(|s| s.leaf_pem).map_err(|e| e.to_status())
+        };
         let chain = match behaviour {
             CaBehaviour::Fail(code, message) => return Err(Status::new(code, message)),
             CaBehaviour::Garbage => vec!["not a certificate".into(), "still not one".into()],

@@ -1,11 +1,14 @@
-//! The control plane's certificate authority as standalone mode serves it:
-//! `istio.v1.auth.IstioCertificateService/CreateCertificate`, answering with the leaf
-//! the mesh root (`root`) signs and the root, as istiod's CA answers workloads. Nothing
-//! about a request is kept; issuances are logged.
+//! The control plane's certificate authority as standalone mode serves it, for one
+//! workload: `istio.v1.auth.IstioCertificateService/CreateCertificate`, answering with
+//! the leaf the mesh root (`root`) signs and the root, as istiod's CA answers workloads.
+//! Anyone in the pod can reach it (127.0.0.1, no token), so every CSR goes through the
+//! workload's `SigningPolicy` (`policy`): its own SPIFFE ID only, for at most its TTL.
+//! A refusal is PERMISSION_DENIED (another identity) or INVALID_ARGUMENT (no identity,
+//! not a CSR) naming what was asked and what is allowed. Nothing about a request is
+//! kept; issuances and refusals are logged.
 
+mod policy;
 mod root;
-
-use std::time::Duration;
 
 use tonic::{Request, Response, Status};
 use weir_proto::istio::v1::auth::{
@@ -13,20 +16,24 @@ use weir_proto::istio::v1::auth::{
     istio_certificate_service_server::IstioCertificateService,
 };
 
-pub use root::{CaError, MeshCa, ROOT_CERT_FILE, ROOT_KEY_FILE, SignError};
+pub use policy::{Approved, Refusal, SigningPolicy};
+pub use root::{CaError, MeshCa, ROOT_CERT_FILE, ROOT_KEY_FILE, SignError, Signed};
 
-/// The lifetime of a certificate whose request names none.
-const DEFAULT_LIFETIME: Duration = Duration::from_secs(24 * 3600);
-
-/// The CA service over a mesh root. Clones share the root.
+/// The CA service for one workload. Clones share the root.
 #[derive(Clone)]
 pub struct WorkloadCa {
     ca: MeshCa,
+    policy: SigningPolicy,
 }
 
 impl WorkloadCa {
-    pub fn new(ca: MeshCa) -> Self {
-        Self { ca }
+    pub fn new(ca: MeshCa, policy: SigningPolicy) -> Self {
+        Self { ca, policy }
+    }
+
+    /// What it signs.
+    pub fn policy(&self) -> &SigningPolicy {
+        &self.policy
     }
 
     pub fn root_pem(&self) -> &str {
@@ -41,12 +48,19 @@ impl IstioCertificateService for WorkloadCa {
         request: Request<IstioCertificateRequest>,
     ) -> Result<Response<IstioCertificateResponse>, Status> {
         let body = request.into_inner();
-        let lifetime = u64::try_from(body.validity_duration)
-            .ok()
-            .filter(|s| *s > 0)
-            .map_or(DEFAULT_LIFETIME, Duration::from_secs);
-        let leaf = self.ca.sign(&body.csr, lifetime).map_err(|e| e.to_status())?;
-        tracing::info!(lifetime_seconds = lifetime.as_secs(), "workload certificate issued");
-        Ok(Response::new(IstioCertificateResponse { cert_chain: vec![leaf, self.ca.root_pem().to_string()] }))
+        let signed = self.ca.sign(&body.csr, body.validity_duration, &self.policy).map_err(|e| {
+            tracing::warn!(error = %crate::error_chain(&e), allowed = self.policy.identity(), "CSR refused");
+            e.to_status()
+        })?;
+        tracing::info!(
+            identity = %signed.approved.identity,
+            lifetime_seconds = signed.approved.lifetime.as_secs(),
+            requested_seconds = body.validity_duration,
+            capped = signed.approved.capped,
+            "workload certificate issued"
+        );
+        Ok(Response::new(IstioCertificateResponse {
+            cert_chain: vec![signed.leaf_pem, self.ca.root_pem().to_string()],
+        }))
     }
 }

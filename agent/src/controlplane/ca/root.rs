@@ -1,8 +1,11 @@
 //! The mesh CA's root: an ECDSA P-256 self-signed certificate and its key, made fresh or
 //! kept in a state directory that every workload of the mesh shares, and the signing of
-//! workload certificates with it.
+//! workload certificates with it, only as a `SigningPolicy` approves: the certificate
+//! carries the approved SPIFFE ID and lifetime and nothing else the CSR asked for.
 
-use std::{path::Path, sync::Arc, time::Duration};
+use std::{path::Path, sync::Arc};
+
+use super::policy::{Approved, Refusal, SigningPolicy};
 
 /// The persisted root's files in a state directory.
 pub const ROOT_CERT_FILE: &str = "root-cert.pem";
@@ -35,6 +38,8 @@ pub enum CaError {
 pub enum SignError {
     #[error("the CSR is not a valid PEM certificate request")]
     Csr(#[source] rcgen::Error),
+    #[error("certificate refused")]
+    Refused(#[source] Refusal),
     #[error("signing the workload certificate failed")]
     Sign(#[source] rcgen::Error),
 }
@@ -42,12 +47,22 @@ pub enum SignError {
 impl SignError {
     /// The answer a gRPC client gets, naming the reason.
     pub fn to_status(&self) -> tonic::Status {
-        let message = crate::error_chain(self);
-        match self {
-            Self::Csr(_) => tonic::Status::invalid_argument(message),
-            Self::Sign(_) => tonic::Status::internal(message),
-        }
+        let code = match self {
+            Self::Csr(_) => tonic::Code::InvalidArgument,
+            Self::Refused(refusal) => refusal.code(),
+            Self::Sign(_) => tonic::Code::Internal,
+        };
+        tonic::Status::new(code, crate::error_chain(self))
     }
+}
+
+/// A signed workload certificate.
+#[derive(Debug, Clone)]
+pub struct Signed {
+    /// The leaf (PEM).
+    pub leaf_pem: String,
+    /// What it was signed for.
+    pub approved: Approved,
 }
 
 /// The root and its key. Clones share them.
@@ -135,27 +150,98 @@ impl MeshCa {
         &self.root.pem
     }
 
-    /// Signs `csr_pem` into a workload certificate valid for `lifetime` (back-dated a
-    /// minute for clock skew); returns the leaf (PEM).
-    pub fn sign(&self, csr_pem: &str, lifetime: Duration) -> Result<String, SignError> {
+    /// Signs `csr_pem` (its signature checked: the requester holds the key) as `policy`
+    /// approves it for `requested_seconds` (`IstioCertificateRequest.validity_duration`):
+    /// a leaf with an empty subject, the approved SPIFFE ID as its only SAN, not a CA,
+    /// valid for the approved lifetime (back-dated a minute for clock skew).
+    pub fn sign(
+        &self,
+        csr_pem: &str,
+        requested_seconds: i64,
+        policy: &SigningPolicy,
+    ) -> Result<Signed, SignError> {
         let mut csr = rcgen::CertificateSigningRequestParams::from_pem(csr_pem).map_err(SignError::Csr)?;
+        let approved =
+            policy.check(&csr.params.subject_alt_names, requested_seconds).map_err(SignError::Refused)?;
+        let identity =
+            rcgen::string::Ia5String::try_from(approved.identity.as_str()).map_err(SignError::Sign)?;
+        // Only what the policy approved: nothing else the CSR asked for is carried over.
+        let mut params = rcgen::CertificateParams::default();
+        params.distinguished_name = rcgen::DistinguishedName::new();
+        params.subject_alt_names = vec![rcgen::SanType::URI(identity)];
         let now = time::OffsetDateTime::now_utc();
-        csr.params.not_before = now - time::Duration::minutes(1);
-        csr.params.not_after = now + time::Duration::try_from(lifetime).unwrap_or(time::Duration::days(1));
-        csr.params.is_ca = rcgen::IsCa::ExplicitNoCa;
-        csr.params.key_usages =
+        params.not_before = now - time::Duration::minutes(1);
+        params.not_after =
+            now + time::Duration::try_from(approved.lifetime).unwrap_or(time::Duration::days(1));
+        params.is_ca = rcgen::IsCa::ExplicitNoCa;
+        params.key_usages =
             vec![rcgen::KeyUsagePurpose::DigitalSignature, rcgen::KeyUsagePurpose::KeyEncipherment];
-        csr.params.extended_key_usages =
+        params.extended_key_usages =
             vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth, rcgen::ExtendedKeyUsagePurpose::ClientAuth];
-        csr.params.serial_number = Some(rcgen::SerialNumber::from_slice(&rand::random::<[u8; 16]>()));
+        params.serial_number = Some(rcgen::SerialNumber::from_slice(&rand::random::<[u8; 16]>()));
+        csr.params = params;
         let cert = csr.signed_by(&self.root.issuer).map_err(SignError::Sign)?;
-        Ok(cert.pem())
+        Ok(Signed { leaf_pem: cert.pem(), approved })
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
+    use crate::identity::WorkloadIdentity;
+
+    const OWN: &str = "spiffe://cluster.local/ns/default/sa/app";
+
+    fn policy(ttl: u64) -> SigningPolicy {
+        let id = WorkloadIdentity {
+            trust_domain: "cluster.local".into(),
+            namespace: "default".into(),
+            service_account: "app".into(),
+        };
+        SigningPolicy::new(&id, Duration::from_secs(ttl))
+    }
+
+    /// A CSR asking for more than an identity: a subject, CA rights, code signing.
+    fn greedy_csr(uri: &str) -> (String, rcgen::KeyPair) {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.subject_alt_names = vec![rcgen::SanType::URI(uri.try_into().unwrap())];
+        params.distinguished_name.push(rcgen::DnType::CommonName, "root of everything");
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::CodeSigning];
+        (params.serialize_request(&key).unwrap().pem().unwrap(), key)
+    }
+
+    #[test]
+    fn a_certificate_carries_what_the_policy_approved_and_nothing_else() {
+        let ca = MeshCa::generate("mesh").unwrap();
+        let (csr, key) = greedy_csr(OWN);
+        let signed = ca.sign(&csr, 10 * 365 * 86_400, &policy(3600)).unwrap();
+        assert!(signed.approved.capped);
+        let (_, pem) = x509_parser::pem::parse_x509_pem(signed.leaf_pem.as_bytes()).unwrap();
+        let leaf = pem.parse_x509().unwrap();
+        let lifetime = leaf.validity().not_after.timestamp() - leaf.validity().not_before.timestamp();
+        assert_eq!(lifetime, 3600 + 60, "the TTL plus the minute of back-dating");
+        assert_eq!(leaf.subject().to_string(), "", "no subject from the CSR");
+        assert!(!leaf.is_ca());
+        let eku = leaf.extended_key_usage().unwrap().unwrap().value;
+        assert!(eku.server_auth && eku.client_auth && !eku.code_signing);
+        let sans = &leaf.subject_alternative_name().unwrap().unwrap().value.general_names;
+        assert_eq!(sans.len(), 1);
+        assert!(matches!(sans[0], x509_parser::extensions::GeneralName::URI(u) if u == OWN));
+        use rcgen::PublicKeyData as _;
+        assert_eq!(leaf.public_key().raw, key.subject_public_key_info().as_slice(), "the key of the CSR");
+
+        let (other, _) = greedy_csr("spiffe://cluster.local/ns/default/sa/admin");
+        let e = ca.sign(&other, 600, &policy(3600)).unwrap_err();
+        let status = e.to_status();
+        assert_eq!(status.code(), tonic::Code::PermissionDenied);
+        assert!(status.message().contains("sa/admin") && status.message().contains(OWN), "{status:?}");
+        let e = ca.sign("not a CSR", 600, &policy(3600)).unwrap_err();
+        assert_eq!(e.to_status().code(), tonic::Code::InvalidArgument);
+    }
 
     #[test]
     fn a_stored_root_is_reused() {
