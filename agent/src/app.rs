@@ -227,7 +227,10 @@ impl Agent {
         let embedded = match &c.standalone {
             Some(settings) => {
                 let ip = c.pod.ip();
-                Some((crate::standalone::start(settings, ip, embedded_stop.clone()).await?, embedded_stop))
+                let signing =
+                    crate::controlplane::SigningPolicy::new(&c.identity.identity, c.identity.secret_ttl);
+                let cp = crate::standalone::start(settings, ip, signing, embedded_stop.clone()).await?;
+                Some((cp, embedded_stop))
             }
             None => None,
         };
@@ -353,51 +356,7 @@ impl Agent {
                 }
             });
         }
-        let (serves_sds, sds_listener) = match sds {
-            SdsSocket::Served(listener, file) => {
-                sockets.push(file);
-                (true, Some(listener))
-            }
-            SdsSocket::External { files: None } => (false, None),
-            SdsSocket::External { files: Some((files, file)) } => {
-                sockets.push(file);
-                // File secrets only: the workload's own come from the other server.
-                let id = &c.identity;
-                let manager = SecretManager::new(
-                    WorkloadSource::None,
-                    id.rotation,
-                    None,
-                    id.file_debounce,
-                    self.metrics.clone(),
-                );
-                let poller = manager.clone();
-                services.start_infallible("file certificates", move |stop| poller.run(stop));
-                let path = std::path::PathBuf::from(crate::config::paths::FILES_SOCKET);
-                let server = SdsServer::new(manager);
-                services.start("SDS server (files)", move |stop| async move {
-                    server
-                        .serve(files, stop.cancelled_owned())
-                        .await
-                        .map_err(|source| AgentError::SdsServe { path, source })
-                });
-                (false, None)
-            }
-            SdsSocket::NotServed => (false, None),
-        };
-        if serves_sds || !c.envoy_mode.serves_sds() {
-            // Issues, rotates and (with OUTPUT_CERTS) writes the workload certificate.
-            let secrets = self.secrets.clone();
-            services.start_infallible("workload certificate", move |stop| secrets.run(stop));
-        }
-        if let Some(listener) = sds_listener {
-            let (server, path) = (SdsServer::new(self.secrets.clone()), c.identity.sds_socket.clone());
-            services.start("SDS server", move |stop| async move {
-                server
-                    .serve(listener, stop.cancelled_owned())
-                    .await
-                    .map_err(|source| AgentError::SdsServe { path, source })
-            });
-        }
+        self.start_secrets(sds, &mut services, &mut sockets);
         let (xds, path) = (self.xds.clone(), c.xds.uds_path.clone());
         services.start("xDS relay", move |stop| async move {
             xds.serve(xds_listener, stop.cancelled_owned())
@@ -444,6 +403,58 @@ impl Agent {
             });
         }
         (services, sockets)
+    }
+
+    /// The secrets services, in their order: the file-secrets server (when SPIRE or
+    /// another server owns the workload socket), the workload certificate, the SDS
+    /// server. Socket files served go to `sockets`.
+    fn start_secrets(&self, sds: SdsSocket, services: &mut Services, sockets: &mut Vec<SocketFile>) {
+        let (serves_sds, sds_listener) = match sds {
+            SdsSocket::Served(listener, file) => {
+                sockets.push(file);
+                (true, Some(listener))
+            }
+            SdsSocket::External { files: None } => (false, None),
+            SdsSocket::External { files: Some((files, file)) } => {
+                sockets.push(file);
+                // File secrets only: the workload's own come from the other server.
+                let id = &self.config.identity;
+                let manager = SecretManager::new(
+                    WorkloadSource::None,
+                    id.rotation,
+                    None,
+                    id.file_debounce,
+                    self.metrics.clone(),
+                );
+                let poller = manager.clone();
+                services.start_infallible("file certificates", move |stop| poller.run(stop));
+                let path = std::path::PathBuf::from(crate::config::paths::FILES_SOCKET);
+                let server = SdsServer::new(manager);
+                services.start("SDS server (files)", move |stop| async move {
+                    server
+                        .serve(files, stop.cancelled_owned())
+                        .await
+                        .map_err(|source| AgentError::SdsServe { path, source })
+                });
+                (false, None)
+            }
+            SdsSocket::NotServed => (false, None),
+        };
+        if serves_sds || !self.config.envoy_mode.serves_sds() {
+            // Issues, rotates and (with OUTPUT_CERTS) writes the workload certificate.
+            let secrets = self.secrets.clone();
+            services.start_infallible("workload certificate", move |stop| secrets.run(stop));
+        }
+        if let Some(listener) = sds_listener {
+            let (server, path) =
+                (SdsServer::new(self.secrets.clone()), self.config.identity.sds_socket.clone());
+            services.start("SDS server", move |stop| async move {
+                server
+                    .serve(listener, stop.cancelled_owned())
+                    .await
+                    .map_err(|source| AgentError::SdsServe { path, source })
+            });
+        }
     }
 
     fn status_server(

@@ -1,9 +1,11 @@
 //! The CNI plugin (argv[0] `weir-cni` or `istio-cni`, chained after the cluster's
 //! primary CNI): the protocol (`spec`), what to do for a pod (`pod`), where the pod
-//! comes from (`kube`, the Kubernetes API through the node's kubeconfig), and ADD /
-//! DEL / CHECK applying capture inside the pod's network namespace (`plugin`), and
-//! the node side that installs and keeps the plugin chained (`install`).
+//! comes from (`kube`, the Kubernetes API through the node's kubeconfig), capturing a
+//! pod inside its network namespace (`capture`, eBPF registration in `ebpf`), ADD /
+//! DEL / CHECK (`plugin`), capturing pods that started before the plugin (`repair`),
+//! and the node side that installs and keeps the plugin chained (`install`).
 
+pub mod capture;
 pub mod ebpf;
 pub mod install;
 pub mod kube;

@@ -1,12 +1,14 @@
-//! A small local control plane: an ADS server (SotW and Delta) that serves a snapshot
-//! of resources with the checks istiod makes on a stream (bearer token, `ClusterID`),
-//! keeping a log of what it saw, and a CA that signs workload CSRs (`ca`). It stands
-//! in for istiod in tests (and will in standalone mode); it does no config translation
-//! (no Kubernetes, no Istio APIs): callers hand it Envoy resources.
+//! A small local control plane, what standalone mode embeds: an ADS server (SotW and
+//! Delta) that serves a snapshot of resources with the checks istiod makes on a stream
+//! (bearer token, `ClusterID`) and tells an observer what it sees (`observe`), a CA
+//! that signs a workload's own CSRs with the mesh root under a policy (`ca`), and builders for the Envoy
+//! resources it serves (`resources`). It does no config translation (no Kubernetes,
+//! no Istio APIs): callers hand it Envoy resources. The tests run it as istiod, with
+//! their own CA and request log beside it (weir-tests).
 
 pub mod ads;
 pub mod ca;
-pub mod log;
+pub mod observe;
 pub mod resources;
 pub mod snapshot;
 
@@ -17,12 +19,14 @@ use tokio_stream::wrappers::TcpListenerStream;
 use tonic::transport::{Certificate, Identity, ServerTlsConfig};
 use weir_proto::{
     envoy::service::discovery::v3::aggregated_discovery_service_server::AggregatedDiscoveryServiceServer,
-    istio::v1::auth::istio_certificate_service_server::IstioCertificateServiceServer,
+    istio::v1::auth::istio_certificate_service_server::{
+        IstioCertificateService, IstioCertificateServiceServer,
+    },
 };
 
 pub use ads::{AdsServer, AuthPolicy};
-pub use ca::{CaBehaviour, CaRequest, CaServer};
-pub use log::{RecordedRequest, RecordedStream, RequestLog};
+pub use ca::{MeshCa, SigningPolicy, WorkloadCa};
+pub use observe::{AdsObserver, ObservedRequest, ObservedStream};
 pub use snapshot::{Snapshot, TypeSnapshot};
 
 /// The server's TLS: its certificate chain and key (PEM), and optionally the roots
@@ -44,16 +48,17 @@ impl AdsServer {
         tls: Option<ServerTls>,
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<(), tonic::transport::Error> {
-        serve(listener, tls, self, None, shutdown).await
+        serve(listener, tls, self, None::<WorkloadCa>, shutdown).await
     }
 }
 
-/// Serves xDS and, when given, the CA on one port, as istiod serves both on 15012.
-pub async fn serve(
+/// Serves xDS and, when given, a CA (`IstioCertificateService`) on one port, as istiod
+/// serves both on 15012.
+pub async fn serve<Ca: IstioCertificateService>(
     listener: TcpListener,
     tls: Option<ServerTls>,
     ads: AdsServer,
-    ca: Option<CaServer>,
+    ca: Option<Ca>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
     let mut builder = tonic::transport::Server::builder();

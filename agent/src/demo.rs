@@ -53,7 +53,7 @@ struct Demo {
     sidecars: Vec<Sidecar>,
     apps: Vec<PodChild>,
     ebpf_node: Option<String>,
-    cgroup: Option<Cgroup>,
+    cgroup: Cgroup,
     client: Pod,
     server: Pod,
     _mesh: Mesh,
@@ -101,174 +101,277 @@ fn envoy_binary() -> anyhow::Result<PathBuf> {
         .context("no envoy binary (run scripts/bootstrap, or set WEIR_ENVOY)")
 }
 
-/// Runs the demo; returns when it has shown its result (Ctrl-C or `--duration`).
+/// The services file the sidecars serve from, and the address clients call.
+struct Services {
+    file: PathBuf,
+    server: SocketAddr,
+}
+
+/// What the client's app counted.
+struct Traffic {
+    ok: u64,
+    failed: u64,
+}
+
+/// What Envoy's stats prove.
+struct Proof {
+    upstream_requests: u64,
+    mtls: bool,
+}
+
+/// Runs the demo; returns when it has shown its result (Ctrl-C or `--duration`). Each
+/// step below prints its `[demo] <step>` lines.
 pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
     privileges::require(&[Capability::SysAdmin, Capability::NetAdmin, Capability::Bpf], "weir demo")?;
     let started = Instant::now();
     let envoy = envoy_binary()?;
-    let choice = detect::choose(args.capture_mode.unwrap_or(CaptureMode::Auto))?;
-    step("capture", &format!("{choice}"));
-
-    step("sandbox", "creating pods `client` and `server` (network namespaces on a private bridge)");
-    let mesh = Mesh::new("demo")?;
-    let client = mesh.pod("client")?;
-    let server = mesh.pod("server")?;
-    let dir = std::env::temp_dir().join(unique_name("demo"));
-    std::fs::create_dir_all(&dir)?;
-    let cgroup = Cgroup::create(&unique_name("demo"))?;
-    let mut demo = Demo {
-        sidecars: Vec::new(),
-        apps: Vec::new(),
-        ebpf_node: None,
-        cgroup: Some(cgroup),
-        client,
-        server,
-        _mesh: mesh,
-        dir,
-        _bpffs: crate::ebpf::capture::BpffsUse::acquire()?,
-    };
-    let server_addr = SocketAddr::new(demo.server.ipv4().into(), APP_PORT);
-    let services = demo.dir.join("mesh.yaml");
-    std::fs::write(
-        &services,
-        format!(
-            "# The demo mesh: one HTTP service.\nservices:\n- name: server\n  namespace: default\n  serviceAccount: {SERVER_SA}\n  \
-             address: {ip}\n  port: {APP_PORT}\n  protocol: http\n  endpoints: [\"{server_addr}\"]\n  timeout: 5s\n  retries: 2\n",
-            ip = demo.server.ipv4()
-        ),
-    )?;
-    step(
-        "mesh",
-        &format!("service server.default → {server_addr} (HTTP, mutual TLS, timeout 5s, 2 retries)"),
-    );
-
-    // The server's app.
+    let choice = choose_capture(args)?;
+    let mut demo = Demo::sandbox()?;
+    let services = demo.mesh()?;
     // The apps run as an unprivileged user: through a descriptor opened here, so the
     // directories above this binary (a checkout under /root) need not admit them.
     let exe = Executable::open(std::env::current_exe().context("find the weir binary")?)?;
-    let cg = demo.cgroup.as_ref().expect("made above");
-    let mut serve = exe.command();
-    serve.args(["demo-app", "serve", &format!("0.0.0.0:{APP_PORT}")]).stdout(Stdio::null()).process_group(0);
-    let app = demo.server.spawn_placed(
-        &mut serve,
-        Placement { cgroup: Some(cg), user: Some((APP_UID, APP_UID)), ..Placement::default() },
-    )?;
-    demo.apps.push(app);
-
-    // Capture both pods.
-    let cfg = crate::cni::pod::capture_config(&sidecar_pod(), false).expect("the default pod shape is valid");
-    match choice.backend {
-        Backend::Ebpf => {
-            let node = unique_name("demo-node");
-            crate::cni::ebpf::attach_node(&node, cg.path())?;
-            demo.ebpf_node = Some(node.clone());
-            for (pod, name) in [(&demo.client, "client"), (&demo.server, "server")] {
-                crate::cni::ebpf::register(&node, name, pod.netns().path(), "eth0", &cfg)?;
-            }
-        }
-        Backend::Nftables | Backend::Iptables => {
-            for pod in [&demo.client, &demo.server] {
-                let opts = weir_iptables::RunOptions {
-                    network_namespace: Some(pod.netns().path().to_path_buf()),
-                    cni_mode: true,
-                    native_nftables: choice.backend == Backend::Nftables,
-                    ..Default::default()
-                };
-                weir_iptables::program(&cfg, &opts)?;
-            }
-        }
-    }
-    step(
-        "capture",
-        &format!("{} programmed in both pods (outbound → 15001, inbound → 15006)", choice.backend),
-    );
-
-    // Sidecars.
+    demo.start_server_app(&exe)?;
+    demo.capture(&choice)?;
     let t = Instant::now();
-    for (pod_name, sa) in [("client", CLIENT_SA), ("server", SERVER_SA)] {
-        let pod = if pod_name == "client" { &demo.client } else { &demo.server };
-        let sidecar = start_sidecar(pod, pod_name, sa, cg, &envoy, &services, &demo.dir)?;
-        demo.sidecars.push(sidecar);
-    }
-    step("envoy", "starting real Envoy sidecars (weir proxy sidecar --discovery-address embedded)");
-    for (s, pod) in demo.sidecars.iter_mut().zip([&demo.client, &demo.server]) {
-        wait_ready(pod, s)?;
-    }
-    step(
-        "ready",
-        &format!("both sidecars ready in {:.1}s (/healthz/ready = 200)", t.elapsed().as_secs_f64()),
-    );
-    for (s, pod) in demo.sidecars.iter().zip([&demo.client, &demo.server]) {
-        step("identity", &format!("{}: {}", s.name, certificate(pod)?));
+    demo.envoy(&envoy, &services.file)?;
+    demo.ready(t)?;
+    demo.identity()?;
+    let traffic = demo.traffic(&exe, services.server, args.duration)?;
+    let proof = demo.envoy_stats()?;
+    let drained = demo.drain()?;
+    let elapsed = started.elapsed();
+    cleanup(demo);
+    summary(&choice, &traffic, &proof, drained, elapsed)
+}
+
+/// `[demo] capture`: the best capture backend here (or the one asked for).
+fn choose_capture(args: &DemoArgs) -> anyhow::Result<detect::Choice> {
+    let choice = detect::choose(args.capture_mode.unwrap_or(CaptureMode::Auto))?;
+    step("capture", &format!("{choice}"));
+    Ok(choice)
+}
+
+impl Demo {
+    /// `[demo] sandbox`: the two pods, their cgroup and the demo's directory.
+    fn sandbox() -> anyhow::Result<Self> {
+        step("sandbox", "creating pods `client` and `server` (network namespaces on a private bridge)");
+        let mesh = Mesh::new("demo")?;
+        let client = mesh.pod("client")?;
+        let server = mesh.pod("server")?;
+        let dir = std::env::temp_dir().join(unique_name("demo"));
+        std::fs::create_dir_all(&dir)?;
+        let cgroup = Cgroup::create(&unique_name("demo"))?;
+        Ok(Self {
+            sidecars: Vec::new(),
+            apps: Vec::new(),
+            ebpf_node: None,
+            cgroup,
+            client,
+            server,
+            _mesh: mesh,
+            dir,
+            _bpffs: crate::ebpf::capture::BpffsUse::acquire()?,
+        })
     }
 
-    // Traffic.
-    let stop = Arc::new(AtomicBool::new(false));
-    let flag = stop.clone();
-    ctrlc_flag(flag);
-    let seconds = args.duration.unwrap_or(u64::MAX);
-    let mut load = exe.command();
-    load.args(["demo-app", "load", &format!("http://{server_addr}/"), &seconds.to_string()])
+    /// `[demo] mesh`: the services file, one HTTP service served by the server pod.
+    fn mesh(&self) -> anyhow::Result<Services> {
+        let server = SocketAddr::new(self.server.ipv4().into(), APP_PORT);
+        let file = self.dir.join("mesh.yaml");
+        std::fs::write(
+            &file,
+            format!(
+                "# The demo mesh: one HTTP service.\nservices:\n- name: server\n  namespace: default\n  serviceAccount: {SERVER_SA}\n  \
+                 address: {ip}\n  port: {APP_PORT}\n  protocol: http\n  endpoints: [\"{server}\"]\n  timeout: 5s\n  retries: 2\n",
+                ip = self.server.ipv4()
+            ),
+        )?;
+        step("mesh", &format!("service server.default → {server} (HTTP, mutual TLS, timeout 5s, 2 retries)"));
+        Ok(Services { file, server })
+    }
+
+    /// The server's app (uid 1000), before capture, as a pod's app starts.
+    fn start_server_app(&mut self, exe: &Executable) -> anyhow::Result<()> {
+        let mut serve = exe.command();
+        serve
+            .args(["demo-app", "serve", &format!("0.0.0.0:{APP_PORT}")])
+            .stdout(Stdio::null())
+            .process_group(0);
+        let app = self.server.spawn_placed(
+            &mut serve,
+            Placement { cgroup: Some(&self.cgroup), user: Some((APP_UID, APP_UID)), ..Placement::default() },
+        )?;
+        self.apps.push(app);
+        Ok(())
+    }
+
+    /// `[demo] capture`: both pods captured with `choice`'s backend.
+    fn capture(&mut self, choice: &detect::Choice) -> anyhow::Result<()> {
+        let cfg =
+            crate::cni::pod::capture_config(&sidecar_pod(), false).expect("the default pod shape is valid");
+        match choice.backend {
+            Backend::Ebpf => {
+                let node = unique_name("demo-node");
+                crate::cni::ebpf::attach_node(&node, self.cgroup.path())?;
+                self.ebpf_node = Some(node.clone());
+                for (pod, name) in [(&self.client, "client"), (&self.server, "server")] {
+                    crate::cni::ebpf::register(&node, name, pod.netns().path(), "eth0", &cfg)?;
+                }
+            }
+            Backend::Nftables | Backend::Iptables => {
+                for pod in [&self.client, &self.server] {
+                    let opts = weir_iptables::RunOptions {
+                        network_namespace: Some(pod.netns().path().to_path_buf()),
+                        cni_mode: true,
+                        native_nftables: choice.backend == Backend::Nftables,
+                        ..Default::default()
+                    };
+                    weir_iptables::program(&cfg, &opts)?;
+                }
+            }
+        }
+        step(
+            "capture",
+            &format!("{} programmed in both pods (outbound → 15001, inbound → 15006)", choice.backend),
+        );
+        Ok(())
+    }
+
+    /// `[demo] envoy`: a standalone sidecar (agent + Envoy) in each pod.
+    fn envoy(&mut self, envoy: &Path, services: &Path) -> anyhow::Result<()> {
+        for (pod_name, sa) in [("client", CLIENT_SA), ("server", SERVER_SA)] {
+            let pod = if pod_name == "client" { &self.client } else { &self.server };
+            let sidecar = start_sidecar(pod, pod_name, sa, &self.cgroup, envoy, services, &self.dir)?;
+            self.sidecars.push(sidecar);
+        }
+        step("envoy", "starting real Envoy sidecars (weir proxy sidecar --discovery-address embedded)");
+        Ok(())
+    }
+
+    /// `[demo] ready`: both sidecars answer `/healthz/ready` (started at `since`).
+    fn ready(&mut self, since: Instant) -> anyhow::Result<()> {
+        for (s, pod) in self.sidecars.iter_mut().zip([&self.client, &self.server]) {
+            wait_ready(pod, s)?;
+        }
+        step(
+            "ready",
+            &format!("both sidecars ready in {:.1}s (/healthz/ready = 200)", since.elapsed().as_secs_f64()),
+        );
+        Ok(())
+    }
+
+    /// `[demo] identity`: the certificate each Envoy holds.
+    fn identity(&self) -> anyhow::Result<()> {
+        for (s, pod) in self.sidecars.iter().zip([&self.client, &self.server]) {
+            step("identity", &format!("{}: {}", s.name, certificate(pod)?));
+        }
+        Ok(())
+    }
+
+    /// `[demo] traffic`: the client's app calls the server's plain address every 20 ms
+    /// for `seconds` (or until Ctrl-C), a line per second.
+    fn traffic(
+        &mut self,
+        exe: &Executable,
+        server: SocketAddr,
+        seconds: Option<u64>,
+    ) -> anyhow::Result<Traffic> {
+        let stop = Arc::new(AtomicBool::new(false));
+        ctrlc_flag(stop.clone());
+        let mut load = exe.command();
+        load.args([
+            "demo-app",
+            "load",
+            &format!("http://{server}/"),
+            &seconds.unwrap_or(u64::MAX).to_string(),
+        ])
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .process_group(0);
-    let mut loader = demo.client.spawn_placed(
-        &mut load,
-        Placement { cgroup: Some(cg), user: Some((APP_UID, APP_UID)), ..Placement::default() },
-    )?;
-    step(
-        "traffic",
-        &format!(
-            "client app (uid {APP_UID}) → http://{server_addr}/ (its plain address; capture sends it to Envoy)"
-        ),
-    );
-    let stdout = loader.child_mut().stdout.take().context("loader stdout")?;
-    let (mut ok, mut failed) = (0u64, 0u64);
-    use std::io::BufRead as _;
-    for line in std::io::BufReader::new(stdout).lines() {
-        let line = line?;
-        if let Some(rest) = line.strip_prefix("second ") {
-            let f: Vec<&str> = rest.split_whitespace().collect();
-            if let [n, o, fl, p50, p99] = f.as_slice() {
-                ok += o.parse::<u64>().unwrap_or(0);
-                failed += fl.parse::<u64>().unwrap_or(0);
-                step("traffic", &format!("t={n}s  {o} req/s ok, {fl} failed, p50 {p50} ms, p99 {p99} ms"));
+        let mut loader = self.client.spawn_placed(
+            &mut load,
+            Placement { cgroup: Some(&self.cgroup), user: Some((APP_UID, APP_UID)), ..Placement::default() },
+        )?;
+        step(
+            "traffic",
+            &format!(
+                "client app (uid {APP_UID}) → http://{server}/ (its plain address; capture sends it to Envoy)"
+            ),
+        );
+        let stdout = loader.child_mut().stdout.take().context("loader stdout")?;
+        let mut traffic = Traffic { ok: 0, failed: 0 };
+        use std::io::BufRead as _;
+        for line in std::io::BufReader::new(stdout).lines() {
+            let line = line?;
+            if let Some(rest) = line.strip_prefix("second ") {
+                let f: Vec<&str> = rest.split_whitespace().collect();
+                if let [n, o, fl, p50, p99] = f.as_slice() {
+                    traffic.ok += o.parse::<u64>().unwrap_or(0);
+                    traffic.failed += fl.parse::<u64>().unwrap_or(0);
+                    step(
+                        "traffic",
+                        &format!("t={n}s  {o} req/s ok, {fl} failed, p50 {p50} ms, p99 {p99} ms"),
+                    );
+                }
+            }
+            if stop.load(Ordering::SeqCst) {
+                let _ = loader.signal(libc::SIGTERM);
             }
         }
-        if stop.load(Ordering::SeqCst) {
-            let _ = loader.signal(libc::SIGTERM);
+        let _ = loader.child_mut().wait();
+        Ok(traffic)
+    }
+
+    /// `[demo] envoy`: the proof from Envoy's own stats, client side and server side.
+    fn envoy_stats(&self) -> anyhow::Result<Proof> {
+        let cluster = "outbound|8080||server.default.svc.cluster.local";
+        let client_stats = admin_stats(&self.client, &format!("cluster.{cluster}."))?;
+        let server_stats = admin_stats(&self.server, "listener.0.0.0.0_15006.")?;
+        let upstream_requests = stat(&client_stats, &format!("cluster.{cluster}.upstream_rq_completed"));
+        let handshakes = stat(&client_stats, &format!("cluster.{cluster}.ssl.handshake"));
+        let inbound_tls = stat(&server_stats, "listener.0.0.0.0_15006.ssl.handshake");
+        step(
+            "envoy",
+            &format!(
+                "client sidecar: {upstream_requests} requests on {cluster}, {handshakes} TLS handshakes"
+            ),
+        );
+        step("envoy", &format!("server sidecar: {inbound_tls} mutual TLS handshakes accepted on 15006"));
+        Ok(Proof { upstream_requests, mtls: handshakes > 0 && inbound_tls > 0 })
+    }
+
+    /// `[demo] drain`: SIGTERM to both sidecars; whether both exited 0.
+    fn drain(&mut self) -> anyhow::Result<bool> {
+        step("drain", "SIGTERM to the sidecars (readiness 503, drain, Envoy stopped)");
+        let mut exits = Vec::new();
+        for s in &mut self.sidecars {
+            s.agent.signal(libc::SIGTERM)?;
         }
+        for s in &mut self.sidecars {
+            let status = s.agent.wait_timeout(Duration::from_secs(15))?;
+            exits.push((s.name, status));
+        }
+        self.sidecars.clear();
+        Ok(exits.iter().all(|(_, s)| s.is_some_and(|s| s.success())))
     }
-    let _ = loader.child_mut().wait();
+}
 
-    // Proof from Envoy's stats.
-    let cluster = "outbound|8080||server.default.svc.cluster.local";
-    let client_stats = admin_stats(&demo.client, &format!("cluster.{cluster}."))?;
-    let server_stats = admin_stats(&demo.server, "listener.0.0.0.0_15006.")?;
-    let upstream_rq = stat(&client_stats, &format!("cluster.{cluster}.upstream_rq_completed"));
-    let handshakes = stat(&client_stats, &format!("cluster.{cluster}.ssl.handshake"));
-    let inbound_tls = stat(&server_stats, "listener.0.0.0.0_15006.ssl.handshake");
-    step(
-        "envoy",
-        &format!("client sidecar: {upstream_rq} requests on {cluster}, {handshakes} TLS handshakes"),
-    );
-    step("envoy", &format!("server sidecar: {inbound_tls} mutual TLS handshakes accepted on 15006"));
-
-    step("drain", "SIGTERM to the sidecars (readiness 503, drain, Envoy stopped)");
-    let mut exits = Vec::new();
-    for s in &mut demo.sidecars {
-        s.agent.signal(libc::SIGTERM)?;
-    }
-    for s in &mut demo.sidecars {
-        let status = s.agent.wait_timeout(Duration::from_secs(15))?;
-        exits.push((s.name, status));
-    }
-    let drained = exits.iter().all(|(_, s)| s.is_some_and(|s| s.success()));
-    demo.sidecars.clear();
-    let elapsed = started.elapsed();
+/// `[demo] cleanup`: everything the demo made, removed (`Demo`'s drop).
+fn cleanup(demo: Demo) {
     drop(demo);
     step("cleanup", "removed pods, cgroup, capture and pins");
-    let mtls = handshakes > 0 && inbound_tls > 0;
+}
+
+/// `[demo] summary`: the result in one line; an error when it does not show what it should.
+fn summary(
+    choice: &detect::Choice,
+    traffic: &Traffic,
+    proof: &Proof,
+    drained: bool,
+    elapsed: Duration,
+) -> anyhow::Result<()> {
+    let (ok, failed, upstream_rq, mtls) = (traffic.ok, traffic.failed, proof.upstream_requests, proof.mtls);
     println!(
         "[demo] summary   backend={} requests_ok={ok} requests_failed={failed} envoy_upstream_requests={upstream_rq} \
          mtls={mtls} drained={drained} seconds={:.1}",
@@ -507,6 +610,12 @@ async fn load(target: SocketAddr, seconds: u64) -> anyhow::Result<()> {
     while tokio::time::Instant::now() < deadline {
         tokio::time::sleep(Duration::from_secs(1)).await;
         second += 1;
+        if tokio::time::Instant::now() >= deadline {
+            // The workers issue nothing after the deadline; what is still in flight
+            // counts in this last line, as Envoy counts it.
+            let finished = async { while workers.join_next().await.is_some() {} };
+            let _ = tokio::time::timeout(Duration::from_secs(5), finished).await;
+        }
         let batch: Vec<Option<f64>> = std::mem::take(&mut *results.lock().expect("results"));
         let mut ms: Vec<f64> = batch.iter().flatten().copied().collect();
         ms.sort_by(f64::total_cmp);

@@ -30,6 +30,7 @@
 //!   declaration, integer literals beyond int64. Complex and hex-float literals are rejected,
 //!   and nesting is limited to 100 levels.
 
+mod arity;
 mod error;
 mod exec;
 mod format;
@@ -40,12 +41,13 @@ mod parse;
 mod robustness;
 #[cfg(test)]
 mod tests;
+mod value;
 
 use serde_json::Value;
 
 pub use self::error::{ErrorKind, Phase, TemplateError};
 pub use self::format::to_json;
-pub use self::funcs::{Arity, Functions};
+pub use self::{arity::Arity, funcs::Functions};
 
 /// A parsed template, ready to render any number of times.
 #[derive(Debug, Clone)]

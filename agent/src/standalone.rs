@@ -1,16 +1,18 @@
 //! Standalone mode: the agent serves xDS and certificates itself instead of istiod
-//! (`weir standalone`). The control plane is the same one the tests use
-//! (`controlplane::serve`), bound on the pod's loopback (127.0.0.1:15010, plaintext, as
-//! istiod's in-cluster port), and the agent's own relay and CA client talk to it, so the
-//! relay, SDS and Envoy paths are exactly the istiod ones. What it serves comes from a
-//! small YAML file of services (`mesh`); the mesh CA is created on first start and
-//! kept in a state directory shared by every workload of the mesh.
+//! (`--discovery-address embedded`). The control plane is the one the tests run as
+//! istiod (`controlplane::serve`), bound on the pod's loopback (127.0.0.1:15010,
+//! plaintext, as istiod's in-cluster port), and the agent's own relay and CA client
+//! talk to it, so the relay, SDS and Envoy paths are exactly the istiod ones. What it
+//! serves comes from a small YAML file of services (`mesh`); the mesh CA is created on
+//! first start and kept in a state directory shared by every workload of the mesh, and
+//! signs only this workload's identity for at most its TTL (`SigningPolicy`): anything
+//! else in the pod can reach the port.
 
 pub mod mesh;
 
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
-use crate::controlplane::{AdsServer, AuthPolicy, CaServer};
+use crate::controlplane::{AdsServer, AuthPolicy, MeshCa, SigningPolicy, WorkloadCa};
 
 /// Where the embedded control plane listens (inside the pod).
 pub const EMBEDDED_ADDRESS: &str = "127.0.0.1:15010";
@@ -40,20 +42,22 @@ pub enum StandaloneError {
 /// The embedded control plane, bound and serving.
 pub struct EmbeddedControlPlane {
     pub ads: AdsServer,
-    pub ca: CaServer,
+    pub ca: WorkloadCa,
     pub task: tokio::task::JoinHandle<()>,
 }
 
 /// Binds and starts serving this workload's view of the mesh (`workload_ip`), and
-/// keeps it current when the services file changes (polled every 2 s).
+/// keeps it current when the services file changes (polled every 2 s). The CA signs
+/// what `signing` allows: the workload's own identity, for at most its TTL.
 pub async fn start(
     settings: &StandaloneSettings,
     workload_ip: Option<std::net::IpAddr>,
+    signing: SigningPolicy,
     shutdown: tokio_util::sync::CancellationToken,
 ) -> Result<EmbeddedControlPlane, StandaloneError> {
     let file = mesh::MeshFile::load(&settings.services)?;
     let snapshot = file.snapshot(workload_ip, "1");
-    let ca = CaServer::load_or_create(CA_ORG, &settings.state_dir)?;
+    let ca = WorkloadCa::new(MeshCa::load_or_create(CA_ORG, &settings.state_dir)?, signing);
     let ads = AdsServer::new(snapshot, AuthPolicy::default());
     let address: SocketAddr = EMBEDDED_ADDRESS.parse().expect("a socket address");
     let listener = tokio::net::TcpListener::bind(address).await.map_err(StandaloneError::Bind)?;
@@ -62,6 +66,8 @@ pub async fn start(
         file = %settings.services.display(),
         state_dir = %settings.state_dir.display(),
         address = EMBEDDED_ADDRESS,
+        signs = ca.policy().identity(),
+        max_lifetime_seconds = ca.policy().max_lifetime().as_secs(),
         "embedded control plane serving"
     );
     let (serve_ads, serve_ca, path) = (ads.clone(), ca.clone(), settings.services.clone());

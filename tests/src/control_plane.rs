@@ -1,7 +1,8 @@
 //! The relay's upstream in tests: Weir's own ADS server (`weir_agent::controlplane`)
 //! standing in for istiod in an "istiod" pod, behind TLS from a test CA, with istiod's
-//! token and `ClusterID` checks. It can be stopped and started again on the same
-//! address, and its request log is what tests assert on.
+//! token and `ClusterID` checks, and istiod's CA (`IstiodCa`) on the same port when a
+//! test asks for it. It can be stopped and started again on the same address, and its
+//! request log is what tests assert on.
 
 use std::{
     net::SocketAddr,
@@ -12,9 +13,13 @@ use std::{
 
 use anyhow::{Context as _, anyhow};
 use tokio_util::sync::CancellationToken;
-use weir_agent::controlplane::{AdsServer, CaServer, RecordedRequest, RecordedStream, ServerTls};
+use weir_agent::controlplane::{AdsServer, ServerTls, Snapshot};
 
-use crate::Pod;
+use crate::{
+    Pod,
+    istiod_ca::IstiodCa,
+    request_log::{RecordedRequest, RecordedStream, RequestLog},
+};
 
 /// The SAN istiod's serving certificate carries (and Weir checks by default).
 pub const ISTIOD_SAN: &str = "istiod.istio-system.svc";
@@ -61,8 +66,10 @@ impl TestCa {
 /// An ADS server running in a pod.
 pub struct ControlPlane {
     pub ads: AdsServer,
+    /// Every stream and request `ads` saw.
+    pub log: RequestLog,
     /// istiod's CA on the same port, when the test asked for one.
-    pub ca: Option<CaServer>,
+    pub ca: Option<IstiodCa>,
     pub addr: SocketAddr,
     tls: Option<ServerTls>,
     netns: weir_agent::sandbox::NetNs,
@@ -78,7 +85,8 @@ impl ControlPlane {
         tls: Option<ServerTls>,
     ) -> anyhow::Result<Self> {
         let netns = weir_agent::sandbox::NetNs::open(pod.netns().path())?;
-        let mut cp = Self { ads, ca: None, addr, tls, netns, running: None };
+        let log = RequestLog::observing(&ads);
+        let mut cp = Self { ads, log, ca: None, addr, tls, netns, running: None };
         cp.resume()?;
         Ok(cp)
     }
@@ -92,7 +100,7 @@ impl ControlPlane {
     }
 
     /// Adds `ca` (served from the next [`ControlPlane::resume`], which this calls).
-    pub fn with_ca(mut self, ca: CaServer) -> anyhow::Result<Self> {
+    pub fn with_ca(mut self, ca: IstiodCa) -> anyhow::Result<Self> {
         self.ca = Some(ca);
         self.resume()?;
         Ok(self)
@@ -140,7 +148,14 @@ impl ControlPlane {
         check: impl FnMut(&[RecordedRequest], &[RecordedStream]) -> Option<T>,
     ) -> Option<T> {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_time().build().expect("runtime");
-        runtime.block_on(self.ads.log().wait_for(timeout, check))
+        runtime.block_on(self.log.wait_for(timeout, check))
+    }
+
+    /// Changes the served snapshot with `f` and pushes the result to every stream.
+    pub fn update(&self, f: impl FnOnce(&mut Snapshot)) {
+        let mut next = (*self.ads.snapshot()).clone();
+        f(&mut next);
+        self.ads.push(next);
     }
 
     /// Waits for an ACK of `type_url` at `version` (SotW) on any stream.

@@ -45,6 +45,16 @@ pub fn assert_demo_works(weir: &Path, mode: &str, env: &[(&str, &std::ffi::OsStr
     assert_eq!(field("mtls"), "true", "{summary}");
     assert_eq!(field("drained"), "true", "{summary}");
     assert!(stdout.contains("identity  client: spiffe://cluster.local/ns/default/sa/client"), "{stdout}");
+    assert!(stdout.contains("identity  server: spiffe://cluster.local/ns/default/sa/server"), "{stdout}");
+    // Its steps, in order (one `traffic` line per second, one `identity` per sidecar).
+    let mut steps: Vec<&str> =
+        stdout.lines().filter_map(|l| l.strip_prefix("[demo] ")?.split_whitespace().next()).collect();
+    steps.dedup();
+    let expected = [
+        "capture", "sandbox", "mesh", "capture", "envoy", "ready", "identity", "traffic", "envoy", "drain",
+        "cleanup", "summary",
+    ];
+    assert_eq!(steps, expected, "{stdout}");
     // Nothing left by that process: no namespace, cgroup, pin or capture record.
     let left = tools::weir_command().args(["sandbox", "list"]).output().unwrap();
     assert!(left.status.success(), "weir sandbox list: {}", String::from_utf8_lossy(&left.stderr));

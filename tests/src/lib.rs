@@ -1,7 +1,9 @@
 //! The namespace test rig: pods (network namespaces on a private bridge), cgroups and
-//! processes placed in them, a guard for tests that need root, and helpers to run the
-//! real Envoy and the `weir-testkit` traffic tool. The sandbox primitives come from
-//! `weir_agent::sandbox` (the demo uses them too); what is test-only lives here.
+//! processes placed in them, a guard for tests that need root, helpers to run the real
+//! Envoy and the `weir-testkit` traffic tool, and the test control plane (Weir's ADS
+//! server as istiod, with istiod's CA and a request log that only tests have). The
+//! sandbox primitives come from `weir_agent::sandbox` (the demo uses them too); what is
+//! test-only lives here.
 //!
 //! ```no_run
 //! use weir_tests::{Mesh, require_root, test_name};
@@ -21,8 +23,10 @@ pub mod demo;
 pub mod envoy;
 pub mod http;
 pub mod http_server;
+pub mod istiod_ca;
 pub mod privilege;
 pub mod prototext;
+pub mod request_log;
 pub mod sidecar;
 pub mod tools;
 

@@ -6,12 +6,14 @@
 
 use std::{net::SocketAddr, os::unix::fs::MetadataExt as _, process::Stdio, time::Duration};
 
-use weir_agent::controlplane::{AdsServer, AuthPolicy, CaServer, Snapshot, resources};
+use weir_agent::controlplane::{AdsServer, AuthPolicy, Snapshot, resources};
 use weir_proto::type_url;
 use weir_tests::{
     Mesh, Pod,
     control_plane::{CLUSTER_ID, ControlPlane, TOKEN, TestCa},
-    envoy, require_root,
+    envoy,
+    istiod_ca::IstiodCa,
+    require_root,
     sidecar::{AgentProcess, IstiodEnv, PROXY_UID, SidecarRoot},
     test_name, tools,
 };
@@ -59,7 +61,7 @@ impl Host {
         );
         let mut cp = ControlPlane::istiod(&istiod, &ca, ads).unwrap();
         if with_ca {
-            cp = cp.with_ca(CaServer::new("mesh workload CA", Some(TOKEN.into())).unwrap()).unwrap();
+            cp = cp.with_ca(IstiodCa::new("mesh workload CA", Some(TOKEN)).unwrap()).unwrap();
         }
         Self { cp, pod, _istiod: istiod, _mesh: mesh, ca }
     }

@@ -2,13 +2,14 @@
 //! TLS port as xDS, checks the token and signs a workload CSR into a leaf + root chain.
 
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
-use weir_agent::controlplane::{AdsServer, AuthPolicy, CaServer, Snapshot};
+use weir_agent::controlplane::{AdsServer, AuthPolicy, Snapshot};
 use weir_proto::istio::v1::auth::{
     IstioCertificateRequest, istio_certificate_service_client::IstioCertificateServiceClient,
 };
 use weir_tests::{
     Mesh,
     control_plane::{ControlPlane, ISTIOD_SAN, TOKEN, TestCa},
+    istiod_ca::IstiodCa,
     require_root, test_name,
 };
 
@@ -19,7 +20,7 @@ fn istiods_ca_signs_over_tls_on_the_xds_port_and_checks_the_token() {
     let istiod = mesh.pod("istiod").unwrap();
     let app = mesh.pod("app").unwrap();
     let serving_ca = TestCa::new("istiod serving").unwrap();
-    let workload_ca = CaServer::new("workload CA", Some(TOKEN.into())).unwrap();
+    let workload_ca = IstiodCa::new("workload CA", Some(TOKEN)).unwrap();
     let ads = AdsServer::new(Snapshot::new(), AuthPolicy::default());
     let cp = ControlPlane::istiod(&istiod, &serving_ca, ads).unwrap().with_ca(workload_ca.clone()).unwrap();
 

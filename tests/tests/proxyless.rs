@@ -13,7 +13,7 @@ use std::{
 };
 
 use weir_agent::{
-    controlplane::{AdsServer, AuthPolicy, CaServer, Snapshot, resources},
+    controlplane::{AdsServer, AuthPolicy, Snapshot, resources},
     identity::chain,
 };
 use weir_proto::type_url;
@@ -21,6 +21,7 @@ use weir_tests::{
     Mesh, Pod, PodChild,
     capture::start_server,
     control_plane::{CLUSTER_ID, ControlPlane, TOKEN, TestCa, eventually},
+    istiod_ca::IstiodCa,
     require_root,
     sidecar::{AgentProcess, IstiodEnv, SidecarRoot},
     test_name, tools,
@@ -122,7 +123,7 @@ impl Rig {
             start_server(&server, APP_UID, &["serve-grpc-health", "0.0.0.0:7071", "NOT_SERVING"]),
         ];
         let tls_ca = TestCa::new("istiod serving CA").unwrap();
-        let ca = CaServer::new("mesh workload CA", Some(TOKEN.into())).unwrap();
+        let ca = IstiodCa::new("mesh workload CA", Some(TOKEN)).unwrap();
         ca.force_lifetime(Some(Duration::from_secs(8)));
         let ads = AdsServer::new(
             grpc_snapshot(SocketAddr::new(server.ipv4().into(), 7070), "1"),

@@ -10,14 +10,16 @@ use std::{
 };
 
 use tokio::io::AsyncBufReadExt as _;
-use weir_agent::controlplane::{AdsServer, AuthPolicy, CaServer, Snapshot, resources};
+use weir_agent::controlplane::{AdsServer, AuthPolicy, Snapshot, resources};
 use weir_proto::type_url;
 use weir_tests::{
     Mesh, Placement, Pod, PodChild,
     capture::{ask, start_server},
     control_plane::{CLUSTER_ID, ControlPlane, TOKEN, TestCa, eventually},
     envoy::{Envoy, ads_bootstrap, sds_cluster},
-    http, require_root,
+    http,
+    istiod_ca::IstiodCa,
+    require_root,
     sidecar::{AgentProcess, IstiodEnv, PROXY_UID, SidecarRoot},
     test_name,
 };
@@ -176,7 +178,7 @@ struct Rig {
     server: Sidecar,
     _app: PodChild,
     cp: ControlPlane,
-    ca: CaServer,
+    ca: IstiodCa,
     _istiod: Pod,
     _mesh: Mesh,
 }
@@ -190,7 +192,7 @@ impl Rig {
         let server_pod = mesh.pod("server").unwrap();
         let app = start_server(&server_pod, APP_UID, &["serve-hello", APP, "v1"]);
         let tls_ca = TestCa::new("istiod serving CA").unwrap();
-        let ca = CaServer::new("mesh workload CA", Some(TOKEN.into())).unwrap();
+        let ca = IstiodCa::new("mesh workload CA", Some(TOKEN)).unwrap();
         ca.force_lifetime(lifetime);
         let ads = AdsServer::new(
             snapshot(&server_pod, "1", "client"),
@@ -425,7 +427,7 @@ fn an_existing_sds_socket_is_left_to_its_owner_and_a_stale_one_replaced() {
     let istiod = mesh.pod("istiod").unwrap();
     let app = mesh.pod("app").unwrap();
     let tls_ca = TestCa::new("istiod serving CA").unwrap();
-    let ca = CaServer::new("mesh workload CA", Some(TOKEN.into())).unwrap();
+    let ca = IstiodCa::new("mesh workload CA", Some(TOKEN)).unwrap();
     let ads = AdsServer::new(Snapshot::new(), AuthPolicy::default());
     let cp = ControlPlane::istiod(&istiod, &tls_ca, ads).unwrap().with_ca(ca.clone()).unwrap();
     let proxy_config = format!("{{\"discoveryAddress\": \"{}\"}}", cp.addr);

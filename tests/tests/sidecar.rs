@@ -12,13 +12,15 @@ use std::{
     time::Duration,
 };
 
-use weir_agent::controlplane::{AdsServer, AuthPolicy, CaServer, Snapshot, resources};
+use weir_agent::controlplane::{AdsServer, AuthPolicy, Snapshot, resources};
 use weir_proto::type_url;
 use weir_tests::{
     Mesh, Pod, PodChild,
     capture::start_server,
     control_plane::{CLUSTER_ID, ControlPlane, ISTIOD_SAN, TOKEN, TestCa, eventually},
-    envoy, http, require_root,
+    envoy, http,
+    istiod_ca::IstiodCa,
+    require_root,
     sidecar::{AgentProcess, PROXY_UID, SidecarRoot},
     test_name, tools,
 };
@@ -154,7 +156,7 @@ impl Rig {
         ];
         apps.extend(local_apps(&pod));
         let tls_ca = TestCa::new("istiod serving CA")?;
-        let ca = CaServer::new("mesh workload CA", Some(TOKEN.into()))?;
+        let ca = IstiodCa::new("mesh workload CA", Some(TOKEN))?;
         let initial = initial(&upstream);
         let ads = AdsServer::new(
             initial.clone().unwrap_or_default(),
@@ -350,10 +352,10 @@ fn injected_command_line_starts_envoy_that_becomes_ready_and_carries_traffic() {
     assert_eq!(grpc["node"]["metadata"]["GENERATOR"], "grpc");
 
     // istiod saw a Delta stream from this node.
-    let streams = rig.cp.ads.log().streams();
+    let streams = rig.cp.log.streams();
     assert!(streams.iter().any(|s| s.delta && s.refused.is_none()), "{streams:?}");
     let node = format!("sidecar~{ip}~app.default~default.svc.cluster.local");
-    assert!(rig.cp.ads.log().requests().iter().any(|r| r.node_id.as_deref() == Some(&*node)));
+    assert!(rig.cp.log.requests().iter().any(|r| r.node_id.as_deref() == Some(&*node)));
 
     // Envoy runs with pilot-agent's flags: `request` reads them from the admin API.
     let out = rig.pilot_agent(&["request", "GET", "server_info"]);
@@ -673,8 +675,7 @@ fn vm_readiness_probe_transitions_reach_istiod_once_each() {
     .unwrap_or_else(|e| panic!("{e:#}"));
     let reports = |rig: &Rig| -> Vec<Option<(i32, String)>> {
         rig.cp
-            .ads
-            .log()
+            .log
             .requests()
             .into_iter()
             .filter(|r| r.type_url == type_url::HEALTH_INFO)

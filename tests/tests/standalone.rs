@@ -1,14 +1,33 @@
 //! Standalone mode's embedded control plane, in a pod: it serves the services file's
 //! view for its workload, follows edits to the file (keeping the last good one when an
-//! edit is broken), and keeps its mesh CA across restarts in the state directory. The
-//! whole path with real Envoys and traffic is the demo's test (tests/demo.rs).
+//! edit is broken), and keeps its mesh CA across restarts in the state directory. Its
+//! CA, which anything in the pod can reach, signs only the workload's own identity for
+//! at most its TTL. The whole path with real Envoys and traffic is the demo's test
+//! (tests/demo.rs).
 
 use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
-use weir_agent::standalone::{StandaloneSettings, start};
-use weir_proto::type_url;
-use weir_tests::{Mesh, envoy::tempfile_dir::Dir, require_root, test_name};
+use tonic::transport::Endpoint;
+use weir_agent::{
+    controlplane::SigningPolicy,
+    identity::WorkloadIdentity,
+    standalone::{EMBEDDED_ADDRESS, StandaloneSettings, start},
+};
+use weir_proto::{
+    istio::v1::auth::{
+        IstioCertificateRequest, istio_certificate_service_client::IstioCertificateServiceClient,
+    },
+    type_url,
+};
+use weir_tests::{
+    Mesh,
+    control_plane::eventually,
+    envoy::tempfile_dir::Dir,
+    require_root,
+    sidecar::{AgentProcess, SidecarRoot},
+    test_name, tools,
+};
 
 fn file(services: &[(&str, &str)]) -> String {
     let mut out = String::from("services:\n");
@@ -18,6 +37,15 @@ fn file(services: &[(&str, &str)]) -> String {
         ));
     }
     out
+}
+
+fn signing() -> SigningPolicy {
+    let app = WorkloadIdentity {
+        trust_domain: "cluster.local".into(),
+        namespace: "default".into(),
+        service_account: "app".into(),
+    };
+    SigningPolicy::new(&app, Duration::from_secs(24 * 3600))
 }
 
 #[test]
@@ -32,7 +60,7 @@ fn the_embedded_control_plane_follows_its_file_and_keeps_its_ca() {
     std::fs::write(&settings.services, file(&[("server", &ip.to_string())])).unwrap();
     pod.run(|| async {
         let stop = CancellationToken::new();
-        let cp = start(&settings, Some(ip.into()), stop.clone()).await.unwrap();
+        let cp = start(&settings, Some(ip.into()), signing(), stop.clone()).await.unwrap();
         let root = cp.ca.root_pem();
         let snapshot = cp.ads.snapshot();
         let listeners: Vec<&String> = snapshot.get(type_url::LISTENER).unwrap().resources.keys().collect();
@@ -64,10 +92,90 @@ fn the_embedded_control_plane_follows_its_file_and_keeps_its_ca() {
         // A restart keeps the mesh CA (and the port is free again).
         std::fs::write(&settings.services, file(&[("server", &ip.to_string())])).unwrap();
         let stop = CancellationToken::new();
-        let again = start(&settings, Some(ip.into()), stop.clone()).await.unwrap();
+        let again = start(&settings, Some(ip.into()), signing(), stop.clone()).await.unwrap();
         assert_eq!(again.ca.root_pem(), root, "the mesh CA lives in the state directory");
         stop.cancel();
         let _ = again.task.await;
     })
     .unwrap();
+}
+
+/// A CSR for `uri` (a fresh P-256 key).
+fn csr(uri: &str) -> String {
+    let key = rcgen::KeyPair::generate().unwrap();
+    let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.subject_alt_names = vec![rcgen::SanType::URI(uri.try_into().unwrap())];
+    params.serialize_request(&key).unwrap().pem().unwrap()
+}
+
+/// The real agent in standalone mode (`--discovery-address embedded`, SECRET_TTL 1h)
+/// for `default/app`; another process in its pod asks the embedded CA on
+/// 127.0.0.1:15010 for certificates. Another identity is refused by name; its own for
+/// ten years is signed for the TTL.
+#[test]
+fn the_embedded_ca_signs_only_the_workloads_own_identity_for_at_most_its_ttl() {
+    require_root!();
+    let mesh = Mesh::new(&test_name!()).unwrap();
+    let pod = mesh.pod("app").unwrap();
+    let dir = Dir::new("standalone-ca").unwrap();
+    let services = dir.path().join("mesh.yaml");
+    let ip = pod.ipv4().to_string();
+    std::fs::write(&services, file(&[("server", "10.66.0.99")])).unwrap();
+    let state = dir.path().join("ca");
+    let root = SidecarRoot::new("", "").unwrap();
+    let args = [
+        "proxy",
+        "sidecar",
+        "--discovery-address",
+        "embedded",
+        "--mesh-services",
+        services.to_str().unwrap(),
+        "--state-dir",
+        state.to_str().unwrap(),
+    ];
+    let env = [
+        ("WEIR_ENVOY_MODE", "external"),
+        ("POD_NAME", "app"),
+        ("POD_NAMESPACE", "default"),
+        ("SERVICE_ACCOUNT", "app"),
+        ("INSTANCE_IP", ip.as_str()),
+        ("SECRET_TTL", "1h"),
+    ];
+    let mut agent =
+        AgentProcess::launch(&pod, &root, tools::weir_command(), &args, &env, None, None).unwrap();
+    // The agent's own CSR passes the policy.
+    let issued = eventually(Duration::from_secs(20), || {
+        agent.log().contains("generated new workload certificate").then_some(())
+    });
+    assert!(issued.is_some(), "the agent got no certificate from its own CA:\n{}", agent.log());
+
+    let own = "spiffe://cluster.local/ns/default/sa/app";
+    let other = "spiffe://cluster.local/ns/default/sa/payments";
+    let answers = pod
+        .run(|| async move {
+            let channel = Endpoint::from_shared(format!("http://{EMBEDDED_ADDRESS}"))?.connect().await?;
+            let mut ca = IstioCertificateServiceClient::new(channel);
+            let mut out = Vec::new();
+            for (uri, seconds) in [(other, 600), (own, 10 * 365 * 86_400)] {
+                let request =
+                    IstioCertificateRequest { csr: csr(uri), validity_duration: seconds, metadata: None };
+                out.push(ca.create_certificate(request).await.map(|r| r.into_inner().cert_chain));
+            }
+            anyhow::Ok(out)
+        })
+        .unwrap()
+        .unwrap();
+
+    let refused = answers[0].as_ref().expect_err("a certificate for another identity");
+    assert_eq!(refused.code(), tonic::Code::PermissionDenied, "{refused:?}");
+    assert!(refused.message().contains(other) && refused.message().contains(own), "{refused:?}");
+    let chain = answers[1].as_ref().unwrap_or_else(|e| panic!("its own identity was refused: {e:?}"));
+    let (_, pem) = x509_parser::pem::parse_x509_pem(chain[0].as_bytes()).unwrap();
+    let leaf = pem.parse_x509().unwrap();
+    let lifetime = leaf.validity().not_after.timestamp() - leaf.validity().not_before.timestamp();
+    assert_eq!(lifetime, 3600 + 60, "ten years asked, SECRET_TTL given (plus a minute of back-dating)");
+    assert!(format!("{:?}", leaf.subject_alternative_name().unwrap().unwrap().value).contains(own));
+    let log = agent.log();
+    assert!(log.contains("CSR refused") && log.contains(other), "the refusal is logged by name:\n{log}");
+    assert!(agent.terminate().unwrap().success(), "{}", agent.log());
 }

@@ -201,13 +201,13 @@ fn envoy_follows_pushes_and_reports_nacks(delta: bool) {
     rig.expect_served_by("v1");
 
     // istiod saw the stream with the agent's credentials and headers.
-    let streams = rig.cp.ads.log().streams();
+    let streams = rig.cp.log.streams();
     let stream = streams.iter().find(|s| s.refused.is_none()).expect("an accepted stream");
     assert_eq!(stream.delta, delta);
     assert_eq!(stream.authorization.as_deref(), Some(format!("Bearer {TOKEN}").as_str()));
     assert_eq!(stream.cluster_id.as_deref(), Some(CLUSTER_ID));
     assert!(stream.metadata.iter().any(|(k, v)| k == "weir_test" && v == "relay"), "{:?}", stream.metadata);
-    let first = rig.cp.ads.log().requests().into_iter().next().expect("a request");
+    let first = rig.cp.log.requests().into_iter().next().expect("a request");
     assert!(
         first.node_id.as_deref().is_some_and(|n| n.starts_with("sidecar~")),
         "Envoy's node reaches istiod on the first request: {first:?}"
@@ -215,8 +215,8 @@ fn envoy_follows_pushes_and_reports_nacks(delta: bool) {
 
     // A push of new endpoints reaches Envoy: traffic moves and config_dump shows it.
     let acks_before =
-        rig.cp.ads.log().requests().iter().filter(|r| r.type_url == type_url::ENDPOINT && r.is_ack()).count();
-    rig.cp.ads.update(|s| set_endpoints(s, &rig.server, 8081, "2"));
+        rig.cp.log.requests().iter().filter(|r| r.type_url == type_url::ENDPOINT && r.is_ack()).count();
+    rig.cp.update(|s| set_endpoints(s, &rig.server, 8081, "2"));
     rig.expect_served_by("v2");
     assert!(rig.config_dump().contains("\"port_value\": 8081"), "EDS update visible in /config_dump");
     assert!(
@@ -231,7 +231,7 @@ fn envoy_follows_pushes_and_reports_nacks(delta: bool) {
 
     // A listener Envoy cannot take is NACKed, the NACK reaches istiod with Envoy's
     // reason, and Envoy keeps serving the last good config.
-    rig.cp.ads.update(|s| {
+    rig.cp.update(|s| {
         s.set(type_url::LISTENER, "bad", [("outbound", listener_on("not-an-ip"))]);
     });
     let nack = rig.cp.wait_for(CONVERGE, |reqs, _| {
@@ -287,7 +287,7 @@ fn upstream_restart_is_survived_and_reconverges() {
     rig.cp.stop();
     // While istiod is away Envoy keeps its config and the relay keeps failing to
     // reconnect (counted), without exiting.
-    rig.cp.ads.update(|s| set_endpoints(s, &rig.server, 8081, "2"));
+    rig.cp.update(|s| set_endpoints(s, &rig.server, 8081, "2"));
     assert!(
         eventually(CONVERGE, || (rig.metric("istio_agent_istiod_connection_failures_total")
             > failures_before)
@@ -340,7 +340,7 @@ fn a_server_certificate_from_another_ca_is_refused_with_a_clear_error() {
         log.contains("invalid peer certificate: UnknownIssuer"),
         "the error names the certificate problem: {log}"
     );
-    assert!(rig.cp.ads.log().streams().is_empty(), "no stream ever reached istiod");
+    assert!(rig.cp.log.streams().is_empty(), "no stream ever reached istiod");
     assert!(rig.call().starts_with("error"));
 }
 
@@ -360,7 +360,7 @@ fn nds_is_answered_by_the_dns_proxy_and_never_reaches_envoy() {
             ..Default::default()
         },
     );
-    rig.cp.ads.update(|s| {
+    rig.cp.update(|s| {
         s.set(type_url::NAME_TABLE, "1", [("", to_any(type_url::NAME_TABLE, &table))]);
     });
     assert!(
@@ -410,7 +410,7 @@ fn garbage_on_the_xds_socket_does_not_take_the_agent_down() {
     }
     std::thread::sleep(Duration::from_millis(300));
     assert!(rig.agent.is_running(), "{}", rig.agent.log());
-    rig.cp.ads.update(|s| set_endpoints(s, &rig.server, 8081, "2"));
+    rig.cp.update(|s| set_endpoints(s, &rig.server, 8081, "2"));
     rig.expect_served_by("v2");
     // SIGTERM: the agent exits cleanly and removes its socket.
     rig.envoy = None;
@@ -425,7 +425,7 @@ fn ten_thousand_clusters_and_a_thousand_pushes_do_not_wedge_the_relay() {
     let rig = Rig::new(&test_name!(), Options { lean_envoy: true, ..Options::default() });
     rig.expect_served_by("v1");
     let filler = SocketAddr::new(rig.server.ipv4().into(), 9);
-    rig.cp.ads.update(|s| {
+    rig.cp.update(|s| {
         s.set(type_url::CLUSTER, "big", filler_clusters(10_000, filler));
     });
     assert!(
@@ -441,7 +441,7 @@ fn ten_thousand_clusters_and_a_thousand_pushes_do_not_wedge_the_relay() {
     // A burst of endpoint pushes, unthrottled, while Envoy ACKs each one.
     for i in 0..1000u32 {
         let port = if i == 999 { 8081 } else { 8080 };
-        rig.cp.ads.update(|s| set_endpoints(s, &rig.server, port, &format!("burst-{i}")));
+        rig.cp.update(|s| set_endpoints(s, &rig.server, port, &format!("burst-{i}")));
     }
     assert!(
         rig.cp.wait_for_ack(type_url::ENDPOINT, "burst-999", Duration::from_secs(120)),

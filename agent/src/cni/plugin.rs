@@ -1,16 +1,17 @@
-//! One CNI invocation: ADD captures a sidecar pod's traffic inside its network
-//! namespace (eBPF through the node's pinned capture, or iptables / native nftables
-//! through weir-iptables with a lock private to that namespace) and passes
-//! `prevResult` on; DEL removes what ADD made and is
-//! idempotent (a namespace already gone is success); CHECK verifies the rules are
-//! still there; VERSION, STATUS and GC answer per the spec. stdout carries only the
+//! One CNI invocation: ADD finds the pod (Kubernetes API), captures a sidecar pod's
+//! traffic inside its network namespace (`capture`: eBPF through the node's pinned
+//! capture, or iptables / native nftables through weir-iptables with a lock private to
+//! that namespace) and passes `prevResult` on; DEL removes what ADD (or repair) made
+//! and is idempotent (a namespace already gone is success); CHECK verifies the capture
+//! is still there; VERSION, STATUS and GC answer per the spec. stdout carries only the
 //! result or the error JSON; logs go to stderr.
 
 use std::path::{Path, PathBuf};
 
-use weir_iptables::{CaptureConfig, RunOptions, detect::HostFacts as _, state::Verdict};
+use weir_iptables::{CaptureConfig, RunOptions};
 
 use super::{
+    capture::{capture, ebpf_error, missing_capture, node_capture, repair_container_id_for_uid},
     kube::{KubeClient, KubeError},
     pod::{self, PodInfo, Skip},
     spec::{CniError, Command, Invocation, NetConf, code, version_result},
@@ -23,44 +24,6 @@ pub const DEFAULT_RUN_DIR: &str = "/var/run/istio-cni";
 /// istio-cni waits this long for the API server to answer (30 × 1 s).
 const POD_LOOKUP_ATTEMPTS: u32 = 30;
 const POD_LOOKUP_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
-
-/// Which backend captures the pod.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CaptureMode {
-    Ebpf,
-    Iptables,
-    Nftables,
-}
-
-impl CaptureMode {
-    /// `capture_mode` (Weir's) and `native_nftables` (Istio's). `auto` picks eBPF when
-    /// the node capture is attached, else native nftables when Istio's flag asks for
-    /// it, else iptables, Istio's default.
-    pub fn from_conf(conf: &NetConf) -> Result<Self, CniError> {
-        match conf.capture_mode.as_deref().unwrap_or("auto") {
-            "iptables" => Ok(Self::Iptables),
-            "nftables" => Ok(Self::Nftables),
-            "ebpf" => Ok(Self::Ebpf),
-            "auto" if super::ebpf::node_capture_present(node_capture(conf)) => Ok(Self::Ebpf),
-            "auto" if conf.native_nftables => Ok(Self::Nftables),
-            "auto" => Ok(Self::Iptables),
-            other => Err(CniError::new(
-                code::INVALID_CONFIG,
-                format!("capture_mode {other:?} is not a capture mode"),
-                "expected ebpf, nftables, iptables or auto",
-            )),
-        }
-    }
-}
-
-/// The node's eBPF capture name.
-fn node_capture(conf: &NetConf) -> &str {
-    conf.ebpf_node_capture.as_deref().unwrap_or(super::ebpf::DEFAULT_NODE_CAPTURE)
-}
-
-fn ebpf_error(what: String) -> impl FnOnce(super::ebpf::CniEbpfError) -> CniError {
-    move |e| CniError::new(code::CAPTURE_FAILED, what, crate::error_chain(&e))
-}
 
 /// What a command printed on success (stdout; empty for DEL/CHECK/STATUS/GC).
 pub type Output = String;
@@ -163,47 +126,6 @@ fn lookup(client: &KubeClient, namespace: &str, name: &str) -> Result<PodInfo, C
     }
 }
 
-/// The capture config and run options for `pod` in `netns`.
-fn plan(
-    conf: &NetConf,
-    pod: &PodInfo,
-    netns: &Path,
-) -> Result<(CaptureMode, CaptureConfig, RunOptions), CniError> {
-    let mode = CaptureMode::from_conf(conf)?;
-    let facts = weir_iptables::detect::SystemFacts { netns: Some(netns.into()) };
-    let addresses = facts.addresses().map_err(|e| {
-        CniError::new(
-            code::IO_FAILURE,
-            format!("cannot read the addresses in network namespace {}", netns.display()),
-            e.to_string(),
-        )
-    })?;
-    let dual_stack = pod
-        .proxy_env
-        .get("ISTIO_DUAL_STACK")
-        .and_then(|v| weir_iptables::flags::parse_bool(v))
-        .unwrap_or(false);
-    let (host_ip, enable_ipv6) = match weir_iptables::detect::local_ip(&addresses, dual_stack) {
-        Some((ip, v6)) => (Some(ip), v6),
-        None => (None, false),
-    };
-    let cfg = pod::capture_config(pod, enable_ipv6).map_err(|e| {
-        CniError::new(
-            code::INVALID_POD,
-            format!("pod {}/{} cannot be captured", pod.namespace, pod.name),
-            e.to_string(),
-        )
-    })?;
-    let opts = RunOptions {
-        network_namespace: Some(netns.into()),
-        cni_mode: true,
-        native_nftables: mode == CaptureMode::Nftables,
-        host_ip,
-        ..RunOptions::default()
-    };
-    Ok((mode, cfg, opts))
-}
-
 fn netns_of(inv: &Invocation) -> Result<PathBuf, CniError> {
     let netns = PathBuf::from(inv.netns.as_deref().unwrap_or_default());
     if !netns.exists() {
@@ -222,73 +144,6 @@ fn add(conf: &NetConf, inv: &Invocation) -> Result<(), CniError> {
     capture(conf, &pod, &netns, &inv.container_id, &inv.ifname)
 }
 
-/// Captures `pod` inside `netns` with the configured backend (ADD, and repair for
-/// pods that started before the plugin was installed).
-pub fn capture(
-    conf: &NetConf,
-    pod: &PodInfo,
-    netns: &Path,
-    container_id: &str,
-    ifname: &str,
-) -> Result<(), CniError> {
-    let (mode, cfg, opts) = plan(conf, pod, netns)?;
-    let who = format!("{}/{}", pod.namespace, pod.name);
-    if mode == CaptureMode::Ebpf {
-        let node = node_capture(conf);
-        let cookie = super::ebpf::register(node, container_id, netns, ifname, &cfg)
-            .map_err(ebpf_error(format!("cannot capture pod {who} with eBPF in {}", netns.display())))?;
-        tracing::info!(pod = %who, netns = %netns.display(), backend = "ebpf", node_capture = node, netns_cookie = cookie, "pod captured");
-        return Ok(());
-    }
-    let report = weir_iptables::program(&cfg, &opts).map_err(|e| {
-        CniError::new(
-            code::CAPTURE_FAILED,
-            format!("cannot capture pod {who} in {}", netns.display()),
-            crate::error_chain(&e),
-        )
-    })?;
-    tracing::info!(
-        pod = %who,
-        netns = %netns.display(),
-        backend = %report.backend,
-        action = ?report.action,
-        mode = %cfg.interception_mode,
-        "pod captured"
-    );
-    Ok(())
-}
-
-/// Whether `pod` is captured in `netns` as configured: `Ok(None)` when it is, else
-/// what is missing (CHECK's answer, repair's test).
-pub fn missing_capture(
-    conf: &NetConf,
-    pod: &PodInfo,
-    netns: &Path,
-    container_id: &str,
-) -> Result<Option<String>, CniError> {
-    let (mode, cfg, opts) = plan(conf, pod, netns)?;
-    if mode == CaptureMode::Ebpf {
-        let node = node_capture(conf);
-        let registered = super::ebpf::registered(node, container_id, netns)
-            .map_err(ebpf_error(format!("cannot check the eBPF capture in {}", netns.display())))?;
-        return Ok((!registered).then(|| format!("not registered with the eBPF node capture {node}")));
-    }
-    let verdict = weir_iptables::apply::verify(&cfg, &opts).map_err(|e| {
-        CniError::new(
-            code::CAPTURE_FAILED,
-            format!("cannot check capture in {}", netns.display()),
-            crate::error_chain(&e),
-        )
-    })?;
-    Ok(match verdict {
-        Verdict::Applied => None,
-        Verdict::Clean => Some(format!("no capture rules in {}", netns.display())),
-        Verdict::Drifted => {
-            Some(format!("the capture rules in {} differ from the planned ones", netns.display()))
-        }
-    })
-}
-
 /// Removes Weir's (and Istio's) capture from the namespace: both backends, since DEL
 /// is not told which one ADD used, and TPROXY's routes. A missing namespace is done.
 fn del(conf: &NetConf, inv: &Invocation) -> Result<(), CniError> {
@@ -296,7 +151,7 @@ fn del(conf: &NetConf, inv: &Invocation) -> Result<(), CniError> {
     // under the pod's UID.
     let mut ids = vec![inv.container_id.clone()];
     if let Some(uid) = inv.args.get("K8S_POD_UID").filter(|u| !u.is_empty()) {
-        ids.push(super::repair::repair_container_id_for_uid(uid));
+        ids.push(repair_container_id_for_uid(uid));
     }
     for id in ids {
         super::ebpf::unregister(node_capture(conf), &id).map_err(ebpf_error(format!(
@@ -359,22 +214,6 @@ mod tests {
 
     fn conf(json: &str) -> NetConf {
         NetConf::parse(json.as_bytes()).unwrap()
-    }
-
-    #[test]
-    fn the_capture_mode_comes_from_weirs_field_or_istios() {
-        assert_eq!(CaptureMode::from_conf(&conf(r#"{"cniVersion":"1.0.0"}"#)), Ok(CaptureMode::Iptables));
-        assert_eq!(
-            CaptureMode::from_conf(&conf(r#"{"cniVersion":"1.0.0","native_nftables":true}"#)),
-            Ok(CaptureMode::Nftables)
-        );
-        assert_eq!(
-            CaptureMode::from_conf(&conf(r#"{"cniVersion":"1.0.0","capture_mode":"nftables"}"#)),
-            Ok(CaptureMode::Nftables)
-        );
-        let e =
-            CaptureMode::from_conf(&conf(r#"{"cniVersion":"1.0.0","capture_mode":"magic"}"#)).unwrap_err();
-        assert_eq!(e.code, code::INVALID_CONFIG);
     }
 
     #[test]

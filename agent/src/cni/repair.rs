@@ -12,8 +12,8 @@ use std::{
 use weir_iptables::detect::HostFacts as _;
 
 use super::{
+    capture::{self, repair_container_id},
     kube::KubeClient,
-    plugin,
     pod::{self, PodInfo},
     spec::NetConf,
 };
@@ -43,19 +43,6 @@ fn namespaces(dir: &Path) -> Vec<(PathBuf, Vec<IpAddr>)> {
         .collect()
 }
 
-/// The container id repair registers under (eBPF records are keyed by it).
-pub fn repair_container_id(pod: &PodInfo) -> String {
-    if pod.uid.is_empty() {
-        format!("repair-{}-{}", pod.namespace, pod.name)
-    } else {
-        repair_container_id_for_uid(&pod.uid)
-    }
-}
-
-/// What DEL (which knows `K8S_POD_UID`) looks for besides its container id.
-pub fn repair_container_id_for_uid(uid: &str) -> String {
-    format!("repair-{uid}")
-}
 /// One pass over the node's pods (as the API listed them): captures the sidecar pods
 /// found in `netns_dir` that are not captured yet. Synchronous: capture enters
 /// namespaces and runs its own netlink runtime.
@@ -79,9 +66,9 @@ pub fn repair(conf: &NetConf, pods: Vec<PodInfo>, netns_dir: &Path) -> RepairRep
             continue;
         };
         let id = repair_container_id(&pod);
-        let outcome = plugin::missing_capture(conf, &pod, netns, &id).and_then(|missing| match missing {
+        let outcome = capture::missing_capture(conf, &pod, netns, &id).and_then(|missing| match missing {
             None => Ok(false),
-            Some(_) => plugin::capture(conf, &pod, netns, &id, "eth0").map(|()| true),
+            Some(_) => capture::capture(conf, &pod, netns, &id, "eth0").map(|()| true),
         });
         match outcome {
             Ok(true) => {

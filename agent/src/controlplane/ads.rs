@@ -8,12 +8,13 @@
 //! every stream in order, unthrottled: a burst of pushes is a real flood.
 //!
 //! Streams are authenticated as istiod does when configured: the bearer token must
-//! match and `ClusterID` must name the configured cluster, else UNAUTHENTICATED.
+//! match and `ClusterID` must name the configured cluster, else UNAUTHENTICATED. The
+//! server keeps no record of what it saw; an `AdsObserver` is told as it happens.
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
     sync::{
-        Arc, Mutex,
+        Arc, Mutex, RwLock,
         atomic::{AtomicU64, Ordering},
     },
 };
@@ -27,7 +28,7 @@ use weir_proto::envoy::service::discovery::v3::{
 };
 
 use super::{
-    log::{RecordedRequest, RecordedStream, RequestLog},
+    observe::{AdsObserver, ObservedRequest, ObservedStream},
     snapshot::{Snapshot, TypeSnapshot},
 };
 
@@ -50,7 +51,7 @@ struct Inner {
     snapshot: Mutex<Arc<Snapshot>>,
     streams: Mutex<HashMap<u64, StreamHandle>>,
     auth: AuthPolicy,
-    log: RequestLog,
+    observer: RwLock<Option<Arc<dyn AdsObserver>>>,
     next_stream: AtomicU64,
     nonce: AtomicU64,
 }
@@ -67,15 +68,21 @@ impl AdsServer {
                 snapshot: Mutex::new(Arc::new(snapshot)),
                 streams: Mutex::new(HashMap::new()),
                 auth,
-                log: RequestLog::default(),
+                observer: RwLock::new(None),
                 next_stream: AtomicU64::new(0),
                 nonce: AtomicU64::new(0),
             }),
         }
     }
 
-    pub fn log(&self) -> &RequestLog {
-        &self.inner.log
+    /// Tells `observer` about every later stream and request (replacing any earlier
+    /// observer).
+    pub fn observe(&self, observer: Arc<dyn AdsObserver>) {
+        *self.inner.observer.write().expect("observer lock") = Some(observer);
+    }
+
+    fn observer(&self) -> Option<Arc<dyn AdsObserver>> {
+        self.inner.observer.read().expect("observer lock").clone()
     }
 
     pub fn snapshot(&self) -> Arc<Snapshot> {
@@ -91,38 +98,25 @@ impl AdsServer {
         }
     }
 
-    /// Changes the current snapshot with `f` and pushes the result.
-    pub fn update(&self, f: impl FnOnce(&mut Snapshot)) {
-        let mut next = (*self.snapshot()).clone();
-        f(&mut next);
-        self.push(next);
-    }
-
-    /// Ends every open stream with `status` (a dropped connection, as clients see it).
-    pub fn drop_streams(&self, status: Status) {
+    /// Ends every open stream with `status` (at shutdown, so serving need not wait on
+    /// them).
+    pub(super) fn drop_streams(&self, status: Status) {
         for handle in self.inner.streams.lock().expect("streams lock").values() {
             let _ = handle.kill.send(status.clone());
         }
-    }
-
-    /// Number of open streams.
-    pub fn stream_count(&self) -> usize {
-        self.inner.streams.lock().expect("streams lock").len()
     }
 
     fn next_nonce(&self) -> String {
         format!("{:x}", self.inner.nonce.fetch_add(1, Ordering::Relaxed) + 1)
     }
 
-    /// Records the stream and checks its credentials.
+    /// Checks the stream's credentials (and tells the observer what was decided).
     fn admit(&self, metadata: &MetadataMap, delta: bool) -> Result<u64, Status> {
         let stream = self.inner.next_stream.fetch_add(1, Ordering::Relaxed) + 1;
-        let text = |k: &str| metadata.get(k).and_then(|v| v.to_str().ok()).map(String::from);
-        let authorization = text("authorization");
-        let cluster_id = text("clusterid");
+        let text = |k: &str| metadata.get(k).and_then(|v| v.to_str().ok());
         let mut refused = None;
         if let Some(token) = &self.inner.auth.token {
-            let presented = authorization.as_deref().and_then(|a| a.strip_prefix("Bearer "));
+            let presented = text("authorization").and_then(|a| a.strip_prefix("Bearer "));
             if presented != Some(token.as_str()) {
                 refused = Some(match presented {
                     None => "authentication failure: no bearer token".to_string(),
@@ -132,30 +126,16 @@ impl AdsServer {
         }
         if refused.is_none()
             && let Some(expected) = &self.inner.auth.cluster_id
-            && cluster_id.as_deref() != Some(expected.as_str())
+            && text("clusterid") != Some(expected.as_str())
         {
             refused = Some(format!(
                 "authentication failure: cluster {:?} is not known (expected {expected:?})",
-                cluster_id.as_deref().unwrap_or("")
+                text("clusterid").unwrap_or("")
             ));
         }
-        let all = metadata
-            .iter()
-            .filter_map(|kv| match kv {
-                tonic::metadata::KeyAndValueRef::Ascii(k, v) => {
-                    Some((k.as_str().to_string(), v.to_str().unwrap_or("").to_string()))
-                }
-                tonic::metadata::KeyAndValueRef::Binary(..) => None,
-            })
-            .collect();
-        self.inner.log.record_stream(RecordedStream {
-            stream,
-            delta,
-            authorization,
-            cluster_id,
-            metadata: all,
-            refused: refused.clone(),
-        });
+        if let Some(observer) = self.observer() {
+            observer.stream(ObservedStream { id: stream, delta, metadata, refused: refused.as_deref() });
+        }
         match refused {
             Some(message) => Err(Status::unauthenticated(message)),
             None => Ok(stream),
@@ -224,18 +204,9 @@ impl AdsServer {
                 }
                 message = requests.message() => {
                     let Ok(Some(request)) = message else { break };
-                    self.inner.log.record(RecordedRequest {
-                        stream,
-                        delta: false,
-                        type_url: request.type_url.clone(),
-                        version_info: request.version_info.clone(),
-                        nonce: request.response_nonce.clone(),
-                        names: request.resource_names.clone(),
-                        unsubscribe: vec![],
-                        error: request.error_detail.as_ref().map(|e| e.message.clone()),
-                        error_code: request.error_detail.as_ref().map(|e| e.code),
-                        node_id: request.node.as_ref().map(|n| n.id.clone()),
-                    });
+                    if let Some(observer) = self.observer() {
+                        observer.request(ObservedRequest::Sotw { stream, request: &request });
+                    }
                     let watch = watches.entry(request.type_url.clone()).or_default();
                     // A nonce on a type this stream has not answered yet is a client
                     // carrying state over a reconnect: answer it like a first request.
@@ -310,18 +281,9 @@ impl AdsServer {
                 }
                 message = requests.message() => {
                     let Ok(Some(request)) = message else { break };
-                    self.inner.log.record(RecordedRequest {
-                        stream,
-                        delta: true,
-                        type_url: request.type_url.clone(),
-                        version_info: String::new(),
-                        nonce: request.response_nonce.clone(),
-                        names: request.resource_names_subscribe.clone(),
-                        unsubscribe: request.resource_names_unsubscribe.clone(),
-                        error: request.error_detail.as_ref().map(|e| e.message.clone()),
-                        error_code: request.error_detail.as_ref().map(|e| e.code),
-                        node_id: request.node.as_ref().map(|n| n.id.clone()),
-                    });
+                    if let Some(observer) = self.observer() {
+                        observer.request(ObservedRequest::Delta { stream, request: &request });
+                    }
                     let first = !watches.contains_key(&request.type_url);
                     let watch = watches.entry(request.type_url.clone()).or_default();
                     if first {

@@ -2,7 +2,7 @@
 //! template name, line and column) and in which [`Phase`]; plus [`Fail`], an error still at a
 //! byte offset, as the lexer, parser and executor raise it.
 
-use super::funcs::Arity;
+use super::arity::Arity;
 
 /// Whether an error was found while parsing or while rendering.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -7,34 +7,10 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
+use super::arity::Arity;
 use super::error::{ErrorKind, call_err};
-use super::exec::{Val, truth};
 use super::format::{self, go_type, to_json};
-
-/// How many arguments a function takes, counting a value piped into it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Arity {
-    Exactly(usize),
-    AtLeast(usize),
-}
-
-impl Arity {
-    pub(super) fn accepts(self, n: usize) -> bool {
-        match self {
-            Arity::Exactly(k) => n == k,
-            Arity::AtLeast(k) => n >= k,
-        }
-    }
-}
-
-impl fmt::Display for Arity {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Arity::Exactly(k) => write!(f, "{k}"),
-            Arity::AtLeast(k) => write!(f, "at least {k}"),
-        }
-    }
-}
+use super::value::{Val, truth};
 
 /// A function registered by the embedder: arguments in order (a piped value last), Go's
 /// "no value" passed as `Null`. An `Err` stops rendering with "error calling NAME: ...".

@@ -1,18 +1,19 @@
 //! `weir-bench sds`: what a workload certificate costs the agent. Each issuance is a
 //! fresh key, a CSR, `CreateCertificate` at the CA and the chain checks, against the
 //! floor of the CA round trip alone (a CSR made once, signed again and again). The CA
-//! is Weir's test CA over loopback gRPC in this process, so the CA's own signing time
+//! is the tests' istiod CA (signing with Weir's mesh CA) over loopback gRPC in this process, so the CA's own signing time
 //! is in every row, the floor included.
 
 use std::{sync::Arc, time::Instant};
 
 use tokio_util::sync::CancellationToken;
 use weir_agent::{
-    controlplane::{self, AdsServer, AuthPolicy, CaServer, Snapshot},
+    controlplane::{self, AdsServer, AuthPolicy, Snapshot},
     identity::{CaClient, KeyAlgorithm, KeyOptions, WorkloadIdentity, keys},
     metrics::Metrics,
     xds::UpstreamConfig,
 };
+use weir_tests::istiod_ca::IstiodCa;
 
 use super::report::{Options, Row, Table, repeat_pair};
 
@@ -54,7 +55,7 @@ fn percentile(sorted: &[f64], q: f64) -> f64 {
 /// (p50, p99) in ms of `ISSUES` issuances.
 async fn run_once(kind: Kind) -> anyhow::Result<(f64, f64)> {
     let stop = CancellationToken::new();
-    let ca = CaServer::new("bench CA", None)?;
+    let ca = IstiodCa::new("bench CA", None)?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let ads = AdsServer::new(Snapshot::new(), AuthPolicy::default());

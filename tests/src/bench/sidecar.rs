@@ -11,7 +11,7 @@ use std::{
 };
 
 use anyhow::{Context as _, bail};
-use weir_agent::controlplane::{AdsServer, AuthPolicy, CaServer, Snapshot, resources};
+use weir_agent::controlplane::{AdsServer, AuthPolicy, Snapshot, resources};
 use weir_proto::type_url;
 use weir_tests::{
     Mesh, Placement, Pod,
@@ -19,6 +19,7 @@ use weir_tests::{
     control_plane::{CLUSTER_ID, ControlPlane, ISTIOD_SAN, TOKEN, TestCa},
     envoy::{self, Envoy, XdsTarget, ads_bootstrap_to},
     http,
+    istiod_ca::IstiodCa,
     sidecar::{AgentProcess, PROXY_UID, SidecarRoot},
 };
 
@@ -67,8 +68,8 @@ fn stage() -> anyhow::Result<Stage> {
         snapshot(&upstream),
         AuthPolicy { token: Some(TOKEN.into()), cluster_id: Some(CLUSTER_ID.into()) },
     );
-    let cp = ControlPlane::istiod(&istiod, &ca, ads)?
-        .with_ca(CaServer::new("bench mesh CA", Some(TOKEN.into()))?)?;
+    let cp =
+        ControlPlane::istiod(&istiod, &ca, ads)?.with_ca(IstiodCa::new("bench mesh CA", Some(TOKEN))?)?;
     Ok(Stage { app, cp, ca, _upstream_app: upstream_app, _upstream: upstream, _istiod: istiod, _mesh: mesh })
 }
 

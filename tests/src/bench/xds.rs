@@ -61,7 +61,7 @@ fn endpoints(server: &Pod, version: &str, port: u16) -> impl FnOnce(&mut Snapsho
 }
 
 fn acks(cp: &ControlPlane, type_url: &str) -> usize {
-    cp.ads.log().requests().iter().filter(|r| r.type_url == type_url && r.is_ack()).count()
+    cp.log.requests().iter().filter(|r| r.type_url == type_url && r.is_ack()).count()
 }
 
 /// Applies `change`, then waits for one more ACK of `type_url`; the elapsed time.
@@ -72,7 +72,7 @@ fn push_and_wait(
 ) -> anyhow::Result<f64> {
     let before = acks(cp, type_url);
     let start = Instant::now();
-    cp.ads.update(change);
+    cp.update(change);
     cp.wait_for(ACK_TIMEOUT, |reqs, _| {
         (reqs.iter().filter(|r| r.type_url == type_url && r.is_ack()).count() > before).then_some(())
     })

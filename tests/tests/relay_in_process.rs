@@ -10,7 +10,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use weir_agent::{
-    controlplane::{AdsServer, AuthPolicy, RecordedRequest, Snapshot},
+    controlplane::{AdsServer, AuthPolicy, Snapshot},
     metrics::Metrics,
     xds::{XdsProxy, flavor::Health, relay::Handler, upstream::UpstreamConfig},
 };
@@ -20,11 +20,13 @@ use weir_proto::{
     },
     type_url,
 };
+use weir_tests::request_log::{RecordedRequest, RequestLog};
 
 const WAIT: Duration = Duration::from_secs(10);
 
 struct Setup {
     ads: AdsServer,
+    log: RequestLog,
     proxy: XdsProxy,
     socket: std::path::PathBuf,
     _dir: tempfile::TempDir,
@@ -33,6 +35,7 @@ struct Setup {
 
 async fn setup() -> Setup {
     let ads = AdsServer::new(Snapshot::new(), AuthPolicy::default());
+    let log = RequestLog::observing(&ads);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let stop = CancellationToken::new();
@@ -47,7 +50,7 @@ async fn setup() -> Setup {
     let socket = dir.path().join("XDS");
     let uds = weir_agent::xds::uds::bind(&socket, None).unwrap();
     tokio::spawn(proxy.clone().serve(uds, stop.clone().cancelled_owned()));
-    Setup { ads, proxy, socket, _dir: dir, stop }
+    Setup { ads, log, proxy, socket, _dir: dir, stop }
 }
 
 async fn envoy_client(
@@ -68,11 +71,10 @@ fn request(type_url: &str) -> DiscoveryRequest {
     DiscoveryRequest { type_url: type_url.into(), ..Default::default() }
 }
 
-async fn wait_for_request(ads: &AdsServer, what: impl Fn(&RecordedRequest) -> bool) -> RecordedRequest {
-    ads.log()
-        .wait_for(WAIT, |reqs, _| reqs.iter().find(|r| what(r)).cloned())
+async fn wait_for_request(log: &RequestLog, what: impl Fn(&RecordedRequest) -> bool) -> RecordedRequest {
+    log.wait_for(WAIT, |reqs, _| reqs.iter().find(|r| what(r)).cloned())
         .await
-        .unwrap_or_else(|| panic!("request never reached the control plane: {:?}", ads.log().requests()))
+        .unwrap_or_else(|| panic!("request never reached the control plane: {:?}", log.requests()))
 }
 
 #[tokio::test]
@@ -82,29 +84,29 @@ async fn the_agent_subscribes_nds_after_lds_and_reports_health_upstream() {
     let (tx, rx) = mpsc::channel(8);
     tx.send(request(type_url::CLUSTER)).await.unwrap();
     let _responses = envoy.stream_aggregated_resources(ReceiverStream::new(rx)).await.unwrap();
-    wait_for_request(&s.ads, |r| r.type_url == type_url::CLUSTER).await;
+    wait_for_request(&s.log, |r| r.type_url == type_url::CLUSTER).await;
     assert!(
-        !s.ads.log().requests().iter().any(|r| r.type_url == type_url::NAME_TABLE),
+        !s.log.requests().iter().any(|r| r.type_url == type_url::NAME_TABLE),
         "no NDS subscription before Envoy's first LDS request"
     );
     tx.send(request(type_url::LISTENER)).await.unwrap();
-    wait_for_request(&s.ads, |r| r.type_url == type_url::NAME_TABLE).await;
+    wait_for_request(&s.log, |r| r.type_url == type_url::NAME_TABLE).await;
 
     s.proxy.report_health(Health::Unhealthy("readiness probe failed".into()));
-    let unhealthy = wait_for_request(&s.ads, |r| r.type_url == type_url::HEALTH_INFO).await;
+    let unhealthy = wait_for_request(&s.log, |r| r.type_url == type_url::HEALTH_INFO).await;
     assert_eq!(unhealthy.error.as_deref(), Some("readiness probe failed"));
     s.proxy.report_health(Health::Healthy);
-    wait_for_request(&s.ads, |r| r.type_url == type_url::HEALTH_INFO && r.error.is_none()).await;
+    wait_for_request(&s.log, |r| r.type_url == type_url::HEALTH_INFO && r.error.is_none()).await;
 
     // A new Envoy stream replaces the old one and carries the last health state.
     s.proxy.report_health(Health::Unhealthy("still starting".into()));
-    let streams_before = s.ads.log().requests().iter().map(|r| r.stream).max().unwrap();
+    let streams_before = s.log.requests().iter().map(|r| r.stream).max().unwrap();
     let (tx2, rx2) = mpsc::channel(8);
     tx2.send(request(type_url::LISTENER)).await.unwrap();
     let mut envoy2 = envoy_client(&s.socket).await;
     let _responses2 = envoy2.stream_aggregated_resources(ReceiverStream::new(rx2)).await.unwrap();
     let replayed =
-        wait_for_request(&s.ads, |r| r.stream > streams_before && r.type_url == type_url::HEALTH_INFO).await;
+        wait_for_request(&s.log, |r| r.stream > streams_before && r.type_url == type_url::HEALTH_INFO).await;
     assert_eq!(replayed.error.as_deref(), Some("still starting"));
     drop(tx);
     s.stop.cancel();
@@ -124,7 +126,7 @@ async fn agent_internal_types_never_reach_envoy_and_are_acked_by_the_agent() {
     tx.send(request(type_url::LISTENER)).await.unwrap();
     let mut responses =
         envoy.stream_aggregated_resources(ReceiverStream::new(rx)).await.unwrap().into_inner();
-    let ack = wait_for_request(&s.ads, |r| r.type_url == type_url::NAME_TABLE && r.is_ack()).await;
+    let ack = wait_for_request(&s.log, |r| r.type_url == type_url::NAME_TABLE && r.is_ack()).await;
     assert_eq!(ack.version_info, "7", "the agent ACKs NDS with its version");
     // Envoy gets its (empty) listener response and nothing of the agent's types.
     let mut seen = Vec::new();

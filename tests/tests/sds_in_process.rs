@@ -1,5 +1,6 @@
 //! The SDS server, secret manager and CA client in one process: a gRPC client on the
-//! SDS Unix socket plays Envoy, Weir's test CA plays istiod's (plaintext on loopback).
+//! SDS Unix socket plays Envoy, the tests' istiod CA plays istiod's (plaintext on
+//! loopback).
 //! The real-Envoy mutual-TLS and rotation tests are in tests/tests/sds.rs; these reach
 //! what Envoy cannot show: request metadata, single-flight issuance, ACK silence, the
 //! exact status of a refused stream, file swaps and each bad answer from the CA.
@@ -12,7 +13,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use weir_agent::{
-    controlplane::{self, AdsServer, AuthPolicy, CaBehaviour, CaServer, Snapshot},
+    controlplane::{self, AdsServer, AuthPolicy, Snapshot},
     identity::{
         CaClient, KeyAlgorithm, KeyOptions, RotationPolicy, SdsServer, SecretManager, WorkloadIdentity,
         WorkloadSource, caclient::CaClientError, manager::CertFiles,
@@ -30,12 +31,13 @@ use weir_proto::{
     },
     type_url,
 };
+use weir_tests::istiod_ca::{CaBehaviour, IstiodCa};
 
 const WAIT: Duration = Duration::from_secs(15);
 const TOKEN: &str = "sds-test-token";
 
 struct Setup {
-    ca: CaServer,
+    ca: IstiodCa,
     metrics: Arc<Metrics>,
     manager: SecretManager,
     socket: std::path::PathBuf,
@@ -57,7 +59,7 @@ fn identity() -> WorkloadIdentity {
     }
 }
 
-async fn ca_client(ca: &CaServer, dir: &Path, metrics: &Arc<Metrics>, stop: &CancellationToken) -> CaClient {
+async fn ca_client(ca: &IstiodCa, dir: &Path, metrics: &Arc<Metrics>, stop: &CancellationToken) -> CaClient {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let ads = AdsServer::new(Snapshot::new(), AuthPolicy::default());
@@ -72,7 +74,7 @@ async fn ca_client(ca: &CaServer, dir: &Path, metrics: &Arc<Metrics>, stop: &Can
 }
 
 async fn setup_with(source: impl FnOnce(CaClient) -> WorkloadSource, output: Option<&str>) -> Setup {
-    let ca = CaServer::new("sds-test", Some(TOKEN.into())).unwrap();
+    let ca = IstiodCa::new("sds-test", Some(TOKEN)).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let stop = CancellationToken::new();
     let metrics = Arc::new(Metrics::new());

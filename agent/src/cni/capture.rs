@@ -1,0 +1,199 @@
+//! Capturing one pod inside its network namespace, and telling whether it is captured:
+//! what ADD and CHECK (`plugin`) and repair (`repair`) share. The backend comes from
+//! the plugin's config (`capture_mode`, Istio's `native_nftables`): eBPF registers the
+//! pod with the node's pinned capture, netfilter goes through weir-iptables in CNI mode.
+//! Also the container id a repaired pod is registered under, which DEL must find.
+
+use std::path::Path;
+
+use weir_iptables::{CaptureConfig, RunOptions, detect::HostFacts as _, state::Verdict};
+
+use super::{
+    pod::{self, PodInfo},
+    spec::{CniError, NetConf, code},
+};
+
+/// Which backend captures the pod.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CaptureMode {
+    Ebpf,
+    Iptables,
+    Nftables,
+}
+
+impl CaptureMode {
+    /// `capture_mode` (Weir's) and `native_nftables` (Istio's). `auto` picks eBPF when
+    /// the node capture is attached, else native nftables when Istio's flag asks for
+    /// it, else iptables, Istio's default.
+    pub fn from_conf(conf: &NetConf) -> Result<Self, CniError> {
+        match conf.capture_mode.as_deref().unwrap_or("auto") {
+            "iptables" => Ok(Self::Iptables),
+            "nftables" => Ok(Self::Nftables),
+            "ebpf" => Ok(Self::Ebpf),
+            "auto" if super::ebpf::node_capture_present(node_capture(conf)) => Ok(Self::Ebpf),
+            "auto" if conf.native_nftables => Ok(Self::Nftables),
+            "auto" => Ok(Self::Iptables),
+            other => Err(CniError::new(
+                code::INVALID_CONFIG,
+                format!("capture_mode {other:?} is not a capture mode"),
+                "expected ebpf, nftables, iptables or auto",
+            )),
+        }
+    }
+}
+
+/// The node's eBPF capture name.
+pub(super) fn node_capture(conf: &NetConf) -> &str {
+    conf.ebpf_node_capture.as_deref().unwrap_or(super::ebpf::DEFAULT_NODE_CAPTURE)
+}
+
+pub(super) fn ebpf_error(what: String) -> impl FnOnce(super::ebpf::CniEbpfError) -> CniError {
+    move |e| CniError::new(code::CAPTURE_FAILED, what, crate::error_chain(&e))
+}
+
+/// The capture config and run options for `pod` in `netns`.
+fn plan(
+    conf: &NetConf,
+    pod: &PodInfo,
+    netns: &Path,
+) -> Result<(CaptureMode, CaptureConfig, RunOptions), CniError> {
+    let mode = CaptureMode::from_conf(conf)?;
+    let facts = weir_iptables::detect::SystemFacts { netns: Some(netns.into()) };
+    let addresses = facts.addresses().map_err(|e| {
+        CniError::new(
+            code::IO_FAILURE,
+            format!("cannot read the addresses in network namespace {}", netns.display()),
+            e.to_string(),
+        )
+    })?;
+    let dual_stack = pod
+        .proxy_env
+        .get("ISTIO_DUAL_STACK")
+        .and_then(|v| weir_iptables::flags::parse_bool(v))
+        .unwrap_or(false);
+    let (host_ip, enable_ipv6) = match weir_iptables::detect::local_ip(&addresses, dual_stack) {
+        Some((ip, v6)) => (Some(ip), v6),
+        None => (None, false),
+    };
+    let cfg = pod::capture_config(pod, enable_ipv6).map_err(|e| {
+        CniError::new(
+            code::INVALID_POD,
+            format!("pod {}/{} cannot be captured", pod.namespace, pod.name),
+            e.to_string(),
+        )
+    })?;
+    let opts = RunOptions {
+        network_namespace: Some(netns.into()),
+        cni_mode: true,
+        native_nftables: mode == CaptureMode::Nftables,
+        host_ip,
+        ..RunOptions::default()
+    };
+    Ok((mode, cfg, opts))
+}
+
+/// Captures `pod` inside `netns` with the configured backend (ADD, and repair for
+/// pods that started before the plugin was installed).
+pub fn capture(
+    conf: &NetConf,
+    pod: &PodInfo,
+    netns: &Path,
+    container_id: &str,
+    ifname: &str,
+) -> Result<(), CniError> {
+    let (mode, cfg, opts) = plan(conf, pod, netns)?;
+    let who = format!("{}/{}", pod.namespace, pod.name);
+    if mode == CaptureMode::Ebpf {
+        let node = node_capture(conf);
+        let cookie = super::ebpf::register(node, container_id, netns, ifname, &cfg)
+            .map_err(ebpf_error(format!("cannot capture pod {who} with eBPF in {}", netns.display())))?;
+        tracing::info!(pod = %who, netns = %netns.display(), backend = "ebpf", node_capture = node, netns_cookie = cookie, "pod captured");
+        return Ok(());
+    }
+    let report = weir_iptables::program(&cfg, &opts).map_err(|e| {
+        CniError::new(
+            code::CAPTURE_FAILED,
+            format!("cannot capture pod {who} in {}", netns.display()),
+            crate::error_chain(&e),
+        )
+    })?;
+    tracing::info!(
+        pod = %who,
+        netns = %netns.display(),
+        backend = %report.backend,
+        action = ?report.action,
+        mode = %cfg.interception_mode,
+        "pod captured"
+    );
+    Ok(())
+}
+
+/// Whether `pod` is captured in `netns` as configured: `Ok(None)` when it is, else
+/// what is missing (CHECK's answer, repair's test).
+pub fn missing_capture(
+    conf: &NetConf,
+    pod: &PodInfo,
+    netns: &Path,
+    container_id: &str,
+) -> Result<Option<String>, CniError> {
+    let (mode, cfg, opts) = plan(conf, pod, netns)?;
+    if mode == CaptureMode::Ebpf {
+        let node = node_capture(conf);
+        let registered = super::ebpf::registered(node, container_id, netns)
+            .map_err(ebpf_error(format!("cannot check the eBPF capture in {}", netns.display())))?;
+        return Ok((!registered).then(|| format!("not registered with the eBPF node capture {node}")));
+    }
+    let verdict = weir_iptables::apply::verify(&cfg, &opts).map_err(|e| {
+        CniError::new(
+            code::CAPTURE_FAILED,
+            format!("cannot check capture in {}", netns.display()),
+            crate::error_chain(&e),
+        )
+    })?;
+    Ok(match verdict {
+        Verdict::Applied => None,
+        Verdict::Clean => Some(format!("no capture rules in {}", netns.display())),
+        Verdict::Drifted => {
+            Some(format!("the capture rules in {} differ from the planned ones", netns.display()))
+        }
+    })
+}
+
+/// The container id repair registers under (eBPF records are keyed by it).
+pub fn repair_container_id(pod: &PodInfo) -> String {
+    if pod.uid.is_empty() {
+        format!("repair-{}-{}", pod.namespace, pod.name)
+    } else {
+        repair_container_id_for_uid(&pod.uid)
+    }
+}
+
+/// What DEL (which knows `K8S_POD_UID`) looks for besides its container id.
+pub fn repair_container_id_for_uid(uid: &str) -> String {
+    format!("repair-{uid}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn conf(json: &str) -> NetConf {
+        NetConf::parse(json.as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn the_capture_mode_comes_from_weirs_field_or_istios() {
+        assert_eq!(CaptureMode::from_conf(&conf(r#"{"cniVersion":"1.0.0"}"#)), Ok(CaptureMode::Iptables));
+        assert_eq!(
+            CaptureMode::from_conf(&conf(r#"{"cniVersion":"1.0.0","native_nftables":true}"#)),
+            Ok(CaptureMode::Nftables)
+        );
+        assert_eq!(
+            CaptureMode::from_conf(&conf(r#"{"cniVersion":"1.0.0","capture_mode":"nftables"}"#)),
+            Ok(CaptureMode::Nftables)
+        );
+        let e =
+            CaptureMode::from_conf(&conf(r#"{"cniVersion":"1.0.0","capture_mode":"magic"}"#)).unwrap_err();
+        assert_eq!(e.code, code::INVALID_CONFIG);
+    }
+}

@@ -1,0 +1,259 @@
+//! The mesh CA's root: an ECDSA P-256 self-signed certificate and its key, made fresh or
+//! kept in a state directory that every workload of the mesh shares, and the signing of
+//! workload certificates with it, only as a `SigningPolicy` approves: the certificate
+//! carries the approved SPIFFE ID and lifetime and nothing else the CSR asked for.
+
+use std::{path::Path, sync::Arc};
+
+use super::policy::{Approved, Refusal, SigningPolicy};
+
+/// The persisted root's files in a state directory.
+pub const ROOT_CERT_FILE: &str = "root-cert.pem";
+pub const ROOT_KEY_FILE: &str = "root-key.pem";
+
+/// How long a root lives.
+const ROOT_DAYS: i64 = 3650;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CaError {
+    #[error("create the CA root")]
+    Root(#[source] rcgen::Error),
+    #[error("the mesh CA in {path} is unusable")]
+    Stored {
+        path: std::path::PathBuf,
+        #[source]
+        source: rcgen::Error,
+    },
+    #[error("{what} {path}")]
+    Io {
+        what: &'static str,
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Why a CSR was not signed.
+#[derive(Debug, thiserror::Error)]
+pub enum SignError {
+    #[error("the CSR is not a valid PEM certificate request")]
+    Csr(#[source] rcgen::Error),
+    #[error("certificate refused")]
+    Refused(#[source] Refusal),
+    #[error("signing the workload certificate failed")]
+    Sign(#[source] rcgen::Error),
+}
+
+impl SignError {
+    /// The answer a gRPC client gets, naming the reason.
+    pub fn to_status(&self) -> tonic::Status {
+        let code = match self {
+            Self::Csr(_) => tonic::Code::InvalidArgument,
+            Self::Refused(refusal) => refusal.code(),
+            Self::Sign(_) => tonic::Code::Internal,
+        };
+        tonic::Status::new(code, crate::error_chain(self))
+    }
+}
+
+/// A signed workload certificate.
+#[derive(Debug, Clone)]
+pub struct Signed {
+    /// The leaf (PEM).
+    pub leaf_pem: String,
+    /// What it was signed for.
+    pub approved: Approved,
+}
+
+/// The root and its key. Clones share them.
+#[derive(Clone)]
+pub struct MeshCa {
+    root: Arc<Root>,
+}
+
+struct Root {
+    issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
+    pem: String,
+    /// The signing key, PEM (kept to persist the root).
+    key_pem: String,
+}
+
+impl MeshCa {
+    /// A fresh self-signed root named `org`, valid for ten years.
+    pub fn generate(org: &str) -> Result<Self, CaError> {
+        let key = rcgen::KeyPair::generate().map_err(CaError::Root)?;
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).map_err(CaError::Root)?;
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params.distinguished_name.push(rcgen::DnType::OrganizationName, org);
+        params.key_usages = vec![rcgen::KeyUsagePurpose::KeyCertSign, rcgen::KeyUsagePurpose::CrlSign];
+        let now = time::OffsetDateTime::now_utc();
+        params.not_before = now - time::Duration::hours(1);
+        params.not_after = now + time::Duration::days(ROOT_DAYS);
+        let cert = params.self_signed(&key).map_err(CaError::Root)?;
+        let root =
+            Root { pem: cert.pem(), key_pem: key.serialize_pem(), issuer: rcgen::Issuer::new(params, key) };
+        Ok(Self { root: Arc::new(root) })
+    }
+
+    /// The mesh CA kept in `dir`: loaded when it is there, else generated and written
+    /// (key 0600). Agents sharing `dir` share the CA; a lock file makes concurrent first
+    /// starts agree on one root.
+    pub fn load_or_create(org: &str, dir: &Path) -> Result<Self, CaError> {
+        use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
+        let io = |what, path: &Path| {
+            let path = path.to_path_buf();
+            move |source| CaError::Io { what, path, source }
+        };
+        std::fs::create_dir_all(dir).map_err(io("create", dir))?;
+        let lock_path = dir.join(".lock");
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .mode(0o600)
+            .open(&lock_path)
+            .map_err(io("open", &lock_path))?;
+        let _lock = nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusive)
+            .map_err(|(_, e)| CaError::Io { what: "lock", path: lock_path.clone(), source: e.into() })?;
+        if dir.join(ROOT_KEY_FILE).exists() {
+            return Self::load(dir);
+        }
+        let ca = Self::generate(org)?;
+        for (name, text, mode) in
+            [(ROOT_KEY_FILE, &ca.root.key_pem, 0o600), (ROOT_CERT_FILE, &ca.root.pem, 0o644)]
+        {
+            let path = dir.join(name);
+            let tmp = dir.join(format!(".{name}.tmp"));
+            std::fs::write(&tmp, text).map_err(io("write", &tmp))?;
+            std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode))
+                .map_err(io("chmod", &tmp))?;
+            std::fs::rename(&tmp, &path).map_err(io("rename into place", &path))?;
+        }
+        Ok(ca)
+    }
+
+    /// The root kept in `dir` (`root-cert.pem`, `root-key.pem`).
+    fn load(dir: &Path) -> Result<Self, CaError> {
+        let read = |name: &str| {
+            let path = dir.join(name);
+            std::fs::read_to_string(&path).map_err(|source| CaError::Io { what: "read", path, source })
+        };
+        let (pem, key_pem) = (read(ROOT_CERT_FILE)?, read(ROOT_KEY_FILE)?);
+        let stored = |source| CaError::Stored { path: dir.into(), source };
+        let key = rcgen::KeyPair::from_pem(&key_pem).map_err(stored)?;
+        let issuer = rcgen::Issuer::from_ca_cert_pem(&pem, key).map_err(stored)?;
+        Ok(Self { root: Arc::new(Root { issuer, pem, key_pem }) })
+    }
+
+    /// The root certificate (PEM).
+    pub fn root_pem(&self) -> &str {
+        &self.root.pem
+    }
+
+    /// Signs `csr_pem` (its signature checked: the requester holds the key) as `policy`
+    /// approves it for `requested_seconds` (`IstioCertificateRequest.validity_duration`):
+    /// a leaf with an empty subject, the approved SPIFFE ID as its only SAN, not a CA,
+    /// valid for the approved lifetime (back-dated a minute for clock skew).
+    pub fn sign(
+        &self,
+        csr_pem: &str,
+        requested_seconds: i64,
+        policy: &SigningPolicy,
+    ) -> Result<Signed, SignError> {
+        let mut csr = rcgen::CertificateSigningRequestParams::from_pem(csr_pem).map_err(SignError::Csr)?;
+        let approved =
+            policy.check(&csr.params.subject_alt_names, requested_seconds).map_err(SignError::Refused)?;
+        let identity =
+            rcgen::string::Ia5String::try_from(approved.identity.as_str()).map_err(SignError::Sign)?;
+        // Only what the policy approved: nothing else the CSR asked for is carried over.
+        let mut params = rcgen::CertificateParams::default();
+        params.distinguished_name = rcgen::DistinguishedName::new();
+        params.subject_alt_names = vec![rcgen::SanType::URI(identity)];
+        let now = time::OffsetDateTime::now_utc();
+        params.not_before = now - time::Duration::minutes(1);
+        params.not_after =
+            now + time::Duration::try_from(approved.lifetime).unwrap_or(time::Duration::days(1));
+        params.is_ca = rcgen::IsCa::ExplicitNoCa;
+        params.key_usages =
+            vec![rcgen::KeyUsagePurpose::DigitalSignature, rcgen::KeyUsagePurpose::KeyEncipherment];
+        params.extended_key_usages =
+            vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth, rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+        params.serial_number = Some(rcgen::SerialNumber::from_slice(&rand::random::<[u8; 16]>()));
+        csr.params = params;
+        let cert = csr.signed_by(&self.root.issuer).map_err(SignError::Sign)?;
+        Ok(Signed { leaf_pem: cert.pem(), approved })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::identity::WorkloadIdentity;
+
+    const OWN: &str = "spiffe://cluster.local/ns/default/sa/app";
+
+    fn policy(ttl: u64) -> SigningPolicy {
+        let id = WorkloadIdentity {
+            trust_domain: "cluster.local".into(),
+            namespace: "default".into(),
+            service_account: "app".into(),
+        };
+        SigningPolicy::new(&id, Duration::from_secs(ttl))
+    }
+
+    /// A CSR asking for more than an identity: a subject, CA rights, code signing.
+    fn greedy_csr(uri: &str) -> (String, rcgen::KeyPair) {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.subject_alt_names = vec![rcgen::SanType::URI(uri.try_into().unwrap())];
+        params.distinguished_name.push(rcgen::DnType::CommonName, "root of everything");
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::CodeSigning];
+        (params.serialize_request(&key).unwrap().pem().unwrap(), key)
+    }
+
+    #[test]
+    fn a_certificate_carries_what_the_policy_approved_and_nothing_else() {
+        let ca = MeshCa::generate("mesh").unwrap();
+        let (csr, key) = greedy_csr(OWN);
+        let signed = ca.sign(&csr, 10 * 365 * 86_400, &policy(3600)).unwrap();
+        assert!(signed.approved.capped);
+        let (_, pem) = x509_parser::pem::parse_x509_pem(signed.leaf_pem.as_bytes()).unwrap();
+        let leaf = pem.parse_x509().unwrap();
+        let lifetime = leaf.validity().not_after.timestamp() - leaf.validity().not_before.timestamp();
+        assert_eq!(lifetime, 3600 + 60, "the TTL plus the minute of back-dating");
+        assert_eq!(leaf.subject().to_string(), "", "no subject from the CSR");
+        assert!(!leaf.is_ca());
+        let eku = leaf.extended_key_usage().unwrap().unwrap().value;
+        assert!(eku.server_auth && eku.client_auth && !eku.code_signing);
+        let sans = &leaf.subject_alternative_name().unwrap().unwrap().value.general_names;
+        assert_eq!(sans.len(), 1);
+        assert!(matches!(sans[0], x509_parser::extensions::GeneralName::URI(u) if u == OWN));
+        use rcgen::PublicKeyData as _;
+        assert_eq!(leaf.public_key().raw, key.subject_public_key_info().as_slice(), "the key of the CSR");
+
+        let (other, _) = greedy_csr("spiffe://cluster.local/ns/default/sa/admin");
+        let e = ca.sign(&other, 600, &policy(3600)).unwrap_err();
+        let status = e.to_status();
+        assert_eq!(status.code(), tonic::Code::PermissionDenied);
+        assert!(status.message().contains("sa/admin") && status.message().contains(OWN), "{status:?}");
+        let e = ca.sign("not a CSR", 600, &policy(3600)).unwrap_err();
+        assert_eq!(e.to_status().code(), tonic::Code::InvalidArgument);
+    }
+
+    #[test]
+    fn a_stored_root_is_reused() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = MeshCa::load_or_create("mesh", dir.path()).unwrap();
+        let again = MeshCa::load_or_create("mesh", dir.path()).unwrap();
+        assert_eq!(first.root_pem(), again.root_pem());
+        use std::os::unix::fs::PermissionsExt as _;
+        let mode = std::fs::metadata(dir.path().join(ROOT_KEY_FILE)).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        std::fs::write(dir.path().join(ROOT_KEY_FILE), "garbage").unwrap();
+        let e = MeshCa::load_or_create("mesh", dir.path()).err().unwrap().to_string();
+        assert!(e.contains("unusable") && e.contains(&dir.path().display().to_string()), "{e}");
+    }
+}
