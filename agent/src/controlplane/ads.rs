@@ -234,7 +234,7 @@ impl AdsServer {
                         unsubscribe: vec![],
                         error: request.error_detail.as_ref().map(|e| e.message.clone()),
                         error_code: request.error_detail.as_ref().map(|e| e.code),
-                        node_id: request.node.as_ref().map(|n| n.id.clone()),
+                        ..RecordedRequest::from_node(request.node.as_ref())
                     });
                     let watch = watches.entry(request.type_url.clone()).or_default();
                     // A nonce on a type this stream has not answered yet is a client
@@ -320,7 +320,7 @@ impl AdsServer {
                         unsubscribe: request.resource_names_unsubscribe.clone(),
                         error: request.error_detail.as_ref().map(|e| e.message.clone()),
                         error_code: request.error_detail.as_ref().map(|e| e.code),
-                        node_id: request.node.as_ref().map(|n| n.id.clone()),
+                        ..RecordedRequest::from_node(request.node.as_ref())
                     });
                     let first = !watches.contains_key(&request.type_url);
                     let watch = watches.entry(request.type_url.clone()).or_default();

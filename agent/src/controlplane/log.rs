@@ -10,7 +10,7 @@ use std::{
 use tokio::sync::Notify;
 
 /// One request as received.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RecordedRequest {
     pub stream: u64,
     pub delta: bool,
@@ -27,9 +27,23 @@ pub struct RecordedRequest {
     pub error_code: Option<i32>,
     /// The node id, when the request carried a node.
     pub node_id: Option<String>,
+    /// The node's `cluster`, when the request carried a node.
+    pub node_cluster: Option<String>,
+    /// The node's metadata as JSON (whole numbers as integers), when it carried one.
+    pub node_metadata: Option<serde_json::Value>,
 }
 
 impl RecordedRequest {
+    /// A record holding what `node` says (id, cluster, metadata); the rest default.
+    pub(crate) fn from_node(node: Option<&weir_proto::envoy::config::core::v3::Node>) -> Self {
+        Self {
+            node_id: node.map(|n| n.id.clone()),
+            node_cluster: node.map(|n| n.cluster.clone()),
+            node_metadata: node.and_then(|n| n.metadata.as_ref()).map(struct_json),
+            ..Self::default()
+        }
+    }
+
     pub fn is_nack(&self) -> bool {
         self.error.is_some()
     }
@@ -37,6 +51,25 @@ impl RecordedRequest {
     /// An ACK: answers a nonce and carries no error.
     pub fn is_ack(&self) -> bool {
         !self.nonce.is_empty() && self.error.is_none()
+    }
+}
+
+fn struct_json(s: &prost_types::Struct) -> serde_json::Value {
+    serde_json::Value::Object(s.fields.iter().map(|(k, v)| (k.clone(), value_json(v))).collect())
+}
+
+fn value_json(v: &prost_types::Value) -> serde_json::Value {
+    use prost_types::value::Kind;
+    use serde_json::Value;
+    match &v.kind {
+        None | Some(Kind::NullValue(_)) => Value::Null,
+        Some(Kind::BoolValue(b)) => Value::Bool(*b),
+        Some(Kind::StringValue(s)) => Value::String(s.clone()),
+        #[expect(clippy::cast_possible_truncation, reason = "only whole numbers within i64 are cast")]
+        Some(Kind::NumberValue(n)) if n.fract() == 0.0 && n.abs() < 9.0e15 => Value::from(*n as i64),
+        Some(Kind::NumberValue(n)) => serde_json::Number::from_f64(*n).map_or(Value::Null, Value::Number),
+        Some(Kind::StructValue(s)) => struct_json(s),
+        Some(Kind::ListValue(l)) => Value::Array(l.values.iter().map(value_json).collect()),
     }
 }
 
@@ -102,5 +135,46 @@ impl RequestLog {
                 return None;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use prost_types::{ListValue, Struct, Value, value::Kind};
+    use weir_proto::envoy::config::core::v3::Node;
+
+    use super::*;
+
+    #[test]
+    fn a_nodes_metadata_is_recorded_as_json_with_whole_numbers_as_integers() {
+        let v = |kind| Value { kind: Some(kind) };
+        let metadata = Struct {
+            fields: [
+                ("ENVOY_STATUS_PORT".to_string(), v(Kind::NumberValue(15021.0))),
+                ("RATIO".to_string(), v(Kind::NumberValue(0.5))),
+                ("NAME".to_string(), v(Kind::StringValue("p".into()))),
+                (
+                    "PILOT_SAN".to_string(),
+                    v(Kind::ListValue(ListValue { values: vec![v(Kind::BoolValue(true))] })),
+                ),
+            ]
+            .into(),
+        };
+        let node = Node {
+            id: "sidecar~x".into(),
+            cluster: "app.ns".into(),
+            metadata: Some(metadata),
+            ..Default::default()
+        };
+        let r = RecordedRequest::from_node(Some(&node));
+        assert_eq!(r.node_id.as_deref(), Some("sidecar~x"));
+        assert_eq!(r.node_cluster.as_deref(), Some("app.ns"));
+        assert_eq!(
+            r.node_metadata,
+            Some(
+                serde_json::json!({"ENVOY_STATUS_PORT": 15021, "RATIO": 0.5, "NAME": "p", "PILOT_SAN": [true]})
+            )
+        );
+        assert_eq!(RecordedRequest::from_node(None), RecordedRequest::default());
     }
 }
