@@ -21,9 +21,11 @@ pub mod demo;
 pub mod envoy;
 pub mod http;
 pub mod http_server;
+pub mod inject;
 pub mod privilege;
 pub mod prototext;
 pub mod sidecar;
+pub mod spire;
 pub mod tools;
 
 pub use weir_agent::{
