@@ -63,6 +63,38 @@ impl TestCa {
     }
 }
 
+/// A workload certificate a [`TestCa`] issued.
+pub struct WorkloadCert {
+    pub chain_pem: String,
+    pub key_pem: String,
+    /// Its serial number in lowercase hex, as Envoy's `/certs` prints it.
+    pub serial_hex: String,
+}
+
+impl TestCa {
+    /// A workload certificate for the SPIFFE ID `spiffe_id` (client and server auth),
+    /// chained to this CA: what SPIRE or a mounted `istio.default` Secret holds.
+    pub fn workload_cert(&self, spiffe_id: &str) -> anyhow::Result<WorkloadCert> {
+        let key = rcgen::KeyPair::generate()?;
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new())?;
+        params.subject_alt_names = vec![rcgen::SanType::URI(rcgen::string::Ia5String::try_from(spiffe_id)?)];
+        params.extended_key_usages =
+            vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth, rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+        params.key_usages =
+            vec![rcgen::KeyUsagePurpose::DigitalSignature, rcgen::KeyUsagePurpose::KeyEncipherment];
+        // A first byte in 0x10..0x7f: no leading zero to drop, positive as DER wants.
+        let mut serial: [u8; 8] = rand::random();
+        serial[0] = 0x10 + serial[0] % 0x6f;
+        params.serial_number = Some(rcgen::SerialNumber::from_slice(&serial));
+        let cert = params.signed_by(&key, &self.issuer)?;
+        Ok(WorkloadCert {
+            chain_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+            serial_hex: serial.iter().map(|b| format!("{b:02x}")).collect(),
+        })
+    }
+}
+
 /// An ADS server running in a pod.
 pub struct ControlPlane {
     pub ads: AdsServer,

@@ -23,11 +23,13 @@ pub mod demo;
 pub mod envoy;
 pub mod http;
 pub mod http_server;
+pub mod inject;
 pub mod istiod_ca;
 pub mod privilege;
 pub mod prototext;
 pub mod request_log;
 pub mod sidecar;
+pub mod spire;
 pub mod tools;
 
 pub use weir_agent::{

@@ -13,7 +13,7 @@ use tokio::sync::Notify;
 use weir_agent::controlplane::{AdsObserver, AdsServer, ObservedRequest, ObservedStream};
 
 /// One request as received.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RecordedRequest {
     pub stream: u64,
     pub delta: bool,
@@ -30,9 +30,23 @@ pub struct RecordedRequest {
     pub error_code: Option<i32>,
     /// The node id, when the request carried a node.
     pub node_id: Option<String>,
+    /// The node's `cluster`, when the request carried a node.
+    pub node_cluster: Option<String>,
+    /// The node's metadata as JSON (whole numbers as integers), when it carried one.
+    pub node_metadata: Option<serde_json::Value>,
 }
 
 impl RecordedRequest {
+    /// A record holding what `node` says (id, cluster, metadata); the rest default.
+    fn from_node(node: Option<&weir_proto::envoy::config::core::v3::Node>) -> Self {
+        Self {
+            node_id: node.map(|n| n.id.clone()),
+            node_cluster: node.map(|n| n.cluster.clone()),
+            node_metadata: node.and_then(|n| n.metadata.as_ref()).map(struct_json),
+            ..Self::default()
+        }
+    }
+
     pub fn is_nack(&self) -> bool {
         self.error.is_some()
     }
@@ -147,7 +161,7 @@ impl AdsObserver for RequestLog {
                 unsubscribe: vec![],
                 error: request.error_detail.as_ref().map(|e| e.message.clone()),
                 error_code: request.error_detail.as_ref().map(|e| e.code),
-                node_id: request.node.as_ref().map(|n| n.id.clone()),
+                ..RecordedRequest::from_node(request.node.as_ref())
             },
             ObservedRequest::Delta { stream, request } => RecordedRequest {
                 stream,
@@ -159,9 +173,28 @@ impl AdsObserver for RequestLog {
                 unsubscribe: request.resource_names_unsubscribe.clone(),
                 error: request.error_detail.as_ref().map(|e| e.message.clone()),
                 error_code: request.error_detail.as_ref().map(|e| e.code),
-                node_id: request.node.as_ref().map(|n| n.id.clone()),
+                ..RecordedRequest::from_node(request.node.as_ref())
             },
         };
         self.add(|e| e.requests.push(recorded));
+    }
+}
+
+fn struct_json(s: &prost_types::Struct) -> serde_json::Value {
+    serde_json::Value::Object(s.fields.iter().map(|(k, v)| (k.clone(), value_json(v))).collect())
+}
+
+fn value_json(v: &prost_types::Value) -> serde_json::Value {
+    use prost_types::value::Kind;
+    use serde_json::Value;
+    match &v.kind {
+        None | Some(Kind::NullValue(_)) => Value::Null,
+        Some(Kind::BoolValue(b)) => Value::Bool(*b),
+        Some(Kind::StringValue(s)) => Value::String(s.clone()),
+        #[expect(clippy::cast_possible_truncation, reason = "only whole numbers within i64 are cast")]
+        Some(Kind::NumberValue(n)) if n.fract() == 0.0 && n.abs() < 9.0e15 => Value::from(*n as i64),
+        Some(Kind::NumberValue(n)) => serde_json::Number::from_f64(*n).map_or(Value::Null, Value::Number),
+        Some(Kind::StructValue(s)) => struct_json(s),
+        Some(Kind::ListValue(l)) => Value::Array(l.values.iter().map(value_json).collect()),
     }
 }

@@ -254,3 +254,71 @@ static_resources:
     assert_eq!(reply, (200, "hello from envoy".to_string()));
     assert_eq!(envoy.stat(&pod, "http.hello.downstream_rq_2xx").unwrap(), Some(1));
 }
+
+/// A child's mounts are made in its own mount namespace, in order: an overlay adds a
+/// mount point the host lacks (the host's files stay visible), a tmpfs and a
+/// read-only file sit on it, the root turns read-only, the supplementary groups are
+/// set; the host sees none of it.
+#[test]
+fn mounts_and_groups_exist_only_in_the_child() {
+    use weir_agent::sandbox::process::Mount;
+    require_root!();
+    let mesh = Mesh::new(&test_name!()).unwrap();
+    let pod = mesh.pod("app").unwrap();
+    let dir = envoy::tempfile_dir::Dir::new("mounts").unwrap();
+    let name = format!("weir-rig-{}", std::process::id());
+    let (upper, work) = (dir.path().join("upper"), dir.path().join("work"));
+    std::fs::create_dir_all(upper.join(&name)).unwrap();
+    std::fs::create_dir(&work).unwrap();
+    std::fs::write(upper.join(format!("{name}.conf")), "").unwrap();
+    let source = dir.path().join("source.conf");
+    std::fs::write(&source, "from the test\n").unwrap();
+    let (mount_dir, mount_file) =
+        (Path::new("/etc").join(&name), Path::new("/etc").join(format!("{name}.conf")));
+    let mounts = [
+        Mount::Overlay { target: "/etc".into(), upper, work, read_only: true },
+        Mount::Tmpfs { target: mount_dir.clone(), options: "mode=1777".into() },
+        Mount::Bind { source, target: mount_file.clone(), read_only: true },
+        Mount::ReadOnly { target: "/".into() },
+    ];
+    let script = format!(
+        "cat {file}; test -e /etc/passwd && echo host-etc-visible; \
+         touch {dir}/x && echo tmpfs-writable; \
+         (echo no > {file}) 2>/dev/null || echo file-read-only; \
+         touch /tmp/{name} 2>/dev/null || echo root-read-only; id -G",
+        file = mount_file.display(),
+        dir = mount_dir.display(),
+    );
+    let mut cmd = Command::new("sh");
+    cmd.args(["-c", &script]).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let placement = Placement {
+        user: Some((1000, 1000)),
+        groups: &[1234, 2345],
+        mounts: &mounts,
+        ..Placement::default()
+    };
+    let out = pod.spawn_placed(&mut cmd, placement).unwrap().into_inner().wait_with_output().unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "from the test\nhost-etc-visible\ntmpfs-writable\nfile-read-only\nroot-read-only\n1000 1234 2345\n",
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!mount_dir.exists() && !mount_file.exists(), "the host's /etc is untouched");
+    assert!(!Path::new("/tmp").join(&name).exists());
+    let host = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(!host.lines().any(|l| l.split(' ').nth(4) == Some("/etc")), "no mount on the host's /etc");
+
+    // An overlay path overlayfs would misread is refused before anything runs.
+    let bad = [Mount::Overlay {
+        target: "/etc".into(),
+        upper: "/tmp/a,b".into(),
+        work: "/tmp/w".into(),
+        read_only: false,
+    }];
+    let e = pod
+        .spawn_placed(&mut Command::new("true"), Placement { mounts: &bad, ..Placement::default() })
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("overlay path \"/tmp/a,b\""), "{e}");
+}

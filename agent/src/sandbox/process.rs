@@ -1,10 +1,14 @@
-//! Starting a process inside a pod: its network namespace, its cgroup and its user are
-//! set in the child between fork and exec, before it can make a single connection.
+//! Starting a process inside a pod: its network namespace, its cgroup, its mounts and
+//! its user are set in the child between fork and exec, before it can make a single
+//! connection. Mounts are made only in the child's own mount namespace (unshared and
+//! made private first), never in the host's.
 
 use std::{
+    ffi::CString,
     fs::File,
     io,
     os::{fd::AsRawFd as _, unix::process::CommandExt as _},
+    path::{Path, PathBuf},
     process::{Child, Command, ExitStatus},
     time::{Duration, Instant},
 };
@@ -16,15 +20,154 @@ use super::{Cgroup, NetNs, SandboxError};
 pub struct Placement<'a> {
     pub netns: Option<&'a NetNs>,
     pub cgroup: Option<&'a Cgroup>,
-    /// (uid, gid); supplementary groups are cleared.
+    /// (uid, gid); supplementary groups are set to `groups` (none by default).
     pub user: Option<(u32, u32)>,
+    /// Supplementary groups with `user` (a pod's `fsGroup`).
+    pub groups: &'a [u32],
     /// Bind-mount this file over /etc/resolv.conf in a private mount namespace, as a
     /// pod's own resolv.conf (what `ip netns exec` does with /etc/netns/<name>/).
     pub resolv_conf: Option<&'a std::path::Path>,
+    /// Mounts made in the child's private mount namespace, in order (after
+    /// `resolv_conf`): a container's view of the file system.
+    pub mounts: &'a [Mount],
     /// Deliver SIGKILL to the child when the spawning thread exits (PR_SET_PDEATHSIG),
     /// so a killed test or demo leaves no process behind. Spawn from a long-lived
     /// thread when this is set.
     pub die_with_parent: bool,
+}
+
+/// One mount in a child's private mount namespace. Targets must exist when the mount
+/// is made (an earlier [`Mount::Overlay`] can provide them).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Mount {
+    /// `source` (a file or a directory) bound over `target`; read-only when asked.
+    Bind { source: PathBuf, target: PathBuf, read_only: bool },
+    /// A new tmpfs on the directory `target`, with tmpfs options (`mode=1777`).
+    Tmpfs { target: PathBuf, options: String },
+    /// The existing directory `target` seen through an overlay: its content stays
+    /// visible and untouched, with `upper`'s entries added (mount points for paths the
+    /// host lacks). `work` is an empty directory on `upper`'s file system.
+    Overlay { target: PathBuf, upper: PathBuf, work: PathBuf, read_only: bool },
+    /// The mount at `target` (`/`: a container's `readOnlyRootFilesystem`) made
+    /// read-only, in the child's namespace only.
+    ReadOnly { target: PathBuf },
+}
+
+impl Mount {
+    /// Where the mount is made.
+    pub fn target(&self) -> &Path {
+        match self {
+            Self::Bind { target, .. }
+            | Self::Tmpfs { target, .. }
+            | Self::Overlay { target, .. }
+            | Self::ReadOnly { target } => target,
+        }
+    }
+}
+
+/// One mount(2) call, every string made before fork.
+struct MountCall {
+    source: Option<CString>,
+    target: CString,
+    fstype: Option<CString>,
+    flags: libc::c_ulong,
+    data: Option<CString>,
+}
+
+impl MountCall {
+    /// mount(2); async-signal-safe (a raw syscall on prepared strings).
+    fn call(&self) -> bool {
+        let ptr = |s: &Option<CString>| s.as_ref().map_or(std::ptr::null(), |s| s.as_ptr());
+        // SAFETY: every pointer is a NUL-terminated string owned by `self`, or null.
+        unsafe {
+            libc::mount(
+                ptr(&self.source),
+                self.target.as_ptr(),
+                ptr(&self.fstype),
+                self.flags,
+                ptr(&self.data).cast(),
+            ) == 0
+        }
+    }
+}
+
+fn c_path(path: &Path) -> Result<CString, SandboxError> {
+    CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| {
+        SandboxError::sys(format!("mount path {} contains a NUL byte", path.display()))(io::Error::from(
+            io::ErrorKind::InvalidInput,
+        ))
+    })
+}
+
+fn c_string(text: String) -> Result<CString, SandboxError> {
+    CString::new(text).map_err(|e| {
+        SandboxError::sys(format!("mount option {:?} contains a NUL byte", e.into_vec()))(io::Error::from(
+            io::ErrorKind::InvalidInput,
+        ))
+    })
+}
+
+/// The mount(2) calls for `mounts`, in order.
+fn mount_calls(mounts: &[Mount]) -> Result<Vec<MountCall>, SandboxError> {
+    let mut calls = Vec::new();
+    let remount_read_only = |target: &Path| -> Result<MountCall, SandboxError> {
+        Ok(MountCall {
+            source: None,
+            target: c_path(target)?,
+            fstype: None,
+            flags: libc::MS_REMOUNT | libc::MS_BIND | libc::MS_RDONLY,
+            data: None,
+        })
+    };
+    for mount in mounts {
+        match mount {
+            Mount::Bind { source, target, read_only } => {
+                calls.push(MountCall {
+                    source: Some(c_path(source)?),
+                    target: c_path(target)?,
+                    fstype: None,
+                    flags: libc::MS_BIND,
+                    data: None,
+                });
+                if *read_only {
+                    calls.push(remount_read_only(target)?);
+                }
+            }
+            Mount::Tmpfs { target, options } => calls.push(MountCall {
+                source: Some(c"tmpfs".into()),
+                target: c_path(target)?,
+                fstype: Some(c"tmpfs".into()),
+                flags: libc::MS_NOSUID | libc::MS_NODEV,
+                data: Some(c_string(options.clone())?),
+            }),
+            Mount::Overlay { target, upper, work, read_only } => {
+                // overlayfs splits its options on ',' and lower layers on ':'.
+                for path in [target, upper, work] {
+                    let text = path.to_string_lossy();
+                    if text.contains([',', ':', '\\']) {
+                        return Err(SandboxError::sys(format!(
+                            "overlay path {text:?}: ',', ':' and '\\' are not allowed"
+                        ))(io::Error::from(io::ErrorKind::InvalidInput)));
+                    }
+                }
+                let options = format!(
+                    "lowerdir={},upperdir={},workdir={}",
+                    target.display(),
+                    upper.display(),
+                    work.display()
+                );
+                calls.push(MountCall {
+                    source: Some(c"overlay".into()),
+                    target: c_path(target)?,
+                    fstype: Some(c"overlay".into()),
+                    flags: if *read_only { libc::MS_RDONLY } else { 0 },
+                    data: Some(c_string(options)?),
+                });
+            }
+            Mount::ReadOnly { target } => calls.push(remount_read_only(target)?),
+        }
+    }
+    Ok(calls)
 }
 
 /// A child placed in a pod; killed (SIGKILL) and reaped on drop unless waited for.
@@ -103,12 +246,14 @@ pub fn spawn(cmd: &mut Command, placement: Placement<'_>) -> Result<PodChild, Sa
     };
     let user = placement.user;
     let die_with_parent = placement.die_with_parent;
-    let resolv = match placement.resolv_conf {
-        Some(path) => Some(std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| {
-            SandboxError::sys("resolv.conf path")(io::Error::from(io::ErrorKind::InvalidInput))
-        })?),
-        None => None,
-    };
+    let resolv = placement.resolv_conf.map(|path| Mount::Bind {
+        source: path.to_path_buf(),
+        target: PathBuf::from("/etc/resolv.conf"),
+        read_only: false,
+    });
+    let mounts =
+        mount_calls(&resolv.into_iter().chain(placement.mounts.iter().cloned()).collect::<Vec<_>>())?;
+    let groups: Vec<libc::gid_t> = placement.groups.to_vec();
     // SAFETY: the closure makes only raw syscalls (write, setns, unshare, mount, prctl,
     // setgroups, setgid, setuid) on fds and strings prepared above; no allocation, no locks.
     unsafe {
@@ -123,7 +268,8 @@ pub fn spawn(cmd: &mut Command, placement: Placement<'_>) -> Result<PodChild, Sa
             {
                 return Err(io::Error::last_os_error());
             }
-            if let Some(src) = &resolv
+            // A private mount namespace first: nothing below propagates to the host's.
+            if !mounts.is_empty()
                 && (libc::unshare(libc::CLONE_NEWNS) != 0
                     || libc::mount(
                         c"none".as_ptr(),
@@ -132,13 +278,7 @@ pub fn spawn(cmd: &mut Command, placement: Placement<'_>) -> Result<PodChild, Sa
                         libc::MS_REC | libc::MS_PRIVATE,
                         std::ptr::null(),
                     ) != 0
-                    || libc::mount(
-                        src.as_ptr(),
-                        c"/etc/resolv.conf".as_ptr(),
-                        std::ptr::null(),
-                        libc::MS_BIND,
-                        std::ptr::null(),
-                    ) != 0)
+                    || !mounts.iter().all(MountCall::call))
             {
                 return Err(io::Error::last_os_error());
             }
@@ -146,7 +286,7 @@ pub fn spawn(cmd: &mut Command, placement: Placement<'_>) -> Result<PodChild, Sa
                 return Err(io::Error::last_os_error());
             }
             if let Some((uid, gid)) = user
-                && (libc::setgroups(0, std::ptr::null()) != 0
+                && (libc::setgroups(groups.len(), groups.as_ptr()) != 0
                     || libc::setgid(gid) != 0
                     || libc::setuid(uid) != 0)
             {
@@ -155,6 +295,13 @@ pub fn spawn(cmd: &mut Command, placement: Placement<'_>) -> Result<PodChild, Sa
             Ok(())
         });
     }
-    let child = cmd.spawn().map_err(SandboxError::sys(format!("spawn {name}")))?;
+    let what = if placement.mounts.is_empty() {
+        format!("spawn {name}")
+    } else {
+        let targets: Vec<String> =
+            placement.mounts.iter().map(|m| m.target().display().to_string()).collect();
+        format!("spawn {name} with mounts on {}", targets.join(", "))
+    };
+    let child = cmd.spawn().map_err(SandboxError::sys(what))?;
     Ok(PodChild { name, child: Some(child) })
 }

@@ -16,6 +16,8 @@
 //!                                       (→ another host), `/peer` (the client's
 //!                                       address), `/headers` (the request's headers),
 //!                                       `/metrics` (Prometheus text), else 200 `ok`
+//!   serve-https <addr>                  serve-http over TLS, with a self-signed
+//!                                       certificate made at start
 //!   serve-grpc-health <addr> <status>   gRPC health server answering every Check with
 //!                                       <status> (SERVING, NOT_SERVING, ...)
 //!   dns-serve <addr> <ipv4>             UDP DNS: answers every A query with <ipv4>
@@ -57,7 +59,18 @@ fn main() -> ExitCode {
                     let _ = s.write_all(line.as_bytes());
                 })
             }
-            "serve-http" => serve(addr(arg(1)?)?, false, |s, _| serve_http(s)),
+            "serve-http" => serve(addr(arg(1)?)?, false, |s, _| {
+                let peer = peer(&s);
+                serve_http(s, peer)
+            }),
+            "serve-https" => {
+                let tls = tls_server_config()?;
+                serve(addr(arg(1)?)?, false, move |s, _| {
+                    let peer = peer(&s);
+                    let Ok(conn) = tokio_rustls::rustls::ServerConnection::new(tls.clone()) else { return };
+                    serve_http(tokio_rustls::rustls::StreamOwned::new(conn, s), peer)
+                })
+            }
             "serve-grpc-health" => serve_grpc_health(addr(arg(1)?)?, arg(2)?),
             "capture-listener" => {
                 let transparent = args.iter().any(|a| a == "--transparent");
@@ -146,13 +159,8 @@ fn serve(
 }
 
 /// One HTTP/1.1 connection: requests (no bodies) answered until the client closes.
-fn serve_http(s: TcpStream) {
-    let peer = peer(&s);
-    let mut reader = BufReader::new(match s.try_clone() {
-        Ok(r) => r,
-        Err(_) => return,
-    });
-    let mut out = s;
+fn serve_http(stream: impl std::io::Read + std::io::Write, peer: String) {
+    let mut reader = BufReader::new(stream);
     loop {
         let mut head = Vec::new();
         loop {
@@ -187,10 +195,28 @@ fn serve_http(s: TcpStream) {
         }
         response.push_str("\r\n");
         response.push_str(&body);
-        if out.write_all(response.as_bytes()).is_err() || close {
+        let out = reader.get_mut();
+        if out.write_all(response.as_bytes()).and_then(|()| out.flush()).is_err() || close {
             return;
         }
     }
+}
+
+/// TLS with a certificate for `app.local` signed by itself (probes do not verify it).
+fn tls_server_config() -> Result<std::sync::Arc<tokio_rustls::rustls::ServerConfig>, String> {
+    use tokio_rustls::rustls;
+    let cert =
+        rcgen::generate_simple_self_signed(vec!["app.local".to_string()]).map_err(|e| e.to_string())?;
+    let key = rustls::pki_types::PrivateKeyDer::Pkcs8(cert.signing_key.serialize_der().into());
+    let config = rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(|e| e.to_string())?
+    .with_no_client_auth()
+    .with_single_cert(vec![cert.cert.der().clone()], key)
+    .map_err(|e| format!("TLS certificate: {e}"))?;
+    Ok(std::sync::Arc::new(config))
 }
 
 /// A gRPC health server whose every answer is `status`.
