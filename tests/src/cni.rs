@@ -254,12 +254,35 @@ pub fn pod_object(
 
 type Pods = Arc<Mutex<BTreeMap<(String, String), Value>>>;
 
+/// Faults the test API server plays on purpose: status codes to answer the next
+/// requests with, and a hold on the next pod GET.
+#[derive(Default)]
+struct ApiFaults {
+    fail: std::collections::VecDeque<u16>,
+    hold: Option<HeldAnswer>,
+}
+
+/// The server's side of a [`Hold`].
+struct HeldAnswer {
+    reached: std::sync::mpsc::Sender<()>,
+    release: std::sync::mpsc::Receiver<()>,
+}
+
+/// A pod GET held by the server: `reached` fires when the request has arrived (the
+/// plugin is waiting on it); the answer goes out when `release` is sent to or dropped.
+pub struct Hold {
+    pub reached: std::sync::mpsc::Receiver<()>,
+    pub release: std::sync::mpsc::Sender<()>,
+}
+
 /// A test Kubernetes API server: `GET /api/v1/namespaces/<ns>/pods/<name>` from a map
-/// of Pod objects, with a bearer-token check; records every request path.
+/// of Pod objects, with a bearer-token check; records every request path. It can
+/// fail requests ([`TestApiServer::fail_next`]) or hold one ([`TestApiServer::hold_next_pod_get`]).
 pub struct TestApiServer {
     pub addr: SocketAddr,
     pub https: bool,
     pods: Pods,
+    faults: Arc<Mutex<ApiFaults>>,
     pub requests: Arc<Mutex<Vec<String>>>,
     _server: crate::http_server::TestHttpServer,
 }
@@ -269,15 +292,30 @@ impl TestApiServer {
     pub fn start(netns: &NetNs, token: &str, tls: Option<(String, String)>) -> anyhow::Result<Self> {
         let pods: Pods = Arc::default();
         let requests: Arc<Mutex<Vec<String>>> = Arc::default();
+        let faults: Arc<Mutex<ApiFaults>> = Arc::default();
         let https = tls.is_some();
-        let (p, r, token) = (pods.clone(), requests.clone(), token.to_string());
+        let (p, r, f, token) = (pods.clone(), requests.clone(), faults.clone(), token.to_string());
         let server = crate::http_server::TestHttpServer::start_tls(
             netns,
             "127.0.0.1:0".parse().expect("address"),
             tls,
-            move |req| answer(&p, &r, &token, req),
+            move |req| faulty_answer(&f, &r, req).unwrap_or_else(|| answer(&p, &r, &token, req)),
         )?;
-        Ok(Self { addr: server.addr, https, pods, requests, _server: server })
+        Ok(Self { addr: server.addr, https, pods, faults, requests, _server: server })
+    }
+
+    /// Answers the next requests with these status codes (a Kubernetes `Status`
+    /// body), one each, before serving normally again.
+    pub fn fail_next(&self, codes: &[u16]) {
+        self.faults.lock().unwrap().fail.extend(codes);
+    }
+
+    /// Holds the answer to the next pod GET until the returned [`Hold`] releases it.
+    pub fn hold_next_pod_get(&self) -> Hold {
+        let (reached_tx, reached_rx) = std::sync::mpsc::channel();
+        let (release_tx, release_rx) = std::sync::mpsc::channel();
+        self.faults.lock().unwrap().hold = Some(HeldAnswer { reached: reached_tx, release: release_rx });
+        Hold { reached: reached_rx, release: release_tx }
     }
 
     /// Serves `pod` (a Pod object) from now on.
@@ -308,6 +346,33 @@ impl TestApiServer {
             self.addr.port()
         )
     }
+}
+
+/// A planned fault for `req`, if one is due: a failure is answered at once (and
+/// recorded as `FAILED <code> <path>`); a hold waits for its release, then lets the
+/// request be served normally.
+fn faulty_answer(
+    faults: &Mutex<ApiFaults>,
+    requests: &Mutex<Vec<String>>,
+    req: &crate::http_server::SeenRequest,
+) -> Option<crate::http_server::Answer> {
+    let (code, hold) = {
+        let mut f = faults.lock().unwrap();
+        let is_pod_get = req.path.contains("/pods/");
+        (f.fail.pop_front(), if is_pod_get { f.hold.take() } else { None })
+    };
+    if let Some(code) = code {
+        requests.lock().unwrap().push(format!("FAILED {code} {}", req.path));
+        let body = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+            "message": "injected fault", "reason": "InternalError", "code": code});
+        return Some((code, "application/json", body.to_string().into_bytes()));
+    }
+    if let Some(hold) = hold {
+        let _ = hold.reached.send(());
+        // Released by a send or by the test dropping its end.
+        let _ = hold.release.recv();
+    }
+    None
 }
 
 fn answer(

@@ -483,3 +483,83 @@ fn repair_captures_pods_that_started_before_the_plugin() {
         "DEL left the repair registration"
     );
 }
+
+/// The API server answering 500 and 503, then recovering: the plugin retries, as
+/// istio-cni does, and the pod is captured. A refusal that will not pass (403) is
+/// not retried: a named error, and nothing applied.
+#[test]
+fn an_api_server_failing_then_recovering_delays_the_add_and_a_refusal_is_named() {
+    require_root!();
+    let node = Node::new(&test_name!(), false);
+    node.api.set_pod(pod_object("shop", "web-1", true, &[], &[]));
+    let rt = CniRuntime::new(&node.ns).unwrap();
+    let pod = pod_netns(&rt, "web-1");
+    let list = node.conflist(json!({"capture_mode": "nftables"}));
+    let a = Attachment::pod("c-web-1", pod.path(), "shop", "web-1");
+    let pod_path = "/api/v1/namespaces/shop/pods/web-1";
+
+    node.api.fail_next(&[500, 503]);
+    let result = rt.add(&list, &a).unwrap_or_else(|e| panic!("ADD: {e}"));
+    let gets: Vec<String> =
+        node.api.requests.lock().unwrap().iter().filter(|p| p.ends_with(pod_path)).cloned().collect();
+    assert_eq!(
+        gets,
+        [format!("FAILED 500 {pod_path}"), format!("FAILED 503 {pod_path}"), pod_path.to_string()]
+    );
+    assert!(istio_rules(&pod).contains("table inet istio-proxy-nat"), "captured after the retries");
+    rt.del(&list, &a, Some(&result)).unwrap_or_else(|e| panic!("DEL: {e}"));
+    assert_eq!(istio_rules(&pod), "");
+
+    node.api.requests.lock().unwrap().clear();
+    node.api.fail_next(&[403]);
+    let e = rt.add(&list, &a).unwrap_err();
+    assert_eq!(e.plugin, "istio-cni", "{e}");
+    assert_eq!(e.error()["code"], 101, "{e}");
+    assert!(e.error()["msg"].as_str().unwrap().contains("shop/web-1"), "names the pod: {e}");
+    assert!(e.error()["details"].as_str().unwrap().contains("403"), "names the answer: {e}");
+    let gets = node.api.requests.lock().unwrap().iter().filter(|p| p.ends_with(pod_path)).count();
+    assert_eq!(gets, 1, "a 403 is not retried");
+    assert_eq!(istio_rules(&pod), "", "nothing applied");
+    rt.del(&list, &a, None).unwrap_or_else(|e| panic!("DEL after the failed ADD: {e}"));
+}
+
+/// The pod's namespace deleted while ADD waits on the API server: a named error for
+/// that namespace, nothing left behind, and DEL of the gone pod succeeds.
+#[test]
+fn a_pod_namespace_deleted_during_add_is_named_and_leaves_nothing() {
+    require_root!();
+    for mode in ["iptables", "nftables"] {
+        let node = Node::new(&format!("{}-{mode}", test_name!()), false);
+        node.api.set_pod(pod_object("shop", "web-1", true, &[], &[]));
+        let rt = CniRuntime::new(&node.ns).unwrap();
+        let pod = pod_netns(&rt, "web-1");
+        let netns_path = pod.path().to_path_buf();
+        let list = node.conflist(json!({"capture_mode": mode}));
+        let a = Attachment::pod("c-web-1", &netns_path, "shop", "web-1");
+        // The reference plugins run first; only weir-cni's ADD meets the fault.
+        let bridge = rt
+            .add(
+                &json!({"cniVersion": list["cniVersion"], "name": list["name"],
+            "plugins": [list["plugins"][0]]}),
+                &a,
+            )
+            .unwrap_or_else(|e| panic!("bridge ADD: {e}"));
+
+        let hold = node.api.hold_next_pod_get();
+        let weir = CniRuntime::plugin_config(&list, &list["plugins"][1], Some(&bridge));
+        let e = std::thread::scope(|s| {
+            let add = s.spawn(|| rt.exec("istio-cni", "ADD", &a, weir.to_string().as_bytes()));
+            hold.reached.recv_timeout(std::time::Duration::from_secs(30)).expect("ADD asked for the pod");
+            drop(pod);
+            assert!(!netns_path.exists(), "the namespace is gone");
+            hold.release.send(()).unwrap();
+            add.join().unwrap().expect_err("ADD into a deleted namespace fails")
+        });
+        assert_eq!(e.plugin, "istio-cni", "{e}");
+        let text = e.error().to_string();
+        assert!(text.contains(&netns_path.display().to_string()), "{mode}: names the namespace: {e}");
+        let code = e.error()["code"].as_u64();
+        assert!(matches!(code, Some(3 | 5 | 100)), "{mode}: unknown container, I/O or capture failure: {e}");
+        rt.del(&list, &a, Some(&bridge)).unwrap_or_else(|e| panic!("{mode}: DEL of the gone pod: {e}"));
+    }
+}

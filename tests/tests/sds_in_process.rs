@@ -300,6 +300,32 @@ async fn a_ca_outage_at_rotation_keeps_the_valid_certificate_and_recovers() {
     assert_ne!(leaf_serial_and_uri(&chain).0.replace(':', "").to_lowercase(), held.leaf.serial);
 }
 
+/// The CA answering garbage when rotation is due (a broken istiod rollout): the valid
+/// certificate stays in service, nothing is pushed, the CA is asked again, and the
+/// first good answer is pushed.
+#[tokio::test]
+async fn garbage_from_the_ca_at_rotation_keeps_the_valid_certificate_and_recovers() {
+    let s = setup().await;
+    s.ca.force_lifetime(Some(Duration::from_secs(6)));
+    let mut d = Stream::open(&s.socket, &["default"]).await;
+    let first = d.next().await.unwrap();
+    d.ack(&["default"], &first).await;
+    let held = s.manager.workload().unwrap();
+    let asked = s.ca.requests().len();
+    s.ca.set_behaviour(CaBehaviour::Garbage);
+    // Rotation is due at ~3 s; the garbage is refused, and the CA is asked again.
+    eventually("two garbage answers at rotation time", || s.ca.requests().len() >= asked + 2).await;
+    assert_eq!(s.manager.workload().unwrap().leaf.serial, held.leaf.serial, "still serving the valid cert");
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), d.rx.message()).await.is_err(),
+        "nothing pushed"
+    );
+    s.ca.set_behaviour(CaBehaviour::Sign);
+    let renewed = d.next().await.unwrap();
+    let (chain, _) = key_cert(&secrets(&renewed)[0]);
+    assert_ne!(leaf_serial_and_uri(&chain).0.replace(':', "").to_lowercase(), held.leaf.serial);
+}
+
 #[tokio::test]
 async fn bad_answers_from_the_ca_are_refused_with_the_reason() {
     let s = setup().await;
@@ -455,4 +481,85 @@ async fn output_certs_writes_the_key_owner_only() {
         std::fs::read_to_string(out.join("root-cert.pem")).unwrap().trim_end(),
         s.ca.root_pem().trim_end()
     );
+}
+
+/// A tmpfs mounted for one test, unmounted when dropped (also on a failed assertion).
+struct Tmpfs(std::path::PathBuf);
+
+impl Tmpfs {
+    fn mount(dir: &Path, size: &str) -> Self {
+        std::fs::create_dir_all(dir).unwrap();
+        let out = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "weir-test-tmpfs"])
+            .arg(dir)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "mount a tmpfs at {}: {}",
+            dir.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Self(dir.to_path_buf())
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(&self.0).status();
+    }
+}
+
+/// Fills the file system holding `dir` with one file, until it is full.
+fn fill(dir: &Path) -> std::path::PathBuf {
+    use std::io::Write as _;
+    let path = dir.join("filler");
+    let mut f = std::fs::File::create(&path).unwrap();
+    let block = vec![0u8; 4096];
+    while f.write_all(&block).is_ok() {}
+    let _ = f.sync_all();
+    path
+}
+
+/// `OUTPUT_CERTS` on a full disk: Envoy is still served its certificate (as
+/// pilot-agent logs and carries on), no partial file (a piece of a private key) is
+/// left, and once there is space the next rotation writes the whole set.
+#[tokio::test]
+async fn a_full_disk_under_output_certs_costs_envoy_nothing_and_leaves_no_partial_file() {
+    weir_tests::require_root!();
+    let s = setup_with(
+        |client| WorkloadSource::Ca {
+            client,
+            identity: identity(),
+            keys: KeyOptions { algorithm: KeyAlgorithm::EcdsaP256, pkcs8: false },
+        },
+        Some("out"),
+    )
+    .await;
+    s.ca.force_lifetime(Some(Duration::from_secs(6)));
+    let out = s.dir.path().join("out");
+    let _tmpfs = Tmpfs::mount(&out, "64k");
+    let filler = fill(&out);
+    let listing = || {
+        let mut names: Vec<String> = std::fs::read_dir(&out)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    };
+
+    let mut d = Stream::open(&s.socket, &["default"]).await;
+    let first = d.next().await.expect("the certificate is served although the files cannot be written");
+    let (chain, _) = key_cert(&secrets(&first)[0]);
+    assert!(chain.contains("BEGIN CERTIFICATE"));
+    d.ack(&["default"], &first).await;
+    assert_eq!(listing(), ["filler"], "nothing written, nothing partial");
+
+    std::fs::remove_file(&filler).unwrap();
+    let renewed = d.next().await.expect("the rotation after the disk has space");
+    let (chain, key) = key_cert(&secrets(&renewed)[0]);
+    eventually("the whole set written", || listing() == ["cert-chain.pem", "key.pem", "root-cert.pem"]).await;
+    assert_eq!(std::fs::read_to_string(out.join("key.pem")).unwrap(), key);
+    assert_eq!(std::fs::read_to_string(out.join("cert-chain.pem")).unwrap(), chain);
 }

@@ -714,3 +714,43 @@ fn vm_readiness_probe_transitions_reach_istiod_once_each() {
     assert_eq!(all.len(), healthy_at + 2, "repeated while healthy: {all:?}");
     assert!(all.windows(2).all(|w| w[0].is_none() != w[1].is_none()), "only transitions: {all:?}");
 }
+
+/// SIGTERM while the agent is still starting (istiod down, Envoy not yet configured):
+/// the agent exits 0 as pilot-agent does, Envoy goes with it, and the agent's sockets
+/// are removed. Sent twice: at once after the start, and once Envoy is running.
+#[test]
+fn sigterm_while_starting_exits_0_and_leaves_nothing() {
+    require_root!();
+    for at_once in [true, false] {
+        let mut rig = Rig::try_new_serving(
+            &format!("{}-{at_once}", test_name!()),
+            AgentUser::Proxy,
+            "",
+            &[],
+            |_| Vec::new(),
+            |_| None,
+        )
+        .unwrap_or_else(|e| panic!("{e:#}"));
+        let envoy = if at_once {
+            None
+        } else {
+            eventually(Duration::from_secs(20), || {
+                let (code, body) = rig.local_get(15020, "/healthz/ready");
+                (code == 503 && body.contains("config not received")).then_some(())
+            })
+            .unwrap_or_else(|| panic!("the agent never reported itself starting; log:\n{}", rig.agent.log()));
+            Some(rig.envoy_pid())
+        };
+        rig.agent.child.signal(libc::SIGTERM).unwrap();
+        let exit = rig.agent.wait_exit(Duration::from_secs(30)).unwrap_or_else(|e| {
+            panic!("at_once={at_once}: the agent did not exit on SIGTERM: {e:#}; log:\n{}", rig.agent.log())
+        });
+        assert_eq!(exit.code(), Some(0), "at_once={at_once}: log:\n{}", rig.agent.log());
+        if let Some(envoy) = envoy {
+            assert!(!Path::new(&format!("/proc/{envoy}")).exists(), "Envoy outlived its agent");
+        }
+        for socket in [rig.root.xds_socket(), rig.root.sds_socket()] {
+            assert!(!socket.exists(), "at_once={at_once}: {} left behind", socket.display());
+        }
+    }
+}

@@ -304,6 +304,26 @@ fn upstream_restart_is_survived_and_reconverges() {
     assert!(rig.agent.log().contains("failed to connect to upstream"), "{}", rig.agent.log());
 }
 
+/// istiod flapping: stopped and started five times, each time with a new push while
+/// it was away. Envoy keeps serving throughout, the agent never exits, and after each
+/// return Envoy converges on the config pushed while istiod was down.
+#[test]
+fn a_flapping_istiod_is_survived_and_every_return_converges() {
+    require_root!();
+    let mut rig = Rig::new(&test_name!(), Options { delta: true, ..Options::default() });
+    rig.expect_served_by("v1");
+    for (i, (port, version)) in
+        [(8081, "v2"), (8080, "v1"), (8081, "v2"), (8080, "v1"), (8081, "v2")].into_iter().enumerate()
+    {
+        rig.cp.stop();
+        rig.cp.update(|s| set_endpoints(s, &rig.server, port, &format!("{}", i + 2)));
+        assert!(rig.call().starts_with("hello "), "flap {i}: Envoy keeps serving while istiod is down");
+        assert!(rig.agent.is_running(), "flap {i}: the agent stays up\n{}", rig.agent.log());
+        rig.cp.resume().unwrap();
+        rig.expect_served_by(version);
+    }
+}
+
 #[test]
 fn a_bad_token_is_refused_with_a_clear_error_counted_and_retried() {
     require_root!();

@@ -145,12 +145,6 @@ pub enum IssueError {
     Key(#[from] KeyError),
     #[error(transparent)]
     Ca(#[from] CaClientError),
-    #[error("write certificates to {path}")]
-    Output {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
 }
 
 /// First and largest pause between failed issuances (the largest also bounded by a
@@ -362,8 +356,12 @@ impl SecretManager {
             issued,
             rotate_at,
         };
-        if let Some(dir) = &self.inner.output_dir {
-            write_output(dir, &secret).map_err(|(path, source)| IssueError::Output { path, source })?;
+        // As pilot-agent: files that cannot be written are logged, and Envoy is served
+        // regardless (a full disk must not cost the pod its certificate).
+        if let Some(dir) = &self.inner.output_dir
+            && let Err((path, e)) = write_output(dir, &secret)
+        {
+            tracing::error!(path = %path.display(), error = %e, "cannot write OUTPUT_CERTS; the files keep their previous contents");
         }
         tracing::info!(
             resource = names::WORKLOAD,
@@ -432,26 +430,37 @@ fn digest(paths: &[PathBuf]) -> u64 {
     h.finish()
 }
 
-/// `OUTPUT_CERTS`: the key (0600), chain and root, each replaced atomically.
+/// `OUTPUT_CERTS`: the key (0600), chain and root. All three are written to temporary
+/// files first and renamed into place only when all three were written, so a failed
+/// write (a full disk) leaves the previous set whole and no partial key behind.
 fn write_output(dir: &Path, s: &WorkloadSecret) -> Result<(), (PathBuf, std::io::Error)> {
     use std::{io::Write, os::unix::fs::OpenOptionsExt};
     std::fs::create_dir_all(dir).map_err(|e| (dir.to_path_buf(), e))?;
-    for (name, text, mode) in [
+    let files = [
         ("key.pem", &s.key_pem, 0o600),
         ("cert-chain.pem", &s.chain_pem, 0o644),
         ("root-cert.pem", &s.root_pem, 0o644),
-    ] {
-        let path = dir.join(name);
-        let tmp = dir.join(format!(".{name}.tmp"));
-        let _ = std::fs::remove_file(&tmp);
+    ];
+    let tmp = |name: &str| dir.join(format!(".{name}.tmp"));
+    let write = |name: &str, text: &str, mode: u32| -> Result<(), (PathBuf, std::io::Error)> {
+        let path = tmp(name);
+        let _ = std::fs::remove_file(&path);
         let mut f = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
             .mode(mode)
-            .open(&tmp)
-            .map_err(|e| (tmp.clone(), e))?;
-        f.write_all(text.as_bytes()).map_err(|e| (tmp.clone(), e))?;
-        std::fs::rename(&tmp, &path).map_err(|e| (path.clone(), e))?;
+            .open(&path)
+            .map_err(|e| (path.clone(), e))?;
+        f.write_all(text.as_bytes()).and_then(|()| f.sync_data()).map_err(|e| (path.clone(), e))
+    };
+    if let Err(e) = files.iter().try_for_each(|(name, text, mode)| write(name, text, *mode)) {
+        for (name, ..) in &files {
+            let _ = std::fs::remove_file(tmp(name));
+        }
+        return Err(e);
+    }
+    for (name, ..) in &files {
+        std::fs::rename(tmp(name), dir.join(name)).map_err(|e| (dir.join(name), e))?;
     }
     Ok(())
 }
