@@ -59,13 +59,13 @@ pub enum AgentError {
     SdsServe {
         path: std::path::PathBuf,
         #[source]
-        source: tonic::transport::Error,
+        source: crate::accept::ServeError,
     },
     #[error("XDS server on {path}")]
     XdsServe {
         path: std::path::PathBuf,
         #[source]
-        source: tonic::transport::Error,
+        source: crate::accept::ServeError,
     },
     #[error("signal handler")]
     Signal(#[source] std::io::Error),
@@ -209,7 +209,7 @@ impl Agent {
         let c = &self.config;
         let status = match c.status.port {
             0 => None,
-            port => Some(StatusServer::bind(SocketAddr::from(([0, 0, 0, 0], port))).await?),
+            port => Some(StatusServer::bind(port).await?),
         };
         let sts = match &c.sts {
             Some(settings) => Some((

@@ -1,6 +1,7 @@
-//! One HTTP/1.1 exchange on a stream the caller opened (TCP, TLS): the handshake, the
-//! connection driven in the background, the request sent. What to do with the answer's
-//! body (read it whole, cut it, cap it) is the caller's.
+//! HTTP/1.1 for the agent's small clients and servers: one exchange on a stream the
+//! caller opened (TCP, TLS) — the handshake, the connection driven in the background,
+//! the request sent, the answer's body the caller's to read — and the serve loop of
+//! the status and STS servers.
 
 use hyper::{Request, Response, body::Incoming};
 
@@ -86,41 +87,20 @@ where
     }
 }
 
-/// The system's trusted roots (Debian's and Red Hat's bundle paths), as Go reads them.
-pub fn system_roots() -> tokio_rustls::rustls::RootCertStore {
-    use tokio_rustls::rustls::pki_types::{CertificateDer, pem::PemObject as _};
-    let mut roots = tokio_rustls::rustls::RootCertStore::empty();
-    for bundle in ["/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt"] {
-        if let Ok(pem) = std::fs::read(bundle) {
-            roots.add_parsable_certificates(CertificateDer::pem_slice_iter(&pem).flatten());
-            break;
-        }
-    }
-    roots
-}
-
-/// A TLS client trusting `roots`, with no client certificate.
-pub fn tls_client(roots: tokio_rustls::rustls::RootCertStore) -> tokio_rustls::TlsConnector {
-    use std::sync::Arc;
-    use tokio_rustls::rustls;
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let config = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .expect("ring supports the default protocol versions")
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    tokio_rustls::TlsConnector::from(Arc::new(config))
-}
-
 /// Serves HTTP/1.1 on `listener` until the task is dropped: one task per connection,
-/// `handle(request, peer)` per request, 30 s to send the headers.
+/// `handle(request, peer)` per request, 30 s to send the headers. Accept errors are
+/// handled as `crate::accept` says (a pause when out of descriptors); it returns only
+/// when the listener is broken (logged there). A peer reached over a dual-stack socket
+/// is named as it connected: `127.0.0.1`, not `::ffff:127.0.0.1`.
 pub async fn serve<F, Fut>(listener: tokio::net::TcpListener, handle: F)
 where
     F: Fn(Request<hyper::body::Incoming>, std::net::SocketAddr) -> Fut + Clone + Send + Sync + 'static,
     Fut: std::future::Future<Output = Response<http_body_util::Full<bytes::Bytes>>> + Send + 'static,
 {
+    let name = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
     loop {
-        let Ok((stream, peer)) = listener.accept().await else { continue };
+        let Ok((stream, peer)) = crate::accept::next(&name, || listener.accept()).await else { return };
+        let peer = std::net::SocketAddr::new(peer.ip().to_canonical(), peer.port());
         let handle = handle.clone();
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |req| {

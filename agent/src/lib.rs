@@ -2,6 +2,7 @@
 //! Istio's pilot-agent (xDS relay, SDS, Envoy lifecycle, status server, DNS proxy).
 //! `main.rs` only parses the command line and calls into the modules here.
 
+pub mod accept;
 pub mod app;
 pub mod build_info;
 pub mod capture_cmd;
@@ -29,6 +30,7 @@ pub mod services;
 pub mod standalone;
 pub mod status;
 pub mod sts;
+pub mod tls;
 pub mod wasm;
 pub mod xds;
 

@@ -39,9 +39,9 @@ pub struct StatusServer {
 }
 
 #[derive(Debug, thiserror::Error)]
-#[error("status server cannot listen on {address}")]
+#[error("status server cannot listen on :{port}")]
 pub struct StatusBindError {
-    pub address: SocketAddr,
+    pub port: u16,
     #[source]
     pub source: std::io::Error,
 }
@@ -59,8 +59,19 @@ impl StatusServer {
         Self { dns, readiness, lifecycle, merge, probes, last_ready: Arc::default() }
     }
 
-    pub async fn bind(address: SocketAddr) -> Result<TcpListener, StatusBindError> {
-        TcpListener::bind(address).await.map_err(|source| StatusBindError { address, source })
+    /// Listens on `port` as pilot-agent's `net.Listen("tcp", ":port")` does: one
+    /// dual-stack socket on `[::]`, so kubelet reaches it in IPv4-only, IPv6-only and
+    /// dual-stack pods alike; `0.0.0.0` only where the system has no IPv6.
+    pub async fn bind(port: u16) -> Result<TcpListener, StatusBindError> {
+        let error = |source| StatusBindError { port, source };
+        match dual_stack(port) {
+            Ok(listener) => Ok(listener),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EAFNOSUPPORT | libc::EADDRNOTAVAIL)) => {
+                tracing::debug!(error = %e, "no IPv6 on this system: the status server listens on IPv4 only");
+                TcpListener::bind((std::net::Ipv4Addr::UNSPECIFIED, port)).await.map_err(error)
+            }
+            Err(e) => Err(error(e)),
+        }
     }
 
     /// Serves HTTP/1.1 on `listener` until the task is dropped.
@@ -167,4 +178,49 @@ fn respond(status: StatusCode, content_type: &str, body: Bytes) -> Response<Full
         .header("content-type", content_type)
         .body(Full::new(body))
         .expect("static response parts are valid")
+}
+
+/// `[::]:port` with `IPV6_V6ONLY` off (whatever `net.ipv6.bindv6only` says), as Go
+/// listens.
+fn dual_stack(port: u16) -> std::io::Result<TcpListener> {
+    let socket = tokio::net::TcpSocket::new_v6()?;
+    nix::sys::socket::setsockopt(&socket, nix::sys::socket::sockopt::Ipv6V6Only, &false)?;
+    socket.set_reuseaddr(true)?;
+    socket.bind(SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, port)))?;
+    socket.listen(1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+    use super::*;
+
+    async fn get(to: SocketAddr) -> String {
+        let mut stream =
+            tokio::net::TcpStream::connect(to).await.unwrap_or_else(|e| panic!("connect {to}: {e}"));
+        stream.write_all(b"GET / HTTP/1.1\r\nHost: status\r\nConnection: close\r\n\r\n").await.unwrap();
+        let mut answer = String::new();
+        stream.read_to_string(&mut answer).await.unwrap();
+        answer.rsplit("\r\n\r\n").next().unwrap().to_string()
+    }
+
+    /// kubelet probes an IPv6-only pod on its IPv6 address and an IPv4 one on IPv4: the
+    /// status port answers both; peers keep their own family (so `/quitquitquit` from
+    /// 127.0.0.1 is still from localhost).
+    #[tokio::test]
+    async fn the_status_port_answers_over_ipv4_and_ipv6() {
+        let listener = StatusServer::bind(0).await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        tokio::spawn(crate::http1::serve(listener, |_, peer: SocketAddr| async move {
+            let body = format!("{} {}", peer.ip(), peer.ip().is_loopback());
+            Response::new(Full::new(Bytes::from(body)))
+        }));
+        assert_eq!(get(SocketAddr::from(([127, 0, 0, 1], port))).await, "127.0.0.1 true");
+        assert_eq!(get(SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, port))).await, "::1 true");
+        // The port is taken for both families: a second agent is refused, naming it.
+        let e = StatusServer::bind(port).await.unwrap_err();
+        assert_eq!(e.to_string(), format!("status server cannot listen on :{port}"));
+        assert_eq!(e.source.kind(), std::io::ErrorKind::AddrInUse);
+    }
 }

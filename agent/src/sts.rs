@@ -182,7 +182,8 @@ struct Cached {
 /// Exchanges subject tokens at the federated token endpoint, with a cache.
 pub struct TokenManager {
     settings: StsSettings,
-    tls: tokio_rustls::TlsConnector,
+    /// Built on the first exchange over https, from the system's roots.
+    tls: std::sync::OnceLock<Result<tokio_rustls::TlsConnector, String>>,
     cache: Mutex<HashMap<(String, String), Cached>>,
 }
 
@@ -191,8 +192,7 @@ impl TokenManager {
         if !settings.plugin.is_empty() && settings.plugin != GOOGLE_TOKEN_EXCHANGE {
             return Err(StsError::Plugin(settings.plugin.clone()));
         }
-        let tls = crate::http1::tls_client(crate::http1::system_roots());
-        Ok(Self { settings, tls, cache: Mutex::default() })
+        Ok(Self { settings, tls: std::sync::OnceLock::new(), cache: Mutex::default() })
     }
 
     /// Istio's audience: the token's single `aud` claim (else the trust domain) as the
@@ -223,6 +223,21 @@ impl TokenManager {
         })
         .to_string();
         let endpoint = &self.settings.endpoint;
+        let tls = match endpoint.scheme_str() {
+            Some("https") => Some(
+                self.tls
+                    .get_or_init(|| {
+                        crate::tls::Roots::system()
+                            .and_then(|roots| {
+                                crate::tls::http1_connector(crate::tls::ServerTrust::Roots(roots))
+                            })
+                            .map_err(|e| e.to_string())
+                    })
+                    .as_ref()
+                    .map_err(|e| format!("TLS to {endpoint}: {e}"))?,
+            ),
+            _ => None,
+        };
         let mut last = String::new();
         for attempt in 1..=ATTEMPTS {
             let req = Request::post(endpoint.path_and_query().map(|p| p.as_str()).unwrap_or("/"))
@@ -230,7 +245,7 @@ impl TokenManager {
                 .header(hyper::header::CONTENT_TYPE, "application/json")
                 .body(Full::new(Bytes::from(body.clone())))
                 .map_err(|e| e.to_string())?;
-            let target = crate::http1::Target::of(endpoint, Some(&self.tls));
+            let target = crate::http1::Target::of(endpoint, tls);
             let answer = tokio::time::timeout(UPSTREAM_TIMEOUT, crate::http1::fetch(target, req, MAX_BODY))
                 .await
                 .unwrap_or_else(|_| Err(format!("no answer in {UPSTREAM_TIMEOUT:?}")));

@@ -6,13 +6,18 @@
 //! Envoy, which keeps its last good config.
 
 pub mod cache;
+pub mod fetch;
+pub mod oci;
 pub mod rewrite;
+#[cfg(test)]
+mod stand_ins;
 
 use std::sync::Arc;
 
 use prost_types::Any;
 
 pub use cache::{CacheOptions, ModuleCache};
+pub use fetch::ProxySettings;
 
 /// Rewrites remote Wasm modules to cached local files.
 pub struct WasmConverter {

@@ -133,6 +133,36 @@ fn bad_proxy_input_exits_with_a_clear_error_naming_it() {
     }
 }
 
+/// Istio issue 24: a duration past Go's limit in the pod's `proxy.istio.io/config`
+/// annotation (which any pod author writes) is a usage error naming the field and the
+/// annotation, never a panic.
+#[test]
+fn an_overflowing_duration_in_the_pod_annotation_exits_64_naming_it() {
+    let (dir, pilot) = as_named("pilot-agent");
+    for d in ["etc/istio/proxy", "etc/istio/pod", "var/run/secrets/workload-spiffe-uds"] {
+        std::fs::create_dir_all(dir.0.join(d)).unwrap();
+    }
+    // As kubelet's downward API writes it: key="Go-quoted value".
+    std::fs::write(
+        dir.0.join("etc/istio/pod/annotations"),
+        "proxy.istio.io/config=\"drainDuration: 6000000000000000h\\n\"\n",
+    )
+    .unwrap();
+    let out = Command::new(&pilot)
+        .args(["proxy", "sidecar"])
+        .current_dir(&dir.0)
+        .env_clear()
+        .env("XDS_ROOT_CA", "SYSTEM")
+        .env("CA_ROOT_CA", "SYSTEM")
+        .env("CA_ADDR", "127.0.0.1:1")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(out.status.code(), Some(64), "{err}");
+    assert!(err.contains("drainDuration") && err.contains("proxy.istio.io/config"), "{err}");
+}
+
 #[test]
 fn config_dump_prints_the_effective_config() {
     let out = Command::new(tools::weir())

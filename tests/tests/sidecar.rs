@@ -542,6 +542,59 @@ fn envoy_killed_by_a_signal_is_reported_and_the_agent_exits() {
     assert!(log.contains("out-of-memory"), "{log}");
 }
 
+/// The descriptor (in `pid`) of the Unix socket listening on a path ending in `suffix`,
+/// found through the process's own view of its network namespace.
+fn listening_unix_fd(pid: u32, suffix: &str) -> i32 {
+    let table = std::fs::read_to_string(format!("/proc/{pid}/net/unix")).unwrap();
+    // Num RefCount Protocol Flags Type St Inode Path; a listener has __SO_ACCEPTCON.
+    let inode = table
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .find(|f| f.len() == 8 && f[3] == "00010000" && f[7].ends_with(suffix))
+        .unwrap_or_else(|| panic!("no listener on *{suffix} in\n{table}"))[6]
+        .to_string();
+    let target = format!("socket:[{inode}]");
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .flatten()
+        .find(|e| std::fs::read_link(e.path()).is_ok_and(|l| l.to_str() == Some(target.as_str())))
+        .and_then(|e| e.file_name().to_str()?.parse().ok())
+        .unwrap_or_else(|| panic!("no descriptor of {pid} is {target}"))
+}
+
+/// Shuts down descriptor `fd` of process `pid`, through a copy of it (pidfd_getfd):
+/// the socket breaks under the process as it would on its own.
+fn shut_down_in(pid: u32, fd: i32) {
+    // SAFETY: plain system calls; both descriptors are ours and closed here.
+    unsafe {
+        let pidfd = libc::syscall(libc::SYS_pidfd_open, pid, 0) as i32;
+        assert!(pidfd >= 0, "pidfd_open: {}", std::io::Error::last_os_error());
+        let copy = libc::syscall(libc::SYS_pidfd_getfd, pidfd, fd, 0) as i32;
+        assert!(copy >= 0, "pidfd_getfd: {}", std::io::Error::last_os_error());
+        assert_eq!(libc::shutdown(copy, libc::SHUT_RDWR), 0, "{}", std::io::Error::last_os_error());
+        libc::close(copy);
+        libc::close(pidfd);
+    }
+}
+
+/// Every service is watched to its end: the SDS server's socket breaking under it
+/// (shut down) ends the SDS server, and the agent says so and exits non-zero, as
+/// pilot-agent exits when its servers fail; its socket files are gone.
+#[test]
+fn an_agent_whose_sds_server_dies_exits_non_zero() {
+    require_root!();
+    let mut rig = Rig::new(&test_name!(), AgentUser::Proxy, "", &[]);
+    rig.wait_ready();
+    let pid = rig.agent.child.pid();
+    shut_down_in(pid, listening_unix_fd(pid, "workload-spiffe-uds/socket"));
+    let exit = rig.agent.wait_exit(Duration::from_secs(30)).unwrap();
+    let log = rig.agent.log();
+    assert_eq!(exit.code(), Some(1), "log:\n{log}");
+    assert!(log.contains("SDS server failed") && log.contains("shut down"), "{log}");
+    assert!(!rig.root.sds_socket().exists(), "the SDS socket file is left behind");
+    assert!(!rig.root.xds_socket().exists(), "the XDS socket file is left behind");
+}
+
 #[test]
 fn envoy_killed_in_vm_mode_is_started_again_and_becomes_ready() {
     require_root!();
@@ -640,7 +693,7 @@ fn a_status_port_in_use_is_a_clear_startup_error() {
     });
     let Err(e) = result else { panic!("the agent started with 15020 taken") };
     let e = format!("{e:#}");
-    assert!(e.contains("status server cannot listen on 0.0.0.0:15020") && e.contains("in use"), "{e}");
+    assert!(e.contains("status server cannot listen on :15020") && e.contains("in use"), "{e}");
 }
 
 #[test]

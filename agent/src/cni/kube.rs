@@ -12,17 +12,12 @@ use std::{
     time::Duration,
 };
 
+use super::pod::PodInfo;
 use base64::Engine as _;
 use bytes::Bytes;
 use http_body_util::Empty;
 use hyper::{Request, StatusCode, Uri};
 use serde::Deserialize;
-use tokio_rustls::rustls::{
-    self,
-    pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject as _},
-};
-
-use super::pod::PodInfo;
 
 /// Per request (connect + answer).
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
@@ -225,44 +220,24 @@ impl KubeClient {
     pub fn new(path: &Path, config: Kubeconfig) -> Result<Self, KubeError> {
         let invalid = |message: String| KubeError::Invalid { path: path.into(), message };
         let tls = if config.server.scheme_str() == Some("https") {
-            let provider = Arc::new(rustls::crypto::ring::default_provider());
-            let builder = rustls::ClientConfig::builder_with_provider(provider.clone())
-                .with_safe_default_protocol_versions()
-                .expect("ring supports the default protocol versions");
-            let builder = if config.insecure {
-                builder
-                    .dangerous()
-                    .with_custom_certificate_verifier(crate::status::probes::any_certificate(&provider))
-            } else {
-                let mut roots = rustls::RootCertStore::empty();
-                match &config.ca_pem {
-                    Some(pem) => {
-                        for cert in CertificateDer::pem_slice_iter(pem) {
-                            let cert = cert.map_err(|e| invalid(format!("certificate authority: {e}")))?;
-                            roots.add(cert).map_err(|e| invalid(format!("certificate authority: {e}")))?;
-                        }
-                        if roots.is_empty() {
-                            return Err(invalid("the certificate authority holds no certificate".into()));
-                        }
-                    }
-                    // No CA in the kubeconfig: the system's roots, as client-go.
-                    None => roots = crate::http1::system_roots(),
+            use crate::tls::{Identity, Roots, ServerTrust};
+            let tls_error = |e: crate::tls::TlsError| invalid(e.to_string());
+            let trust = match (&config.insecure, &config.ca_pem) {
+                (true, _) => ServerTrust::AnyCertificate,
+                (false, Some(pem)) => {
+                    ServerTrust::Roots(Roots::from_pem(pem, "the certificate authority").map_err(tls_error)?)
                 }
-                builder.with_root_certificates(roots)
+                // No CA in the kubeconfig: the system's roots, as client-go.
+                (false, None) => ServerTrust::Roots(Roots::system().map_err(tls_error)?),
             };
-            let client = match &config.credentials {
+            let identity = match &config.credentials {
                 Credentials::ClientCertificate { cert_pem, key_pem } => {
-                    let certs = CertificateDer::pem_slice_iter(cert_pem)
-                        .collect::<Result<Vec<_>, _>>()
-                        .map_err(|e| invalid(format!("client certificate: {e}")))?;
-                    let key = PrivateKeyDer::from_pem_slice(key_pem)
-                        .map_err(|e| invalid(format!("client key: {e}")))?;
-                    builder
-                        .with_client_auth_cert(certs, key)
-                        .map_err(|e| invalid(format!("client certificate: {e}")))?
+                    Some(Identity::from_pem(cert_pem, key_pem, "of the kubeconfig user").map_err(tls_error)?)
                 }
-                _ => builder.with_no_client_auth(),
+                _ => None,
             };
+            let client =
+                crate::tls::client_config(trust, identity, &[crate::tls::ALPN_HTTP1]).map_err(tls_error)?;
             Some(tokio_rustls::TlsConnector::from(Arc::new(client)))
         } else {
             None

@@ -309,6 +309,24 @@ fn wasm_settings_read_pilot_agents_variables() {
 }
 
 #[test]
+fn wasm_fetches_take_their_proxies_from_the_environment_as_go_does() {
+    let proxies = |env: &[(&str, &str)]| resolve(&[], env, &[ROOT]).map(|c| c.wasm.proxy);
+    assert_eq!(proxies(&[]).unwrap(), crate::wasm::ProxySettings::default());
+    let p = proxies(&[
+        ("HTTPS_PROXY", "http://proxy.corp:3128"),
+        ("https_proxy", "http://ignored:1"),
+        ("http_proxy", "http://plain.corp:8080"),
+        ("no_proxy", ".svc,10.0.0.0/8"),
+    ])
+    .unwrap();
+    assert_eq!(p.https.as_deref(), Some("http://proxy.corp:3128"), "the upper-case name wins");
+    assert_eq!(p.http.as_deref(), Some("http://plain.corp:8080"), "the lower-case name when alone");
+    assert_eq!(p.no_proxy, ".svc,10.0.0.0/8");
+    let err = proxies(&[("https_proxy", "http://[::1")]).unwrap_err().to_string();
+    assert!(err.contains("https_proxy") && err.contains("proxy URL"), "{err}");
+}
+
+#[test]
 fn the_tables_defaults_are_the_components_own() {
     let none = MapEnv::default();
     assert_eq!(vars::DNS_PROXY_ADDR.text(&none), crate::dns::server::DEFAULT_ADDRESS);

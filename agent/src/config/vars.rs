@@ -114,7 +114,8 @@ impl Family {
 
 macro_rules! vars {
     ($($id:ident: $kind:ident, $default:literal, $sets:literal, $istio:literal;)*) => {
-        $(pub const $id: Var = Var {
+        $(#[allow(non_upper_case_globals, reason = "Go's lower-case proxy variables")]
+        pub const $id: Var = Var {
             name: stringify!($id),
             kind: Kind::$kind,
             default: $default,
@@ -196,6 +197,12 @@ vars! {
     WASM_INSECURE_REGISTRIES: Text, "", "registries pulled over plain HTTP (comma-separated)", "pilot/cmd/pilot-agent/options/options.go";
     WASM_HTTP_REQUEST_TIMEOUT: Duration, "15s", "one module download's timeout", "pilot/cmd/pilot-agent/options/options.go";
     WASM_HTTP_REQUEST_MAX_RETRIES: Count, "5", "retries of a failed download", "pilot/cmd/pilot-agent/options/options.go";
+    HTTPS_PROXY: Text, "", "the proxy for https Wasm modules and registries (CONNECT)", "Go's net/http (httpproxy.FromEnvironment)";
+    https_proxy: Text, "", "HTTPS_PROXY when that is unset", "Go's net/http (httpproxy.FromEnvironment)";
+    HTTP_PROXY: Text, "", "the proxy for plain-HTTP Wasm modules and registries", "Go's net/http (httpproxy.FromEnvironment)";
+    http_proxy: Text, "", "HTTP_PROXY when that is unset", "Go's net/http (httpproxy.FromEnvironment)";
+    NO_PROXY: Text, "", "hosts, domains, IPs and CIDRs reached directly, not through the proxy (loopback always is)", "Go's net/http (httpproxy.FromEnvironment)";
+    no_proxy: Text, "", "NO_PROXY when that is unset", "Go's net/http (httpproxy.FromEnvironment)";
     // STS and standalone mode.
     GKE_CLUSTER_URL: Text, "", "the identity provider in the STS token exchange's audience", "security/pkg/stsservice/tokenmanager/google";
     WEIR_STS_TOKEN_ENDPOINT: Text, "https://sts.googleapis.com/v1/token", "where the STS token manager exchanges tokens", "Weir";

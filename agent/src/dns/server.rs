@@ -2,6 +2,15 @@
 //! Known names come from the lookup table (authoritative, TTL 30, addresses shuffled);
 //! the rest is forwarded as-is to the resolv.conf servers, in shuffled order, each with
 //! a timeout, SERVFAIL when all fail. Replies are trimmed to the client's UDP size.
+//!
+//! Any process in the pod can reach the proxy, so what it spends is bounded
+//! ([`DnsLimits`]): table answers are made on the receiving task, without spawning;
+//! at most `max_forwards` forwarded queries are in flight (beyond that a UDP query is
+//! dropped, as an overloaded resolver drops, and the client asks again; a TCP one
+//! waits); at most `max_tcp_connections` TCP connections per listener, each closed
+//! when idle (miekg/dns's 8 s, which pilot-agent's proxy runs on) or slow to send a
+//! query it started; the receive buffers are reused (one per UDP socket, one per TCP
+//! connection, a small pool for upstream replies).
 
 use std::{
     net::SocketAddr,
@@ -17,6 +26,7 @@ use rand::seq::SliceRandom as _;
 use tokio::{
     io::{AsyncReadExt as _, AsyncWriteExt as _},
     net::{TcpListener, TcpStream, UdpSocket},
+    sync::Semaphore,
 };
 use weir_proto::istio::networking::nds::v1::NameTable;
 
@@ -44,6 +54,32 @@ pub struct DnsConfig {
     /// Forward instead of SERVFAIL before the first NDS table (Istio does this when the
     /// proxy owns port 53, so the pod resolves while the agent starts).
     pub respond_before_sync: bool,
+    pub limits: DnsLimits,
+}
+
+/// What the proxy may spend at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DnsLimits {
+    /// Forwarded queries in flight, over every listener and both protocols.
+    pub max_forwards: usize,
+    /// TCP connections served at once, per listener (more wait in the backlog).
+    pub max_tcp_connections: usize,
+    /// A TCP connection with no query for this long is closed.
+    pub tcp_idle: Duration,
+    /// A TCP query (or its reply) that takes longer than this to cross ends the
+    /// connection.
+    pub tcp_io: Duration,
+}
+
+impl Default for DnsLimits {
+    fn default() -> Self {
+        Self {
+            max_forwards: 256,
+            max_tcp_connections: 128,
+            tcp_idle: Duration::from_secs(8),
+            tcp_io: Duration::from_secs(2),
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -116,21 +152,46 @@ impl DnsConfig {
             upstream_timeout: UPSTREAM_TIMEOUT,
             forward_parallel: false,
             respond_before_sync,
+            limits: DnsLimits::default(),
         })
     }
 }
 
-/// The proxy's state: the current table (none until the first NDS push) and config.
+/// The proxy's state: the current table (none until the first NDS push), config, and
+/// what bounds the forwarding.
 pub struct DnsProxy {
     config: DnsConfig,
     table: RwLock<Option<Arc<LookupTable>>>,
     name_table: RwLock<Option<NameTable>>,
     metrics: Arc<Metrics>,
+    forwards: Arc<Semaphore>,
+    /// UDP queries dropped because `max_forwards` were in flight.
+    dropped: std::sync::atomic::AtomicU64,
+    buffers: Arc<Buffers>,
+}
+
+/// What to do with one query.
+enum Handling {
+    /// The reply, made locally.
+    Reply(Vec<u8>),
+    /// Ask the upstream servers; the reply must fit `limit`.
+    Forward { request: Message, limit: usize },
+    /// Garbage: no reply.
+    Drop,
 }
 
 impl DnsProxy {
     pub fn new(config: DnsConfig, metrics: Arc<Metrics>) -> Arc<Self> {
-        Arc::new(Self { config, table: RwLock::new(None), name_table: RwLock::new(None), metrics })
+        let forwards = Arc::new(Semaphore::new(config.limits.max_forwards));
+        Arc::new(Self {
+            config,
+            table: RwLock::new(None),
+            name_table: RwLock::new(None),
+            metrics,
+            forwards,
+            dropped: Default::default(),
+            buffers: Arc::default(),
+        })
     }
 
     /// Installs a new NDS table.
@@ -195,62 +256,145 @@ impl DnsProxy {
         Ok(tasks)
     }
 
+    /// Serves UDP on `udp` and TCP on `tcp` until either socket breaks (the error is
+    /// returned) or the task is dropped.
     pub async fn serve_on(self: Arc<Self>, udp: UdpSocket, tcp: TcpListener) -> std::io::Result<()> {
-        let udp = Arc::new(udp);
-        let me = self.clone();
-        let udp_task = tokio::spawn(async move {
-            let mut buf = vec![0u8; MAX_TCP];
-            loop {
-                let Ok((n, from)) = udp.recv_from(&mut buf).await else { continue };
-                let query = buf[..n].to_vec();
-                let (me, udp) = (me.clone(), udp.clone());
-                tokio::spawn(async move {
-                    if let Some(reply) = me.answer(&query, false).await {
-                        let _ = udp.send_to(&reply, from).await;
-                    }
-                });
-            }
-        });
+        let mut udp = tokio::spawn(self.clone().serve_udp(Arc::new(udp)));
+        let ended = tokio::select! {
+            ended = self.serve_tcp(tcp) => ended,
+            ended = &mut udp => ended.unwrap_or_else(|e| Err(std::io::Error::other(e))),
+        };
+        udp.abort();
+        ended
+    }
+
+    async fn serve_udp(self: Arc<Self>, udp: Arc<UdpSocket>) -> std::io::Result<()> {
+        use crate::accept::Failure;
+        // One receive buffer for the socket's life: a datagram is handled (answered,
+        // or copied into its forward) before the next is read.
+        let mut buf = vec![0u8; MAX_TCP];
+        let mut pause = crate::accept::FIRST_PAUSE;
         loop {
-            let (stream, _) = match tcp.accept().await {
-                Ok(c) => c,
-                Err(e) => {
-                    udp_task.abort();
-                    return Err(e);
-                }
+            let (n, from) = match udp.recv_from(&mut buf).await {
+                Ok(received) => received,
+                Err(e) => match Failure::of(&e) {
+                    Failure::Broken => return Err(e),
+                    Failure::Connection => continue,
+                    Failure::Exhausted => {
+                        tracing::warn!(error = %e, "DNS proxy cannot receive: retrying");
+                        tokio::time::sleep(pause).await;
+                        pause = (pause * 2).min(crate::accept::MAX_PAUSE);
+                        continue;
+                    }
+                },
             };
-            let me = self.clone();
-            tokio::spawn(async move { me.serve_tcp_connection(stream).await });
+            pause = crate::accept::FIRST_PAUSE;
+            let query = &buf[..n];
+            match self.handle(query, false) {
+                Handling::Reply(reply) => {
+                    let _ = udp.send_to(&reply, from).await;
+                }
+                Handling::Drop => {}
+                Handling::Forward { request, limit } => {
+                    let Ok(permit) = self.forwards.clone().try_acquire_owned() else {
+                        let dropped = self.dropped.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if dropped.is_multiple_of(1000) {
+                            tracing::warn!(
+                                in_flight = self.config.limits.max_forwards,
+                                dropped = dropped + 1,
+                                "DNS proxy busy: dropping UDP queries it would forward"
+                            );
+                        }
+                        continue;
+                    };
+                    let (me, udp, raw) = (self.clone(), udp.clone(), query.to_vec());
+                    tokio::spawn(async move {
+                        let reply = encode_within(me.forward(&request, &raw, false).await, limit);
+                        drop(permit);
+                        if let Some(reply) = reply {
+                            let _ = udp.send_to(&reply, from).await;
+                        }
+                    });
+                }
+            }
         }
     }
 
+    async fn serve_tcp(self: &Arc<Self>, tcp: TcpListener) -> std::io::Result<()> {
+        let connections = Arc::new(Semaphore::new(self.config.limits.max_tcp_connections));
+        loop {
+            let permit = connections.clone().acquire_owned().await.expect("the semaphore is never closed");
+            let (stream, _) = crate::accept::next("DNS proxy (TCP)", || tcp.accept()).await?;
+            let me = self.clone();
+            tokio::spawn(async move {
+                me.serve_tcp_connection(stream).await;
+                drop(permit);
+            });
+        }
+    }
+
+    /// Queries and replies on one connection until the client closes it, stays idle
+    /// for `tcp_idle`, or is slower than `tcp_io` with a query or a reply.
     async fn serve_tcp_connection(&self, mut stream: TcpStream) {
+        let DnsLimits { tcp_idle, tcp_io, .. } = self.config.limits;
+        let mut query = Vec::new();
         loop {
             let mut len = [0u8; 2];
-            if stream.read_exact(&mut len).await.is_err() {
+            match tokio::time::timeout(tcp_idle, stream.read_exact(&mut len)).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(_)) => return,
+                Err(_) => {
+                    tracing::debug!(idle = ?tcp_idle, "closing an idle DNS TCP connection");
+                    return;
+                }
+            }
+            query.resize(usize::from(u16::from_be_bytes(len)), 0);
+            if !matches!(tokio::time::timeout(tcp_io, stream.read_exact(&mut query)).await, Ok(Ok(_))) {
                 return;
             }
-            let mut query = vec![0u8; usize::from(u16::from_be_bytes(len))];
-            if stream.read_exact(&mut query).await.is_err() {
-                return;
-            }
-            let Some(reply) = self.answer(&query, true).await else { return };
-            let mut out = (reply.len() as u16).to_be_bytes().to_vec();
-            out.extend_from_slice(&reply);
-            if stream.write_all(&out).await.is_err() {
+            let reply = match self.handle(&query, true) {
+                Handling::Reply(reply) => reply,
+                Handling::Drop => return,
+                Handling::Forward { request, limit } => {
+                    let Ok(_permit) = self.forwards.acquire().await else { return };
+                    match encode_within(self.forward(&request, &query, true).await, limit) {
+                        Some(reply) => reply,
+                        None => return,
+                    }
+                }
+            };
+            let Ok(len) = u16::try_from(reply.len()) else { return };
+            let write = async {
+                stream.write_all(&len.to_be_bytes()).await?;
+                stream.write_all(&reply).await
+            };
+            if !matches!(tokio::time::timeout(tcp_io, write).await, Ok(Ok(()))) {
                 return;
             }
         }
     }
 
-    /// The reply bytes for one query (`None` for garbage that does not parse).
+    /// The reply bytes for one query (`None` for garbage that does not parse),
+    /// forwarding within the proxy's bound when the table does not answer.
     pub async fn answer(&self, query: &[u8], tcp: bool) -> Option<Vec<u8>> {
+        match self.handle(query, tcp) {
+            Handling::Reply(reply) => Some(reply),
+            Handling::Drop => None,
+            Handling::Forward { request, limit } => {
+                let _permit = self.forwards.acquire().await.ok()?;
+                encode_within(self.forward(&request, query, tcp).await, limit)
+            }
+        }
+    }
+
+    /// What the table says about one query, without waiting for anything.
+    fn handle(&self, query: &[u8], tcp: bool) -> Handling {
         self.metrics.dns_requests.inc();
         let request = match Message::from_vec(query) {
             Ok(m) => m,
             Err(e) => {
                 tracing::debug!(error = %e, "dropping a DNS message that does not parse");
-                return None;
+                return Handling::Drop;
             }
         };
         let limit = if tcp {
@@ -258,27 +402,28 @@ impl DnsProxy {
         } else {
             request.edns.as_ref().map(|e| usize::from(e.max_payload())).unwrap_or(MIN_UDP).max(MIN_UDP)
         };
+        let encoded = |m: Message| m.to_vec().map_or(Handling::Drop, Handling::Reply);
         let Some(question) = request.queries.first() else {
-            return reply(&request, ResponseCode::ServFail, false, vec![]).to_vec().ok();
+            return encoded(reply(&request, ResponseCode::ServFail, false, vec![]));
         };
         let name = question.name().to_ascii().to_ascii_lowercase();
         let qtype = question.query_type();
         let table = self.table.read().expect("table lock").clone();
         let Some(table) = table else {
             if self.config.respond_before_sync {
-                return encode_within(self.forward(&request, query, tcp).await, limit);
+                return Handling::Forward { request, limit };
             }
             tracing::debug!(name, "DNS request before the lookup table arrived");
-            return reply(&request, ResponseCode::ServFail, false, vec![]).to_vec().ok();
+            return encoded(reply(&request, ResponseCode::ServFail, false, vec![]));
         };
-        let response = match table.lookup(qtype, &name) {
+        match table.lookup(qtype, &name) {
             Some(mut answers) => {
                 shuffle_addresses(&mut answers);
-                reply(&request, ResponseCode::NoError, true, answers)
+                encode_within(reply(&request, ResponseCode::NoError, true, answers), limit)
+                    .map_or(Handling::Drop, Handling::Reply)
             }
-            None => self.forward(&request, query, tcp).await,
-        };
-        encode_within(response, limit)
+            None => Handling::Forward { request, limit },
+        }
     }
 
     async fn forward(&self, request: &Message, raw: &[u8], tcp: bool) -> Message {
@@ -286,9 +431,11 @@ impl DnsProxy {
         let started = Instant::now();
         let answer = if self.config.forward_parallel {
             let mut all = tokio::task::JoinSet::new();
+            let raw: Arc<[u8]> = raw.into();
             for server in self.config.upstreams.clone() {
-                let (raw, timeout, id) = (raw.to_vec(), self.config.upstream_timeout, request.metadata.id);
-                all.spawn(async move { ask(server, &raw, tcp, timeout, id).await });
+                let (raw, timeout, id) = (raw.clone(), self.config.upstream_timeout, request.metadata.id);
+                let mut buf = self.buffers.take();
+                all.spawn(async move { ask(server, &raw, tcp, timeout, id, &mut buf).await });
             }
             let mut first = None;
             while let Some(result) = all.join_next().await {
@@ -300,9 +447,10 @@ impl DnsProxy {
             first
         } else {
             let mut first = None;
+            let mut buf = self.buffers.take();
             for server in &self.config.upstreams {
                 if let Some(m) =
-                    ask(*server, raw, tcp, self.config.upstream_timeout, request.metadata.id).await
+                    ask(*server, raw, tcp, self.config.upstream_timeout, request.metadata.id, &mut buf).await
                 {
                     first = Some(m);
                     break;
@@ -333,10 +481,18 @@ pub struct DnsBindError {
     pub source: std::io::Error,
 }
 
-/// One upstream exchange; `None` (logged) on failure, timeout or a mismatched reply.
-async fn ask(server: SocketAddr, raw: &[u8], tcp: bool, timeout: Duration, id: u16) -> Option<Message> {
-    match tokio::time::timeout(timeout, exchange(server, raw, tcp)).await {
-        Ok(Ok(bytes)) => match Message::from_vec(&bytes) {
+/// One upstream exchange, the reply read into `buf`; `None` (logged) on failure,
+/// timeout or a mismatched reply.
+async fn ask(
+    server: SocketAddr,
+    raw: &[u8],
+    tcp: bool,
+    timeout: Duration,
+    id: u16,
+    buf: &mut Vec<u8>,
+) -> Option<Message> {
+    match tokio::time::timeout(timeout, exchange(server, raw, tcp, buf)).await {
+        Ok(Ok(n)) => match Message::from_vec(&buf[..n]) {
             Ok(m) if m.metadata.id == id => return Some(m),
             Ok(_) => tracing::info!(%server, "upstream DNS reply with a different id"),
             Err(e) => tracing::info!(%server, error = %e, "upstream DNS reply does not parse"),
@@ -347,17 +503,20 @@ async fn ask(server: SocketAddr, raw: &[u8], tcp: bool, timeout: Duration, id: u
     None
 }
 
-async fn exchange(server: SocketAddr, query: &[u8], tcp: bool) -> std::io::Result<Vec<u8>> {
+/// Sends `query` to `server` and reads its reply into `buf` (resized as needed);
+/// returns the reply's length.
+async fn exchange(server: SocketAddr, query: &[u8], tcp: bool, buf: &mut Vec<u8>) -> std::io::Result<usize> {
     if tcp {
         let mut s = TcpStream::connect(server).await?;
-        let mut out = (query.len() as u16).to_be_bytes().to_vec();
-        out.extend_from_slice(query);
-        s.write_all(&out).await?;
+        let len = u16::try_from(query.len()).map_err(|_| std::io::Error::other("query over 64 KiB"))?;
+        s.write_all(&len.to_be_bytes()).await?;
+        s.write_all(query).await?;
         let mut len = [0u8; 2];
         s.read_exact(&mut len).await?;
-        let mut buf = vec![0u8; usize::from(u16::from_be_bytes(len))];
-        s.read_exact(&mut buf).await?;
-        Ok(buf)
+        let n = usize::from(u16::from_be_bytes(len));
+        buf.resize(n, 0);
+        s.read_exact(buf).await?;
+        Ok(n)
     } else {
         let bind: SocketAddr = if server.is_ipv4() {
             "0.0.0.0:0".parse().expect("addr")
@@ -367,10 +526,54 @@ async fn exchange(server: SocketAddr, query: &[u8], tcp: bool) -> std::io::Resul
         let s = UdpSocket::bind(bind).await?;
         s.connect(server).await?;
         s.send(query).await?;
-        let mut buf = vec![0u8; MAX_TCP];
-        let n = s.recv(&mut buf).await?;
-        buf.truncate(n);
-        Ok(buf)
+        // Into the buffer's spare capacity: only what the reply fills is touched.
+        buf.clear();
+        buf.reserve(MAX_TCP);
+        s.recv_buf(buf).await
+    }
+}
+
+/// Reply buffers for upstream exchanges, reused: at most `KEPT` wait for the next
+/// forward (the rest of those in use are freed when done).
+#[derive(Default)]
+struct Buffers {
+    free: std::sync::Mutex<Vec<Vec<u8>>>,
+}
+
+/// A buffer from [`Buffers`], back in the pool when dropped.
+struct Buffer {
+    buf: Vec<u8>,
+    pool: Arc<Buffers>,
+}
+
+impl Buffers {
+    const KEPT: usize = 16;
+
+    fn take(self: &Arc<Self>) -> Buffer {
+        let buf = self.free.lock().expect("buffer pool lock").pop().unwrap_or_default();
+        Buffer { buf, pool: self.clone() }
+    }
+}
+
+impl std::ops::Deref for Buffer {
+    type Target = Vec<u8>;
+    fn deref(&self) -> &Vec<u8> {
+        &self.buf
+    }
+}
+
+impl std::ops::DerefMut for Buffer {
+    fn deref_mut(&mut self) -> &mut Vec<u8> {
+        &mut self.buf
+    }
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        let mut free = self.pool.free.lock().expect("buffer pool lock");
+        if free.len() < Buffers::KEPT {
+            free.push(std::mem::take(&mut self.buf));
+        }
     }
 }
 
@@ -454,8 +657,129 @@ mod tests {
             },
             upstreams,
             upstream_timeout: Duration::from_millis(200),
+            limits: DnsLimits::default(),
         };
         DnsProxy::new(config, Arc::new(Metrics::new()))
+    }
+
+    /// `proxy` with `config` changed, serving on 127.0.0.1 (UDP and TCP, one port).
+    async fn serving(
+        upstreams: Vec<SocketAddr>,
+        change: impl FnOnce(&mut DnsConfig),
+    ) -> (Arc<DnsProxy>, SocketAddr) {
+        let mut config = proxy(upstreams).config.clone();
+        change(&mut config);
+        let p = DnsProxy::new(config, Arc::new(Metrics::new()));
+        let tcp = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = tcp.local_addr().unwrap();
+        let udp = UdpSocket::bind(addr).await.unwrap();
+        tokio::spawn(p.clone().serve_on(udp, tcp));
+        (p, addr)
+    }
+
+    /// One status line of this process: `VmRSS` in KiB, say.
+    fn self_status_kib(field: &str) -> u64 {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let line = status.lines().find_map(|l| l.strip_prefix(field)).unwrap();
+        line.trim().trim_end_matches("kB").trim().parse().unwrap()
+    }
+
+    fn open_fds() -> usize {
+        std::fs::read_dir("/proc/self/fd").unwrap().count()
+    }
+
+    /// Any app in the pod can flood 15053. Under a flood of queries the proxy must
+    /// forward (to an upstream that never answers, the worst case), its memory and
+    /// sockets stay bounded, and a name from the table is still answered.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_udp_flood_leaves_memory_bounded_and_real_queries_answered() {
+        let silent = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let (p, addr) = serving(vec![silent.local_addr().unwrap()], |c| {
+            c.upstream_timeout = Duration::from_secs(3);
+        })
+        .await;
+        p.update(&table(3));
+        let (rss_before, fds_before) = (self_status_kib("VmRSS:"), open_fds());
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let floods: Vec<_> = (0..2u16)
+            .map(|t| {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    let socket = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+                    let mut sent = 0u64;
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        let name = format!("n{t}x{sent}.flood.example.");
+                        let _ = socket.send_to(&query(&name, RecordType::A, None), addr);
+                        sent += 1;
+                    }
+                    sent
+                })
+            })
+            .collect();
+        // Sample while the flood runs: the peak is what a pod's memory limit meets.
+        let (mut rss_peak, mut fds_peak) = (rss_before, fds_before);
+        let client = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        let mut answered = 0;
+        let flood_for = Instant::now() + Duration::from_secs(2);
+        while Instant::now() < flood_for {
+            // A resolver's retries: up to 10 tries, 100 ms apart.
+            for _ in 0..10 {
+                client.send_to(&query("big.app.", RecordType::A, None), addr).await.unwrap();
+                let mut buf = [0u8; 512];
+                let got = tokio::time::timeout(Duration::from_millis(100), client.recv(&mut buf)).await;
+                if let Ok(Ok(n)) = got {
+                    let m = Message::from_vec(&buf[..n]).unwrap();
+                    if m.metadata.response_code == ResponseCode::NoError && m.answers.len() == 3 {
+                        answered += 1;
+                        break;
+                    }
+                }
+            }
+            rss_peak = rss_peak.max(self_status_kib("VmRSS:"));
+            fds_peak = fds_peak.max(open_fds());
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let sent: u64 = floods.into_iter().map(|f| f.join().unwrap()).sum();
+        let dropped = p.dropped.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(dropped > 0, "the flood ({sent} queries) never reached the bound");
+        assert!(answered >= 5, "{answered} table answers during the flood of {sent} queries");
+        let limit = p.config.limits.max_forwards;
+        assert!(
+            fds_peak <= fds_before + limit + 16,
+            "{fds_peak} descriptors open under the flood (from {fds_before}; {limit} forwards allowed)"
+        );
+        let grown = rss_peak.saturating_sub(rss_before);
+        assert!(grown < 32 * 1024, "RSS grew by {grown} KiB under a flood of {sent} queries");
+    }
+
+    #[tokio::test]
+    async fn an_idle_tcp_connection_is_closed() {
+        let (_p, addr) = serving(vec![], |c| c.limits.tcp_idle = Duration::from_millis(200)).await;
+        let mut conn = TcpStream::connect(addr).await.unwrap();
+        // A query answered, then silence: the connection is closed, not kept forever.
+        let q = query("big.app.", RecordType::A, None);
+        conn.write_all(&(q.len() as u16).to_be_bytes()).await.unwrap();
+        conn.write_all(&q).await.unwrap();
+        let mut len = [0u8; 2];
+        conn.read_exact(&mut len).await.unwrap();
+        let mut reply = vec![0u8; usize::from(u16::from_be_bytes(len))];
+        conn.read_exact(&mut reply).await.unwrap();
+        assert_eq!(Message::from_vec(&reply).unwrap().metadata.id, 0x4242);
+        let mut rest = Vec::new();
+        let closed = tokio::time::timeout(Duration::from_secs(3), conn.read_to_end(&mut rest)).await;
+        assert!(matches!(closed, Ok(Ok(0))), "the idle connection is still open: {closed:?}");
+    }
+
+    /// A client that sends a length and then stalls holds the connection no longer
+    /// than the read bound.
+    #[tokio::test]
+    async fn a_stalled_tcp_query_ends_the_connection() {
+        let (_p, addr) = serving(vec![], |c| c.limits.tcp_io = Duration::from_millis(200)).await;
+        let mut conn = TcpStream::connect(addr).await.unwrap();
+        conn.write_all(&[0, 40, 1, 2]).await.unwrap();
+        let mut rest = Vec::new();
+        let closed = tokio::time::timeout(Duration::from_secs(3), conn.read_to_end(&mut rest)).await;
+        assert!(matches!(closed, Ok(Ok(0))), "{closed:?}");
     }
 
     fn table(n: usize) -> NameTable {

@@ -153,6 +153,75 @@ pub struct RunAs {
     pub capabilities: &'static [crate::privileges::Capability],
 }
 
+/// A set of Linux capabilities as the kernel numbers them (0..=63): a 64-bit mask,
+/// since `CAP_PERFMON` (38) and `CAP_BPF` (39) are past the first 32-bit word.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CapabilityMask(u64);
+
+impl CapabilityMask {
+    pub fn of(capabilities: &[crate::privileges::Capability]) -> Self {
+        Self(capabilities.iter().fold(0, |mask, c| mask | 1u64 << c.index()))
+    }
+
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+
+    pub fn contains(self, index: u8) -> bool {
+        index < 64 && self.0 & (1u64 << index) != 0
+    }
+
+    /// `capset`'s `_LINUX_CAPABILITY_VERSION_3` data: two `{effective, permitted,
+    /// inheritable}` records, the first for capabilities 0-31, the second for 32-63.
+    pub fn capset_data(self) -> [u32; 6] {
+        #[expect(clippy::cast_possible_truncation, reason = "each word takes 32 of the 64 bits")]
+        let (low, high) = (self.0 as u32, (self.0 >> 32) as u32);
+        [low, low, low, high, high, high]
+    }
+}
+
+/// In the child between fork and exec: drops to `uid`:`gid` with no supplementary
+/// groups, keeping only `mask` (effective, permitted, inheritable and ambient, so the
+/// capabilities survive the exec of a binary without file capabilities).
+///
+/// # Safety
+/// Only for a `pre_exec` hook: it makes raw, async-signal-safe system calls only.
+unsafe fn become_user(uid: u32, gid: u32, mask: CapabilityMask) -> std::io::Result<()> {
+    let fail = || Err(std::io::Error::last_os_error());
+    // SAFETY: plain system calls on this process with valid arguments.
+    unsafe {
+        if !mask.is_empty() && libc::prctl(libc::PR_SET_KEEPCAPS, 1, 0, 0, 0) != 0 {
+            return fail();
+        }
+        if libc::setgroups(0, std::ptr::null()) != 0 || libc::setgid(gid) != 0 || libc::setuid(uid) != 0 {
+            return fail();
+        }
+        if mask.is_empty() {
+            return Ok(());
+        }
+        // _LINUX_CAPABILITY_VERSION_3, this process.
+        let header = [0x2008_0522u32, 0];
+        let data = mask.capset_data();
+        if libc::syscall(libc::SYS_capset, header.as_ptr(), data.as_ptr()) != 0 {
+            return fail();
+        }
+        for cap in 0..64u8 {
+            if mask.contains(cap)
+                && libc::prctl(
+                    libc::PR_CAP_AMBIENT,
+                    libc::PR_CAP_AMBIENT_RAISE,
+                    libc::c_ulong::from(cap),
+                    0,
+                    0,
+                ) != 0
+            {
+                return fail();
+            }
+        }
+    }
+    Ok(())
+}
+
 /// A running Envoy.
 pub struct EnvoyProcess {
     child: Child,
@@ -170,42 +239,18 @@ impl EnvoyProcess {
         let mut cmd = binary.tokio_command();
         cmd.args(args).stdin(Stdio::null()).kill_on_drop(true);
         // Computed before fork: the child may only make raw system calls.
-        let mask: u32 = run_as.map(|r| r.capabilities.iter().fold(0, |m, c| m | 1 << c.index())).unwrap_or(0);
+        let drop_to = run_as.map(|r| (r, CapabilityMask::of(r.capabilities)));
         // SAFETY: the closure runs between fork and exec and only makes
         // async-signal-safe system calls (prctl, setgroups, setgid, setuid, capset).
         unsafe {
             cmd.pre_exec(move || {
-                let fail = || Err(std::io::Error::last_os_error());
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return fail();
+                    return Err(std::io::Error::last_os_error());
                 }
-                let Some(r) = run_as else { return Ok(()) };
-                if mask != 0 && libc::prctl(libc::PR_SET_KEEPCAPS, 1, 0, 0, 0) != 0 {
-                    return fail();
+                match drop_to {
+                    Some((r, mask)) => become_user(r.uid, r.gid, mask),
+                    None => Ok(()),
                 }
-                if libc::setgroups(0, std::ptr::null()) != 0
-                    || libc::setgid(r.gid) != 0
-                    || libc::setuid(r.uid) != 0
-                {
-                    return fail();
-                }
-                if mask != 0 {
-                    // _LINUX_CAPABILITY_VERSION_3: two 32-bit words; every cap Weir
-                    // grants is below 32.
-                    let header = [0x2008_0522u32, 0];
-                    let data = [mask, mask, mask, 0, 0, 0];
-                    if libc::syscall(libc::SYS_capset, header.as_ptr(), data.as_ptr()) != 0 {
-                        return fail();
-                    }
-                    for cap in 0..32 {
-                        if mask & (1 << cap) != 0
-                            && libc::prctl(libc::PR_CAP_AMBIENT, libc::PR_CAP_AMBIENT_RAISE, cap, 0, 0) != 0
-                        {
-                            return fail();
-                        }
-                    }
-                }
-                Ok(())
             });
         }
         let child = cmd.spawn().map_err(|source| EnvoyError::Spawn { binary: s.binary.clone(), source })?;
@@ -343,6 +388,49 @@ mod tests {
              --allow-unknown-static-fields -l warning --component-log-level misc:error \
              --skip-deprecated-logs --config-yaml {\"a\":1} --concurrency 2"
         );
+    }
+
+    #[test]
+    fn capability_masks_reach_past_the_first_32_bits() {
+        use crate::privileges::Capability;
+        let mask = CapabilityMask::of(&[Capability::NetAdmin, Capability::Perfmon, Capability::Bpf]);
+        assert!(mask.contains(12) && mask.contains(38) && mask.contains(39));
+        assert!(!mask.contains(7) && !mask.contains(6), "no wrap-around onto CAP_SETUID/CAP_SETGID");
+        let word = 1 << 12;
+        let high = (1 << (38 - 32)) | (1 << (39 - 32));
+        assert_eq!(mask.capset_data(), [word, word, word, high, high, high]);
+        assert!(CapabilityMask::of(&[]).is_empty());
+    }
+
+    /// The drop to the proxy user as Envoy gets it, checked in the kernel's own view:
+    /// a child keeps exactly the capabilities asked for, those above 31 included.
+    #[test]
+    fn a_child_keeps_capabilities_above_31_through_the_user_change() {
+        use std::os::unix::process::CommandExt as _;
+
+        use crate::privileges::Capability;
+        assert!(
+            nix::unistd::geteuid().is_root(),
+            "this test changes the child's user and capabilities: run it as root"
+        );
+        let mask = CapabilityMask::of(&[Capability::NetAdmin, Capability::Bpf, Capability::Perfmon]);
+        let mut cmd = std::process::Command::new("/bin/cat");
+        cmd.arg("/proc/self/status");
+        // SAFETY: become_user only makes raw system calls.
+        unsafe { cmd.pre_exec(move || become_user(1337, 1337, mask)) };
+        let out = cmd.output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let status = String::from_utf8(out.stdout).unwrap();
+        let field = |name: &str| {
+            let line =
+                status.lines().find(|l| l.starts_with(name)).unwrap_or_else(|| panic!("{name} in {status}"));
+            u64::from_str_radix(line.split_whitespace().nth(1).unwrap(), 16).unwrap()
+        };
+        let want = (1 << 12) | (1 << 38) | (1 << 39);
+        for name in ["CapEff:", "CapPrm:", "CapAmb:"] {
+            assert_eq!(field(name), want, "{name} in\n{status}");
+        }
+        assert!(status.lines().any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("1337")));
     }
 
     #[test]

@@ -56,8 +56,8 @@ impl CaClientError {
                 source,
                 UpstreamError::Address(_)
                     | UpstreamError::Header(_)
-                    | UpstreamError::RootCertEmpty(_)
                     | UpstreamError::Tls { .. }
+                    | UpstreamError::ServerName { .. }
             ),
             Self::Status { code, .. } => matches!(
                 code,

@@ -60,11 +60,13 @@ impl SdsServer {
         self,
         listener: tokio::net::UnixListener,
         shutdown: impl std::future::Future<Output = ()> + Send,
-    ) -> Result<(), tonic::transport::Error> {
-        tonic::transport::Server::builder()
+    ) -> Result<(), crate::accept::ServeError> {
+        let (incoming, broken) = crate::xds::authority::incoming(listener, "SDS socket");
+        let served = tonic::transport::Server::builder()
             .add_service(SecretDiscoveryServiceServer::new(self))
-            .serve_with_incoming_shutdown(crate::xds::authority::incoming(listener), shutdown)
-            .await
+            .serve_with_incoming_shutdown(incoming, shutdown)
+            .await;
+        crate::accept::ServeError::check(served, &broken)
     }
 
     async fn response(&self, names: &[SecretName]) -> Result<DiscoveryResponse, Status> {

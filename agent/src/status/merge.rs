@@ -120,12 +120,7 @@ impl MetricsMerge {
     /// every part's is dropped). `query` is passed on to Envoy (e.g. `usedonly`).
     pub async fn scrape(&self, query: Option<&str>, headers: &HeaderMap) -> Bytes {
         self.metrics.scrapes.inc();
-        let timeout = headers
-            .get("x-prometheus-scrape-timeout-seconds")
-            .and_then(|v| v.to_str().ok()?.trim().parse::<f64>().ok())
-            .filter(|s| s.is_finite() && *s > 0.0)
-            .map(Duration::from_secs_f64)
-            .unwrap_or(DEFAULT_SCRAPE_TIMEOUT);
+        let timeout = scrape_timeout(headers);
         let envoy = async {
             let address = self.envoy?;
             let path = match query {
@@ -208,9 +203,34 @@ async fn fetch(address: SocketAddr, path: &str, timeout: Duration) -> Result<Byt
     }
 }
 
+/// Prometheus's `X-Prometheus-Scrape-Timeout-Seconds`, else the default; a value no
+/// duration can hold (any client can send one) is the default too, not a panic.
+fn scrape_timeout(headers: &HeaderMap) -> Duration {
+    headers
+        .get("x-prometheus-scrape-timeout-seconds")
+        .and_then(|v| v.to_str().ok()?.trim().parse::<f64>().ok())
+        .filter(|s| *s > 0.0)
+        .and_then(|s| Duration::try_from_secs_f64(s).ok())
+        .unwrap_or(DEFAULT_SCRAPE_TIMEOUT)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn scrape_timeouts_come_from_prometheus_and_never_overflow() {
+        let with = |value: &str| {
+            let mut headers = HeaderMap::new();
+            headers.insert("x-prometheus-scrape-timeout-seconds", value.parse().unwrap());
+            scrape_timeout(&headers)
+        };
+        assert_eq!(with("2.5"), Duration::from_millis(2500));
+        for odd in ["1e30", "inf", "NaN", "-3", "0", "soon"] {
+            assert_eq!(with(odd), DEFAULT_SCRAPE_TIMEOUT, "{odd}");
+        }
+        assert_eq!(scrape_timeout(&HeaderMap::new()), DEFAULT_SCRAPE_TIMEOUT);
+    }
 
     #[test]
     fn scrape_config_follows_pilot_agent() {

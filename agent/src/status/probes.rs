@@ -192,7 +192,10 @@ impl AppProber {
             IpAddr::V4(_) => SocketAddr::from((Ipv4Addr::new(127, 0, 0, 6), 0)),
             IpAddr::V6(_) => SocketAddr::from((Ipv6Addr::new(0, 0, 0, 0, 0, 0, 0, 6), 0)),
         });
-        Self { probers: Arc::new(probers), destination, source, status_port, tls: insecure_tls() }
+        // kubelet does not verify an HTTPS probe's certificate; neither does the agent.
+        let tls = crate::tls::http1_connector(crate::tls::ServerTrust::AnyCertificate)
+            .expect("a configuration without client certificate or roots to load cannot fail");
+        Self { probers: Arc::new(probers), destination, source, status_port, tls }
     }
 
     async fn connect(&self, port: u16, timeout: Duration) -> std::io::Result<TcpStream> {
@@ -394,65 +397,6 @@ where
 
 fn rustls_name(ip: &IpAddr) -> tokio_rustls::rustls::pki_types::ServerName<'static> {
     tokio_rustls::rustls::pki_types::ServerName::IpAddress((*ip).into())
-}
-
-/// kubelet does not verify an HTTPS probe's certificate; neither does the agent.
-pub(crate) fn insecure_tls() -> tokio_rustls::TlsConnector {
-    use tokio_rustls::rustls::{ClientConfig, crypto::ring};
-    let provider = Arc::new(ring::default_provider());
-    let config = ClientConfig::builder_with_provider(provider.clone())
-        .with_safe_default_protocol_versions()
-        .expect("ring supports the default protocol versions")
-        .dangerous()
-        .with_custom_certificate_verifier(any_certificate(&provider))
-        .with_no_client_auth();
-    tokio_rustls::TlsConnector::from(Arc::new(config))
-}
-
-/// A verifier that accepts any server certificate (signatures are still checked
-/// against the presented key): kubelet-style probes and `insecure-skip-tls-verify`.
-pub(crate) fn any_certificate(
-    provider: &Arc<tokio_rustls::rustls::crypto::CryptoProvider>,
-) -> Arc<dyn tokio_rustls::rustls::client::danger::ServerCertVerifier> {
-    use tokio_rustls::rustls::{
-        DigitallySignedStruct, SignatureScheme,
-        client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier},
-        pki_types::{CertificateDer, ServerName, UnixTime},
-    };
-    #[derive(Debug)]
-    struct AnyCertificate(Vec<SignatureScheme>);
-    impl ServerCertVerifier for AnyCertificate {
-        fn verify_server_cert(
-            &self,
-            _: &CertificateDer<'_>,
-            _: &[CertificateDer<'_>],
-            _: &ServerName<'_>,
-            _: &[u8],
-            _: UnixTime,
-        ) -> Result<ServerCertVerified, tokio_rustls::rustls::Error> {
-            Ok(ServerCertVerified::assertion())
-        }
-        fn verify_tls12_signature(
-            &self,
-            _: &[u8],
-            _: &CertificateDer<'_>,
-            _: &DigitallySignedStruct,
-        ) -> Result<HandshakeSignatureValid, tokio_rustls::rustls::Error> {
-            Ok(HandshakeSignatureValid::assertion())
-        }
-        fn verify_tls13_signature(
-            &self,
-            _: &[u8],
-            _: &CertificateDer<'_>,
-            _: &DigitallySignedStruct,
-        ) -> Result<HandshakeSignatureValid, tokio_rustls::rustls::Error> {
-            Ok(HandshakeSignatureValid::assertion())
-        }
-        fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-            self.0.clone()
-        }
-    }
-    Arc::new(AnyCertificate(provider.signature_verification_algorithms.supported_schemes()))
 }
 
 #[cfg(test)]

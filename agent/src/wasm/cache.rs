@@ -1,5 +1,5 @@
 //! The module cache under `/var/lib/istio/data` (pilot-agent's directory): modules are
-//! fetched over HTTP(S) or pulled from an OCI registry, checked (`\0asm` magic, the
+//! fetched over HTTP(S) (`fetch`) or pulled from an OCI registry (`oci`), checked (`\0asm` magic, the
 //! sha256 istiod gave), and kept as `<sha256>.wasm`. A module fetched without a
 //! checksum is reused by URL until `WASM_MODULE_EXPIRY`; every `WASM_PURGE_INTERVAL`
 //! modules unused for `WASM_MODULE_EXPIRY` are removed, and the least recently used go
@@ -13,18 +13,18 @@ use std::{
 };
 
 use bytes::Bytes;
-use http_body_util::Empty;
-use hyper::{Request, StatusCode, Uri};
+use reqwest::StatusCode;
 use serde::Serialize;
 
-use super::rewrite::RemoteModule;
+use super::{
+    fetch::{Client, ProxySettings},
+    oci,
+    rewrite::RemoteModule,
+};
 
 /// The largest module accepted.
-const MAX_MODULE: usize = 64 << 20;
+pub(super) const MAX_MODULE: usize = 64 << 20;
 const WASM_MAGIC: &[u8] = b"\0asm";
-/// The OCI artifact layer that holds the module (Wasm OCI image spec), and the
-/// compat variant's layer (a tar holding `plugin.wasm`) which Weir does not read.
-const WASM_LAYER: &str = "application/vnd.module.wasm.content.layer.v1+wasm";
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -34,8 +34,10 @@ pub struct CacheOptions {
     pub module_expiry: Duration,
     #[serde(serialize_with = "crate::config::serialize_duration")]
     pub purge_interval: Duration,
-    /// Registries pulled from over plain HTTP or unverified TLS (`*` for all).
+    /// Registries pulled from over plain HTTP (`*` for all).
     pub insecure_registries: Vec<String>,
+    /// `HTTP_PROXY`, `HTTPS_PROXY`, `NO_PROXY`.
+    pub proxy: ProxySettings,
     #[serde(serialize_with = "crate::config::serialize_duration")]
     pub http_timeout: Duration,
     pub max_retries: u32,
@@ -50,6 +52,7 @@ impl Default for CacheOptions {
             module_expiry: Duration::from_secs(24 * 3600),
             purge_interval: Duration::from_secs(3600),
             insecure_registries: Vec::new(),
+            proxy: ProxySettings::default(),
             http_timeout: Duration::from_secs(15),
             max_retries: 5,
             max_bytes: 1 << 30,
@@ -83,8 +86,7 @@ pub struct ModuleCache {
     options: CacheOptions,
     /// Built on the first fetch: most agents never fetch a module, and reading the
     /// system's roots has no place at start-up.
-    tls: std::sync::OnceLock<tokio_rustls::TlsConnector>,
-    insecure_tls: std::sync::OnceLock<tokio_rustls::TlsConnector>,
+    client: std::sync::OnceLock<Result<Client, String>>,
     by_url: Mutex<HashMap<String, ByUrl>>,
     last_used: Mutex<HashMap<String, Instant>>,
     metrics: std::sync::Arc<crate::metrics::Metrics>,
@@ -99,8 +101,7 @@ impl ModuleCache {
         Self {
             metrics,
             options,
-            tls: std::sync::OnceLock::new(),
-            insecure_tls: std::sync::OnceLock::new(),
+            client: std::sync::OnceLock::new(),
             by_url: Mutex::default(),
             last_used: Mutex::default(),
         }
@@ -178,117 +179,39 @@ impl ModuleCache {
         std::fs::rename(&tmp, path).map_err(err)
     }
 
+    fn client(&self) -> Result<&Client, String> {
+        self.client
+            .get_or_init(|| {
+                Client::new(&self.options.proxy, self.options.max_retries).map_err(|e| e.to_string())
+            })
+            .as_ref()
+            .map_err(Clone::clone)
+    }
+
     async fn fetch(&self, module: &RemoteModule) -> Result<Bytes, FetchError> {
         let fail = |message: String| FetchError::Fetch { uri: module.uri.clone(), message };
         let timeout = module.timeout.unwrap_or(self.options.http_timeout);
         if let Some(reference) = module.uri.strip_prefix("oci://") {
-            return self.pull_oci(reference, timeout).await.map_err(fail);
+            let image = oci::Reference::parse(reference).map_err(fail)?;
+            let plain_http =
+                self.options.insecure_registries.iter().any(|r| r == "*" || *r == image.registry);
+            let client = self.client().map_err(fail)?;
+            return oci::Pull::new(client, &image, plain_http, timeout).module().await.map_err(fail);
         }
-        let url: Uri = module.uri.parse().map_err(|e| fail(format!("not a URL: {e}")))?;
-        match url.scheme_str() {
-            Some("http" | "https") => {}
-            other => {
-                return Err(fail(format!(
-                    "unsupported scheme {:?} (expected http, https or oci)",
-                    other.unwrap_or("")
-                )));
-            }
+        let url = reqwest::Url::parse(&module.uri).map_err(|e| fail(format!("not a URL: {e}")))?;
+        if !matches!(url.scheme(), "http" | "https") {
+            return Err(fail(format!("unsupported scheme {:?} (expected http, https or oci)", url.scheme())));
         }
-        let mut last = String::new();
-        let mut backoff = Duration::from_millis(100);
-        for attempt in 0..=self.options.max_retries {
-            if attempt > 0 {
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(5));
-            }
-            match self.get_url(&url, &[], timeout, false).await {
-                Ok((StatusCode::OK, body)) => return Ok(body),
-                Ok((status, _)) if status.is_client_error() && status != StatusCode::TOO_MANY_REQUESTS => {
-                    return Err(fail(format!("HTTP status {}", status.as_u16())));
-                }
-                Ok((status, _)) => last = format!("HTTP status {}", status.as_u16()),
-                Err(e) => last = e,
-            }
-            tracing::warn!(uri = %module.uri, attempt, error = %last, "Wasm module download failed");
-        }
-        Err(fail(format!("{last} (after {} attempts)", self.options.max_retries + 1)))
-    }
-
-    async fn get_url(
-        &self,
-        url: &Uri,
-        headers: &[(&str, &str)],
-        timeout: Duration,
-        insecure: bool,
-    ) -> Result<(StatusCode, Bytes), String> {
-        let mut request = Request::get(url.path_and_query().map(|p| p.as_str()).unwrap_or("/"))
-            .header(hyper::header::HOST, url.authority().map(|a| a.as_str()).unwrap_or_default())
-            .header(hyper::header::USER_AGENT, concat!("weir/", env!("CARGO_PKG_VERSION")));
-        for (name, value) in headers {
-            request = request.header(*name, *value);
-        }
-        let request = request.body(Empty::<Bytes>::new()).map_err(|e| e.to_string())?;
-        let tls = if insecure {
-            self.insecure_tls.get_or_init(crate::status::probes::insecure_tls)
-        } else {
-            self.tls.get_or_init(|| crate::http1::tls_client(crate::http1::system_roots()))
-        };
-        let target = crate::http1::Target::of(url, Some(tls));
-        tokio::time::timeout(timeout, crate::http1::fetch(target, request, MAX_MODULE))
+        let answer = self
+            .client()
+            .map_err(fail)?
+            .get(url.as_str(), &[], timeout, MAX_MODULE)
             .await
-            .unwrap_or_else(|_| Err(format!("no answer in {timeout:?}")))
-    }
-
-    /// An anonymous pull of a Wasm OCI artifact: the manifest for the tag (or digest),
-    /// then the blob of its Wasm layer. Registries in `WASM_INSECURE_REGISTRIES` are
-    /// reached over plain HTTP.
-    async fn pull_oci(&self, reference: &str, timeout: Duration) -> Result<Bytes, String> {
-        let (registry, rest) =
-            reference.split_once('/').ok_or("expected oci://<registry>/<repository>[:tag|@digest]")?;
-        let (repository, tag) = match rest.rsplit_once('@') {
-            Some((repo, digest)) => (repo, digest.to_string()),
-            None => match rest.rsplit_once(':') {
-                Some((repo, tag)) if !tag.contains('/') => (repo, tag.to_string()),
-                _ => (rest, "latest".to_string()),
-            },
-        };
-        let insecure = self.options.insecure_registries.iter().any(|r| r == "*" || r == registry);
-        let scheme = if insecure { "http" } else { "https" };
-        let manifest_url: Uri = format!("{scheme}://{registry}/v2/{repository}/manifests/{tag}")
-            .parse()
-            .map_err(|e| format!("registry URL: {e}"))?;
-        let accept = "application/vnd.oci.image.manifest.v1+json, application/vnd.docker.distribution.manifest.v2+json";
-        let (status, body) = self.get_url(&manifest_url, &[("accept", accept)], timeout, insecure).await?;
-        if status != StatusCode::OK {
-            return Err(format!("manifest {manifest_url}: HTTP status {}", status.as_u16()));
+            .map_err(|e| fail(e.to_string()))?;
+        match answer.status {
+            StatusCode::OK => Ok(answer.body),
+            status => Err(fail(format!("HTTP status {}", status.as_u16()))),
         }
-        let manifest: serde_json::Value =
-            serde_json::from_slice(&body).map_err(|e| format!("manifest {manifest_url}: {e}"))?;
-        let layers = manifest["layers"].as_array().cloned().unwrap_or_default();
-        let layer = layers
-            .iter()
-            .find(|l| l["mediaType"] == WASM_LAYER)
-            .or_else(|| {
-                (layers.len() == 1)
-                    .then(|| &layers[0])
-                    .filter(|l| l["mediaType"] != "application/vnd.docker.image.rootfs.diff.tar.gzip")
-            })
-            .ok_or_else(|| format!("manifest {manifest_url} has no {WASM_LAYER} layer"))?;
-        let digest = layer["digest"].as_str().ok_or("the Wasm layer has no digest")?;
-        let blob_url: Uri = format!("{scheme}://{registry}/v2/{repository}/blobs/{digest}")
-            .parse()
-            .map_err(|e| format!("registry URL: {e}"))?;
-        let (status, blob) = self.get_url(&blob_url, &[], timeout, insecure).await?;
-        if status != StatusCode::OK {
-            return Err(format!("blob {blob_url}: HTTP status {}", status.as_u16()));
-        }
-        if let Some(expected) = digest.strip_prefix("sha256:") {
-            let actual = hex(ring::digest::digest(&ring::digest::SHA256, &blob).as_ref());
-            if actual != expected {
-                return Err(format!("blob {blob_url} has digest sha256:{actual}, not {digest}"));
-            }
-        }
-        Ok(blob)
     }
 
     /// Removes modules unused for `WASM_MODULE_EXPIRY`; returns how many.
@@ -348,7 +271,7 @@ impl ModuleCache {
     }
 }
 
-fn hex(bytes: &[u8]) -> String {
+pub(super) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 

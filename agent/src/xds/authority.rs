@@ -322,12 +322,17 @@ impl<S: tonic::transport::server::Connected> tonic::transport::server::Connected
     }
 }
 
-/// The accepted connections of `listener`, each wrapped in [`AuthorityRepair`].
+/// The accepted connections of `listener` (as `crate::accept` accepts: the stream ends
+/// when the listener breaks, its error kept in the [`crate::accept::Broken`]), each
+/// wrapped in [`AuthorityRepair`].
 pub fn incoming(
     listener: tokio::net::UnixListener,
-) -> impl futures::Stream<Item = io::Result<AuthorityRepair<tokio::net::UnixStream>>> {
+    name: &'static str,
+) -> (impl futures::Stream<Item = io::Result<AuthorityRepair<tokio::net::UnixStream>>>, crate::accept::Broken)
+{
     use futures::StreamExt as _;
-    tokio_stream::wrappers::UnixListenerStream::new(listener).map(|conn| conn.map(AuthorityRepair::new))
+    let (stream, broken) = crate::accept::unix_incoming(listener, name);
+    (stream.map(|conn| conn.map(AuthorityRepair::new)), broken)
 }
 
 #[cfg(test)]

@@ -79,23 +79,25 @@ impl XdsProxy {
         self,
         listener: UnixListener,
         shutdown: impl Future<Output = ()> + Send,
-    ) -> Result<(), tonic::transport::Error> {
+    ) -> Result<(), crate::accept::ServeError> {
         let service = AggregatedDiscoveryServiceServer::new(self.clone())
             .max_decoding_message_size(MAX_RECV)
             .max_encoding_message_size(usize::MAX);
         let me = self.clone();
-        tonic::transport::Server::builder()
+        let (incoming, broken) = super::authority::incoming(listener, "XDS socket");
+        let served = tonic::transport::Server::builder()
             .http2_keepalive_interval(Some(super::upstream::KEEPALIVE_INTERVAL))
             .http2_keepalive_timeout(Some(super::upstream::KEEPALIVE_TIMEOUT))
             .initial_stream_window_size(super::upstream::WINDOW)
             .initial_connection_window_size(super::upstream::WINDOW)
             .timeout(Duration::MAX)
             .add_service(service)
-            .serve_with_incoming_shutdown(super::authority::incoming(listener), async move {
+            .serve_with_incoming_shutdown(incoming, async move {
                 shutdown.await;
                 me.close_active();
             })
-            .await
+            .await;
+        crate::accept::ServeError::check(served, &broken)
     }
 }
 

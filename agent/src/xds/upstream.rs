@@ -1,5 +1,6 @@
 //! The connection to istiod (for xDS, and for its CA), as pilot-agent dials it: one fresh gRPC channel per Envoy
-//! stream, TLS (rustls) with the mesh root or the system roots, the server name from
+//! stream, TLS (the agent's one client configuration, `crate::tls`) with the mesh
+//! root or the system roots, the server name from
 //! the address (`localhost` → `istiod.istio-system.svc`) or `ISTIOD_SAN`, an optional
 //! client certificate, keepalive 30 s/10 s, 1 MiB windows, no receive limit; and the
 //! per-stream metadata: `authorization: Bearer <token>` (the token file re-read on
@@ -7,9 +8,10 @@
 
 use std::{path::PathBuf, time::Duration};
 
+use tokio_rustls::rustls::pki_types::ServerName;
 use tonic::{
     metadata::{AsciiMetadataValue, MetadataKey},
-    transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity},
+    transport::{Channel, Endpoint},
 };
 use weir_proto::envoy::service::discovery::v3::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
 
@@ -73,8 +75,6 @@ pub enum UpstreamError {
         #[source]
         source: std::io::Error,
     },
-    #[error("XDS root certificate {0} holds no PEM certificate")]
-    RootCertEmpty(PathBuf),
     #[error("cannot read the client certificate or key {path}")]
     Identity {
         path: PathBuf,
@@ -97,8 +97,10 @@ pub enum UpstreamError {
     Tls {
         address: String,
         #[source]
-        source: tonic::transport::Error,
+        source: crate::tls::TlsError,
     },
+    #[error("{name:?} is not a TLS server name")]
+    ServerName { name: String },
     #[error("connect to {address}")]
     Connect {
         address: String,
@@ -155,9 +157,10 @@ impl UpstreamConfig {
     }
 
     fn endpoint(&self) -> Result<Endpoint, UpstreamError> {
-        let scheme = if self.transport == Transport::Plaintext { "http" } else { "https" };
         self.host()?;
-        let endpoint = Endpoint::from_shared(format!("{scheme}://{}", self.address))
+        // The connector below makes the TLS connection, so the channel itself dials
+        // "http"; requests still say https (the origin), as they do over TLS.
+        let endpoint = Endpoint::from_shared(format!("http://{}", self.address))
             .map_err(|_| UpstreamError::Address(self.address.clone()))?
             .connect_timeout(self.connect_timeout)
             .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
@@ -166,40 +169,82 @@ impl UpstreamConfig {
             .initial_stream_window_size(WINDOW)
             .initial_connection_window_size(WINDOW)
             .tcp_nodelay(true);
-        let Transport::Tls { roots, identity } = &self.transport else { return Ok(endpoint) };
-        let mut tls = ClientTlsConfig::new().domain_name(self.server_name()?);
-        tls = match roots {
-            RootCerts::System => tls.with_native_roots(),
+        if self.transport == Transport::Plaintext {
+            return Ok(endpoint);
+        }
+        let origin = format!("https://{}", self.address)
+            .parse()
+            .map_err(|_| UpstreamError::Address(self.address.clone()))?;
+        Ok(endpoint.origin(origin))
+    }
+
+    /// The TLS connector for istiod: the agent's one client configuration with the
+    /// roots and client certificate this transport names, offering `h2`.
+    fn tls(&self) -> Result<Option<(tokio_rustls::TlsConnector, ServerName<'static>)>, UpstreamError> {
+        let Transport::Tls { roots, identity } = &self.transport else { return Ok(None) };
+        let tls_error = |source| UpstreamError::Tls { address: self.address.clone(), source };
+        let roots = match roots {
+            RootCerts::System => crate::tls::Roots::system().map_err(tls_error)?,
             RootCerts::File(path) => {
                 let pem = std::fs::read(path)
                     .map_err(|source| UpstreamError::RootCert { path: path.clone(), source })?;
-                if !String::from_utf8_lossy(&pem).contains("-----BEGIN CERTIFICATE-----") {
-                    return Err(UpstreamError::RootCertEmpty(path.clone()));
-                }
-                tls.ca_certificate(Certificate::from_pem(pem))
+                crate::tls::Roots::from_pem(&pem, &format!("XDS root certificate {}", path.display()))
+                    .map_err(tls_error)?
             }
         };
-        if let Some(id) = identity {
-            let read = |path: &PathBuf| {
-                std::fs::read(path).map_err(|source| UpstreamError::Identity { path: path.clone(), source })
-            };
-            tls = tls.identity(Identity::from_pem(read(&id.cert)?, read(&id.key)?));
-        }
-        endpoint
-            .tls_config(tls)
-            .map_err(|source| UpstreamError::Tls { address: self.address.clone(), source })
+        let identity = match identity {
+            Some(id) => {
+                let read = |path: &PathBuf| {
+                    std::fs::read(path)
+                        .map_err(|source| UpstreamError::Identity { path: path.clone(), source })
+                };
+                let what = id.cert.display().to_string();
+                Some(
+                    crate::tls::Identity::from_pem(&read(&id.cert)?, &read(&id.key)?, &what)
+                        .map_err(tls_error)?,
+                )
+            }
+            None => None,
+        };
+        let config = crate::tls::client_config(
+            crate::tls::ServerTrust::Roots(roots),
+            identity,
+            &[crate::tls::ALPN_H2],
+        )
+        .map_err(tls_error)?;
+        let name = self.server_name()?;
+        let server_name =
+            ServerName::try_from(name.clone()).map_err(|_| UpstreamError::ServerName { name })?;
+        Ok(Some((tokio_rustls::TlsConnector::from(std::sync::Arc::new(config)), server_name)))
     }
 
     /// Dials the address: a new HTTP/2 connection (TLS handshake included).
     pub async fn channel(&self) -> Result<Channel, UpstreamError> {
         let endpoint = self.endpoint()?;
-        tokio::time::timeout(self.connect_timeout + Duration::from_secs(1), endpoint.connect())
-            .await
-            .map_err(|_| UpstreamError::ConnectTimeout {
-                address: self.address.clone(),
-                timeout: self.connect_timeout,
-            })?
+        let connect = async {
+            match self.tls()? {
+                None => endpoint.connect().await,
+                Some((tls, server_name)) => {
+                    let address = self.address.clone();
+                    endpoint
+                        .connect_with_connector(tower::service_fn(move |_: http::Uri| {
+                            let (tls, server_name, address) =
+                                (tls.clone(), server_name.clone(), address.clone());
+                            async move {
+                                let tcp = tokio::net::TcpStream::connect(address.as_str()).await?;
+                                tcp.set_nodelay(true)?;
+                                let stream = tls.connect(server_name, tcp).await?;
+                                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
+                            }
+                        }))
+                        .await
+                }
+            }
             .map_err(|source| UpstreamError::Connect { address: self.address.clone(), source })
+        };
+        tokio::time::timeout(self.connect_timeout + Duration::from_secs(1), connect).await.map_err(|_| {
+            UpstreamError::ConnectTimeout { address: self.address.clone(), timeout: self.connect_timeout }
+        })?
     }
 
     /// Dials istiod for ADS.
