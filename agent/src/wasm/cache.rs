@@ -17,13 +17,11 @@ use reqwest::StatusCode;
 use serde::Serialize;
 
 use super::{
-    fetch::{Client, ProxySettings},
+    fetch::{Client, MAX_MODULE, ProxySettings, hex},
     oci,
     rewrite::RemoteModule,
 };
 
-/// The largest module accepted.
-pub(super) const MAX_MODULE: usize = 64 << 20;
 const WASM_MAGIC: &[u8] = b"\0asm";
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -269,10 +267,6 @@ impl ModuleCache {
             }
         }
     }
-}
-
-pub(super) fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]

@@ -11,6 +11,14 @@ use bytes::Bytes;
 use reqwest::{StatusCode, header::HeaderMap};
 use serde::Serialize;
 
+/// The largest module accepted (a URL's body or an OCI layer).
+pub(super) const MAX_MODULE: usize = 64 << 20;
+
+/// Lowercase hex, as digests are written in OCI references and the cache's names.
+pub(super) fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 /// How many redirects one request follows (Go's and kubelet's limit).
 const MAX_REDIRECTS: usize = 10;
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);

@@ -11,7 +11,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use reqwest::StatusCode;
 
-use super::fetch::{Answer, Client};
+use super::fetch::{Answer, Client, MAX_MODULE, hex};
 
 /// The OCI artifact layer that holds the module (Wasm OCI image spec).
 pub const WASM_LAYER: &str = "application/vnd.module.wasm.content.layer.v1+wasm";
@@ -86,9 +86,9 @@ impl<'a> Pull<'a> {
         }
         let digest = wasm_layer(&manifest, &self.image.reference)?;
         let url = format!("{}/blobs/{digest}", self.base);
-        let blob = self.get(&url, "", super::cache::MAX_MODULE).await?;
+        let blob = self.get(&url, "", MAX_MODULE).await?;
         if let Some(expected) = digest.strip_prefix("sha256:") {
-            let actual = super::cache::hex(ring::digest::digest(&ring::digest::SHA256, &blob).as_ref());
+            let actual = hex(ring::digest::digest(&ring::digest::SHA256, &blob).as_ref());
             if actual != expected {
                 return Err(format!("blob {url} has digest sha256:{actual}, not {digest}"));
             }

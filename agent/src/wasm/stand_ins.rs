@@ -74,7 +74,7 @@ fn module_bytes(tag: &str) -> Vec<u8> {
 }
 
 fn sha256(bytes: &[u8]) -> String {
-    super::cache::hex(ring::digest::digest(&ring::digest::SHA256, bytes).as_ref())
+    super::fetch::hex(ring::digest::digest(&ring::digest::SHA256, bytes).as_ref())
 }
 
 fn cache(dir: &tempfile::TempDir, insecure_registries: Vec<String>) -> ModuleCache {
