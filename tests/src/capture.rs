@@ -211,7 +211,7 @@ pub fn cgroup_programs(cgroup: &Path) -> Vec<String> {
 /// Names of the programs on `pod`'s eth0 ingress: TCX links (Linux 6.6+), else the
 /// legacy tc filters older kernels use (`tc filter show`).
 pub fn inbound_programs(pod: &Pod) -> Vec<String> {
-    match weir_agent::ebpf::capture::inbound_programs(pod.netns().path(), "eth0") {
+    match weir_agent::ebpf::inbound::inbound_programs(pod.netns().path(), "eth0") {
         Ok(names) => names,
         Err(_) => in_pod(pod, "tc", &["filter", "show", "dev", "eth0", "ingress"])
             .split_whitespace()
@@ -227,7 +227,10 @@ pub struct PinnedCapture(pub String);
 
 impl Drop for PinnedCapture {
     fn drop(&mut self) {
-        use weir_agent::ebpf::capture::{PinRecord, pin_dir, unpin};
+        use weir_agent::ebpf::{
+            bpffs::unpin,
+            record::{PinRecord, pin_dir},
+        };
         match PinRecord::load(&self.0) {
             Some(record) => drop(record.remove()),
             None => drop(unpin(&pin_dir(&self.0))),
