@@ -204,7 +204,7 @@ impl Drop for SetGuard {
 }
 
 fn set_loads(out: &Output) -> usize {
-    String::from_utf8_lossy(&out.stderr).matches("eBPF program set loaded, verified and pinned").count()
+    String::from_utf8_lossy(&out.stderr).matches("eBPF capture programs loaded and verified").count()
 }
 
 #[test]
@@ -435,4 +435,35 @@ fn a_namespace_no_process_of_the_cgroup_is_in_is_refused_unless_allowed() {
     assert!(!set_pinned(&key));
     let help = ok(&weir(&["capture", "ebpf", "--help"]), "help");
     assert!(help.contains("--allow-netns-mismatch"), "{help}");
+}
+
+#[test]
+fn automatic_backend_choice_verifies_the_programs_once() {
+    require_root!();
+    let _bpffs = weir_tests::BpffsUse::acquire().unwrap();
+    let test = test_name!();
+    let set = weir_agent::sandbox::unique_name("auto");
+    let mesh = weir_tests::Mesh::new(&test).unwrap();
+    let cgroups: Vec<weir_tests::Cgroup> = (0..2).map(|i| test_cgroup(&format!("{test}-{i}"))).collect();
+    let names: Vec<String> =
+        cgroups.iter().map(|c| c.path().file_name().unwrap().to_string_lossy().into_owned()).collect();
+    let _pins: Vec<PinnedCapture> = names.iter().cloned().map(PinnedCapture).collect();
+    let mut loads = Vec::new();
+    for (i, cgroup) in cgroups.iter().enumerate() {
+        let pod = mesh.pod(&format!("p{i}")).unwrap();
+        let (cg, netns) = (cgroup.path().to_str().unwrap(), pod.netns().path().to_str().unwrap());
+        let mut args = attach_args(cg, netns);
+        args[1] = "apply";
+        let out = weir_in_set(&set, &args);
+        ok(&out, "weir capture apply");
+        assert!(String::from_utf8_lossy(&out.stderr).contains("capture backend: ebpf"));
+        loads.push(set_loads(&out));
+    }
+    let _set = SetGuard(program_set_of(&names[0]));
+    // Detection and capture in one process load the programs once; a node that has
+    // them loads nothing.
+    assert_eq!(loads, vec![1, 0]);
+    for name in &names {
+        ok(&weir(&["capture", "clean", "--pod", name]), "clean");
+    }
 }

@@ -44,17 +44,35 @@ fn classifier<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut Sche
         .map_err(|source| EbpfError::Verify { program: name, source })
 }
 
+/// How a classifier is attached: TCX where the kernel has it (a link), or a tc filter
+/// on the clsact qdisc through netlink, which needs no RCU grace period (a TCX attach
+/// waits for one: 10–30 ms per pod on a busy machine).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Attach {
+    Best,
+    Netlink,
+}
+
 /// Attaches `classifier` to `interface`'s ingress inside the namespace at `netns`
-/// (interface lookups and legacy tc netlink calls happen inside the pod).
+/// (interface lookups and tc netlink calls happen inside the pod).
 fn attach_in(
     classifier: &mut SchedClassifier,
     name: &'static str,
     netns: &Path,
     interface: &str,
+    how: Attach,
 ) -> Result<SchedClassifierLink, EbpfError> {
     in_netns(netns, || {
         let _ = aya::programs::tc::qdisc_add_clsact(interface);
-        let id = classifier.attach(interface, TcAttachType::Ingress).map_err(std::io::Error::other)?;
+        let id = match how {
+            Attach::Best => classifier.attach(interface, TcAttachType::Ingress),
+            Attach::Netlink => classifier.attach_with_options(
+                interface,
+                TcAttachType::Ingress,
+                aya::programs::tc::TcAttachOptions::Netlink(aya::programs::tc::NlOptions::default()),
+            ),
+        }
+        .map_err(std::io::Error::other)?;
         classifier.take_link(id).map_err(std::io::Error::other)
     })
     .map_err(|e| EbpfError::Attach {
@@ -175,12 +193,13 @@ impl NodeClassifier {
         Ok(())
     }
 
-    /// Attaches the pinned classifier to `interface` in `netns` and keeps it there (a
-    /// TCX link pinned at `link_pin`).
+    /// Attaches the pinned classifier to `interface` in `netns` and keeps it there: a tc
+    /// filter (netlink, no grace period to wait for), removed with [`detach_inbound`] or
+    /// with the interface.
     pub fn attach(&self, netns: &Path, interface: &str, link_pin: &Path) -> Result<(), EbpfError> {
         let mut program = SchedClassifier::from_pin(self.program_pin())
             .map_err(|source| EbpfError::Verify { program: inbound::PROG, source })?;
-        let link = attach_in(&mut program, inbound::PROG, netns, interface)?;
+        let link = attach_in(&mut program, inbound::PROG, netns, interface, Attach::Netlink)?;
         let kept = keep(link, link_pin);
         // A legacy filter holds the program itself; the handle must not detach it.
         std::mem::forget(program);
@@ -209,7 +228,7 @@ impl InboundProgram {
         }
         let program = classifier(&mut ebpf, inbound::PROG_POD)?;
         program.load().map_err(|source| EbpfError::Verify { program: inbound::PROG_POD, source })?;
-        let link = attach_in(program, inbound::PROG_POD, netns, interface)?;
+        let link = attach_in(program, inbound::PROG_POD, netns, interface, Attach::Best)?;
         Ok(Self { ebpf: Some(ebpf), netns: netns.to_path_buf(), link: Some(link) })
     }
 

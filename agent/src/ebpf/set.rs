@@ -93,6 +93,7 @@ impl Loaded {
     fn load() -> Result<Self, EbpfError> {
         let capture = CapturePrograms::load()?;
         let inbound = NodeClassifier::load()?;
+        tracing::info!(node_classifier = inbound.is_some(), "eBPF capture programs loaded and verified");
         Ok(Self { capture, inbound })
     }
 
@@ -179,7 +180,12 @@ impl NodePrograms {
             tracing::debug!(program_set = key, "eBPF program set reused");
         } else {
             clear(&dir)?;
-            Loaded::take_or_load()?.pin(&dir)?;
+            if let Err(e) = Loaded::take_or_load().and_then(|loaded| loaded.pin(&dir)) {
+                // Nothing half pinned stays behind, nor an empty folder.
+                let _ = clear(&dir);
+                let _ = std::fs::remove_dir(&dir);
+                return Err(e);
+            }
             tracing::info!(program_set = key, dir = %dir.display(), "eBPF program set loaded, verified and pinned");
         }
         Self::open(key, dir, lock)
