@@ -4,8 +4,7 @@
 //! capture>/links`); each ADD then registers the pod's network-namespace cookie with
 //! its capture config in the set's maps and attaches the set's inbound classifier to
 //! the pod's interface, DEL unregisters it (from a record, so it works after the
-//! namespace is gone), CHECK looks it up. Nothing is loaded per pod (on kernels whose tc
-//! programs cannot read the netns cookie, the inbound classifier is).
+//! namespace is gone), CHECK looks it up. Nothing is loaded per pod.
 
 use std::path::{Path, PathBuf};
 

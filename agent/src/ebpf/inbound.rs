@@ -105,8 +105,8 @@ pub struct NodeClassifier {
 }
 
 impl NodeClassifier {
-    /// Loads and verifies `weir_inbound`; `None` when this kernel refuses it (its tc
-    /// programs cannot read the netns cookie), with the reason logged.
+    /// Loads and verifies `weir_inbound`; `None` when this kernel refuses it, with the
+    /// reason logged.
     pub fn load() -> Result<Option<Ebpf>, EbpfError> {
         let mut ebpf = load_object()?;
         match classifier(&mut ebpf, inbound::PROG)?.load() {

@@ -298,9 +298,9 @@ impl NodePrograms {
         classifier.register(cookie, mac, &pod.own_addresses, config)
     }
 
-    /// Attaches inbound capture to `interface` in `netns` and keeps it, its TCX link
-    /// pinned at `dir/links/inbound`: the node classifier, with the pod's config
-    /// registered for it; or, in a set without one, a copy of its own.
+    /// Attaches inbound capture to `interface` in `netns` and keeps it: the node
+    /// classifier as a tc filter, with the pod's config registered for it; or, in a set
+    /// without one, a copy of its own (a TCX link pinned at `dir/links/inbound`).
     pub fn attach_inbound(
         &self,
         netns: &Path,
