@@ -1,6 +1,8 @@
 //! `weir capture`: program capture for one pod with the best backend (or the one asked
 //! for), and manage eBPF captures left pinned by init containers: status, clean, and
-//! the programs' runtime log switch.
+//! the programs' runtime log switch. eBPF capture of a pod uses the node's program
+//! set (loaded once per node, `ebpf::set`) and refuses to register a namespace no
+//! process of the pod's cgroup is in.
 
 use std::{
     path::{Path, PathBuf},
@@ -13,9 +15,15 @@ use weir_iptables::{detect::SystemFacts, flags::IstioIptablesArgs};
 
 use crate::{
     ebpf::{
-        capture::{self, CapturePrograms, InboundProgram, MapSet, PinRecord, netns_cookie},
+        bpffs,
+        capture::CapturePrograms,
         config::{EbpfOptions, PodCapture, own_addresses},
         detect::{self, Backend, CaptureMode},
+        inbound::{self, InboundProgram},
+        netns::{self, netns_cookie},
+        pod::{self, PodTarget},
+        record::{PinRecord, pin_dir},
+        set,
     },
     privileges::{self, Capability},
 };
@@ -64,9 +72,15 @@ pub struct RunArgs {
     /// A name for the pins (/sys/fs/bpf/weir/<pod>); default: the cgroup's name.
     #[arg(long)]
     pub pod: Option<String>,
-    /// The pod's network namespace (a path); default: this process's.
+    /// The pod's network namespace (a path); default: this process's, which must then
+    /// be the namespace of some process in --cgroup (or below it).
     #[arg(long)]
     pub netns: Option<PathBuf>,
+    /// Without --netns, register this process's network namespace even when no process
+    /// in --cgroup (or below it) is in it. Normally refused: run from outside the pod,
+    /// the pod would silently not be captured.
+    #[arg(long)]
+    pub allow_netns_mismatch: bool,
     /// The pod interface inbound capture attaches to.
     #[arg(long, default_value = "eth0")]
     pub interface: String,
@@ -75,7 +89,8 @@ pub struct RunArgs {
     /// ARCHITECTURE.md.
     #[arg(long)]
     pub accelerate: bool,
-    /// Stay attached until SIGTERM/SIGINT instead of pinning and exiting.
+    /// Stay attached until SIGTERM/SIGINT instead of pinning and exiting (a private
+    /// copy of the programs, not the node's set).
     #[arg(long)]
     pub foreground: bool,
     #[command(flatten)]
@@ -157,6 +172,27 @@ fn pod_name(run: &RunArgs) -> anyhow::Result<String> {
     }
 }
 
+/// Refuses a namespace no process of the cgroup is in (see `--allow-netns-mismatch`).
+fn check_netns(run: &RunArgs) -> anyhow::Result<()> {
+    if run.netns.is_some() || run.allow_netns_mismatch {
+        return Ok(());
+    }
+    let own = Path::new("/proc/self/ns/net");
+    let found = netns::cgroup_members_in(&run.cgroup, own)
+        .with_context(|| format!("read the processes of cgroup {}", run.cgroup.display()))?;
+    if found.in_namespace.is_none() {
+        bail!(
+            "none of the {} processes in cgroup {} (or below it) is in this process's network namespace {}: \
+             registering it would leave the pod uncaptured. Run inside the pod's namespace, pass --netns \
+             <the pod's namespace>, or --allow-netns-mismatch to register this namespace anyway",
+            found.processes,
+            run.cgroup.display(),
+            netns::describe(own)
+        );
+    }
+    Ok(())
+}
+
 fn ebpf(run: &RunArgs) -> anyhow::Result<()> {
     let env = |n: &str| std::env::var(n).ok();
     let facts = SystemFacts { netns: run.netns.clone() };
@@ -172,11 +208,12 @@ fn ebpf(run: &RunArgs) -> anyhow::Result<()> {
     if opts.cleanup_only {
         return clean(&CleanArgs { cgroup: None, pod: Some(name), all: false });
     }
-    if let Some(why) = detect::ebpf_unavailable() {
+    if let Some(why) = detect::ebpf_prerequisites() {
         bail!(
             "eBPF capture cannot work here: {why} (use `weir capture apply` to fall back to nftables or iptables)"
         );
     }
+    check_netns(run)?;
     let cookie = netns_cookie(run.netns.as_deref()).context("read the pod's network namespace cookie")?;
 
     // An existing pinned capture of this pod is updated in place: no gap in capture.
@@ -187,39 +224,46 @@ fn ebpf(run: &RunArgs) -> anyhow::Result<()> {
                 record.cgroup.display()
             );
         }
-        let mut maps = MapSet::open_pinned(&record.pin_dir())?;
-        maps.register(cookie, &pod)?;
+        pod::update(&record, &pod)?;
         eprintln!("weir: eBPF capture of {name} updated in place");
         return Ok(());
     }
+    if run.foreground {
+        return foreground(run, &name, cookie, &pod);
+    }
+    let target = PodTarget {
+        name: name.clone(),
+        cgroup: run.cgroup.clone(),
+        netns: run.netns.clone(),
+        interface: run.interface.clone(),
+    };
+    let record = pod::capture(&target, cookie, &pod).map_err(|e| {
+        anyhow::anyhow!(
+            "{} (use `weir capture apply` to fall back to nftables or iptables)",
+            crate::error_chain(&e)
+        )
+    })?;
+    eprintln!(
+        "weir: eBPF capture live on {} (pod {name}, netns cookie {cookie}, program set {})",
+        run.cgroup.display(),
+        record.programs.as_deref().unwrap_or("-")
+    );
+    eprintln!("weir: pinned under {}", record.pin_dir().display());
+    Ok(())
+}
 
+/// `--foreground`: a private copy of the programs on the cgroup until a signal.
+fn foreground(run: &RunArgs, name: &str, cookie: u64, pod: &PodCapture) -> anyhow::Result<()> {
     let mut programs = CapturePrograms::load()?;
     programs.attach(&run.cgroup)?;
-    programs.register(cookie, &pod)?;
+    programs.register(cookie, pod)?;
     let netns_path = run.netns.clone().unwrap_or_else(|| PathBuf::from("/proc/self/ns/net"));
     let inbound = match &pod.inbound {
         Some(cfg) => Some(InboundProgram::attach(&netns_path, &run.interface, cfg)?),
         None => None,
     };
     eprintln!("weir: eBPF capture live on {} (pod {name}, netns cookie {cookie})", run.cgroup.display());
-    if run.foreground {
-        return hold(programs, inbound);
-    }
-    let record = PinRecord {
-        pod: name.clone(),
-        cgroup: run.cgroup.clone(),
-        netns: run.netns.clone(),
-        netns_cookie: cookie,
-        interface: pod.inbound.map(|_| run.interface.clone()),
-    };
-    let dir = record.pin_dir();
-    programs.pin(&dir)?;
-    if let Some(inbound) = inbound {
-        inbound.pin(&dir)?;
-    }
-    record.save().context("write the capture record")?;
-    eprintln!("weir: pinned under {}", dir.display());
-    Ok(())
+    hold(programs, inbound)
 }
 
 /// Foreground mode: keep the programs attached, forward their logs, detach on a signal.
@@ -268,24 +312,31 @@ fn status(json: bool) -> anyhow::Result<()> {
         let links: Vec<String> = std::fs::read_dir(dir.join("links"))
             .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
             .unwrap_or_default();
-        let maps = MapSet::open_pinned(&dir);
-        let (counters, registered, pending) = match &maps {
-            Ok(m) => {
-                (m.counters().ok(), m.pods().map(|p| p.len()).ok(), m.pending_original_destinations().ok())
-            }
-            Err(_) => (None, None, None),
+        let maps = pod::maps_of(&record);
+        let (counters, registered, pending, cookies) = match &maps {
+            Ok(m) => (
+                m.counters().ok(),
+                m.pods().map(|p| p.len()).ok(),
+                m.pending_original_destinations().ok(),
+                m.pods().unwrap_or_default(),
+            ),
+            Err(_) => (None, None, None, Vec::new()),
         };
+        let inbound_counters = inbound::pinned_inbound_assigned(&pod::maps_dir(&record))
+            .or_else(|| inbound::pinned_inbound_assigned(&dir));
         pods.push(serde_json::json!({
             "pod": record.pod,
             "cgroup": record.cgroup,
             "netns": record.netns,
             "netns_cookie": record.netns_cookie,
+            "registered": record.netns_cookie != 0 && cookies.contains(&record.netns_cookie),
             "interface": record.interface,
             "pins": dir,
+            "program_set": record.programs,
             "links": links,
             "registered_pods": registered,
             "pending_original_destinations": pending,
-            "inbound_assigned": capture::pinned_inbound_assigned(&dir),
+            "inbound_assigned": inbound_counters,
             "counters": counters.map(|c| c.0.into_iter().collect::<std::collections::BTreeMap<_, _>>()),
             "maps_error": maps.err().map(|e| crate::error_chain(&e)),
         }));
@@ -298,11 +349,14 @@ fn status(json: bool) -> anyhow::Result<()> {
         println!("no pinned eBPF capture");
     }
     for p in &pods {
-        println!("pod {}  cgroup {}  interface {}", p["pod"], p["cgroup"], p["interface"]);
+        println!(
+            "pod {}  cgroup {}  interface {}  program set {}",
+            p["pod"], p["cgroup"], p["interface"], p["program_set"]
+        );
         println!("  attached: {}", p["links"]);
         println!(
-            "  registered pods: {}  pending original destinations: {}  inbound assigned: {}",
-            p["registered_pods"], p["pending_original_destinations"], p["inbound_assigned"]
+            "  registered: {}  pods in its maps: {}  pending original destinations: {}  inbound assigned: {}",
+            p["registered"], p["registered_pods"], p["pending_original_destinations"], p["inbound_assigned"]
         );
         if let Some(counters) = p["counters"].as_object() {
             let line: Vec<String> = counters.iter().map(|(k, v)| format!("{k}={v}")).collect();
@@ -328,14 +382,25 @@ fn clean(args: &CleanArgs) -> anyhow::Result<()> {
     if records.is_empty() {
         // Pins without a record (a crash between pinning and recording) still go.
         if let Some(pod) = &args.pod {
-            capture::unpin(&capture::pin_dir(pod))?;
+            bpffs::unpin(&pin_dir(pod))?;
         }
+        remove_unused_sets(args.all)?;
         eprintln!("weir: nothing to clean");
         return Ok(());
     }
     for record in records {
         record.remove()?;
         eprintln!("weir: removed eBPF capture of {} ({})", record.pod, record.cgroup.display());
+    }
+    remove_unused_sets(args.all)
+}
+
+/// With `--all`, program sets nothing uses (left by a crash) go too.
+fn remove_unused_sets(all: bool) -> anyhow::Result<()> {
+    if all {
+        for key in set::remove_unused()? {
+            eprintln!("weir: removed unused eBPF program set {key}");
+        }
     }
     Ok(())
 }
@@ -347,8 +412,14 @@ fn log_switch(on: bool, pod: Option<&str>) -> anyhow::Result<()> {
         bail!("no pinned eBPF capture{}", pod.map(|p| format!(" named {p}")).unwrap_or_default());
     }
     for record in records {
-        MapSet::open_pinned(&record.pin_dir())?.set_logging(on)?;
-        eprintln!("weir: program logs {} for {}", if on { "on" } else { "off" }, record.pod);
+        // Pods sharing a program set share its switch.
+        pod::maps_of(&record)?.set_logging(on)?;
+        eprintln!(
+            "weir: program logs {} for {} (program set {})",
+            if on { "on" } else { "off" },
+            record.pod,
+            record.programs.as_deref().unwrap_or("of its own")
+        );
     }
     Ok(())
 }

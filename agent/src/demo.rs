@@ -59,7 +59,7 @@ struct Demo {
     _mesh: Mesh,
     dir: PathBuf,
     /// Last: released after the eBPF capture is detached (unmounts a bpffs it mounted).
-    _bpffs: crate::ebpf::capture::BpffsUse,
+    _bpffs: crate::ebpf::bpffs::BpffsUse,
 }
 
 impl Drop for Demo {
@@ -171,7 +171,7 @@ impl Demo {
             server,
             _mesh: mesh,
             dir,
-            _bpffs: crate::ebpf::capture::BpffsUse::acquire()?,
+            _bpffs: crate::ebpf::bpffs::BpffsUse::acquire()?,
         })
     }
 

@@ -2,12 +2,18 @@
 //! them in the kernel. Kernel-side code lives in `ebpf/programs`; the types both sides
 //! share live in `weir-ebpf-common`.
 
+pub mod bpffs;
 pub mod capture;
 pub mod config;
 pub mod detect;
+pub mod inbound;
 pub mod link;
+pub mod netns;
 pub mod objects;
+pub mod pod;
 pub mod probe;
+pub mod record;
+pub mod set;
 
 use std::path::PathBuf;
 

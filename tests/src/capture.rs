@@ -208,17 +208,18 @@ pub fn cgroup_programs(cgroup: &Path) -> Vec<String> {
     String::from_utf8_lossy(&out.stdout).lines().skip(1).map(String::from).collect()
 }
 
-/// Names of the programs on `pod`'s eth0 ingress: TCX links (Linux 6.6+), else the
-/// legacy tc filters older kernels use (`tc filter show`).
+/// Names of the programs on `pod`'s eth0 ingress: TCX links (Linux 6.6+) and tc
+/// filters (`tc filter show`), which the node classifier uses.
 pub fn inbound_programs(pod: &Pod) -> Vec<String> {
-    match weir_agent::ebpf::capture::inbound_programs(pod.netns().path(), "eth0") {
-        Ok(names) => names,
-        Err(_) => in_pod(pod, "tc", &["filter", "show", "dev", "eth0", "ingress"])
+    let mut names =
+        weir_agent::ebpf::inbound::inbound_programs(pod.netns().path(), "eth0").unwrap_or_default();
+    names.extend(
+        in_pod(pod, "tc", &["filter", "show", "dev", "eth0", "ingress"])
             .split_whitespace()
             .filter(|w| w.starts_with("weir_"))
-            .map(|w| w.split(':').next().unwrap_or(w).to_string())
-            .collect(),
-    }
+            .map(|w| w.split(':').next().unwrap_or(w).to_string()),
+    );
+    names
 }
 
 /// Removes a pinned capture (record, pins, inbound filter) on drop; idempotent. Declare
@@ -227,7 +228,10 @@ pub struct PinnedCapture(pub String);
 
 impl Drop for PinnedCapture {
     fn drop(&mut self) {
-        use weir_agent::ebpf::capture::{PinRecord, pin_dir, unpin};
+        use weir_agent::ebpf::{
+            bpffs::unpin,
+            record::{PinRecord, pin_dir},
+        };
         match PinRecord::load(&self.0) {
             Some(record) => drop(record.remove()),
             None => drop(unpin(&pin_dir(&self.0))),

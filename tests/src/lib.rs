@@ -34,7 +34,7 @@ pub mod spire;
 pub mod tools;
 
 pub use weir_agent::{
-    ebpf::capture::BpffsUse,
+    ebpf::bpffs::BpffsUse,
     sandbox::{Cgroup, Mesh, Placement, Pod, PodChild, leftovers, reap},
 };
 

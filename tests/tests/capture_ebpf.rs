@@ -4,8 +4,10 @@
 use std::net::IpAddr;
 
 use weir_agent::ebpf::{
-    capture::{CapturePrograms, InboundProgram, netns_cookie},
+    capture::CapturePrograms,
     config::{EbpfOptions, PodCapture},
+    inbound::InboundProgram,
+    netns::netns_cookie,
 };
 use weir_iptables::config::{CaptureConfig, Cidr, InboundPorts, IpRanges, parse_ports};
 use weir_tests::{
@@ -131,7 +133,7 @@ fn a_sibling_cgroup_is_never_redirected_and_detach_removes_everything() {
             && before.contains("weir_sockops"),
         "{before}"
     );
-    assert!(before.contains("weir_inbound"), "tc classifier on eth0: {before}");
+    assert!(before.contains("weir_in_pod"), "tc classifier on eth0: {before}");
 
     drop(c);
     assert_eq!(attached(&cgroup, &s.client), "", "nothing left attached");

@@ -358,7 +358,7 @@ fn ebpf_capture_registers_pods_with_the_node_capture() {
     let installed: Value =
         serde_json::from_slice(&std::fs::read(net.join("10-k8s.conflist")).unwrap()).unwrap();
     assert_eq!(installed["plugins"][1]["ebpf_node_capture"], name.as_str());
-    assert!(Path::new("/sys/fs/bpf/weir").join(&name).join("maps").exists(), "node capture pinned");
+    assert!(Path::new("/sys/fs/bpf/weir").join(&name).join("links").exists(), "node capture pinned");
 
     let rt = CniRuntime::new(&node.ns).unwrap();
     let pod = pod_netns(&rt, "web-1");

@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use super::capture::{CapturePrograms, netns_cookie};
+use super::{netns::netns_cookie, set};
 
 /// A capture backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
@@ -57,8 +57,9 @@ pub struct Unavailable {
     pub reason: String,
 }
 
-/// Why eBPF capture cannot run here, or `None` if it can.
-pub fn ebpf_unavailable() -> Option<String> {
+/// Why eBPF capture cannot run here before any program is loaded (cgroup v2, the
+/// netns cookie, real objects in this binary), or `None`.
+pub fn ebpf_prerequisites() -> Option<String> {
     if crate::sandbox::cgroup::cgroup2_mount().is_err() {
         return Some("no cgroup v2 mount (eBPF capture attaches to a pod's cgroup v2 directory)".into());
     }
@@ -68,8 +69,18 @@ pub fn ebpf_unavailable() -> Option<String> {
     if super::objects::IS_STUB {
         return Some("this binary was built without eBPF objects (WEIR_EBPF_STUB=1)".into());
     }
-    match CapturePrograms::load() {
-        Ok(_) => None,
+    None
+}
+
+/// Why eBPF capture cannot run here, or `None` if it can. The programs are verified
+/// once: a node that has this Weir's program set pinned passed already, and programs
+/// loaded here are kept for the set this process pins next.
+pub fn ebpf_unavailable() -> Option<String> {
+    if let Some(why) = ebpf_prerequisites() {
+        return Some(why);
+    }
+    match set::verify_once() {
+        Ok(()) => None,
         Err(e) => Some(format!("the kernel rejected the capture programs: {}", crate::error_chain(&e))),
     }
 }

@@ -1,12 +1,27 @@
 //! The inbound object (`weir-inbound`): a tc ingress classifier on a pod's interface
 //! that assigns new TCP connections for captured ports to Envoy's inbound listener
 //! (`bpf_sk_assign`), so the accepted socket keeps the original destination as its
-//! local address. Loaded once per pod interface, each copy with its own config map.
+//! local address. Two entry points share the decision: [`PROG`], loaded once per node
+//! and attached to every pod interface, finds the pod's config in [`PODS`] by the
+//! frame's destination (the pod interface's MAC address and the pod's own IP address:
+//! a SYN at ingress has no socket, and tc sees no namespace, so the frame's own
+//! destination is what tells pods apart); [`PROG_POD`] is a copy loaded for one
+//! interface, reading its own one-slot [`CONFIG`].
 
 pub const OBJECT: &str = "weir-inbound";
+/// The per-node classifier (config by netns cookie).
 pub const PROG: &str = "weir_inbound";
+/// The per-pod copy (config in its own [`CONFIG`]); kernel names are 15 bytes at most.
+pub const PROG_POD: &str = "weir_in_pod";
+/// Every classifier name, for detaching legacy tc filters and listing.
+pub const PROGS: &[&str] = &[PROG, PROG_POD];
+/// `PODS[InboundKey]`: each pod's config, read by [`PROG`].
+pub const PODS: &str = "INBOUND_PODS";
+/// The per-pod copy's config, slot 0.
 pub const CONFIG: &str = "INBOUND_CONFIG";
 pub const COUNTERS: &str = "INBOUND_COUNTERS";
+/// Entries in [`PODS`].
+pub const MAX_PODS: u32 = 4096;
 
 pub const MAX_PORTS: usize = 32;
 
@@ -33,6 +48,29 @@ pub struct InboundConfig {
 }
 
 const _: () = assert!(core::mem::size_of::<InboundConfig>() == 136);
+
+/// A destination on a pod interface: its MAC address and one of the pod's addresses
+/// (IPv4 in the first four bytes, the rest zero).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InboundKey {
+    pub mac: [u8; 6],
+    pub _pad: [u8; 2],
+    pub addr: [u8; 16],
+}
+
+const _: () = assert!(core::mem::size_of::<InboundKey>() == 24);
+
+/// A pod's entry in [`PODS`]: its config, and its netns cookie (so it can be removed
+/// without the namespace).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InboundPod {
+    pub netns: u64,
+    pub config: InboundConfig,
+}
+
+const _: () = assert!(core::mem::size_of::<InboundPod>() == 144);
 
 impl InboundConfig {
     /// Whether a new connection to `port` goes to Envoy.
@@ -69,3 +107,9 @@ pub mod counter {
 #[cfg(feature = "user")]
 // SAFETY: plain #[repr(C)] data.
 unsafe impl aya::Pod for InboundConfig {}
+#[cfg(feature = "user")]
+// SAFETY: plain #[repr(C)] data.
+unsafe impl aya::Pod for InboundKey {}
+#[cfg(feature = "user")]
+// SAFETY: plain #[repr(C)] data.
+unsafe impl aya::Pod for InboundPod {}

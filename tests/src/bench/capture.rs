@@ -10,8 +10,9 @@ use std::{
 
 use anyhow::{Context as _, bail};
 use weir_agent::ebpf::{
-    capture::{CapturePrograms, netns_cookie},
+    capture::CapturePrograms,
     config::{EbpfOptions, PodCapture},
+    netns::netns_cookie,
 };
 use weir_iptables::config::{CaptureConfig, InboundPorts, IpRanges};
 use weir_tests::{Cgroup, Mesh, Placement, Pod, capture::istio_iptables, envoy::Envoy};

@@ -106,7 +106,9 @@ pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
         notes: vec![format!(
             "{PODS} pods per run, one ADD at a time (each followed by its DEL, not timed), every plugin exec'd as a \
              runtime does; weir-cni fetches the pod from the test Kubernetes API server over loopback HTTP. The eBPF \
-             row registers pods with a node capture attached once before the run. Median [min–max] of {} runs.",
+             row registers pods with a node capture attached once before the run (which loads the node program \
+             set, inbound classifier included): per pod, its cookie and config in the pinned maps and the pinned \
+             classifier attached to its interface. Median [min–max] of {} runs.",
             opts.runs
         )],
     };

@@ -1,8 +1,10 @@
 //! The inbound object: a tc ingress classifier on a pod's interface. A new TCP
 //! connection (SYN) to a captured port is assigned to Envoy's inbound listener with
 //! `bpf_sk_assign`; the accepted socket's local address stays the original destination
-//! (as with TPROXY, but needing no policy routing, marks or IP_TRANSPARENT). Each
-//! attached copy reads its own `INBOUND_CONFIG`.
+//! (as with TPROXY, but needing no policy routing, marks or IP_TRANSPARENT).
+//! `weir_inbound` serves every pod on a node (config by the frame's destination MAC
+//! and IP address); `weir_in_pod` is a copy for one interface with its own
+//! `INBOUND_CONFIG`.
 #![no_std]
 #![no_main]
 
@@ -10,11 +12,16 @@ use aya_ebpf::{
     bindings::{TC_ACT_OK, bpf_sock_tuple},
     helpers::{bpf_sk_assign, bpf_sk_release, bpf_skc_lookup_tcp},
     macros::{classifier, map},
-    maps::{Array, PerCpuArray},
+    maps::{Array, HashMap, PerCpuArray},
     programs::TcContext,
 };
-use weir_ebpf_common::inbound::{InboundConfig, counter};
+use weir_ebpf_common::inbound::{InboundConfig, InboundKey, InboundPod, MAX_PODS, counter};
 
+/// BPF_F_NO_PREALLOC: entries are allocated as pods register.
+const NO_PREALLOC: u32 = 1;
+
+#[map]
+static INBOUND_PODS: HashMap<InboundKey, InboundPod> = HashMap::with_max_entries(MAX_PODS, NO_PREALLOC);
 #[map]
 static INBOUND_CONFIG: Array<InboundConfig> = Array::with_max_entries(1, 0);
 #[map]
@@ -34,16 +41,29 @@ fn count(slot: u32) {
     }
 }
 
+/// The per-node classifier: the pod's config by the frame's destination.
 #[classifier]
 pub fn weir_inbound(ctx: TcContext) -> i32 {
-    let _ = try_inbound(&ctx);
+    // SAFETY: a hash lookup; the value is only read.
+    let _ = try_inbound(&ctx, |key| unsafe { INBOUND_PODS.get(key) }.map(|p| &p.config));
     TC_ACT_OK
 }
 
-fn try_inbound(ctx: &TcContext) -> Option<()> {
-    let cfg = INBOUND_CONFIG.get(0)?;
+/// The copy for one interface: its own config.
+#[classifier]
+pub fn weir_in_pod(ctx: TcContext) -> i32 {
+    let _ = try_inbound(&ctx, |_| INBOUND_CONFIG.get(0));
+    TC_ACT_OK
+}
+
+#[inline(always)]
+fn try_inbound<'a>(
+    ctx: &TcContext,
+    config: impl FnOnce(&InboundKey) -> Option<&'a InboundConfig>,
+) -> Option<()> {
     let proto: u16 = u16::from_be(ctx.load(12).ok()?);
     let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
+    let mut key = InboundKey { mac: ctx.load(0).ok()?, _pad: [0; 2], addr: [0; 16] };
     let (tcp_off, size) = match proto {
         ETH_P_IP => {
             let vihl: u8 = ctx.load(ETH_HLEN).ok()?;
@@ -53,6 +73,8 @@ fn try_inbound(ctx: &TcContext) -> Option<()> {
             let t = unsafe { &mut tuple.__bindgen_anon_1.ipv4 };
             t.saddr = ctx.load(ETH_HLEN + 12).ok()?;
             t.daddr = ctx.load(ETH_HLEN + 16).ok()?;
+            let daddr: [u8; 4] = ctx.load(ETH_HLEN + 16).ok()?;
+            (key.addr[0], key.addr[1], key.addr[2], key.addr[3]) = (daddr[0], daddr[1], daddr[2], daddr[3]);
             (ETH_HLEN + usize::from(vihl & 0x0f) * 4, core::mem::size_of_val(t))
         }
         ETH_P_IPV6 => {
@@ -63,6 +85,7 @@ fn try_inbound(ctx: &TcContext) -> Option<()> {
             let t = unsafe { &mut tuple.__bindgen_anon_1.ipv6 };
             t.saddr = ctx.load(ETH_HLEN + 8).ok()?;
             t.daddr = ctx.load(ETH_HLEN + 24).ok()?;
+            key.addr = ctx.load(ETH_HLEN + 24).ok()?;
             (ETH_HLEN + 40, core::mem::size_of_val(t))
         }
         _ => return None,
@@ -74,6 +97,7 @@ fn try_inbound(ctx: &TcContext) -> Option<()> {
     }
     let sport: u16 = ctx.load(tcp_off).ok()?;
     let dport: u16 = ctx.load(tcp_off + 2).ok()?;
+    let cfg = config(&key)?;
     if !cfg.captures(u16::from_be(dport)) {
         return None;
     }

@@ -1,0 +1,306 @@
+//! The tc inbound classifier on pod interfaces. Per node: [`NodeClassifier`] loads
+//! `weir_inbound` once (it finds each pod's config by the frame's destination MAC and
+//! IP address), pins it with its maps, and attaches the pinned program to each pod's
+//! interface. Per interface: [`InboundProgram`] loads its own copy (`weir_in_pod`) with
+//! the config in its own map, for in-process use (foreground mode, tests) and should a
+//! kernel refuse the node classifier.
+
+use std::{
+    net::IpAddr,
+    path::{Path, PathBuf},
+};
+
+use aya::{
+    Ebpf,
+    maps::{Array, HashMap, Map, MapData, PerCpuArray},
+    programs::{SchedClassifier, TcAttachType, links::FdLink, tc::SchedClassifierLink},
+};
+use weir_ebpf_common::inbound::{self, InboundConfig, InboundKey, InboundPod};
+
+use super::{
+    EbpfError,
+    bpffs::{aya_pin_error, create_dir, mount_bpffs},
+    netns::in_netns,
+    objects,
+};
+
+fn map_err(map: &'static str) -> impl FnOnce(aya::maps::MapError) -> EbpfError {
+    move |source| EbpfError::Map { map, source }
+}
+
+fn missing_map(map: &'static str) -> EbpfError {
+    EbpfError::MissingMap { object: objects::INBOUND_NAME, map }
+}
+
+fn load_object() -> Result<Ebpf, EbpfError> {
+    let data = objects::bytes(objects::INBOUND_NAME, objects::INBOUND)?;
+    Ebpf::load(data).map_err(|source| EbpfError::Load { object: objects::INBOUND_NAME, source })
+}
+
+fn classifier<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut SchedClassifier, EbpfError> {
+    ebpf.program_mut(name)
+        .ok_or(EbpfError::MissingProgram { object: objects::INBOUND_NAME, program: name })?
+        .try_into()
+        .map_err(|source| EbpfError::Verify { program: name, source })
+}
+
+/// How a classifier is attached: TCX where the kernel has it (a link), or a tc filter
+/// on the clsact qdisc through netlink, which needs no RCU grace period (a TCX attach
+/// waits for one: 10–30 ms per pod on a busy machine).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Attach {
+    Best,
+    Netlink,
+}
+
+/// Attaches `classifier` to `interface`'s ingress inside the namespace at `netns`
+/// (interface lookups and tc netlink calls happen inside the pod).
+fn attach_in(
+    classifier: &mut SchedClassifier,
+    name: &'static str,
+    netns: &Path,
+    interface: &str,
+    how: Attach,
+) -> Result<SchedClassifierLink, EbpfError> {
+    in_netns(netns, || {
+        let _ = aya::programs::tc::qdisc_add_clsact(interface);
+        let id = match how {
+            Attach::Best => classifier.attach(interface, TcAttachType::Ingress),
+            Attach::Netlink => classifier.attach_with_options(
+                interface,
+                TcAttachType::Ingress,
+                aya::programs::tc::TcAttachOptions::Netlink(aya::programs::tc::NlOptions::default()),
+            ),
+        }
+        .map_err(std::io::Error::other)?;
+        classifier.take_link(id).map_err(std::io::Error::other)
+    })
+    .map_err(|e| EbpfError::Attach {
+        program: name,
+        path: PathBuf::from(interface),
+        source: aya::programs::ProgramError::IOError(e),
+    })
+}
+
+/// Keeps `link` after this process exits: a TCX link pinned at `path`; a legacy tc
+/// filter stays on its own (removed by [`detach_inbound`]).
+fn keep(link: SchedClassifierLink, path: &Path) -> Result<(), EbpfError> {
+    if <&FdLink>::try_from(&link).is_err() {
+        // Dropping a netlink link would detach the filter.
+        std::mem::forget(link);
+        return Ok(());
+    }
+    let fd = FdLink::try_from(link).map_err(|e| EbpfError::Pin {
+        path: path.display().to_string(),
+        source: std::io::Error::other(e.to_string()),
+    })?;
+    create_dir(path.parent().unwrap_or(path))?;
+    fd.pin(path).map(drop).map_err(aya_pin_error(path))
+}
+
+/// The per-node classifier, pinned in a node program set's folder
+/// (`progs/weir_inbound`, `maps/INBOUND_PODS`, `maps/INBOUND_COUNTERS`).
+pub struct NodeClassifier {
+    set_dir: PathBuf,
+}
+
+impl NodeClassifier {
+    /// Loads and verifies `weir_inbound`; `None` when this kernel refuses it, with the
+    /// reason logged.
+    pub fn load() -> Result<Option<Ebpf>, EbpfError> {
+        let mut ebpf = load_object()?;
+        match classifier(&mut ebpf, inbound::PROG)?.load() {
+            Ok(()) => Ok(Some(ebpf)),
+            Err(e) => {
+                tracing::info!(
+                    program = inbound::PROG,
+                    error = %crate::error_chain(&e),
+                    "per-node inbound classifier refused; each pod interface gets its own copy"
+                );
+                Ok(None)
+            }
+        }
+    }
+
+    /// Pins a loaded classifier and its maps under `set_dir`.
+    pub fn pin(mut ebpf: Ebpf, set_dir: &Path) -> Result<(), EbpfError> {
+        for name in [inbound::PODS, inbound::COUNTERS] {
+            let path = set_dir.join("maps").join(name);
+            let data = match ebpf.map_mut(name).ok_or_else(|| missing_map(name))? {
+                Map::HashMap(d) | Map::PerCpuArray(d) => d,
+                _ => return Err(missing_map(name)),
+            };
+            data.pin(&path).map_err(aya_pin_error(&path))?;
+        }
+        let path = set_dir.join("progs").join(inbound::PROG);
+        classifier(&mut ebpf, inbound::PROG)?.pin(&path).map_err(aya_pin_error(&path))
+    }
+
+    /// The classifier pinned under `set_dir`, if the set has one.
+    pub fn pinned(set_dir: &Path) -> Option<Self> {
+        set_dir.join("progs").join(inbound::PROG).exists().then(|| Self { set_dir: set_dir.to_path_buf() })
+    }
+
+    pub fn program_pin(&self) -> PathBuf {
+        self.set_dir.join("progs").join(inbound::PROG)
+    }
+
+    fn pods(&self) -> Result<Map, EbpfError> {
+        let data = MapData::from_pin(self.set_dir.join("maps").join(inbound::PODS))
+            .map_err(map_err(inbound::PODS))?;
+        Map::from_map_data(data).map_err(map_err(inbound::PODS))
+    }
+
+    /// Writes the pod's config for each of its `addresses` on the interface with `mac`,
+    /// replacing what was registered for `cookie` before.
+    pub fn register(
+        &self,
+        cookie: u64,
+        mac: [u8; 6],
+        addresses: &[IpAddr],
+        config: &InboundConfig,
+    ) -> Result<(), EbpfError> {
+        self.unregister(cookie)?;
+        let mut map = self.pods()?;
+        let mut pods: HashMap<_, InboundKey, InboundPod> =
+            HashMap::try_from(&mut map).map_err(map_err(inbound::PODS))?;
+        for addr in addresses {
+            let mut key = InboundKey { mac, _pad: [0; 2], addr: [0; 16] };
+            match addr {
+                IpAddr::V4(a) => key.addr[..4].copy_from_slice(&a.octets()),
+                IpAddr::V6(a) => key.addr = a.octets(),
+            }
+            let value = InboundPod { netns: cookie, config: *config };
+            pods.insert(key, value, 0).map_err(map_err(inbound::PODS))?;
+        }
+        Ok(())
+    }
+
+    /// Removes what was registered for `cookie` (missing is fine).
+    pub fn unregister(&self, cookie: u64) -> Result<(), EbpfError> {
+        let mut map = self.pods()?;
+        let mut pods: HashMap<_, InboundKey, InboundPod> =
+            HashMap::try_from(&mut map).map_err(map_err(inbound::PODS))?;
+        let keys: Vec<InboundKey> =
+            pods.iter().filter_map(Result::ok).filter(|(_, v)| v.netns == cookie).map(|(k, _)| k).collect();
+        for key in keys {
+            match pods.remove(&key) {
+                Ok(()) => {}
+                Err(e) if super::capture::is_not_found(&e) => {}
+                Err(source) => return Err(EbpfError::Map { map: inbound::PODS, source }),
+            }
+        }
+        Ok(())
+    }
+
+    /// Attaches the pinned classifier to `interface` in `netns` and keeps it there: a tc
+    /// filter (netlink, no grace period to wait for), removed with [`detach_inbound`] or
+    /// with the interface.
+    pub fn attach(&self, netns: &Path, interface: &str, link_pin: &Path) -> Result<(), EbpfError> {
+        let mut program = SchedClassifier::from_pin(self.program_pin())
+            .map_err(|source| EbpfError::Verify { program: inbound::PROG, source })?;
+        let link = attach_in(&mut program, inbound::PROG, netns, interface, Attach::Netlink)?;
+        let kept = keep(link, link_pin);
+        // A legacy filter holds the program itself; the handle must not detach it.
+        std::mem::forget(program);
+        kept
+    }
+}
+
+/// The tc inbound classifier attached to one pod interface (its own loaded copy and
+/// config). Dropping it detaches the classifier.
+pub struct InboundProgram {
+    ebpf: Option<Ebpf>,
+    netns: PathBuf,
+    link: Option<SchedClassifierLink>,
+}
+
+impl InboundProgram {
+    /// Loads a copy of the classifier with `config` and attaches it to `interface`'s
+    /// ingress inside the namespace at `netns`.
+    pub fn attach(netns: &Path, interface: &str, config: &InboundConfig) -> Result<Self, EbpfError> {
+        let mut ebpf = load_object()?;
+        {
+            let mut cfg: Array<_, InboundConfig> =
+                Array::try_from(ebpf.map_mut(inbound::CONFIG).ok_or_else(|| missing_map(inbound::CONFIG))?)
+                    .map_err(map_err(inbound::CONFIG))?;
+            cfg.set(0, config, 0).map_err(map_err(inbound::CONFIG))?;
+        }
+        let program = classifier(&mut ebpf, inbound::PROG_POD)?;
+        program.load().map_err(|source| EbpfError::Verify { program: inbound::PROG_POD, source })?;
+        let link = attach_in(program, inbound::PROG_POD, netns, interface, Attach::Best)?;
+        Ok(Self { ebpf: Some(ebpf), netns: netns.to_path_buf(), link: Some(link) })
+    }
+
+    /// New connections assigned to Envoy so far.
+    pub fn assigned(&self) -> Result<u64, EbpfError> {
+        let ebpf = self.ebpf.as_ref().expect("loaded until pinned");
+        let m = ebpf.map(inbound::COUNTERS).ok_or_else(|| missing_map(inbound::COUNTERS))?;
+        let counters: PerCpuArray<_, u64> = PerCpuArray::try_from(m).map_err(map_err(inbound::COUNTERS))?;
+        Ok(counters.get(&inbound::counter::ASSIGNED, 0).map_err(map_err(inbound::COUNTERS))?.iter().sum())
+    }
+
+    /// Keeps the classifier attached after this process exits: a TCX link is pinned at
+    /// `dir/links/inbound` (and its counters at `dir/maps/INBOUND_COUNTERS`); a legacy tc
+    /// filter simply stays (removed by [`detach_inbound`]).
+    pub fn pin(mut self, dir: &Path) -> Result<(), EbpfError> {
+        mount_bpffs()?;
+        create_dir(&dir.join("maps"))?;
+        let mut ebpf = self.ebpf.take().expect("loaded until pinned");
+        if let Some(Map::PerCpuArray(data)) = ebpf.map_mut(inbound::COUNTERS) {
+            let path = dir.join("maps").join(inbound::COUNTERS);
+            data.pin(&path).map_err(aya_pin_error(&path))?;
+        }
+        let link = self.link.take().expect("attached until pinned");
+        keep(link, &dir.join("links").join("inbound"))?;
+        // A legacy netlink filter persists on its own; keep the program loaded for it.
+        std::mem::forget(ebpf);
+        Ok(())
+    }
+}
+
+impl Drop for InboundProgram {
+    fn drop(&mut self) {
+        if let Some(link) = self.link.take() {
+            // A netlink detach must run inside the pod's namespace.
+            let _ = in_netns(&self.netns, move || {
+                drop(link);
+                Ok(())
+            });
+        }
+    }
+}
+
+/// Names of the programs attached to `interface`'s ingress in `netns` through TCX
+/// (Linux 6.6+); older kernels use a tc filter, which `tc filter show` lists.
+pub fn inbound_programs(netns: &Path, interface: &str) -> std::io::Result<Vec<String>> {
+    in_netns(netns, || {
+        let (_, programs) =
+            SchedClassifier::query_tcx(interface, TcAttachType::Ingress).map_err(std::io::Error::other)?;
+        Ok(programs.iter().filter_map(|p| p.name_as_str().map(String::from)).collect())
+    })
+}
+
+/// Removes a legacy (netlink) inbound classifier from `interface` in `netns`; a pinned
+/// TCX link is removed with the pin directory.
+pub fn detach_inbound(netns: Option<&Path>, interface: &str) {
+    let detach = || {
+        for name in inbound::PROGS {
+            let _ = aya::programs::tc::qdisc_detach_program(interface, TcAttachType::Ingress, name);
+        }
+        Ok(())
+    };
+    let _ = match netns {
+        Some(path) if path.exists() => in_netns(path, detach),
+        Some(_) => Ok(()),
+        None => detach(),
+    };
+}
+
+/// Inbound assignments counted by pinned classifier counters under `dir`, if any.
+pub fn pinned_inbound_assigned(dir: &Path) -> Option<u64> {
+    let data = MapData::from_pin(dir.join("maps").join(inbound::COUNTERS)).ok()?;
+    let m = Map::from_map_data(data).ok()?;
+    let counters: PerCpuArray<_, u64> = PerCpuArray::try_from(&m).ok()?;
+    Some(counters.get(&inbound::counter::ASSIGNED, 0).ok()?.iter().sum())
+}

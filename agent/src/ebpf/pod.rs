@@ -1,0 +1,115 @@
+//! One pod's capture on the node program set (init-container mode, `weir capture
+//! ebpf`): the set's programs linked to the pod's cgroup, its namespace registered in
+//! the set's maps, the inbound classifier on its interface, all pinned under
+//! `<bpffs>/weir/<pod>/links` and recorded, so capture stays live after the command
+//! exits. Nothing is loaded unless the node has no set for this Weir yet.
+
+use std::path::PathBuf;
+
+use super::{
+    EbpfError,
+    bpffs::unpin,
+    config::PodCapture,
+    record::{PinRecord, pin_dir},
+    set::NodePrograms,
+};
+
+/// Where one pod is captured.
+#[derive(Debug, Clone)]
+pub struct PodTarget {
+    /// The capture's name (its pins and record).
+    pub name: String,
+    /// The pod's cgroup v2 directory.
+    pub cgroup: PathBuf,
+    /// The pod's network namespace; `None`: this process's.
+    pub netns: Option<PathBuf>,
+    /// The pod interface inbound capture attaches to.
+    pub interface: String,
+}
+
+impl PodTarget {
+    fn netns_path(&self) -> PathBuf {
+        self.netns.clone().unwrap_or_else(|| PathBuf::from("/proc/self/ns/net"))
+    }
+}
+
+/// Captures the pod registered as `cookie` with `pod`'s settings; returns its record.
+/// On failure nothing of it stays (and a set it loaded goes again).
+pub fn capture(target: &PodTarget, cookie: u64, pod: &PodCapture) -> Result<PinRecord, EbpfError> {
+    capture_in_set(&super::set::version_key(), target, cookie, pod)
+}
+
+/// As [`capture`], with the program set `key` (loaded from this binary's objects if the
+/// node does not have it).
+pub fn capture_in_set(
+    key: &str,
+    target: &PodTarget,
+    cookie: u64,
+    pod: &PodCapture,
+) -> Result<PinRecord, EbpfError> {
+    let mut set = NodePrograms::acquire_key(key)?;
+    let record = PinRecord {
+        pod: target.name.clone(),
+        cgroup: target.cgroup.clone(),
+        netns: target.netns.clone(),
+        netns_cookie: cookie,
+        interface: pod.inbound.map(|_| target.interface.clone()),
+        programs: Some(set.key().to_string()),
+    };
+    let dir = pin_dir(&target.name);
+    let done = (|| {
+        set.register(cookie, pod)?;
+        set.attach_cgroup(&target.cgroup, &dir)?;
+        set.attach_inbound(&target.netns_path(), &target.interface, cookie, pod, &dir)?;
+        record.save().map_err(|source| EbpfError::Io { what: "write the capture record", source })
+    })();
+    if let Err(e) = done {
+        let _ = set.unregister(cookie);
+        let _ = unpin(&dir);
+        let _ = set.release();
+        return Err(e);
+    }
+    tracing::info!(
+        pod = %target.name,
+        cgroup = %target.cgroup.display(),
+        netns_cookie = cookie,
+        program_set = set.key(),
+        "pod captured with the node's eBPF programs"
+    );
+    Ok(record)
+}
+
+/// Replaces the settings of a pod captured already (no gap in capture).
+pub fn update(record: &PinRecord, pod: &PodCapture) -> Result<(), EbpfError> {
+    match &record.programs {
+        Some(key) => {
+            let mut set = NodePrograms::open_existing(key)?.ok_or_else(|| EbpfError::Pin {
+                path: super::set::set_dir(key).display().to_string(),
+                source: std::io::Error::new(std::io::ErrorKind::NotFound, "the pod's program set is gone"),
+            })?;
+            set.register(record.netns_cookie, pod)?;
+            match &record.interface {
+                Some(interface) => {
+                    let netns = record.netns.clone().unwrap_or_else(|| PathBuf::from("/proc/self/ns/net"));
+                    set.register_inbound(&netns, interface, record.netns_cookie, pod)
+                }
+                None => Ok(()),
+            }
+        }
+        // A capture with maps of its own (made before program sets).
+        None => super::capture::MapSet::open_pinned(&record.pin_dir())?.register(record.netns_cookie, pod),
+    }
+}
+
+/// The maps a record's capture uses: its program set's, or its own.
+pub fn maps_of(record: &PinRecord) -> Result<super::capture::MapSet, EbpfError> {
+    super::capture::MapSet::open_pinned(&maps_dir(record))
+}
+
+/// The folder whose `maps/` a record's capture uses.
+pub fn maps_dir(record: &PinRecord) -> PathBuf {
+    match &record.programs {
+        Some(key) => super::set::set_dir(key),
+        None => record.pin_dir(),
+    }
+}
