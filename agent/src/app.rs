@@ -2,9 +2,9 @@
 //! bind every port and socket, write Envoy's bootstrap, and start the services in one
 //! order — embedded control plane (standalone), workload certificate, SDS server, xDS
 //! relay, DNS proxy, Wasm cache, workload health check, STS server, status server,
-//! Envoy — then run until SIGTERM/SIGINT or `/quitquitquit` (drain, exit 0) or until
-//! any service ends on its own (report it by name, exit non-zero), and stop them in the
-//! reverse order. Every component is built with `new(..)` and started here; nothing
+//! start-up memory release, Envoy — then run until SIGTERM/SIGINT or `/quitquitquit`
+//! (drain, exit 0) or until any service ends on its own (report it by name, exit
+//! non-zero), and stop them in the reverse order. Every component is built with `new(..)` and started here; nothing
 //! else wires.
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
@@ -395,6 +395,20 @@ impl Agent {
             let server = self.status_server(readiness, lifecycle, supervisor.is_some());
             services.start_infallible("status server", move |stop| until(stop, server.serve(listener)));
         }
+        // Start-up code and data, run once, leave the resident set once the proxy is
+        // ready (crate::footprint).
+        let ready = readiness.clone();
+        services.start_infallible("start-up memory release", move |stop| {
+            until(stop, async move {
+                let ready = || {
+                    let ready = ready.clone();
+                    async move { ready.check().await.is_ok() }
+                };
+                crate::footprint::release_when_ready(ready, Duration::from_secs(1), Duration::from_secs(120))
+                    .await;
+                std::future::pending::<()>().await
+            })
+        });
         if let Some(supervisor) = supervisor {
             // Last started, first stopped: Envoy drains while everything else serves.
             let lifecycle = lifecycle.clone();

@@ -17,6 +17,7 @@ pub mod ebpf;
 pub mod envoy;
 pub mod executable;
 pub mod exit;
+pub mod footprint;
 pub mod gotemplate;
 pub mod health;
 pub mod http1;

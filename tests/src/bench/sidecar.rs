@@ -3,7 +3,9 @@
 //! `/healthz/ready` answers 200, against the floor of the same Envoy started by hand
 //! with ADS straight to the control plane until it reports LIVE. Footprint: the agent's
 //! and its Envoy's resident memory and CPU, idle and under a steady 1 000 requests/s
-//! through Envoy (HTTP/1.1 keep-alive, 4 connections, paced), Envoy being the floor.
+//! through Envoy (HTTP/1.1 keep-alive, 4 connections, paced), Envoy being the floor;
+//! the agent's idle RSS by part (binary text and data, libraries, heap, stacks), every
+//! feature on (relay, SDS, status server, DNS proxy, metrics).
 
 use std::{
     net::SocketAddr,
@@ -23,7 +25,10 @@ use weir_tests::{
     sidecar::{AgentProcess, PROXY_UID, SidecarRoot},
 };
 
-use crate::report::{Options, Row, Samples, Table};
+use crate::{
+    report::{Options, Row, Samples, Table},
+    smaps,
+};
 
 const OUTBOUND: &str = "127.0.0.1:18000";
 const RATE: u64 = 1000;
@@ -43,6 +48,20 @@ fn snapshot(upstream: &Pod) -> Snapshot {
         "1",
         [("upstream", resources::static_cluster("upstream", &[app], Duration::from_secs(1)))],
     );
+    // The DNS proxy is on: istiod sends the name table (NDS) with the rest.
+    use weir_proto::istio::networking::nds::v1::{NameTable, name_table::NameInfo};
+    let mut table = NameTable::default();
+    table.table.insert(
+        "upstream.default.svc.cluster.local".into(),
+        NameInfo {
+            ips: vec![upstream.ipv4().to_string()],
+            registry: "Kubernetes".into(),
+            shortname: "upstream".into(),
+            namespace: "default".into(),
+            ..Default::default()
+        },
+    );
+    s.set(type_url::NAME_TABLE, "1", [("", weir_proto::to_any(type_url::NAME_TABLE, &table))]);
     s
 }
 
@@ -160,6 +179,8 @@ struct AgentRun {
     idle: [(f64, f64); 2],
     loaded: [(f64, f64); 2],
     rps: f64,
+    /// The agent's idle RSS by part, at the end of the idle window.
+    parts: smaps::Breakdown,
 }
 
 /// Istio's bootstrap template, where the proxyv2 image puts it (in the pod's root).
@@ -194,6 +215,8 @@ fn run_agent(opts: &Options, image_template: bool) -> anyhow::Result<AgentRun> {
         ("POD_NAMESPACE", "default"),
         ("SERVICE_ACCOUNT", "app"),
         ("INSTANCE_IP", ip.as_str()),
+        // Every feature on: the DNS proxy too (Istio's DNS capture).
+        ("ISTIO_META_DNS_CAPTURE", "true"),
     ];
     let args = ["proxy", "sidecar", "--domain", "default.svc.cluster.local", "--proxyLogLevel=warning"];
     let started = Instant::now();
@@ -223,6 +246,7 @@ fn run_agent(opts: &Options, image_template: bool) -> anyhow::Result<AgentRun> {
     let pids = [agent.child.pid(), *envoy];
     std::thread::sleep(Duration::from_secs(2));
     let (idle, ()) = usage(&pids, WINDOW, || std::thread::sleep(WINDOW))?;
+    let parts = smaps::read(pids[0])?;
     let window = Duration::from_secs(opts.duration_secs.max(5));
     let (loaded, load) = usage(&pids, window, || paced_load(&st.app, window))?;
     let (ok, failed) = load?;
@@ -235,6 +259,7 @@ fn run_agent(opts: &Options, image_template: bool) -> anyhow::Result<AgentRun> {
         idle: [idle[0], idle[1]],
         loaded: [loaded[0], loaded[1]],
         rps: ok as f64 / window.as_secs_f64(),
+        parts,
     })
 }
 
@@ -300,6 +325,7 @@ pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
     let (mut ready, mut ready_template, mut rps) =
         (Samples::default(), Samples::default(), Samples::default());
     let mut cols: [[Samples; 4]; 2] = Default::default();
+    let mut parts: Vec<smaps::Breakdown> = Vec::new();
     for run in 0..opts.runs {
         eprintln!("[bench sidecar] Envoy alone run {}/{}", run + 1, opts.runs);
         floor.0.push(run_envoy_alone().unwrap_or_else(|e| {
@@ -326,6 +352,7 @@ pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
             Ok(r) => {
                 ready.0.push(r.ready_ms);
                 rps.0.push(r.rps);
+                parts.push(r.parts);
                 for (who, col) in cols.iter_mut().enumerate() {
                     col[0].0.push(r.idle[who].1);
                     col[1].0.push(r.loaded[who].1);
@@ -390,7 +417,7 @@ pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
         ],
         rows: vec![
             Row { name: "Envoy (concurrency 2), the data path (floor)".into(), metrics: envoy_cols.to_vec() },
-            Row { name: "weir agent (relay, SDS, status server)".into(), metrics: agent.to_vec() },
+            Row { name: "weir agent (relay, SDS, status server, DNS proxy)".into(), metrics: agent.to_vec() },
         ],
         notes: vec![format!(
             "Load: {RATE} req/s paced over {CONNECTIONS} HTTP/1.1 keep-alive connections to Envoy's tcp_proxy \
@@ -404,6 +431,7 @@ pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
             opts.runs
         )],
     };
+    let by_part = parts_table(&parts, opts.runs);
     // Binary size: what a node pulls and maps, Envoy's as the floor.
     let size = |path: &std::path::Path| {
         std::fs::metadata(path).map(|m| m.len() as f64 / (1024.0 * 1024.0)).unwrap_or(f64::NAN)
@@ -424,5 +452,33 @@ pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
         ],
         notes: vec![format!("{} as built by scripts/bench (release).", weir_bin.display())],
     };
-    Ok(vec![start, render, footprint, sizes])
+    Ok(vec![start, render, footprint, by_part, sizes])
+}
+
+/// The agent's idle RSS by part: the whole first, so each part reads as its share.
+fn parts_table(parts: &[smaps::Breakdown], runs: usize) -> Table {
+    let mib = |f: fn(&smaps::Breakdown) -> u64| Samples(parts.iter().map(|b| f(b) as f64 / 1024.0).collect());
+    let row = |name: &str, f: fn(&smaps::Breakdown) -> u64| Row { name: name.into(), metrics: vec![mib(f)] };
+    let threads = Samples(parts.iter().map(|b| b.threads as f64).collect());
+    Table {
+        title: "Agent idle RSS by part (share of the whole)".into(),
+        columns: vec![("RSS idle", "MiB", false)],
+        rows: vec![
+            row("the whole agent (every mapping's Rss)", |b| b.total),
+            row("weir binary: text (code touched)", |b| b.binary_text),
+            row("weir binary: read-only data, relocations, .data/.bss", |b| b.binary_data),
+            row("shared libraries (libc, libgcc, ld.so)", |b| b.libraries),
+            row("heap: [heap] and malloc arenas", |b| b.heap),
+            row("thread stacks (main and each thread's)", |b| b.stacks),
+            row("other anonymous (direct mmaps, vdso)", |b| b.other_anon),
+        ],
+        notes: vec![format!(
+            "From /proc/<agent>/smaps at the end of the idle window (relay, SDS, status server, DNS proxy, \
+             metrics all serving); {} threads [{}–{}]. Median [min–max] of {runs} runs; \"vs floor\" here is the \
+             share of the whole.",
+            threads.median(),
+            threads.min(),
+            threads.max(),
+        )],
+    }
 }

@@ -13,7 +13,8 @@
 //!
 //!   weir-bench sidecar [--runs N] [--duration SECS] [--markdown]
 //!       `weir proxy sidecar` with a real Envoy: start → ready against Envoy alone
-//!       (the floor); agent and Envoy RSS and CPU idle and at 1 000 requests/s.
+//!       (the floor); agent and Envoy RSS and CPU idle and at 1 000 requests/s;
+//!       the agent's idle RSS by part (from /proc/<pid>/smaps).
 //!
 //!   weir-bench cni [--runs N] [--markdown]
 //!       CNI ADD latency (p50/p99) of bridge + host-local + weir-cni per backend
@@ -44,6 +45,8 @@ mod rules;
 mod sds;
 #[path = "../bench/sidecar.rs"]
 mod sidecar;
+#[path = "../bench/smaps.rs"]
+mod smaps;
 #[path = "../bench/xds.rs"]
 mod xds;
 
