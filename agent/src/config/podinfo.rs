@@ -29,8 +29,10 @@ pub fn parse(text: &str) -> Result<BTreeMap<String, String>, PodInfoError> {
 /// Go's `strconv.Unquote`: a double-quoted string with Go escapes, a back-quoted raw
 /// string, or a single-quoted character.
 pub fn unquote(s: &str) -> Option<String> {
-    let (first, last) = (s.chars().next()?, s.chars().last()?);
-    if s.len() < 2 || first != last {
+    // Only an ASCII quote opens and closes a literal, so both ends slice on a char
+    // boundary (a value like `é`, one char of two bytes, is not quoted).
+    let first = s.chars().next()?;
+    if !matches!(first, '`' | '"' | '\'') || s.len() < 2 || !s.ends_with(first) {
         return None;
     }
     let inner = &s[1..s.len() - 1];
@@ -114,6 +116,18 @@ fn unescape(s: &str, quote: char) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Found by `scripts/fuzz pod_annotations`: a value whose first and last char is the
+    /// same multi-byte char (`é`, `éxé`) was sliced inside that char and panicked.
+    #[test]
+    fn a_value_bounded_by_a_multibyte_char_is_invalid_not_a_panic() {
+        for value in ["é", "éxé", "€€"] {
+            assert_eq!(unquote(value), None, "{value}");
+            let text = format!("a={value}\n");
+            assert_eq!(parse(&text), Err(PodInfoError { line: 1, value: value.into() }));
+        }
+        assert_eq!(unquote("\"é\""), Some("é".into()));
+    }
 
     #[test]
     fn kubelets_file_is_read_as_go_reads_it() {

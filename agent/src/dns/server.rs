@@ -15,7 +15,7 @@ use hickory_proto::{
 };
 use rand::seq::SliceRandom as _;
 use tokio::{
-    io::{AsyncReadExt as _, AsyncWriteExt as _},
+    io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _},
     net::{TcpListener, TcpStream, UdpSocket},
 };
 use weir_proto::istio::networking::nds::v1::NameTable;
@@ -224,7 +224,9 @@ impl DnsProxy {
         }
     }
 
-    async fn serve_tcp_connection(&self, mut stream: TcpStream) {
+    /// Serves one TCP connection (or any byte stream): 2-byte length-prefixed queries
+    /// in, length-prefixed replies out, until the peer closes or sends a short frame.
+    pub async fn serve_tcp_connection<S: AsyncRead + AsyncWrite + Unpin>(&self, mut stream: S) {
         loop {
             let mut len = [0u8; 2];
             if stream.read_exact(&mut len).await.is_err() {
