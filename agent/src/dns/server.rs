@@ -24,7 +24,7 @@ use hickory_proto::{
 };
 use rand::seq::SliceRandom as _;
 use tokio::{
-    io::{AsyncReadExt as _, AsyncWriteExt as _},
+    io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _},
     net::{TcpListener, TcpStream, UdpSocket},
     sync::Semaphore,
 };
@@ -335,9 +335,10 @@ impl DnsProxy {
         }
     }
 
-    /// Queries and replies on one connection until the client closes it, stays idle
-    /// for `tcp_idle`, or is slower than `tcp_io` with a query or a reply.
-    async fn serve_tcp_connection(&self, mut stream: TcpStream) {
+    /// Queries and replies on one connection (or any byte stream) until the client
+    /// closes it, stays idle for `tcp_idle`, or is slower than `tcp_io` with a query or
+    /// a reply. Needs a runtime with time enabled.
+    pub async fn serve_tcp_connection<S: AsyncRead + AsyncWrite + Unpin>(&self, mut stream: S) {
         let DnsLimits { tcp_idle, tcp_io, .. } = self.config.limits;
         let mut query = Vec::new();
         loop {

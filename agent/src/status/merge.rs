@@ -158,7 +158,7 @@ impl MetricsMerge {
 }
 
 /// Appends one exposition without its `# EOF`, ending in a newline.
-fn push_part(out: &mut BytesMut, part: &[u8]) {
+pub fn push_part(out: &mut BytesMut, part: &[u8]) {
     for line in part.split_inclusive(|b| *b == b'\n') {
         if line.trim_ascii() == b"# EOF" {
             continue;
