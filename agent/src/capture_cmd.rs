@@ -19,6 +19,7 @@ use crate::{
         capture::CapturePrograms,
         config::{EbpfOptions, PodCapture, own_addresses},
         detect::{self, Backend, CaptureMode},
+        health,
         inbound::{self, InboundProgram},
         netns::{self, netns_cookie},
         pod::{self, PodTarget},
@@ -45,11 +46,15 @@ pub enum CaptureCommand {
         #[arg(long, value_enum, default_value_t = CaptureMode::Auto)]
         capture_mode: CaptureMode,
     },
-    /// What eBPF capture is attached where: pods, maps, counters.
+    /// What eBPF capture is attached where: pods, maps, counters, and whether each is
+    /// still live (exits 1 when one is broken).
     Status {
         /// Machine-readable output.
         #[arg(long)]
         json: bool,
+        /// Only this capture.
+        #[arg(long)]
+        pod: Option<String>,
     },
     /// Remove pinned eBPF capture (programs, links, maps, classifier).
     Clean(CleanArgs),
@@ -137,7 +142,7 @@ pub fn run(args: CaptureArgs) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        CaptureCommand::Status { json } => status(json),
+        CaptureCommand::Status { json, pod } => status(json, pod.as_deref()),
         CaptureCommand::Clean(args) => clean(&args),
         CaptureCommand::Log { state, pod } => log_switch(state == "on", pod.as_deref()),
     }
@@ -216,17 +221,22 @@ fn ebpf(run: &RunArgs) -> anyhow::Result<()> {
     check_netns(run)?;
     let cookie = netns_cookie(run.netns.as_deref()).context("read the pod's network namespace cookie")?;
 
-    // An existing pinned capture of this pod is updated in place: no gap in capture.
-    if let Some(record) = PinRecord::load(&name).filter(|r| r.pin_dir().exists()) {
+    // An existing pinned capture of this pod is updated in place (no gap in capture),
+    // or, when its pins are gone, replaced (see `repair`).
+    if let Some(record) = PinRecord::load(&name) {
         if record.cgroup != run.cgroup || record.netns_cookie != cookie {
             bail!(
                 "a capture named {name} already exists for cgroup {} (clean it first with `weir capture clean --pod {name}`)",
                 record.cgroup.display()
             );
         }
-        pod::update(&record, &pod)?;
-        eprintln!("weir: eBPF capture of {name} updated in place");
-        return Ok(());
+        let faults = health::faults(&record);
+        if faults.is_empty() {
+            pod::update(&record, &pod)?;
+            eprintln!("weir: eBPF capture of {name} updated in place");
+            return Ok(());
+        }
+        repair(&record, &faults);
     }
     if run.foreground {
         return foreground(run, &name, cookie, &pod);
@@ -250,6 +260,20 @@ fn ebpf(run: &RunArgs) -> anyhow::Result<()> {
     );
     eprintln!("weir: pinned under {}", record.pin_dir().display());
     Ok(())
+}
+
+/// Takes down what is left of a broken capture (`faults`), so it can be made again
+/// whole: its registration, inbound filter, remaining pins and record.
+fn repair(record: &PinRecord, faults: &[health::CaptureFault]) {
+    let why = health::describe(faults);
+    tracing::warn!(pod = %record.pod, cgroup = %record.cgroup.display(), faults = %why, "eBPF capture broken: capturing again");
+    eprintln!("weir: eBPF capture of {} was broken ({why}): capturing it again", record.pod);
+    if let Err(e) = record.remove() {
+        // Whatever could not be removed through its set goes by path.
+        tracing::warn!(pod = %record.pod, error = %crate::error_chain(&e), "removing the broken capture's remains");
+        let _ = bpffs::unpin(&record.pin_dir());
+        let _ = std::fs::remove_file(PinRecord::path(&record.pod));
+    }
 }
 
 /// `--foreground`: a private copy of the programs on the cgroup until a signal.
@@ -305,9 +329,9 @@ fn describe(name: &str, run: &RunArgs, pod: &PodCapture) -> serde_json::Value {
     })
 }
 
-fn status(json: bool) -> anyhow::Result<()> {
+fn status(json: bool, only: Option<&str>) -> anyhow::Result<()> {
     let mut pods = Vec::new();
-    for record in PinRecord::load_all() {
+    for record in PinRecord::load_all().into_iter().filter(|r| only.is_none_or(|p| p == r.pod)) {
         let dir = record.pin_dir();
         let links: Vec<String> = std::fs::read_dir(dir.join("links"))
             .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
@@ -324,8 +348,11 @@ fn status(json: bool) -> anyhow::Result<()> {
         };
         let inbound_counters = inbound::pinned_inbound_assigned(&pod::maps_dir(&record))
             .or_else(|| inbound::pinned_inbound_assigned(&dir));
+        let faults = health::faults(&record);
         pods.push(serde_json::json!({
             "pod": record.pod,
+            "live": faults.is_empty(),
+            "faults": faults.iter().map(ToString::to_string).collect::<Vec<_>>(),
             "cgroup": record.cgroup,
             "netns": record.netns,
             "netns_cookie": record.netns_cookie,
@@ -341,18 +368,38 @@ fn status(json: bool) -> anyhow::Result<()> {
             "maps_error": maps.err().map(|e| crate::error_chain(&e)),
         }));
     }
+    let broken = pods.iter().filter(|p| p["live"] == false).count();
     if json {
         println!("{}", serde_json::to_string_pretty(&pods)?);
-        return Ok(());
+    } else {
+        print_status(&pods);
     }
+    if broken > 0 {
+        bail!("{broken} of {} pinned eBPF captures are broken (see above)", pods.len());
+    }
+    Ok(())
+}
+
+fn print_status(pods: &[serde_json::Value]) {
     if pods.is_empty() {
         println!("no pinned eBPF capture");
     }
-    for p in &pods {
+    for p in pods {
         println!(
             "pod {}  cgroup {}  interface {}  program set {}",
             p["pod"], p["cgroup"], p["interface"], p["program_set"]
         );
+        match p["faults"].as_array().filter(|f| !f.is_empty()) {
+            None => println!("  live"),
+            Some(faults) => {
+                for fault in faults {
+                    println!("  BROKEN: {}", fault.as_str().unwrap_or_default());
+                }
+                println!(
+                    "  repair: run `weir capture apply` (or `weir capture ebpf`) again with the pod's arguments"
+                );
+            }
+        }
         println!("  attached: {}", p["links"]);
         println!(
             "  registered: {}  pods in its maps: {}  pending original destinations: {}  inbound assigned: {}",
@@ -363,7 +410,6 @@ fn status(json: bool) -> anyhow::Result<()> {
             println!("  counters: {}", line.join(" "));
         }
     }
-    Ok(())
 }
 
 fn clean(args: &CleanArgs) -> anyhow::Result<()> {

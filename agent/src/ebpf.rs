@@ -6,6 +6,7 @@ pub mod bpffs;
 pub mod capture;
 pub mod config;
 pub mod detect;
+pub mod health;
 pub mod inbound;
 pub mod link;
 pub mod netns;

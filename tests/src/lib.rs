@@ -21,6 +21,7 @@ pub mod cni;
 pub mod control_plane;
 pub mod demo;
 pub mod envoy;
+pub mod full_disk;
 pub mod http;
 pub mod http_server;
 pub mod inject;

@@ -55,8 +55,10 @@ fn pinned_capture_outlives_the_command_and_cleans_up_completely() {
     );
 
     let status: serde_json::Value =
-        serde_json::from_str(&ok(&weir(&["capture", "status", "--json"]), "status")).unwrap();
+        serde_json::from_str(&ok(&weir(&["capture", "status", "--json", "--pod", pod.as_str()]), "status"))
+            .unwrap();
     let mine = status.as_array().unwrap().iter().find(|p| p["pod"] == pod).expect("status lists the pod");
+    assert_eq!(mine["live"], true, "{mine}");
     assert!(mine["counters"]["redirected"].as_u64().unwrap() >= 1, "{mine}");
     assert!(mine["links"].as_array().unwrap().iter().any(|l| l == "weir_connect4"), "{mine}");
     assert_eq!(mine["registered"], true, "{mine}");
@@ -173,7 +175,7 @@ fn attach_args<'a>(cgroup: &'a str, netns: &'a str) -> Vec<&'a str> {
 /// The program set a pinned capture uses, from `weir capture status`.
 fn program_set_of(pod: &str) -> String {
     let status: serde_json::Value =
-        serde_json::from_str(&ok(&weir(&["capture", "status", "--json"]), "status")).unwrap();
+        serde_json::from_str(&ok(&weir(&["capture", "status", "--json", "--pod", pod]), "status")).unwrap();
     let mine = status.as_array().unwrap().iter().find(|p| p["pod"] == pod).expect("status lists the pod");
     assert_eq!(mine["registered"], true, "{mine}");
     mine["program_set"].as_str().unwrap_or_else(|| panic!("no program set: {mine}")).to_string()
@@ -466,4 +468,143 @@ fn automatic_backend_choice_verifies_the_programs_once() {
     for name in &names {
         ok(&weir(&["capture", "clean", "--pod", name]), "clean");
     }
+}
+
+/// A private mount namespace with a bpffs and a `/run/weir` of its own, held open by a
+/// sleeping process: captures made in it are pinned where nothing else on the machine
+/// sees them (so their bpffs can be unmounted under them), and go when it goes, pass or
+/// fail: dropping it ends the namespace, and with it the bpffs and every pin in it.
+struct PrivateMounts(std::process::Child);
+
+impl PrivateMounts {
+    fn new() -> Self {
+        let script = "set -e; while grep -q ' /sys/fs/bpf ' /proc/self/mounts; do umount /sys/fs/bpf; done; \
+                      mount -t bpf bpf /sys/fs/bpf; mkdir -p /run/weir; mount -t tmpfs weir-test /run/weir; \
+                      echo ready; exec sleep infinity";
+        let mut child = Command::new("unshare")
+            .args(["--mount", "--propagation", "slave", "--", "sh", "-c", script])
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("run unshare");
+        let stdout = child.stdout.take().unwrap();
+        let held = Self(child);
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line).unwrap();
+        assert_eq!(line.trim(), "ready", "the private mount namespace was not set up");
+        held
+    }
+
+    /// Runs `program` in the namespace (its mounts only; network and cgroup are ours).
+    fn run(&self, program: &str, args: &[&str]) -> Output {
+        Command::new("nsenter")
+            .arg(format!("--mount=/proc/{}/ns/mnt", self.0.id()))
+            .arg("--")
+            .arg(program)
+            .args(args)
+            .env("WEIR_LOG", "warn")
+            .output()
+            .expect("run nsenter")
+    }
+
+    fn weir(&self, args: &[&str]) -> Output {
+        self.run(tools::weir().to_str().unwrap(), args)
+    }
+
+    /// `weir capture status --json --pod pod`: whether it exited 0, and the pod's entry.
+    fn status(&self, pod: &str) -> (bool, serde_json::Value) {
+        let out = self.weir(&["capture", "status", "--json", "--pod", pod]);
+        let all: serde_json::Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("status --json: {e}: {}", String::from_utf8_lossy(&out.stderr)));
+        let mine = all.as_array().unwrap().iter().find(|p| p["pod"] == pod).expect("status lists the pod");
+        (out.status.success(), mine.clone())
+    }
+}
+
+impl Drop for PrivateMounts {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn removed_pins_and_an_unmounted_bpffs_are_reported_and_capture_apply_repairs_them() {
+    require_root!();
+    let test = test_name!();
+    let cgroup = test_cgroup(&test);
+    let s = CaptureScene::in_cgroup(&test, Family::V4, &cgroup);
+    // Declared after the scene: dropped first, taking every pin made in it along.
+    let mounts = PrivateMounts::new();
+    let pod = cgroup.path().file_name().unwrap().to_string_lossy().into_owned();
+    let cg = cgroup.path().to_str().unwrap();
+    let netns = s.client.netns().path().to_str().unwrap();
+    let args = [
+        "--cgroup", cg, "--netns", netns, "-p", "15001", "-z", "15006", "-u", "1337", "-i", "*", "-b", "*",
+        "-d", "15021",
+    ];
+    let with = |first: &[&'static str]| -> Vec<&str> { first.iter().copied().chain(args).collect() };
+    let app = Placement { user: Some((1000, 1000)), cgroup: Some(&cgroup), ..Placement::default() };
+    let server = s.addr(&s.server, 8080);
+    let outbound_captured = || {
+        let line = ask_placed(&s.client, app, server);
+        match captured(&line) {
+            Some((_, orig)) => orig == server.to_string(),
+            None if line.starts_with("hello server ") => false,
+            None => panic!("neither captured nor answered by the server: {line}"),
+        }
+    };
+    let inbound_captured =
+        || weir_tests::capture::ask(&s.server, 0, s.addr(&s.client, 8080)).starts_with("captured ");
+    let live = |why: &str| {
+        let (exit0, mine) = mounts.status(&pod);
+        assert!(exit0 && mine["live"] == true && mine["faults"] == serde_json::json!([]), "{why}: {mine}");
+    };
+
+    ok(&mounts.weir(&with(&["capture", "ebpf"])), "weir capture ebpf");
+    assert!(outbound_captured() && inbound_captured(), "captured");
+    live("after capture");
+
+    // 1. The pod's pins removed: its cgroup links went with them, the pod is not
+    // captured, and status says which and how to repair.
+    ok(&mounts.run("rm", &["-r", &format!("/sys/fs/bpf/weir/{pod}")]), "rm the pod's pins");
+    assert!(!outbound_captured(), "the fault is real: without its links the pod is not captured");
+    let (exit0, mine) = mounts.status(&pod);
+    assert!(!exit0, "status exits 1 on a broken capture: {mine}");
+    assert_eq!(mine["live"], false, "{mine}");
+    let faults = mine["faults"].to_string();
+    assert!(faults.contains(&format!("its pins (/sys/fs/bpf/weir/{pod}) are gone")), "{faults}");
+    let text = mounts.weir(&["capture", "status", "--pod", &pod]);
+    let shown = String::from_utf8_lossy(&text.stdout);
+    assert!(
+        !text.status.success() && shown.contains("BROKEN: its pins") && shown.contains("weir capture apply"),
+        "{shown}"
+    );
+    let out = mounts.weir(&with(&["capture", "apply"]));
+    let said = ok(&out, "weir capture apply repairs") + &String::from_utf8_lossy(&out.stderr);
+    assert!(said.contains("was broken") && said.contains("capturing it again"), "{said}");
+    assert!(outbound_captured() && inbound_captured(), "repaired");
+    live("after the repair of removed pins");
+
+    // 2. bpffs unmounted under the capture: every pin (the node's program set too) is
+    // gone, the links with them. The inbound filter holds its program and stays.
+    ok(&mounts.run("umount", &["/sys/fs/bpf"]), "umount bpffs");
+    assert!(!outbound_captured(), "the fault is real: with bpffs gone the pod is not captured");
+    let (exit0, mine) = mounts.status(&pod);
+    assert!(!exit0, "{mine}");
+    assert_eq!(mine["faults"].as_array().map(Vec::len), Some(1), "{mine}");
+    assert!(mine["faults"][0].as_str().unwrap().starts_with("bpffs is not mounted at /sys/fs/bpf"), "{mine}");
+    ok(&mounts.weir(&with(&["capture", "ebpf"])), "weir capture ebpf repairs (mounting bpffs)");
+    assert!(outbound_captured() && inbound_captured(), "repaired");
+    live("after the repair of an unmounted bpffs");
+    let filters = in_pod(&s.client, "tc", &["filter", "show", "dev", "eth0", "ingress"]);
+    let classifiers = filters.lines().filter(|l| l.contains("weir_")).count();
+    assert_eq!(classifiers, 1, "one inbound classifier, not the old one besides: {filters}");
+
+    // Clean removes the repaired capture completely.
+    ok(&mounts.weir(&["capture", "clean", "--pod", &pod]), "clean");
+    assert!(weir_tests::capture::cgroup_programs(cgroup.path()).is_empty(), "no program left on the cgroup");
+    assert!(weir_tests::capture::inbound_programs(&s.client).is_empty(), "no inbound classifier left");
+    assert!(!outbound_captured(), "uncaptured after clean");
+    let out = mounts.weir(&["capture", "status", "--json"]);
+    assert_eq!(ok(&out, "status after clean").trim(), "[]");
 }

@@ -483,44 +483,6 @@ async fn output_certs_writes_the_key_owner_only() {
     );
 }
 
-/// A tmpfs mounted for one test, unmounted when dropped (also on a failed assertion).
-struct Tmpfs(std::path::PathBuf);
-
-impl Tmpfs {
-    fn mount(dir: &Path, size: &str) -> Self {
-        std::fs::create_dir_all(dir).unwrap();
-        let out = std::process::Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "weir-test-tmpfs"])
-            .arg(dir)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "mount a tmpfs at {}: {}",
-            dir.display(),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Self(dir.to_path_buf())
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("umount").arg(&self.0).status();
-    }
-}
-
-/// Fills the file system holding `dir` with one file, until it is full.
-fn fill(dir: &Path) -> std::path::PathBuf {
-    use std::io::Write as _;
-    let path = dir.join("filler");
-    let mut f = std::fs::File::create(&path).unwrap();
-    let block = vec![0u8; 4096];
-    while f.write_all(&block).is_ok() {}
-    let _ = f.sync_all();
-    path
-}
-
 /// `OUTPUT_CERTS` on a full disk: Envoy is still served its certificate (as
 /// pilot-agent logs and carries on), no partial file (a piece of a private key) is
 /// left, and once there is space the next rotation writes the whole set.
@@ -538,8 +500,8 @@ async fn a_full_disk_under_output_certs_costs_envoy_nothing_and_leaves_no_partia
     .await;
     s.ca.force_lifetime(Some(Duration::from_secs(6)));
     let out = s.dir.path().join("out");
-    let _tmpfs = Tmpfs::mount(&out, "64k");
-    let filler = fill(&out);
+    let _tmpfs = weir_tests::full_disk::Tmpfs::mount(&out, "size=64k");
+    let filler = weir_tests::full_disk::fill(&out);
     let listing = || {
         let mut names: Vec<String> = std::fs::read_dir(&out)
             .unwrap()

@@ -319,3 +319,53 @@ fn an_oci_image_is_pulled_from_an_insecure_registry() {
     assert!(reason.contains("weir/missing") && reason.contains("404"), "{reason}");
     assert_eq!(rig.get(), (418, "served by oci!".into()));
 }
+
+/// A full disk under the module cache (a 64 KiB tmpfs, filled): the module cannot be
+/// stored, the push is NACKed naming the file and the reason, no partial file is left,
+/// and Envoy keeps the module it runs. Once there is room, the next push is served.
+#[test]
+fn a_full_disk_under_the_wasm_cache_is_nacked_leaves_no_partial_file_and_recovers() {
+    require_root!();
+    let rig = Rig::new(&test_name!(), weir_wat());
+    assert!(eventually(CONVERGE, || (rig.get().0 == 418).then_some(())).is_some(), "{}", rig.logs());
+
+    // The cache's folder on a small file system, filled (Envoy loaded the first module
+    // already; its file is hidden under the mount).
+    let data = rig.root.path().join("var/lib/istio/data");
+    let options = format!("size=64k,mode=0755,uid={PROXY_UID},gid={PROXY_UID}");
+    let _tmpfs = weir_tests::full_disk::Tmpfs::mount(&data, &options);
+    let filler = weir_tests::full_disk::fill(&data);
+    let module = oci_wat();
+    let sha = sha256_hex(&module);
+    rig.modules.answer_with(move |req| match req.path.as_str() {
+        "/second.wasm" => (200, "application/wasm", module.clone()),
+        _ => (404, "text/plain", b"no such module".to_vec()),
+    });
+    let second = format!("http://{}/second.wasm", rig.modules.addr);
+    rig.cp.ads.push(snapshot(resources::remote_wasm_filter(FILTER, &second, &sha), "2"));
+    let reason =
+        rig.nack("2").unwrap_or_else(|| panic!("no NACK for a module that cannot be stored\n{}", rig.logs()));
+    let file = data.join(format!("{sha}.wasm"));
+    assert!(
+        reason.contains(&format!("cannot store the Wasm module in {}", file.display()))
+            && reason.contains("No space left on device"),
+        "{reason}"
+    );
+    let mut names: Vec<String> = std::fs::read_dir(&data)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["filler"], "no partial module left in the cache");
+    assert_eq!(rig.get(), (418, "served by wasm".into()), "Envoy keeps the module it runs");
+
+    // Room again: the next push is fetched, stored whole and run.
+    std::fs::remove_file(&filler).unwrap();
+    rig.cp.ads.push(snapshot(resources::remote_wasm_filter(FILTER, &second, &sha), "3"));
+    let served = eventually(CONVERGE, || {
+        let (status, body) = rig.get();
+        (status == 418 && body == "served by oci!").then_some(())
+    });
+    assert!(served.is_some(), "the module never ran once there was room: {:?}\n{}", rig.get(), rig.logs());
+    assert_eq!(std::fs::read(&file).unwrap(), oci_wat(), "stored whole under its sha256");
+}

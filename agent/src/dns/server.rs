@@ -25,7 +25,7 @@ use hickory_proto::{
 use rand::seq::SliceRandom as _;
 use tokio::{
     io::{AsyncRead, AsyncReadExt as _, AsyncWrite, AsyncWriteExt as _},
-    net::{TcpListener, TcpStream, UdpSocket},
+    net::{TcpListener, UdpSocket},
     sync::Semaphore,
 };
 use weir_proto::istio::networking::nds::v1::NameTable;
@@ -536,6 +536,7 @@ mod tests {
         op::Query,
         rr::{Name, RData},
     };
+    use tokio::net::TcpStream;
     use weir_proto::istio::networking::nds::v1::name_table::NameInfo;
 
     use super::*;

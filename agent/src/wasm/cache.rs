@@ -166,15 +166,23 @@ impl ModuleCache {
         Ok(path)
     }
 
+    /// Writes the module whole or not at all: through a temporary file that a failed
+    /// write (a full disk) does not leave behind.
     fn store(&self, path: &Path, bytes: &[u8]) -> Result<(), FetchError> {
         use std::os::unix::fs::PermissionsExt as _;
         let err = |source| FetchError::Store { path: path.into(), source };
         std::fs::create_dir_all(&self.options.dir).map_err(err)?;
         let tmp = path.with_extension("wasm.tmp");
-        std::fs::write(&tmp, bytes).map_err(err)?;
-        // Envoy may run as another user than the agent.
-        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o644)).map_err(err)?;
-        std::fs::rename(&tmp, path).map_err(err)
+        let written = (|| {
+            std::fs::write(&tmp, bytes)?;
+            // Envoy may run as another user than the agent.
+            std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o644))?;
+            std::fs::rename(&tmp, path)
+        })();
+        if written.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        written.map_err(err)
     }
 
     fn client(&self) -> Result<&Client, String> {
