@@ -224,19 +224,24 @@ fn ebpf(run: &RunArgs) -> anyhow::Result<()> {
     // An existing pinned capture of this pod is updated in place (no gap in capture),
     // or, when its pins are gone, replaced (see `repair`).
     if let Some(record) = PinRecord::load(&name) {
-        if record.cgroup != run.cgroup || record.netns_cookie != cookie {
+        let faults = health::faults(&record, &PinRecord::load_all());
+        // Nothing of a capture whose pins are gone is live: a pod made again (a new
+        // cgroup or namespace) under the same name just replaces it.
+        let nothing_live = faults
+            .iter()
+            .any(|f| matches!(f, health::CaptureFault::PinsGone(_) | health::CaptureFault::BpffsNotMounted));
+        if !nothing_live && (record.cgroup != run.cgroup || record.netns_cookie != cookie) {
             bail!(
                 "a capture named {name} already exists for cgroup {} (clean it first with `weir capture clean --pod {name}`)",
                 record.cgroup.display()
             );
         }
-        let faults = health::faults(&record);
         if faults.is_empty() {
             pod::update(&record, &pod)?;
             eprintln!("weir: eBPF capture of {name} updated in place");
             return Ok(());
         }
-        repair(&record, &faults);
+        repair(&record, run.netns.as_deref(), cookie, &faults);
     }
     if run.foreground {
         return foreground(run, &name, cookie, &pod);
@@ -263,14 +268,26 @@ fn ebpf(run: &RunArgs) -> anyhow::Result<()> {
 }
 
 /// Takes down what is left of a broken capture (`faults`), so it can be made again
-/// whole: its registration, inbound filter, remaining pins and record.
-fn repair(record: &PinRecord, faults: &[health::CaptureFault]) {
+/// whole: its registration, inbound filter, remaining pins and record. The inbound
+/// filter is looked for in `netns` (this run's, whose cookie is `cookie`) when the
+/// record names that namespace by cookie, and left alone otherwise: a recorded path may
+/// name another pod's namespace by now.
+fn repair(record: &PinRecord, netns: Option<&Path>, cookie: u64, faults: &[health::CaptureFault]) {
     let why = health::describe(faults);
     tracing::warn!(pod = %record.pod, cgroup = %record.cgroup.display(), faults = %why, "eBPF capture broken: capturing again");
     eprintln!("weir: eBPF capture of {} was broken ({why}): capturing it again", record.pod);
+    let mut record = record.clone();
+    if record.netns_cookie == cookie {
+        record.netns = netns.map(Path::to_path_buf);
+    } else {
+        record.interface = None;
+    }
     if let Err(e) = record.remove() {
         // Whatever could not be removed through its set goes by path.
         tracing::warn!(pod = %record.pod, error = %crate::error_chain(&e), "removing the broken capture's remains");
+        if let Some(interface) = &record.interface {
+            inbound::detach_inbound(record.netns.as_deref(), interface);
+        }
         let _ = bpffs::unpin(&record.pin_dir());
         let _ = std::fs::remove_file(PinRecord::path(&record.pod));
     }
@@ -330,13 +347,17 @@ fn describe(name: &str, run: &RunArgs, pod: &PodCapture) -> serde_json::Value {
 }
 
 fn status(json: bool, only: Option<&str>) -> anyhow::Result<()> {
+    // Pins and pinned maps cannot be read without these: a check that could not look
+    // must not report captures as broken.
+    privileges::require(&[Capability::SysAdmin, Capability::Bpf], "weir capture status")?;
+    let all = PinRecord::load_all();
     let mut pods = Vec::new();
-    for record in PinRecord::load_all().into_iter().filter(|r| only.is_none_or(|p| p == r.pod)) {
+    for record in all.iter().filter(|r| only.is_none_or(|p| p == r.pod)) {
         let dir = record.pin_dir();
         let links: Vec<String> = std::fs::read_dir(dir.join("links"))
             .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
             .unwrap_or_default();
-        let maps = pod::maps_of(&record);
+        let maps = pod::maps_of(record);
         let (counters, registered, pending, cookies) = match &maps {
             Ok(m) => (
                 m.counters().ok(),
@@ -346,9 +367,9 @@ fn status(json: bool, only: Option<&str>) -> anyhow::Result<()> {
             ),
             Err(_) => (None, None, None, Vec::new()),
         };
-        let inbound_counters = inbound::pinned_inbound_assigned(&pod::maps_dir(&record))
+        let inbound_counters = inbound::pinned_inbound_assigned(&pod::maps_dir(record))
             .or_else(|| inbound::pinned_inbound_assigned(&dir));
-        let faults = health::faults(&record);
+        let faults = health::faults(record, &all);
         pods.push(serde_json::json!({
             "pod": record.pod,
             "live": faults.is_empty(),

@@ -386,6 +386,20 @@ fn ebpf_capture_registers_pods_with_the_node_capture() {
     // destination as the local address.
     assert_eq!(local, format!("{ip}:8080"), "{out}");
     rt.check(&list, &a, &result).unwrap_or_else(|e| panic!("CHECK: {e}"));
+    // `weir capture status` shows the node capture and the pod registered with it as
+    // live: the pod has no links of its own, the node capture's are its links.
+    let out =
+        std::process::Command::new(tools::weir()).args(["capture", "status", "--json"]).output().unwrap();
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("capture status: {e}: {}", String::from_utf8_lossy(&out.stderr)));
+    let ours: Vec<&serde_json::Value> = status
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|p| p["pod"].as_str().is_some_and(|n| n == name || n.starts_with(&format!("{name}-pod-"))))
+        .collect();
+    assert_eq!(ours.len(), 2, "the node capture and the pod: {status}");
+    assert!(ours.iter().all(|p| p["live"] == true), "{status}");
 
     // A namespace whose `lo` is still down (the runtime's loopback ADD may come later)
     // registers too.

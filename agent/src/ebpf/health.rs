@@ -1,8 +1,11 @@
 //! Whether a pinned capture is still live, from what the kernel keeps for it: bpffs
 //! mounted, its cgroup links pinned (once the command that made them has exited, a
 //! link lives exactly as long as its pin), its program set present and its namespace
-//! registered in the set's maps. What `weir capture status` reports and what
-//! `weir capture apply` repairs.
+//! registered in the set's maps. A pod registered with a CNI node capture has no links
+//! of its own: the node capture's are its links. What `weir capture status` reports
+//! and what `weir capture apply` repairs.
+
+use std::path::Path;
 
 use super::{bpffs::bpffs_mounted, capture::cgroup_hooks, pod, record::PinRecord, set};
 
@@ -21,25 +24,43 @@ pub enum CaptureFault {
     NotRegistered(u64),
 }
 
-/// Everything wrong with `record`'s capture; empty when it is live.
-pub fn faults(record: &PinRecord) -> Vec<CaptureFault> {
+/// The record whose pins hold `record`'s cgroup links: its own, or, for a pod registered
+/// with a node capture (CNI mode), the node capture's (same cgroup and set, no cookie).
+fn links_holder<'a>(record: &'a PinRecord, all: &'a [PinRecord]) -> &'a PinRecord {
+    if record.netns_cookie == 0 {
+        return record;
+    }
+    all.iter()
+        .find(|r| r.netns_cookie == 0 && r.cgroup == record.cgroup && r.programs == record.programs)
+        .unwrap_or(record)
+}
+
+/// Whether `path` is gone. Only "not found" says so: a pin that cannot be looked at
+/// (no permission) is not reported as gone.
+fn gone(path: &Path) -> bool {
+    matches!(std::fs::symlink_metadata(path), Err(e) if e.kind() == std::io::ErrorKind::NotFound)
+}
+
+/// Everything wrong with `record`'s capture (`all`: every record on the node); empty
+/// when it is live. Needs the privileges that read pinned maps (CAP_BPF, CAP_SYS_ADMIN).
+pub fn faults(record: &PinRecord, all: &[PinRecord]) -> Vec<CaptureFault> {
     if !bpffs_mounted() {
         return vec![CaptureFault::BpffsNotMounted];
     }
     let mut faults = Vec::new();
-    let dir = record.pin_dir();
-    if dir.is_dir() {
-        let links = dir.join("links");
-        let gone: Vec<&str> = cgroup_hooks()
-            .into_iter()
-            .map(|(name, _)| name)
-            .filter(|name| !links.join(name).exists())
-            .collect();
-        if !gone.is_empty() {
-            faults.push(CaptureFault::LinksGone { dir: links.display().to_string(), names: gone.join(", ") });
-        }
-    } else {
+    let dir = links_holder(record, all).pin_dir();
+    if gone(&dir) {
         faults.push(CaptureFault::PinsGone(dir.display().to_string()));
+    } else {
+        let links = dir.join("links");
+        let missing: Vec<&str> =
+            cgroup_hooks().into_iter().map(|(name, _)| name).filter(|name| gone(&links.join(name))).collect();
+        if !missing.is_empty() {
+            faults.push(CaptureFault::LinksGone {
+                dir: links.display().to_string(),
+                names: missing.join(", "),
+            });
+        }
     }
     if let Some(key) = &record.programs
         && !set::present(key)

@@ -70,14 +70,15 @@ pub fn set_dir(key: &str) -> PathBuf {
     Path::new(PROGRAMS_DIR).join(key)
 }
 
-/// Whether the set `key` is pinned completely (every capture program; they are pinned
-/// last).
+/// Whether the set `key` is pinned completely (every capture program, pinned last, and
+/// every map; a set missing either is loaded again, not opened).
 pub fn present(key: &str) -> bool {
     complete(&set_dir(key))
 }
 
 fn complete(dir: &Path) -> bool {
     SET_PROGRAMS.iter().all(|p| dir.join("progs").join(p).exists())
+        && weir_ebpf_common::capture::map::ALL.iter().all(|m| dir.join("maps").join(m).exists())
 }
 
 /// Programs loaded and verified but not pinned yet: what detection loaded, kept for the
