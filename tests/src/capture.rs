@@ -209,16 +209,19 @@ pub fn cgroup_programs(cgroup: &Path) -> Vec<String> {
 }
 
 /// Names of the programs on `pod`'s eth0 ingress: TCX links (Linux 6.6+) and tc
-/// filters (`tc filter show`), which the node classifier uses.
+/// filters (`tc filter show`, one name per filter: its line names the program twice),
+/// which the node classifier uses. Panics when either probe fails, so "nothing
+/// attached" is never a failed probe.
 pub fn inbound_programs(pod: &Pod) -> Vec<String> {
-    let mut names =
-        weir_agent::ebpf::inbound::inbound_programs(pod.netns().path(), "eth0").unwrap_or_default();
-    names.extend(
-        in_pod(pod, "tc", &["filter", "show", "dev", "eth0", "ingress"])
-            .split_whitespace()
-            .filter(|w| w.starts_with("weir_"))
-            .map(|w| w.split(':').next().unwrap_or(w).to_string()),
-    );
+    let mut names = weir_agent::ebpf::inbound::inbound_programs(pod.netns().path(), "eth0")
+        .unwrap_or_else(|e| panic!("query the TCX programs on eth0 (Linux 6.6+): {e}"));
+    names.extend(in_pod(pod, "tc", &["filter", "show", "dev", "eth0", "ingress"]).lines().filter_map(
+        |line| {
+            line.split_whitespace()
+                .find(|w| w.starts_with("weir_"))
+                .map(|w| w.split(':').next().unwrap_or(w).to_string())
+        },
+    ));
     names
 }
 

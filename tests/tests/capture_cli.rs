@@ -596,9 +596,8 @@ fn removed_pins_and_an_unmounted_bpffs_are_reported_and_capture_apply_repairs_th
     ok(&mounts.weir(&with(&["capture", "ebpf"])), "weir capture ebpf repairs (mounting bpffs)");
     assert!(outbound_captured() && inbound_captured(), "repaired");
     live("after the repair of an unmounted bpffs");
-    let filters = in_pod(&s.client, "tc", &["filter", "show", "dev", "eth0", "ingress"]);
-    let classifiers = filters.lines().filter(|l| l.contains("weir_")).count();
-    assert_eq!(classifiers, 1, "one inbound classifier, not the old one besides: {filters}");
+    let classifiers = weir_tests::capture::inbound_programs(&s.client);
+    assert_eq!(classifiers, ["weir_inbound"], "one inbound classifier, not the old one besides");
 
     // Clean removes the repaired capture completely.
     ok(&mounts.weir(&["capture", "clean", "--pod", &pod]), "clean");
