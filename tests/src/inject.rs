@@ -7,7 +7,7 @@
 //! init containers, the native sidecar and stand-ins for the app images, sends the
 //! kubelet's probes, `exec`s and terminates; [`cluster`] is istiod's stand-in and the
 //! node; [`metadata`] is the node pilot-agent would present, to compare with what
-//! istiod saw.
+//! istiod saw; [`images`] runs Istio's containers from Weir's built images instead.
 //!
 //! ```no_run
 //! use weir_tests::inject::{Manifest, InjectedPod, PodOptions, ProbeKind};
@@ -21,6 +21,7 @@
 
 pub mod cluster;
 pub mod env;
+pub mod images;
 pub mod manifest;
 pub mod metadata;
 pub mod pod;

@@ -27,6 +27,7 @@ pub mod http_server;
 pub mod inject;
 pub mod istiod_ca;
 pub mod mtls_pair;
+pub mod oci;
 pub mod privilege;
 pub mod prototext;
 pub mod request_log;

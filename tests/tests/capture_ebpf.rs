@@ -12,7 +12,7 @@ use weir_agent::ebpf::{
 use weir_iptables::config::{CaptureConfig, Cidr, InboundPorts, IpRanges, parse_ports};
 use weir_tests::{
     Placement,
-    capture::{CaptureScene, Family, ask, ask_placed, captured},
+    capture::{CaptureScene, Family, ask, ask_placed, captured, run_testkit},
     require_root, test_cgroup, test_name,
 };
 
@@ -312,4 +312,65 @@ fn real_envoy_forwards_captured_traffic_to_the_original_destination() {
         "Envoy's original_dst filter got its answer: {counters:?}"
     );
     assert!(counters.get("bypass_proxy") >= 3, "Envoy's upstream connects were not captured: {counters:?}");
+}
+
+/// `weir istio-iptables --run-validation` in `pod`, placed as istio-validation runs.
+fn validation(pod: &weir_tests::Pod, placement: Placement<'_>) -> std::process::Output {
+    let mut cmd = weir_tests::tools::weir_command();
+    cmd.args(["istio-iptables", "--skip-rule-apply", "--run-validation", "--probe-timeout", "3s"])
+        .env("WEIR_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let child = pod.spawn_placed(&mut cmd, placement).expect("spawn weir istio-iptables");
+    child.into_inner().wait_with_output().expect("wait weir")
+}
+
+#[test]
+fn istio_validation_passes_under_ebpf_capture() {
+    require_root!();
+    let test = test_name!();
+    let cgroup = test_cgroup(&test);
+    let sibling = test_cgroup(&format!("{test}-sibling"));
+    let mesh = weir_tests::Mesh::new(&test).unwrap();
+    let pod = mesh.pod("validated").unwrap();
+    let mut programs = CapturePrograms::load().expect("the verifier accepts every capture program");
+    programs.attach(cgroup.path()).expect("attach to the test cgroup");
+    let own: Vec<IpAddr> = vec![pod.ipv4().into(), pod.ipv6().into()];
+    let cfg =
+        PodCapture::new(&injector_config(None), own, EbpfOptions { accelerate: false, clamp_optlen: false })
+            .unwrap();
+    programs.register(netns_cookie(Some(pod.netns().path())).unwrap(), &cfg).unwrap();
+
+    // istio-validation (injected when a CNI captures pods) runs as the proxy user and
+    // connects to 127.0.0.6:15002: Istio's `-o lo ! -d 127.0.0.1/32 ... --uid-owner 1337
+    // -j ISTIO_IN_REDIRECT` sends it to the inbound port, and so must the programs.
+    let proxy = Placement { user: Some((1337, 1337)), cgroup: Some(&cgroup), ..Placement::default() };
+    let out = validation(&pod, proxy);
+    assert_eq!(out.status.code(), Some(0), "validation under eBPF: {}", String::from_utf8_lossy(&out.stderr));
+    let uncaptured = Placement { user: Some((1337, 1337)), cgroup: Some(&sibling), ..Placement::default() };
+    let out = validation(&pod, uncaptured);
+    assert_eq!(
+        out.status.code(),
+        Some(126),
+        "validation without capture: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn envoys_inbound_passthrough_reaches_the_app_instead_of_looping() {
+    require_root!();
+    let test = test_name!();
+    let cgroup = test_cgroup(&test);
+    let s = CaptureScene::in_cgroup(&test, Family::V4, &cgroup);
+    let _c = capture(&s, &cgroup, &injector_config(None), false);
+    let proxy = Placement { user: Some((1337, 1337)), cgroup: Some(&cgroup), ..Placement::default() };
+    // The proxy calling its own pod goes to the inbound side, unless it is Envoy's
+    // inbound passthrough (bound to 127.0.0.6: Istio's `-o lo -s 127.0.0.6/32 -j
+    // RETURN`), which must reach the app.
+    let own = s.addr(&s.client, 8080);
+    let line = ask_placed(&s.client, proxy, own);
+    assert!(captured(&line).is_some(), "proxy to its own pod: {line:?}");
+    let line = run_testkit(&s.client, proxy, &["ask-from", "127.0.0.6", &own.to_string()]);
+    assert!(line.starts_with("hello app "), "inbound passthrough from 127.0.0.6: {line:?}");
 }

@@ -78,7 +78,7 @@ pub fn interface_mac(netns: &Path, interface: &str) -> std::io::Result<[u8; 6]> 
             *slot = *b as libc::c_char;
         }
         // SAFETY: SIOCGIFHWADDR fills the ifreq we pass.
-        if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFHWADDR, &mut req) } != 0 {
+        if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFHWADDR as libc::Ioctl, &mut req) } != 0 {
             return Err(std::io::Error::last_os_error());
         }
         // SAFETY: the kernel filled the hardware address member of the union.

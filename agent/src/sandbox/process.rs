@@ -30,6 +30,10 @@ pub struct Placement<'a> {
     /// Mounts made in the child's private mount namespace, in order (after
     /// `resolv_conf`): a container's view of the file system.
     pub mounts: &'a [Mount],
+    /// The child's root directory (chroot, after the mounts): a container image's
+    /// unpacked root file system. Mount targets are host paths, so a container's
+    /// mounts name their places under this root.
+    pub root: Option<&'a Path>,
     /// Deliver SIGKILL to the child when the spawning thread exits (PR_SET_PDEATHSIG),
     /// so a killed test or demo leaves no process behind. Spawn from a long-lived
     /// thread when this is set.
@@ -254,8 +258,9 @@ pub fn spawn(cmd: &mut Command, placement: Placement<'_>) -> Result<PodChild, Sa
     let mounts =
         mount_calls(&resolv.into_iter().chain(placement.mounts.iter().cloned()).collect::<Vec<_>>())?;
     let groups: Vec<libc::gid_t> = placement.groups.to_vec();
-    // SAFETY: the closure makes only raw syscalls (write, setns, unshare, mount, prctl,
-    // setgroups, setgid, setuid) on fds and strings prepared above; no allocation, no locks.
+    let root = placement.root.map(c_path).transpose()?;
+    // SAFETY: the closure makes only raw syscalls (write, setns, unshare, mount, chroot,
+    // chdir, prctl, setgroups, setgid, setuid) on fds and strings prepared above; no allocation, no locks.
     unsafe {
         cmd.pre_exec(move || {
             if let Some(procs) = &cgroup_procs
@@ -279,6 +284,11 @@ pub fn spawn(cmd: &mut Command, placement: Placement<'_>) -> Result<PodChild, Sa
                         std::ptr::null(),
                     ) != 0
                     || !mounts.iter().all(MountCall::call))
+            {
+                return Err(io::Error::last_os_error());
+            }
+            if let Some(root) = &root
+                && (libc::chroot(root.as_ptr()) != 0 || libc::chdir(c"/".as_ptr()) != 0)
             {
                 return Err(io::Error::last_os_error());
             }

@@ -1,9 +1,12 @@
 //! The outbound capture decision, as a pure function shared by the connect programs
 //! (compiled for the kernel) and host tests. It reproduces Istio's ISTIO_OUTPUT order:
-//! excluded ports; the proxy's own traffic (passed, except to the pod's own address,
-//! which goes to Envoy's inbound side as Istio's ISTIO_IN_REDIRECT does); loopback and
-//! the tunnel port; excluded CIDRs and the pod's own addresses; included ports;
-//! included CIDRs. Lookups are closures so the kernel does only the ones needed.
+//! excluded ports; Envoy's inbound passthrough (bound to 127.0.0.6: passed); the
+//! proxy's own traffic (passed, except through loopback to anything but 127.0.0.1,
+//! i.e. another 127/8 address or the pod's own, which goes to Envoy's inbound side as
+//! Istio's `-o lo ! -d 127.0.0.1/32 ... -j ISTIO_IN_REDIRECT` does: this is what
+//! istio-validation's probe to 127.0.0.6 relies on); loopback and the tunnel port;
+//! excluded CIDRs and the pod's own addresses; included ports; included CIDRs.
+//! Lookups are closures so the kernel does only the ones needed.
 
 use crate::capture::{MAX_PORTS, PodConfig, flags};
 
@@ -26,6 +29,35 @@ pub enum DstClass {
     OwnPod,
 }
 
+/// Whether a destination is a loopback address, and which kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Loopback {
+    No,
+    /// 127.0.0.1 or ::1.
+    Localhost,
+    /// Another 127/8 address (127.0.0.6, Istio's validation probe).
+    Other,
+}
+
+/// 127.0.0.6, the source Envoy's inbound passthrough binds (network order in memory).
+pub const INBOUND_PASSTHROUGH_SRC4: u32 = u32::from_ne_bytes([127, 0, 0, 6]);
+
+/// Whether a socket bound to `src` (network order in memory) is Envoy's inbound
+/// passthrough to the app, which Istio passes first (`-o lo -s 127.0.0.6/32 -j RETURN`).
+pub fn from_inbound_passthrough(src: u32) -> bool {
+    src == INBOUND_PASSTHROUGH_SRC4
+}
+
+/// The loopback kind of `dst` (network order in memory).
+pub fn loopback4(dst: u32) -> Loopback {
+    let b = dst.to_ne_bytes();
+    match b {
+        [127, 0, 0, 1] => Loopback::Localhost,
+        [127, ..] => Loopback::Other,
+        _ => Loopback::No,
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reason {
     Proxy,
@@ -45,23 +77,30 @@ fn in_list(list: &[u16; MAX_PORTS], port: u16) -> bool {
 }
 
 /// The decision for a TCP connect to `dst_port` (host order) by a process with
-/// `uid`/`gid`. `loopback` is whether the destination is a loopback address;
-/// `classify`/`included` look the destination up in the pod's CIDR lists.
+/// `uid`/`gid`. `loopback` says whether the destination is a loopback address;
+/// `classify`/`included` look the destination up in the pod's CIDR lists. Envoy's
+/// inbound passthrough ([`from_inbound_passthrough`]) is passed before this is asked.
 pub fn outbound_tcp(
     cfg: &PodConfig,
     uid: u32,
     gid: u32,
     dst_port: u16,
-    loopback: bool,
+    loopback: Loopback,
     classify: impl FnOnce() -> DstClass,
     included: impl FnOnce() -> bool,
 ) -> Verdict {
     if in_list(&cfg.exclude_ports, dst_port) {
         return Verdict::Pass(Reason::Excluded);
     }
-    let special = loopback || dst_port == cfg.tunnel_port;
+    let special = loopback != Loopback::No || dst_port == cfg.tunnel_port;
     if cfg.is_proxy(uid, gid) {
-        if !special && dst_port != 53 && classify() == DstClass::OwnPod {
+        // Through lo to anything but localhost: another 127/8 address, or the pod's own.
+        let through_lo = match loopback {
+            Loopback::Localhost => false,
+            Loopback::Other => true,
+            Loopback::No => classify() == DstClass::OwnPod,
+        };
+        if through_lo && dst_port != cfg.tunnel_port && dst_port != 53 {
             return Verdict::Redirect(cfg.inbound_port);
         }
         return Verdict::Pass(Reason::Proxy);
@@ -116,15 +155,15 @@ mod tests {
     #[test]
     fn apps_are_redirected_and_the_proxy_is_not() {
         assert_eq!(
-            outbound_tcp(&cfg(ALL), 1000, 1000, 80, false, || DstClass::Other, || false),
+            outbound_tcp(&cfg(ALL), 1000, 1000, 80, Loopback::No, || DstClass::Other, || false),
             Verdict::Redirect(15001)
         );
         assert_eq!(
-            outbound_tcp(&cfg(ALL), 1337, 1000, 80, false, || DstClass::Other, || false),
+            outbound_tcp(&cfg(ALL), 1337, 1000, 80, Loopback::No, || DstClass::Other, || false),
             Verdict::Pass(Reason::Proxy)
         );
         assert_eq!(
-            outbound_tcp(&cfg(ALL), 1000, 1337, 80, false, || DstClass::Other, || false),
+            outbound_tcp(&cfg(ALL), 1000, 1337, 80, Loopback::No, || DstClass::Other, || false),
             Verdict::Pass(Reason::Proxy)
         );
     }
@@ -134,29 +173,29 @@ mod tests {
         let c = cfg(ALL);
         let other = || DstClass::Other;
         assert_eq!(
-            outbound_tcp(&c, 1000, 1000, 9090, false, other, || true),
+            outbound_tcp(&c, 1000, 1000, 9090, Loopback::No, other, || true),
             Verdict::Pass(Reason::Excluded)
         );
         assert_eq!(
-            outbound_tcp(&c, 1000, 1000, 80, false, || DstClass::Excluded, || true),
+            outbound_tcp(&c, 1000, 1000, 80, Loopback::No, || DstClass::Excluded, || true),
             Verdict::Pass(Reason::Excluded)
         );
         assert_eq!(
-            outbound_tcp(&c, 1000, 1000, 3306, false, || DstClass::Excluded, || false),
+            outbound_tcp(&c, 1000, 1000, 3306, Loopback::No, || DstClass::Excluded, || false),
             Verdict::Pass(Reason::Excluded)
         );
         assert_eq!(
-            outbound_tcp(&c, 1000, 1000, 80, true, other, || true),
+            outbound_tcp(&c, 1000, 1000, 80, Loopback::Localhost, other, || true),
             Verdict::Pass(Reason::Excluded),
             "loopback"
         );
         assert_eq!(
-            outbound_tcp(&c, 1000, 1000, 15008, false, other, || true),
+            outbound_tcp(&c, 1000, 1000, 15008, Loopback::No, other, || true),
             Verdict::Pass(Reason::Excluded),
             "tunnel"
         );
         assert_eq!(
-            outbound_tcp(&c, 1000, 1000, 80, false, || DstClass::OwnPod, || true),
+            outbound_tcp(&c, 1000, 1000, 80, Loopback::No, || DstClass::OwnPod, || true),
             Verdict::Pass(Reason::Excluded),
             "app to itself"
         );
@@ -167,28 +206,70 @@ mod tests {
         let c = cfg(0);
         let other = || DstClass::Other;
         assert_eq!(
-            outbound_tcp(&c, 1000, 1000, 80, false, other, || false),
+            outbound_tcp(&c, 1000, 1000, 80, Loopback::No, other, || false),
             Verdict::Pass(Reason::NotIncluded)
         );
-        assert_eq!(outbound_tcp(&c, 1000, 1000, 80, false, other, || true), Verdict::Redirect(15001));
-        assert_eq!(outbound_tcp(&c, 1000, 1000, 3306, false, other, || false), Verdict::Redirect(15001));
+        assert_eq!(outbound_tcp(&c, 1000, 1000, 80, Loopback::No, other, || true), Verdict::Redirect(15001));
+        assert_eq!(
+            outbound_tcp(&c, 1000, 1000, 3306, Loopback::No, other, || false),
+            Verdict::Redirect(15001)
+        );
     }
 
     #[test]
     fn the_proxy_calling_its_own_pod_goes_to_the_inbound_side() {
         let c = cfg(ALL);
         assert_eq!(
-            outbound_tcp(&c, 1337, 1337, 8080, false, || DstClass::OwnPod, || false),
+            outbound_tcp(&c, 1337, 1337, 8080, Loopback::No, || DstClass::OwnPod, || false),
             Verdict::Redirect(15006)
         );
         assert_eq!(
-            outbound_tcp(&c, 1337, 1337, 15008, false, || DstClass::OwnPod, || false),
+            outbound_tcp(&c, 1337, 1337, 15008, Loopback::No, || DstClass::OwnPod, || false),
             Verdict::Pass(Reason::Proxy)
         );
         assert_eq!(
-            outbound_tcp(&c, 1337, 1337, 53, false, || DstClass::OwnPod, || false),
+            outbound_tcp(&c, 1337, 1337, 53, Loopback::No, || DstClass::OwnPod, || false),
             Verdict::Pass(Reason::Proxy)
         );
+    }
+
+    #[test]
+    fn the_proxy_through_loopback_goes_to_the_inbound_side_as_istio_validation_needs() {
+        let c = cfg(ALL);
+        let none = || panic!("no lookup for loopback");
+        // istio-validation: uid 1337 connects to 127.0.0.6:15002.
+        assert_eq!(loopback4(u32::from_ne_bytes([127, 0, 0, 6])), Loopback::Other);
+        assert_eq!(
+            outbound_tcp(&c, 1337, 1337, 15002, Loopback::Other, none, || false),
+            Verdict::Redirect(15006)
+        );
+        assert_eq!(
+            outbound_tcp(&c, 1000, 1337, 15002, Loopback::Other, none, || false),
+            Verdict::Redirect(15006)
+        );
+        // Envoy's own localhost traffic and the tunnel port stay where they go.
+        assert_eq!(loopback4(u32::from_ne_bytes([127, 0, 0, 1])), Loopback::Localhost);
+        assert_eq!(
+            outbound_tcp(&c, 1337, 1337, 15000, Loopback::Localhost, none, || false),
+            Verdict::Pass(Reason::Proxy)
+        );
+        assert_eq!(
+            outbound_tcp(&c, 1337, 1337, 15008, Loopback::Other, none, || false),
+            Verdict::Pass(Reason::Proxy)
+        );
+        // Apps' loopback traffic is never captured.
+        assert_eq!(
+            outbound_tcp(&c, 1000, 1000, 15002, Loopback::Other, none, || true),
+            Verdict::Pass(Reason::Excluded)
+        );
+        assert_eq!(loopback4(u32::from_ne_bytes([10, 0, 0, 6])), Loopback::No);
+    }
+
+    #[test]
+    fn envoys_inbound_passthrough_is_recognised_by_its_source() {
+        assert!(from_inbound_passthrough(u32::from_ne_bytes([127, 0, 0, 6])));
+        assert!(!from_inbound_passthrough(0), "an unbound socket");
+        assert!(!from_inbound_passthrough(u32::from_ne_bytes([127, 0, 0, 1])));
     }
 
     #[test]
@@ -199,7 +280,7 @@ mod tests {
             1337,
             0,
             80,
-            true,
+            Loopback::Localhost,
             || panic!("no lookup for loopback"),
             || panic!("no include lookup"),
         );
@@ -209,7 +290,7 @@ mod tests {
             1000,
             0,
             9090,
-            false,
+            Loopback::No,
             || panic!("excluded port decides"),
             || panic!("no include lookup"),
         );

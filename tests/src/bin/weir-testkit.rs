@@ -91,6 +91,25 @@ fn main() -> ExitCode {
                 print!("{line}");
                 Ok(())
             }
+            "ask-from" => {
+                // As `ask`, from a socket bound to the source address given first (Envoy's
+                // inbound passthrough binds 127.0.0.6).
+                let src: std::net::IpAddr =
+                    arg(1)?.parse().map_err(|e| format!("source {:?}: {e}", arg(1)))?;
+                let dst = addr(arg(2)?)?;
+                let sock =
+                    socket2::Socket::new(socket2::Domain::for_address(dst), socket2::Type::STREAM, None)
+                        .map_err(|e| format!("socket: {e}"))?;
+                sock.bind(&SocketAddr::new(src, 0).into()).map_err(|e| format!("bind {src}: {e}"))?;
+                sock.connect_timeout(&dst.into(), Duration::from_secs(3))
+                    .map_err(|e| format!("connect: {e}"))?;
+                let mut s: TcpStream = sock.into();
+                s.set_read_timeout(Some(Duration::from_secs(5))).ok();
+                let mut line = String::new();
+                BufReader::new(&mut s).read_line(&mut line).map_err(|e| format!("read: {e}"))?;
+                print!("{line}");
+                Ok(())
+            }
             "connect" => {
                 let count =
                     args.get(2).map(|c| c.parse::<u32>()).transpose().map_err(|e| format!("count: {e}"))?;

@@ -31,6 +31,7 @@ use weir_proto::type_url;
 use super::{
     cluster::{Cluster, NODE_NAME},
     env::{PodStatus, command_line, container_env},
+    images::{self, PodImages},
     manifest::{Container, Manifest, Probe, ProbeKind, Scalar},
     metadata::NodeInputs,
     volumes::{ExtraMount, PodVolumes, VolumeSources, hosts_file},
@@ -86,6 +87,9 @@ pub struct PodOptions {
     pub secrets: BTreeMap<String, BTreeMap<String, String>>,
     /// Directories CSI drivers publish, by driver.
     pub csi: BTreeMap<String, PathBuf>,
+    /// Run Istio's containers from these images (chrooted) instead of the host's
+    /// `weir` with the proxy image's files mounted.
+    pub images: Option<PodImages>,
 }
 
 /// A container's process and how it was run.
@@ -175,6 +179,8 @@ pub struct InjectedPod {
     pub cluster: Cluster,
     pub manifest: Manifest,
     pub status: PodStatus,
+    /// The images Istio's containers run from, when not the host's files.
+    pub images: Option<PodImages>,
 }
 
 impl InjectedPod {
@@ -220,6 +226,7 @@ impl InjectedPod {
             cluster,
             manifest,
             status,
+            images: options.images,
         };
         for container in me.manifest.spec.init_containers.clone() {
             if container.is_sidecar() {
@@ -284,9 +291,20 @@ impl InjectedPod {
         let (uid, gid) = container.user(&self.manifest.spec.security_context);
         let groups = container.groups(&self.manifest.spec.security_context);
         self.as_container(&mut cmd, &env).stdout(Stdio::piped()).stderr(Stdio::piped());
+        let root = self.images.as_ref().map(|i| i.for_container(container).root.clone());
+        let mounts = match &root {
+            Some(root) => self.volumes.mounts_under(root, container, &[])?,
+            None => Vec::new(),
+        };
         let child = self.pod.spawn_placed(
             &mut cmd,
-            Placement { user: Some((uid, gid)), groups: &groups, ..Placement::default() },
+            Placement {
+                user: Some((uid, gid)),
+                groups: &groups,
+                mounts: &mounts,
+                root: root.as_deref(),
+                ..Placement::default()
+            },
         )?;
         let output = child.into_inner().wait_with_output()?;
         let ok = output.status.success();
@@ -323,6 +341,13 @@ impl InjectedPod {
         env: &BTreeMap<String, String>,
     ) -> anyhow::Result<(Command, Vec<String>)> {
         let (command, args) = command_line(container, env);
+        if let Some(images) = &self.images {
+            let (cmd, argv) = images::command(images.for_container(container), command, args)?;
+            if argv[0].rsplit('/').next() != Some("pilot-agent") {
+                bail!("container {}: the image runs {:?}, not pilot-agent", container.name, argv[0]);
+            }
+            return Ok((cmd, argv));
+        }
         let mut argv = if command.is_empty() { vec!["pilot-agent".to_string()] } else { command };
         argv.extend(args);
         let program = argv[0].rsplit('/').next().unwrap_or_default();
@@ -379,25 +404,40 @@ impl InjectedPod {
         for f in [&hosts, &resolv] {
             std::fs::set_permissions(f, std::os::unix::fs::PermissionsExt::from_mode(0o644))?;
         }
-        let extra = [
+        let mut extra = vec![
             ExtraMount { target: "/etc/hosts".into(), source: hosts, read_only: false },
             ExtraMount { target: "/etc/resolv.conf".into(), source: resolv, read_only: false },
-            ExtraMount {
-                target: "/var/lib/istio/envoy/envoy_bootstrap_tmpl.json".into(),
-                source: bootstrap_template(),
-                read_only: true,
-            },
-            ExtraMount { target: "/usr/local/bin/envoy".into(), source: envoy::binary()?, read_only: true },
         ];
-        let mounts: Vec<Mount> = self.volumes.mounts(container, &extra)?;
+        let root = self.images.as_ref().map(|i| i.for_container(container).root.clone());
+        let mounts: Vec<Mount> = match &root {
+            // The image brings its own Envoy (and template, if it has one).
+            Some(root) => self.volumes.mounts_under(root, container, &extra)?,
+            None => {
+                extra.push(ExtraMount {
+                    target: "/var/lib/istio/envoy/envoy_bootstrap_tmpl.json".into(),
+                    source: bootstrap_template(),
+                    read_only: true,
+                });
+                extra.push(ExtraMount {
+                    target: "/usr/local/bin/envoy".into(),
+                    source: envoy::binary()?,
+                    read_only: true,
+                });
+                self.volumes.mounts(container, &extra)?
+            }
+        };
         self.mount_targets.extend(mounts.iter().map(|m| m.target().to_path_buf()));
         let log = self.dir().join(format!("{}.log", container.name));
         let file = std::fs::File::create(&log)?;
         self.as_container(&mut cmd, &run.env).stdout(file.try_clone()?).stderr(file);
-        let child = self.pod.spawn_placed(
-            &mut cmd,
-            Placement { user: Some(run.user), groups: &run.groups, mounts: &mounts, ..Placement::default() },
-        )?;
+        let placement = Placement {
+            user: Some(run.user),
+            groups: &run.groups,
+            mounts: &mounts,
+            root: root.as_deref(),
+            ..Placement::default()
+        };
+        let child = self.pod.spawn_placed(&mut cmd, placement)?;
         RunningContainer::new(&container.name, child, run, Vec::new(), Vec::new(), Some(log))
     }
 
@@ -584,15 +624,30 @@ impl InjectedPod {
     pub fn exec(&self, container: &str, argv: &[String]) -> anyhow::Result<Output> {
         let running = self.container(container);
         let Some((program, args)) = argv.split_first() else { bail!("exec with no command") };
-        let mut cmd = if program.rsplit('/').next() == Some("pilot-agent") {
-            tools::pilot_agent_command()
-        } else {
-            Command::new(program)
+        // In an image, the command runs in the image's root (without the container's
+        // volumes: the hooks and probes this rig sends need none).
+        let spec = self.manifest.init_container(container).or_else(|| self.manifest.container(container));
+        let image = self.images.as_ref().zip(spec).map(|(i, c)| i.for_container(c));
+        let mut cmd = match image {
+            Some(image) => images::command(image, argv.to_vec(), Vec::new())?.0,
+            None if program.rsplit('/').next() == Some("pilot-agent") => {
+                let mut cmd = tools::pilot_agent_command();
+                cmd.args(args);
+                cmd
+            }
+            None => {
+                let mut cmd = Command::new(program);
+                cmd.args(args);
+                cmd
+            }
         };
-        cmd.args(args);
         self.as_container(&mut cmd, &running.env).stdout(Stdio::piped()).stderr(Stdio::piped());
-        let placement =
-            Placement { user: Some(running.user), groups: &running.groups, ..Placement::default() };
+        let placement = Placement {
+            user: Some(running.user),
+            groups: &running.groups,
+            root: image.map(|i| i.root.as_path()),
+            ..Placement::default()
+        };
         let child = self.pod.spawn_placed(&mut cmd, placement)?;
         Ok(child.into_inner().wait_with_output()?)
     }

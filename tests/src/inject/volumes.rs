@@ -164,43 +164,7 @@ impl PodVolumes {
     /// (parents before children), `extra`, and the root made read-only when the
     /// container asks.
     pub fn mounts(&mut self, container: &Container, extra: &[ExtraMount]) -> anyhow::Result<Vec<Mount>> {
-        struct Wanted {
-            target: PathBuf,
-            source: VolumeDir,
-            read_only: bool,
-            file: bool,
-        }
-        let mut wanted = Vec::new();
-        for m in &container.volume_mounts {
-            let dir = self
-                .volumes
-                .get(&m.name)
-                .with_context(|| format!("container {} mounts unknown volume {}", container.name, m.name))?;
-            let source = match (dir, &m.sub_path) {
-                (VolumeDir::Host(path), Some(sub)) if !sub.is_empty() => VolumeDir::Host(path.join(sub)),
-                (VolumeDir::Tmpfs(_), Some(sub)) if !sub.is_empty() => {
-                    bail!("container {}: subPath in Memory emptyDir {}", container.name, m.name)
-                }
-                (dir, _) => dir.clone(),
-            };
-            wanted.push(Wanted {
-                target: clean(&m.mount_path)?,
-                source,
-                read_only: m.read_only,
-                file: false,
-            });
-        }
-        for e in extra {
-            let file = e.source.is_file();
-            wanted.push(Wanted {
-                target: clean(&e.target.to_string_lossy())?,
-                source: VolumeDir::Host(e.source.clone()),
-                read_only: e.read_only,
-                file,
-            });
-        }
-        // Parents first, as runtimes order them.
-        wanted.sort_by_key(|w| w.target.components().count());
+        let wanted = self.wanted(container, extra)?;
 
         // Mount points: inside an earlier host-directory mount (made there, as a
         // runtime would), on the host already, or in an overlay of the nearest
@@ -265,6 +229,109 @@ impl PodVolumes {
         }
         Ok(mounts)
     }
+
+    /// What `container` mounts where: its volumes and `extra`, parents first, as
+    /// runtimes order them.
+    fn wanted(&self, container: &Container, extra: &[ExtraMount]) -> anyhow::Result<Vec<Wanted>> {
+        let mut wanted = Vec::new();
+        for m in &container.volume_mounts {
+            let dir = self
+                .volumes
+                .get(&m.name)
+                .with_context(|| format!("container {} mounts unknown volume {}", container.name, m.name))?;
+            let source = match (dir, &m.sub_path) {
+                (VolumeDir::Host(path), Some(sub)) if !sub.is_empty() => VolumeDir::Host(path.join(sub)),
+                (VolumeDir::Tmpfs(_), Some(sub)) if !sub.is_empty() => {
+                    bail!("container {}: subPath in Memory emptyDir {}", container.name, m.name)
+                }
+                (dir, _) => dir.clone(),
+            };
+            wanted.push(Wanted {
+                target: clean(&m.mount_path)?,
+                source,
+                read_only: m.read_only,
+                file: false,
+            });
+        }
+        for e in extra {
+            let file = e.source.is_file();
+            wanted.push(Wanted {
+                target: clean(&e.target.to_string_lossy())?,
+                source: VolumeDir::Host(e.source.clone()),
+                read_only: e.read_only,
+                file,
+            });
+        }
+        wanted.sort_by_key(|w| w.target.components().count());
+        Ok(wanted)
+    }
+
+    /// `container`'s mounts when it runs in an image's unpacked `root` (chrooted): the
+    /// host's /proc and /dev, its volumes and `extra` at their paths under `root`
+    /// (mount points made in the root, as a runtime makes them in a container's), and
+    /// the root made read-only when the container asks. `root` is bound onto itself
+    /// first, so that it is a mount of its own.
+    pub fn mounts_under(
+        &mut self,
+        root: &Path,
+        container: &Container,
+        extra: &[ExtraMount],
+    ) -> anyhow::Result<Vec<Mount>> {
+        let mut mounts = vec![Mount::Bind { source: root.into(), target: root.into(), read_only: false }];
+        for system in ["/proc", "/dev"] {
+            let target = root.join(&system[1..]);
+            make_mount_point(&target, false)?;
+            mounts.push(Mount::Bind { source: system.into(), target, read_only: false });
+        }
+        let wanted = self.wanted(container, extra)?;
+        for (i, w) in wanted.iter().enumerate() {
+            let rel = w.target.strip_prefix("/").expect("clean paths are absolute");
+            refuse_symlinks(root, rel)?;
+            // Inside an earlier host-directory mount: the mount point is made there.
+            match wanted[..i].iter().rev().find(|p| w.target.starts_with(&p.target)) {
+                Some(parent) => match &parent.source {
+                    VolumeDir::Host(dir) => make_mount_point(
+                        &dir.join(w.target.strip_prefix(&parent.target).expect("inside")),
+                        w.file,
+                    )?,
+                    VolumeDir::Tmpfs(_) => bail!("{} is inside a Memory emptyDir mount", w.target.display()),
+                },
+                None => make_mount_point(&root.join(rel), w.file)?,
+            }
+        }
+        for w in wanted {
+            let target = root.join(w.target.strip_prefix("/").expect("clean paths are absolute"));
+            mounts.push(match w.source {
+                VolumeDir::Host(source) => Mount::Bind { source, target, read_only: w.read_only },
+                VolumeDir::Tmpfs(options) => Mount::Tmpfs { target, options },
+            });
+        }
+        if container.read_only_root() {
+            mounts.push(Mount::ReadOnly { target: root.into() });
+        }
+        Ok(mounts)
+    }
+}
+
+/// Fails when a directory on the way to `rel` under `root` is a symlink: an image's
+/// absolute symlink would lead a mount point out of its root, onto the host.
+fn refuse_symlinks(root: &Path, rel: &Path) -> anyhow::Result<()> {
+    let mut at = root.to_path_buf();
+    for part in rel.parent().into_iter().flat_map(Path::components) {
+        at.push(part);
+        if std::fs::symlink_metadata(&at).is_ok_and(|m| m.file_type().is_symlink()) {
+            bail!("mount point {} goes through the image's symlink {}", rel.display(), at.display());
+        }
+    }
+    Ok(())
+}
+
+/// One mount a container wants.
+struct Wanted {
+    target: PathBuf,
+    source: VolumeDir,
+    read_only: bool,
+    file: bool,
 }
 
 /// An absolute path without `.`, `..` or a trailing `/`.

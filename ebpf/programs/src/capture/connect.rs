@@ -52,12 +52,16 @@ fn connect4(ctx: &SockAddrContext) {
     if sock_type != SOCK_STREAM {
         return;
     }
+    if policy::from_inbound_passthrough(net::bound_src(sa, false).0) {
+        count_pass(Reason::Proxy);
+        return;
+    }
     let verdict = policy::outbound_tcp(
         cfg,
         uid,
         gid,
         port,
-        net::is_loopback4(dst),
+        policy::loopback4(dst),
         || class(net::lookup_v4(&EXCLUDE_V4, netns, dst)),
         || net::lookup_v4(&INCLUDE_V4, netns, dst).is_some(),
     );
@@ -113,13 +117,20 @@ fn connect6(ctx: &SockAddrContext) {
     if sock_type != SOCK_STREAM {
         return;
     }
+    let (_, src) = net::bound_src(sa, true);
+    let passthrough_v6 =
+        src[0] == 0 && src[1] == 0 && src[2] == 0 && src[3] == u32::from_ne_bytes([0, 0, 0, 6]);
+    if passthrough_v6 || net::mapped_v4(&src).is_some_and(policy::from_inbound_passthrough) {
+        count_pass(Reason::Proxy);
+        return;
+    }
     let verdict = match mapped {
         Some(v4) => policy::outbound_tcp(
             cfg,
             uid,
             gid,
             port,
-            net::is_loopback4(v4),
+            policy::loopback4(v4),
             || class(net::lookup_v4(&EXCLUDE_V4, netns, v4)),
             || net::lookup_v4(&INCLUDE_V4, netns, v4).is_some(),
         ),
@@ -128,7 +139,7 @@ fn connect6(ctx: &SockAddrContext) {
             uid,
             gid,
             port,
-            net::is_loopback6(&dst),
+            if net::is_loopback6(&dst) { policy::Loopback::Localhost } else { policy::Loopback::No },
             || class(net::lookup_v6(&EXCLUDE_V6, netns, &dst)),
             || net::lookup_v6(&INCLUDE_V6, netns, &dst).is_some(),
         ),

@@ -58,6 +58,31 @@ pub fn is_loopback6(addr: &[u32; 4]) -> bool {
     addr[0] == 0 && addr[1] == 0 && addr[2] == 0 && addr[3] == u32::from_ne_bytes([0, 0, 0, 1])
 }
 
+/// The addresses the connecting socket is bound to (zero when unbound): IPv4, and
+/// IPv6 for an IPv6 socket. Envoy's inbound passthrough binds 127.0.0.6 (::6).
+#[inline(always)]
+pub fn bound_src(sa: *mut aya_ebpf::bindings::bpf_sock_addr, ipv6: bool) -> (u32, [u32; 4]) {
+    let sk = unsafe { field!(sa, __bindgen_anon_1.sk) };
+    if sk.is_null() {
+        return (0, [0; 4]);
+    }
+    unsafe {
+        if ipv6 {
+            (
+                0,
+                [
+                    field!(sk, src_ip6[0]),
+                    field!(sk, src_ip6[1]),
+                    field!(sk, src_ip6[2]),
+                    field!(sk, src_ip6[3]),
+                ],
+            )
+        } else {
+            (field!(sk, src_ip4), [0; 4])
+        }
+    }
+}
+
 /// `::ffff:a.b.c.d`: the IPv4 address, if `addr` is IPv4-mapped.
 #[inline(always)]
 pub fn mapped_v4(addr: &[u32; 4]) -> Option<u32> {

@@ -1,0 +1,124 @@
+//! Every Kubernetes manifest in the repository validated offline against Kubernetes'
+//! OpenAPI schemas (kubernetes-validate, installed by scripts/bootstrap with its
+//! bundled schemas) for each release Weir supports, in strict mode: an unknown field,
+//! a wrong type or a missing required field fails, naming the file, the resource and
+//! the release. Files with no Kubernetes kind (Helm values, kustomize's Kustomization,
+//! which no API server receives) are not manifests.
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use serde_json::Value;
+
+/// The Kubernetes releases Weir's manifests must be accepted by.
+const RELEASES: &[&str] = &["1.30.0", "1.31.0", "1.32.0", "1.33.0", "1.34.0", "1.35.0", "1.36.0", "1.37.0"];
+/// Documents with these kinds are tools' inputs, not objects for an API server.
+const NOT_MANIFESTS: &[&str] = &["Kustomization"];
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").canonicalize().unwrap()
+}
+
+/// The validator: the interpreter bootstrap installed it for, with its packages.
+fn validator() -> Command {
+    let tools = workspace().join(".tools");
+    let interpreter = std::fs::read_to_string(tools.join("python/INTERPRETER"))
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "python3".into());
+    let lib = tools.join("kubernetes-validate");
+    assert!(lib.join("kubernetes_validate").is_dir(), "{} missing: run scripts/bootstrap", lib.display());
+    let mut cmd = Command::new(interpreter);
+    cmd.env("PYTHONPATH", lib).args(["-m", "kubernetes_validate", "--strict"]);
+    cmd
+}
+
+/// YAML files under the repository (not build output, tools or fuzz corpora).
+fn yaml_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if path.is_dir() {
+            if !matches!(name.as_str(), "target" | ".tools" | ".git" | "corpus" | "artifacts") {
+                yaml_files(&path, out);
+            }
+        } else if name.ends_with(".yaml") || name.ends_with(".yml") || name.ends_with(".yaml.injected") {
+            out.push(path);
+        }
+    }
+}
+
+/// The kinds of the documents in a YAML file (empty for none).
+fn kinds(path: &Path) -> Vec<String> {
+    let text = std::fs::read_to_string(path).unwrap();
+    serde_yaml_ng::Deserializer::from_str(&text)
+        .filter_map(|d| serde::Deserialize::deserialize(d).ok())
+        .filter_map(|v: Value| Some(v.get("kind")?.as_str()?.to_string()))
+        .collect()
+}
+
+/// Validates `files` against `release`: the number of resources that passed, or what
+/// the validator said when any did not. A resource without a schema for the release
+/// (an unknown apiVersion or kind) is only a warning to the validator, and a failure
+/// here: every line must say "passed".
+fn validate(release: &str, files: &[PathBuf]) -> Result<usize, String> {
+    let out = validator().args(["-k", release]).args(files).output().unwrap();
+    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<&str> = said.lines().filter(|l| !l.trim().is_empty()).collect();
+    let passed =
+        lines.iter().filter(|l| l.starts_with("INFO ") && l.contains(" passed for resource ")).count();
+    if out.status.success() && passed > 0 && passed == lines.len() {
+        Ok(passed)
+    } else {
+        Err(format!("Kubernetes {release} ({}):\n{said}", out.status))
+    }
+}
+
+#[test]
+fn every_manifest_in_the_repository_validates_against_each_supported_release() {
+    let mut files = Vec::new();
+    yaml_files(&workspace(), &mut files);
+    files.sort();
+    let manifests: Vec<PathBuf> = files
+        .into_iter()
+        .filter(|f| {
+            let kinds = kinds(f);
+            !kinds.is_empty() && kinds.iter().any(|k| !NOT_MANIFESTS.contains(&k.as_str()))
+        })
+        .collect();
+    let names: Vec<String> =
+        manifests.iter().map(|f| f.strip_prefix(workspace()).unwrap().display().to_string()).collect();
+    for must in ["agent/deploy/weir-cni.yaml", "tests/testdata/istio-inject/hello-readiness.yaml.injected"] {
+        assert!(names.iter().any(|n| n == must), "{must} not among the manifests found: {names:?}");
+    }
+    println!("manifests: {names:?}");
+    let failures: Vec<String> = RELEASES.iter().filter_map(|r| validate(r, &manifests).err()).collect();
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    // Each file holds at least one resource, and each was validated.
+    let resources = validate(RELEASES[0], &manifests).unwrap();
+    assert!(resources >= manifests.len(), "{resources} resources in {} files", manifests.len());
+}
+
+#[test]
+fn the_validator_refuses_an_unknown_field_and_an_unknown_kind() {
+    let dir = std::env::temp_dir().join(format!("weir-manifests-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let typo = dir.join("typo.yaml");
+    std::fs::write(
+        &typo,
+        "apiVersion: apps/v1\nkind: DaemonSet\nmetadata: {name: x}\nspec:\n  selector: {matchLabels: {a: b}}\n  \
+         template:\n    metadata: {labels: {a: b}}\n    spec:\n      containers:\n      - name: c\n        imagee: x\n",
+    )
+    .unwrap();
+    let unknown = dir.join("unknown.yaml");
+    std::fs::write(&unknown, "apiVersion: apps/v9\nkind: DaemonSet\nmetadata: {name: x}\n").unwrap();
+    let typo_said = validate("1.34.0", std::slice::from_ref(&typo));
+    let unknown_said = validate("1.34.0", std::slice::from_ref(&unknown));
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert!(typo_said.as_ref().is_err_and(|e| e.contains("'imagee' was unexpected")), "{typo_said:?}");
+    assert!(
+        unknown_said.as_ref().is_err_and(|e| e.contains("apps/v9")),
+        "an unknown apiVersion passed: {unknown_said:?}"
+    );
+}
