@@ -49,11 +49,15 @@ fn yaml_files(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
-/// The kinds of the documents in a YAML file (empty for none).
+/// The kinds of the documents in a YAML file (empty for none); a file that is not
+/// YAML fails the test, naming it.
 fn kinds(path: &Path) -> Vec<String> {
     let text = std::fs::read_to_string(path).unwrap();
     serde_yaml_ng::Deserializer::from_str(&text)
-        .filter_map(|d| serde::Deserialize::deserialize(d).ok())
+        .map(|d| {
+            serde::Deserialize::deserialize(d)
+                .unwrap_or_else(|e| panic!("{} is not YAML: {e}", path.display()))
+        })
         .filter_map(|v: Value| Some(v.get("kind")?.as_str()?.to_string()))
         .collect()
 }

@@ -259,6 +259,13 @@ pub fn spawn(cmd: &mut Command, placement: Placement<'_>) -> Result<PodChild, Sa
         mount_calls(&resolv.into_iter().chain(placement.mounts.iter().cloned()).collect::<Vec<_>>())?;
     let groups: Vec<libc::gid_t> = placement.groups.to_vec();
     let root = placement.root.map(c_path).transpose()?;
+    if placement.root.is_some() && placement.resolv_conf.is_some() {
+        // resolv_conf binds over the host's /etc/resolv.conf, which a chrooted child
+        // does not see: a caller must mount it under the root instead.
+        return Err(SandboxError::sys(format!(
+            "spawn {name}: resolv_conf with a root; mount it at <root>/etc/resolv.conf"
+        ))(io::Error::from(io::ErrorKind::InvalidInput)));
+    }
     // SAFETY: the closure makes only raw syscalls (write, setns, unshare, mount, chroot,
     // chdir, prctl, setgroups, setgid, setuid) on fds and strings prepared above; no allocation, no locks.
     unsafe {

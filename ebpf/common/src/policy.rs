@@ -48,6 +48,24 @@ pub fn from_inbound_passthrough(src: u32) -> bool {
     src == INBOUND_PASSTHROUGH_SRC4
 }
 
+/// The loopback kind of an IPv6 `dst` (network order in memory): `::1` is localhost;
+/// `::6`, which Istio's validator dials on IPv6 pods, is another loopback address
+/// (Istio's rule is `-o lo ! -d ::1/128`).
+pub fn loopback6(dst: &[u32; 4]) -> Loopback {
+    match (dst[0], dst[1], dst[2], dst[3].to_ne_bytes()) {
+        (0, 0, 0, [0, 0, 0, 1]) => Loopback::Localhost,
+        (0, 0, 0, [0, 0, 0, 6]) => Loopback::Other,
+        _ => Loopback::No,
+    }
+}
+
+/// Whether a socket bound to the IPv6 `src` is Envoy's inbound passthrough (`::6`,
+/// or 127.0.0.6 mapped).
+pub fn from_inbound_passthrough6(src: &[u32; 4]) -> bool {
+    let mapped = src[0] == 0 && src[1] == 0 && src[2] == u32::from_ne_bytes([0, 0, 0xff, 0xff]);
+    loopback6(src) == Loopback::Other || (mapped && from_inbound_passthrough(src[3]))
+}
+
 /// The loopback kind of `dst` (network order in memory).
 pub fn loopback4(dst: u32) -> Loopback {
     let b = dst.to_ne_bytes();
@@ -94,13 +112,17 @@ pub fn outbound_tcp(
     }
     let special = loopback != Loopback::No || dst_port == cfg.tunnel_port;
     if cfg.is_proxy(uid, gid) {
-        // Through lo to anything but localhost: another 127/8 address, or the pod's own.
+        // Through lo to anything but localhost: another loopback address, or the pod's
+        // own. Istio's rule matches the first proxy uid only: the `-o lo ! --uid-owner
+        // <first> -j RETURN` after it passes every other uid and gid-only matches. Port
+        // 53 is left alone only when DNS is captured (`! --dports 53,<tunnel>`).
         let through_lo = match loopback {
             Loopback::Localhost => false,
             Loopback::Other => true,
             Loopback::No => classify() == DstClass::OwnPod,
         };
-        if through_lo && dst_port != cfg.tunnel_port && dst_port != 53 {
+        let dns_skipped = dst_port == 53 && cfg.has(flags::REDIRECT_DNS);
+        if through_lo && uid == cfg.proxy_uids[0] && dst_port != cfg.tunnel_port && !dns_skipped {
             return Verdict::Redirect(cfg.inbound_port);
         }
         return Verdict::Pass(Reason::Proxy);
@@ -219,16 +241,17 @@ mod tests {
     #[test]
     fn the_proxy_calling_its_own_pod_goes_to_the_inbound_side() {
         let c = cfg(ALL);
+        let own = || DstClass::OwnPod;
+        assert_eq!(outbound_tcp(&c, 1337, 1337, 8080, Loopback::No, own, || false), Verdict::Redirect(15006));
         assert_eq!(
-            outbound_tcp(&c, 1337, 1337, 8080, Loopback::No, || DstClass::OwnPod, || false),
-            Verdict::Redirect(15006)
-        );
-        assert_eq!(
-            outbound_tcp(&c, 1337, 1337, 15008, Loopback::No, || DstClass::OwnPod, || false),
+            outbound_tcp(&c, 1337, 1337, 15008, Loopback::No, own, || false),
             Verdict::Pass(Reason::Proxy)
         );
+        // Port 53 is special only when DNS is captured.
+        assert_eq!(outbound_tcp(&c, 1337, 1337, 53, Loopback::No, own, || false), Verdict::Redirect(15006));
+        let dns = cfg(ALL | flags::REDIRECT_DNS);
         assert_eq!(
-            outbound_tcp(&c, 1337, 1337, 53, Loopback::No, || DstClass::OwnPod, || false),
+            outbound_tcp(&dns, 1337, 1337, 53, Loopback::No, own, || false),
             Verdict::Pass(Reason::Proxy)
         );
     }
@@ -243,9 +266,17 @@ mod tests {
             outbound_tcp(&c, 1337, 1337, 15002, Loopback::Other, none, || false),
             Verdict::Redirect(15006)
         );
+        // Only the first proxy uid: a gid-only match and a second uid pass (Istio's uid
+        // block returns every other uid's loopback traffic first).
         assert_eq!(
             outbound_tcp(&c, 1000, 1337, 15002, Loopback::Other, none, || false),
-            Verdict::Redirect(15006)
+            Verdict::Pass(Reason::Proxy)
+        );
+        let mut two = cfg(ALL);
+        two.proxy_uids[1] = 1338;
+        assert_eq!(
+            outbound_tcp(&two, 1338, 1000, 15002, Loopback::Other, none, || false),
+            Verdict::Pass(Reason::Proxy)
         );
         // Envoy's own localhost traffic and the tunnel port stay where they go.
         assert_eq!(loopback4(u32::from_ne_bytes([127, 0, 0, 1])), Loopback::Localhost);
@@ -263,6 +294,11 @@ mod tests {
             Verdict::Pass(Reason::Excluded)
         );
         assert_eq!(loopback4(u32::from_ne_bytes([10, 0, 0, 6])), Loopback::No);
+        // IPv6: ::1 is localhost, ::6 (the validator's address on IPv6 pods) is not.
+        let six = |last: u8| [0, 0, 0, u32::from_ne_bytes([0, 0, 0, last])];
+        assert_eq!(loopback6(&six(1)), Loopback::Localhost);
+        assert_eq!(loopback6(&six(6)), Loopback::Other);
+        assert_eq!(loopback6(&[u32::from_ne_bytes([0xfd, 0, 0, 0]), 0, 0, six(6)[3]]), Loopback::No);
     }
 
     #[test]
@@ -270,6 +306,10 @@ mod tests {
         assert!(from_inbound_passthrough(u32::from_ne_bytes([127, 0, 0, 6])));
         assert!(!from_inbound_passthrough(0), "an unbound socket");
         assert!(!from_inbound_passthrough(u32::from_ne_bytes([127, 0, 0, 1])));
+        assert!(from_inbound_passthrough6(&[0, 0, 0, u32::from_ne_bytes([0, 0, 0, 6])]));
+        let mapped = [0, 0, u32::from_ne_bytes([0, 0, 0xff, 0xff]), u32::from_ne_bytes([127, 0, 0, 6])];
+        assert!(from_inbound_passthrough6(&mapped));
+        assert!(!from_inbound_passthrough6(&[0; 4]), "an unbound socket");
     }
 
     #[test]

@@ -296,6 +296,7 @@ impl InjectedPod {
             Some(root) => self.volumes.mounts_under(root, container, &[])?,
             None => Vec::new(),
         };
+        self.mount_targets.extend(mounts.iter().map(|m| m.target().to_path_buf()));
         let child = self.pod.spawn_placed(
             &mut cmd,
             Placement {

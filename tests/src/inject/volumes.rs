@@ -279,6 +279,7 @@ impl PodVolumes {
     ) -> anyhow::Result<Vec<Mount>> {
         let mut mounts = vec![Mount::Bind { source: root.into(), target: root.into(), read_only: false }];
         for system in ["/proc", "/dev"] {
+            refuse_symlinks(root, Path::new(&system[1..]))?;
             let target = root.join(&system[1..]);
             make_mount_point(&target, false)?;
             mounts.push(Mount::Bind { source: system.into(), target, read_only: false });
@@ -313,11 +314,12 @@ impl PodVolumes {
     }
 }
 
-/// Fails when a directory on the way to `rel` under `root` is a symlink: an image's
-/// absolute symlink would lead a mount point out of its root, onto the host.
+/// Fails when `rel` under `root`, or a directory on the way to it, is a symlink: an
+/// image's absolute symlink would lead a mount point (made from the host's side) out of
+/// its root, onto the host.
 fn refuse_symlinks(root: &Path, rel: &Path) -> anyhow::Result<()> {
     let mut at = root.to_path_buf();
-    for part in rel.parent().into_iter().flat_map(Path::components) {
+    for part in rel.components() {
         at.push(part);
         if std::fs::symlink_metadata(&at).is_ok_and(|m| m.file_type().is_symlink()) {
             bail!("mount point {} goes through the image's symlink {}", rel.display(), at.display());

@@ -52,7 +52,7 @@ fn connect4(ctx: &SockAddrContext) {
     if sock_type != SOCK_STREAM {
         return;
     }
-    if policy::from_inbound_passthrough(net::bound_src(sa, false).0) {
+    if policy::from_inbound_passthrough(net::bound_src4(sa)) {
         count_pass(Reason::Proxy);
         return;
     }
@@ -117,10 +117,7 @@ fn connect6(ctx: &SockAddrContext) {
     if sock_type != SOCK_STREAM {
         return;
     }
-    let (_, src) = net::bound_src(sa, true);
-    let passthrough_v6 =
-        src[0] == 0 && src[1] == 0 && src[2] == 0 && src[3] == u32::from_ne_bytes([0, 0, 0, 6]);
-    if passthrough_v6 || net::mapped_v4(&src).is_some_and(policy::from_inbound_passthrough) {
+    if policy::from_inbound_passthrough6(&net::bound_src6(sa)) {
         count_pass(Reason::Proxy);
         return;
     }
@@ -139,7 +136,7 @@ fn connect6(ctx: &SockAddrContext) {
             uid,
             gid,
             port,
-            if net::is_loopback6(&dst) { policy::Loopback::Localhost } else { policy::Loopback::No },
+            policy::loopback6(&dst),
             || class(net::lookup_v6(&EXCLUDE_V6, netns, &dst)),
             || net::lookup_v6(&INCLUDE_V6, netns, &dst).is_some(),
         ),

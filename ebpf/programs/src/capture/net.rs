@@ -58,28 +58,27 @@ pub fn is_loopback6(addr: &[u32; 4]) -> bool {
     addr[0] == 0 && addr[1] == 0 && addr[2] == 0 && addr[3] == u32::from_ne_bytes([0, 0, 0, 1])
 }
 
-/// The addresses the connecting socket is bound to (zero when unbound): IPv4, and
-/// IPv6 for an IPv6 socket. Envoy's inbound passthrough binds 127.0.0.6 (::6).
+/// The IPv4 address the connecting socket is bound to (0 when unbound). Envoy's
+/// inbound passthrough binds 127.0.0.6.
 #[inline(always)]
-pub fn bound_src(sa: *mut aya_ebpf::bindings::bpf_sock_addr, ipv6: bool) -> (u32, [u32; 4]) {
+pub fn bound_src4(sa: *mut aya_ebpf::bindings::bpf_sock_addr) -> u32 {
     let sk = unsafe { field!(sa, __bindgen_anon_1.sk) };
     if sk.is_null() {
-        return (0, [0; 4]);
+        return 0;
+    }
+    unsafe { field!(sk, src_ip4) }
+}
+
+/// The IPv6 address the connecting socket is bound to (`::` when unbound); `::6` for
+/// Envoy's inbound passthrough.
+#[inline(always)]
+pub fn bound_src6(sa: *mut aya_ebpf::bindings::bpf_sock_addr) -> [u32; 4] {
+    let sk = unsafe { field!(sa, __bindgen_anon_1.sk) };
+    if sk.is_null() {
+        return [0; 4];
     }
     unsafe {
-        if ipv6 {
-            (
-                0,
-                [
-                    field!(sk, src_ip6[0]),
-                    field!(sk, src_ip6[1]),
-                    field!(sk, src_ip6[2]),
-                    field!(sk, src_ip6[3]),
-                ],
-            )
-        } else {
-            (field!(sk, src_ip4), [0; 4])
-        }
+        [field!(sk, src_ip6[0]), field!(sk, src_ip6[1]), field!(sk, src_ip6[2]), field!(sk, src_ip6[3])]
     }
 }
 
