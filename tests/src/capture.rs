@@ -211,10 +211,16 @@ pub fn cgroup_programs(cgroup: &Path) -> Vec<String> {
 /// Names of the programs on `pod`'s eth0 ingress: TCX links (Linux 6.6+) and tc
 /// filters (`tc filter show`, one name per filter: its line names the program twice),
 /// which the node classifier uses. Panics when either probe fails, so "nothing
-/// attached" is never a failed probe.
+/// attached" is never a failed probe. A kernel before 6.6 has no TCX (aya attaches a
+/// tc filter there): it is not asked, rather than read as having nothing.
 pub fn inbound_programs(pod: &Pod) -> Vec<String> {
-    let mut names = weir_agent::ebpf::inbound::inbound_programs(pod.netns().path(), "eth0")
-        .unwrap_or_else(|e| panic!("query the TCX programs on eth0 (Linux 6.6+): {e}"));
+    let kernel = aya::util::KernelVersion::current().expect("read the kernel's version");
+    let mut names = if kernel >= aya::util::KernelVersion::new(6, 6, 0) {
+        weir_agent::ebpf::inbound::inbound_programs(pod.netns().path(), "eth0")
+            .unwrap_or_else(|e| panic!("query the TCX programs on eth0 (Linux {kernel:?}): {e}"))
+    } else {
+        Vec::new()
+    };
     names.extend(in_pod(pod, "tc", &["filter", "show", "dev", "eth0", "ingress"]).lines().filter_map(
         |line| {
             line.split_whitespace()
