@@ -81,15 +81,18 @@ pub fn run_testkit(pod: &Pod, placement: Placement<'_>, args: &[&str]) -> String
 /// `weir istio-iptables <args>` inside `pod`, as root, optionally with the pod's own
 /// resolv.conf.
 pub fn istio_iptables(pod: &Pod, args: &[&str], resolv_conf: Option<&Path>) -> Output {
+    istio_iptables_placed(pod, Placement { user: Some((0, 0)), resolv_conf, ..Placement::default() }, args)
+}
+
+/// `weir istio-iptables <args>` inside `pod`, placed (user, cgroup) as the caller says.
+pub fn istio_iptables_placed(pod: &Pod, placement: Placement<'_>, args: &[&str]) -> Output {
     let mut cmd = tools::weir_command();
     cmd.arg("istio-iptables")
         .args(args)
         .env("WEIR_LOG", "warn")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    let child = pod
-        .spawn_placed(&mut cmd, Placement { user: Some((0, 0)), resolv_conf, ..Placement::default() })
-        .expect("spawn weir istio-iptables");
+    let child = pod.spawn_placed(&mut cmd, placement).expect("spawn weir istio-iptables");
     child.into_inner().wait_with_output().expect("wait weir")
 }
 

@@ -93,15 +93,6 @@ impl UnpackedImage {
     pub fn path(&self, path: &str) -> PathBuf {
         self.root.join(path.trim_start_matches('/'))
     }
-
-    /// The config's user as (uid, gid); root when unset.
-    pub fn uid_gid(&self) -> anyhow::Result<(u32, u32)> {
-        if self.user.is_empty() {
-            return Ok((0, 0));
-        }
-        let (u, g) = self.user.split_once(':').unwrap_or((&self.user, "0"));
-        Ok((u.parse().context("image user")?, g.parse().context("image group")?))
-    }
 }
 
 fn untar(archive: &Path, into: &Path, gzip: bool) -> anyhow::Result<()> {

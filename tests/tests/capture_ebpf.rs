@@ -316,13 +316,8 @@ fn real_envoy_forwards_captured_traffic_to_the_original_destination() {
 
 /// `weir istio-iptables --run-validation` in `pod`, placed as istio-validation runs.
 fn validation(pod: &weir_tests::Pod, placement: Placement<'_>) -> std::process::Output {
-    let mut cmd = weir_tests::tools::weir_command();
-    cmd.args(["istio-iptables", "--skip-rule-apply", "--run-validation", "--probe-timeout", "3s"])
-        .env("WEIR_LOG", "warn")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped());
-    let child = pod.spawn_placed(&mut cmd, placement).expect("spawn weir istio-iptables");
-    child.into_inner().wait_with_output().expect("wait weir")
+    let probe = ["--skip-rule-apply", "--run-validation", "--probe-timeout", "3s"];
+    weir_tests::capture::istio_iptables_placed(pod, placement, &probe)
 }
 
 #[test]

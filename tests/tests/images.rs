@@ -30,6 +30,7 @@ use weir_tests::{
     envoy::tempfile_dir::Dir,
     inject::{
         InjectedPod, Manifest, PodOptions, ProbeKind, ProbeOutcome, images::PodImages, pod::PROBE_BUDGET,
+        volumes::mount_point_under,
     },
     oci::UnpackedImage,
     require_root, test_cgroup, test_name,
@@ -67,7 +68,7 @@ fn the_init_and_proxy_images_run_an_injected_pod() {
     assert_eq!(proxy.user, "1337:1337");
     assert!(proxy.path("/usr/local/bin/envoy").is_file());
     assert!(!proxy.path("/var/lib/istio/envoy/envoy_bootstrap_tmpl.json").exists());
-    let (init_root, proxy_root) = (init.root.clone(), proxy.root.clone());
+    let proxy_root = proxy.root.clone();
 
     let manifest = Manifest::load("hello-readiness.yaml.injected").unwrap_or_else(|e| panic!("{e:#}"));
     let options = PodOptions { images: Some(PodImages { init, proxy }), ..PodOptions::default() };
@@ -106,7 +107,6 @@ fn the_init_and_proxy_images_run_an_injected_pod() {
         .filter_map(|p| std::fs::read_link(format!("/proc/{p}/exe")).ok())
         .collect();
     assert!(exes.contains(&image_envoy), "no process runs {}: {exes:?}", image_envoy.display());
-    assert_ne!(init_root, proxy_root);
 
     // Envoy holds istiod's config and a workload certificate from istiod's CA.
     assert!(pod.cluster.acked(type_url::LISTENER, WAIT), "no LDS ACK\n{}", proxy_log(&pod));
@@ -203,7 +203,7 @@ fn the_cni_image_installs_the_daemonsets_node_agent() {
     let under = |p: &str| root.join(p.trim_start_matches('/'));
     let mut mounts = vec![Mount::Bind { source: root.clone(), target: root.clone(), read_only: false }];
     for system in ["/proc", "/dev", "/sys"] {
-        std::fs::create_dir_all(under(system)).unwrap();
+        mount_point_under(root, Path::new(system), false).unwrap();
         mounts.push(Mount::Bind { source: system.into(), target: under(system), read_only: false });
     }
     let mut wanted: Vec<(String, PathBuf)> = container["volumeMounts"]
@@ -215,7 +215,7 @@ fn the_cni_image_installs_the_daemonsets_node_agent() {
     wanted.push(("/var/run/secrets/kubernetes.io/serviceaccount".into(), sa.clone()));
     wanted.sort_by_key(|(path, _)| path.matches('/').count());
     for (path, source) in wanted {
-        std::fs::create_dir_all(under(&path)).unwrap();
+        mount_point_under(root, Path::new(&path), false).unwrap();
         mounts.push(Mount::Bind { source, target: under(&path), read_only: false });
     }
     // The pods' cgroup the manifest names, inside the cgroup volume: the test cgroup.

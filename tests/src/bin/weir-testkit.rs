@@ -83,13 +83,9 @@ fn main() -> ExitCode {
                 })
             }
             "ask" => {
-                let mut s = TcpStream::connect_timeout(&addr(arg(1)?)?, Duration::from_secs(3))
+                let s = TcpStream::connect_timeout(&addr(arg(1)?)?, Duration::from_secs(3))
                     .map_err(|e| format!("connect: {e}"))?;
-                s.set_read_timeout(Some(Duration::from_secs(5))).ok();
-                let mut line = String::new();
-                BufReader::new(&mut s).read_line(&mut line).map_err(|e| format!("read: {e}"))?;
-                print!("{line}");
-                Ok(())
+                print_first_line(s)
             }
             "ask-from" => {
                 // As `ask`, from a socket bound to the source address given first (Envoy's
@@ -97,18 +93,12 @@ fn main() -> ExitCode {
                 let src: std::net::IpAddr =
                     arg(1)?.parse().map_err(|e| format!("source {:?}: {e}", arg(1)))?;
                 let dst = addr(arg(2)?)?;
-                let sock =
-                    socket2::Socket::new(socket2::Domain::for_address(dst), socket2::Type::STREAM, None)
-                        .map_err(|e| format!("socket: {e}"))?;
+                let sock = Socket::new(Domain::for_address(dst), Type::STREAM, None)
+                    .map_err(|e| format!("socket: {e}"))?;
                 sock.bind(&SocketAddr::new(src, 0).into()).map_err(|e| format!("bind {src}: {e}"))?;
                 sock.connect_timeout(&dst.into(), Duration::from_secs(3))
                     .map_err(|e| format!("connect: {e}"))?;
-                let mut s: TcpStream = sock.into();
-                s.set_read_timeout(Some(Duration::from_secs(5))).ok();
-                let mut line = String::new();
-                BufReader::new(&mut s).read_line(&mut line).map_err(|e| format!("read: {e}"))?;
-                print!("{line}");
-                Ok(())
+                print_first_line(sock.into())
             }
             "connect" => {
                 let count =
@@ -128,6 +118,15 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Prints the first line the server sends (waiting 5 s at most): `ask`'s answer.
+fn print_first_line(mut s: TcpStream) -> Result<(), String> {
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok();
+    let mut line = String::new();
+    BufReader::new(&mut s).read_line(&mut line).map_err(|e| format!("read: {e}"))?;
+    print!("{line}");
+    Ok(())
 }
 
 fn addr(raw: &str) -> Result<SocketAddr, String> {

@@ -279,15 +279,11 @@ impl PodVolumes {
     ) -> anyhow::Result<Vec<Mount>> {
         let mut mounts = vec![Mount::Bind { source: root.into(), target: root.into(), read_only: false }];
         for system in ["/proc", "/dev"] {
-            refuse_symlinks(root, Path::new(&system[1..]))?;
-            let target = root.join(&system[1..]);
-            make_mount_point(&target, false)?;
+            let target = mount_point_under(root, Path::new(system), false)?;
             mounts.push(Mount::Bind { source: system.into(), target, read_only: false });
         }
         let wanted = self.wanted(container, extra)?;
         for (i, w) in wanted.iter().enumerate() {
-            let rel = w.target.strip_prefix("/").expect("clean paths are absolute");
-            refuse_symlinks(root, rel)?;
             // Inside an earlier host-directory mount: the mount point is made there.
             match wanted[..i].iter().rev().find(|p| w.target.starts_with(&p.target)) {
                 Some(parent) => match &parent.source {
@@ -297,7 +293,7 @@ impl PodVolumes {
                     )?,
                     VolumeDir::Tmpfs(_) => bail!("{} is inside a Memory emptyDir mount", w.target.display()),
                 },
-                None => make_mount_point(&root.join(rel), w.file)?,
+                None => drop(mount_point_under(root, &w.target, w.file)?),
             }
         }
         for w in wanted {
@@ -314,18 +310,22 @@ impl PodVolumes {
     }
 }
 
-/// Fails when `rel` under `root`, or a directory on the way to it, is a symlink: an
-/// image's absolute symlink would lead a mount point (made from the host's side) out of
-/// its root, onto the host.
-fn refuse_symlinks(root: &Path, rel: &Path) -> anyhow::Result<()> {
+/// The mount point for the absolute container `path` in an image's unpacked `root`
+/// (a directory, or an empty file), made from the host's side; its host path. Fails when
+/// `path`, or a directory on the way to it, is a symlink in the image: an absolute
+/// symlink would lead the mount point out of the root, onto the host.
+pub fn mount_point_under(root: &Path, path: &Path, file: bool) -> anyhow::Result<PathBuf> {
+    let rel =
+        path.strip_prefix("/").with_context(|| format!("mount path {} is not absolute", path.display()))?;
     let mut at = root.to_path_buf();
     for part in rel.components() {
         at.push(part);
         if std::fs::symlink_metadata(&at).is_ok_and(|m| m.file_type().is_symlink()) {
-            bail!("mount point {} goes through the image's symlink {}", rel.display(), at.display());
+            bail!("mount point {} goes through the image's symlink {}", path.display(), at.display());
         }
     }
-    Ok(())
+    make_mount_point(&at, file)?;
+    Ok(at)
 }
 
 /// One mount a container wants.
