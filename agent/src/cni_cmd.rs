@@ -205,6 +205,30 @@ impl InstallArgs {
     }
 }
 
+/// A node whose kernel cannot run eBPF capture (before 5.14, a cgroup v1 host) still
+/// gets the plugin: its pods are captured with netfilter (`auto` finds no node capture),
+/// and the log says why. Only `--capture-mode ebpf` makes that an error.
+fn node_capture_or_fallback(s: &mut InstallSettings, capture_mode: &str) -> anyhow::Result<()> {
+    let Some((name, cgroup)) = &s.ebpf else { return Ok(()) };
+    if crate::cni::ebpf::node_capture_present(name) {
+        return Ok(());
+    }
+    let Some(why) = crate::ebpf::detect::ebpf_unavailable() else { return Ok(()) };
+    anyhow::ensure!(
+        capture_mode != "ebpf",
+        "--capture-mode ebpf with --ebpf-cgroup {}: eBPF capture cannot work on this node: {why}",
+        cgroup.display()
+    );
+    tracing::warn!(
+        cgroup = %cgroup.display(),
+        reason = %why,
+        "eBPF node capture unavailable: pods are captured with netfilter"
+    );
+    eprintln!("weir cni: no eBPF node capture ({why}): pods are captured with netfilter");
+    s.ebpf = None;
+    Ok(())
+}
+
 pub fn run(args: CniArgs) -> anyhow::Result<()> {
     match args.command {
         CniCommand::Repair(a) => {
@@ -228,7 +252,8 @@ pub fn run(args: CniArgs) -> anyhow::Result<()> {
                     "weir cni install --ebpf-cgroup",
                 )?;
             }
-            let s = a.settings()?;
+            let mut s = a.settings()?;
+            node_capture_or_fallback(&mut s, &a.plugin.capture_mode)?;
             if a.once {
                 let changes = install::ensure(&s)?;
                 tracing::info!(?changes, "weir-cni installed");

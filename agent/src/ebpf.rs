@@ -16,7 +16,10 @@ pub mod probe;
 pub mod record;
 pub mod set;
 
-use std::path::PathBuf;
+use std::{
+    fs::File,
+    path::{Path, PathBuf},
+};
 
 /// Failures while loading or attaching Weir's eBPF programs.
 #[derive(Debug, thiserror::Error)]
@@ -48,6 +51,11 @@ pub enum EbpfError {
         #[source]
         source: std::io::Error,
     },
+    #[error(
+        "{path} is not a cgroup v2 directory (its file system is {fs}): eBPF capture attaches \
+         only to cgroup v2; on a cgroup v1 host use `weir capture apply` (nftables or iptables)"
+    )]
+    NotCgroup2 { path: PathBuf, fs: String },
     #[error("attach {program} to cgroup {path}")]
     Attach {
         program: &'static str,
@@ -73,4 +81,42 @@ pub enum EbpfError {
         #[source]
         source: aya::maps::MapError,
     },
+}
+
+/// Opens `path` for attaching cgroup programs, refusing anything that is not a cgroup v2
+/// directory: a cgroup v1 hierarchy (or a plain directory) would otherwise fail deep in
+/// the kernel with EBADF, or on a hybrid host be mistaken for the pod's cgroup.
+pub(crate) fn open_cgroup2(path: &Path) -> Result<File, EbpfError> {
+    let open_err = |source| EbpfError::OpenCgroup { path: path.to_path_buf(), source };
+    let dir = File::open(path).map_err(open_err)?;
+    let fs = nix::sys::statfs::fstatfs(&dir).map_err(|e| open_err(e.into()))?;
+    let kind = fs.filesystem_type();
+    if kind != nix::sys::statfs::CGROUP2_SUPER_MAGIC {
+        let fs = match kind {
+            nix::sys::statfs::CGROUP_SUPER_MAGIC => "cgroup (v1)".to_string(),
+            nix::sys::statfs::TMPFS_MAGIC => "tmpfs".to_string(),
+            other => format!("type {:#x}", other.0),
+        };
+        return Err(EbpfError::NotCgroup2 { path: path.to_path_buf(), fs });
+    }
+    Ok(dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_directory_that_is_not_cgroup2_is_refused_naming_its_file_system() {
+        let dir = std::env::temp_dir();
+        let e = open_cgroup2(&dir).unwrap_err();
+        assert!(matches!(e, EbpfError::NotCgroup2 { .. }), "{e}");
+        let text = e.to_string();
+        assert!(
+            text.contains(&dir.display().to_string()) && text.contains("not a cgroup v2 directory"),
+            "{text}"
+        );
+        let missing = open_cgroup2(Path::new("/nonexistent/weir-cgroup")).unwrap_err();
+        assert!(matches!(missing, EbpfError::OpenCgroup { .. }), "{missing}");
+    }
 }

@@ -39,6 +39,10 @@ impl Family {
     }
 }
 
+/// The outbound half of the command line Istio's injector gives istio-init:
+/// `-p 15001 -z 15006 -u 1337 -m REDIRECT -i '*' -x ""` (inbound: `-b`, `-d`).
+pub const INJECTOR_OUTBOUND: [&str; 12] =
+    ["-p", "15001", "-z", "15006", "-u", "1337", "-m", "REDIRECT", "-i", "*", "-x", ""];
 /// Starts a testkit server in `pod` as `uid` and waits for its `listening` line.
 pub fn start_server(pod: &Pod, uid: u32, args: &[&str]) -> PodChild {
     start_server_placed(pod, Placement { user: Some((uid, uid)), ..Placement::default() }, args)

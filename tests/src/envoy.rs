@@ -275,3 +275,30 @@ static_resources:
         admin_port = admin.port(),
     )
 }
+
+/// A sidecar's outbound path reduced to its core: the 15001 listener restores the
+/// original destination (`original_dst`) and tcp_proxies to it (`PassthroughCluster`);
+/// admin on 127.0.0.1:15000.
+pub const OUTBOUND_PASSTHROUGH: &str = r#"
+admin:
+  address: { socket_address: { address: 127.0.0.1, port_value: 15000 } }
+static_resources:
+  listeners:
+  - name: virtualOutbound
+    address: { socket_address: { address: 0.0.0.0, port_value: 15001 } }
+    listener_filters:
+    - name: envoy.filters.listener.original_dst
+      typed_config: { "@type": type.googleapis.com/envoy.extensions.filters.listener.original_dst.v3.OriginalDst }
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.tcp_proxy
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy
+          stat_prefix: outbound
+          cluster: PassthroughCluster
+  clusters:
+  - name: PassthroughCluster
+    type: ORIGINAL_DST
+    lb_policy: CLUSTER_PROVIDED
+    connect_timeout: 5s
+"#;

@@ -26,6 +26,7 @@ pub mod http;
 pub mod http_server;
 pub mod inject;
 pub mod istiod_ca;
+pub mod kernel;
 pub mod mtls_pair;
 pub mod oci;
 pub mod privilege;

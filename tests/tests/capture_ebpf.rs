@@ -227,32 +227,6 @@ fn sk_msg_passes_local_pairs_socket_to_socket_and_keeps_data_intact() {
     assert_eq!(plain.get("skmsg_redirected"), 0, "without acceleration nothing is redirected: {plain:?}");
 }
 
-/// Envoy's sidecar shape in miniature: an outbound listener on 15001 that restores the
-/// original destination and an ORIGINAL_DST cluster that connects to it.
-const ENVOY_OUTBOUND: &str = r#"
-admin:
-  address: { socket_address: { address: 127.0.0.1, port_value: 15000 } }
-static_resources:
-  listeners:
-  - name: virtualOutbound
-    address: { socket_address: { address: 0.0.0.0, port_value: 15001 } }
-    listener_filters:
-    - name: envoy.filters.listener.original_dst
-      typed_config: { "@type": type.googleapis.com/envoy.extensions.filters.listener.original_dst.v3.OriginalDst }
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.tcp_proxy
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.tcp_proxy.v3.TcpProxy
-          stat_prefix: outbound
-          cluster: PassthroughCluster
-  clusters:
-  - name: PassthroughCluster
-    type: ORIGINAL_DST
-    lb_policy: CLUSTER_PROVIDED
-    connect_timeout: 5s
-"#;
-
 #[test]
 fn real_envoy_forwards_captured_traffic_to_the_original_destination() {
     require_root!();
@@ -279,7 +253,7 @@ fn real_envoy_forwards_captured_traffic_to_the_original_destination() {
     let sidecar = Placement { user: Some((1337, 1337)), cgroup: Some(&cgroup), ..Placement::default() };
     let envoy = weir_tests::envoy::Envoy::start_placed(
         &client,
-        ENVOY_OUTBOUND,
+        weir_tests::envoy::OUTBOUND_PASSTHROUGH,
         "127.0.0.1:15000".parse().unwrap(),
         sidecar,
     )

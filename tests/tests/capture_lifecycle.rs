@@ -148,20 +148,7 @@ fn the_injectors_command_line_programs_istios_rules() {
     let pilot_agent = dir.path().join("pilot-agent");
     symlink(weir_tests::tools::weir(), &pilot_agent).unwrap();
     let mut cmd = Command::new(&pilot_agent);
-    cmd.args([
-        "istio-iptables",
-        "-p",
-        "15001",
-        "-z",
-        "15006",
-        "-u",
-        "1337",
-        "-m",
-        "REDIRECT",
-        "-i",
-        "*",
-        "-x",
-        "",
+    cmd.arg("istio-iptables").args(weir_tests::capture::INJECTOR_OUTBOUND).args([
         "-b",
         "*",
         "-d",

@@ -305,6 +305,99 @@ fn a_hundred_parallel_adds_each_capture_their_own_pod() {
     }
 }
 
+/// The node's DaemonSet agent: `weir cni install|uninstall --ebpf-cgroup` on a test
+/// host layout (net.d with a primary conflist, bin, run) and this node's kubeconfig.
+struct NodeAgent {
+    host: Dir,
+    kubeconfig: std::path::PathBuf,
+    cgroup: String,
+    name: String,
+}
+
+impl NodeAgent {
+    fn new(node: &Node, cgroup: &Path, name: &str) -> Self {
+        let host = Dir::new("cni-host").unwrap();
+        std::fs::create_dir_all(host.path().join("net.d")).unwrap();
+        std::fs::write(
+            host.path().join("net.d/10-k8s.conflist"),
+            r#"{"cniVersion":"1.0.0","name":"k8s","plugins":[{"type":"ptp"}]}"#,
+        )
+        .unwrap();
+        Self {
+            host,
+            kubeconfig: node.run_dir.path().join("istio-cni-kubeconfig"),
+            cgroup: cgroup.display().to_string(),
+            name: name.into(),
+        }
+    }
+
+    fn run(&self, verb: &str, once: &[&str]) -> std::process::Output {
+        let dir = |d: &str| self.host.path().join(d);
+        tools::weir_command()
+            .args(["cni", verb])
+            .args(once)
+            .args(["--ebpf-cgroup", &self.cgroup, "--ebpf-name", &self.name])
+            .arg("--cni-net-dir")
+            .arg(dir("net.d"))
+            .arg("--cni-bin-dir")
+            .arg(dir("bin"))
+            .arg("--run-dir")
+            .arg(dir("run"))
+            .arg("--kubeconfig")
+            .arg(&self.kubeconfig)
+            .output()
+            .unwrap()
+    }
+
+    /// The chain as install left it.
+    fn installed(&self) -> Value {
+        serde_json::from_slice(&std::fs::read(self.host.path().join("net.d/10-k8s.conflist")).unwrap())
+            .unwrap()
+    }
+}
+
+/// web-1's ADD in auto mode, the conflist naming the node capture `capture`: the
+/// conflist, the attachment, the result and the pod's IP.
+fn add_auto(
+    node: &Node,
+    rt: &CniRuntime<'_>,
+    pod: &NetNs,
+    capture: &str,
+) -> (Value, Attachment, Value, String) {
+    let list = node.conflist(json!({"capture_mode": "auto", "ebpf_node_capture": capture}));
+    let a = Attachment::pod("c-web-1", pod.path(), "shop", "web-1");
+    let result = rt.add(&list, &a).unwrap_or_else(|e| panic!("ADD: {e}"));
+    let ip = pod_ip(&result);
+    (list, a, result, ip)
+}
+
+/// A process of the pod as `uid`, in `cgroup` when given.
+fn placed<'a>(pod: &'a NetNs, cgroup: Option<&'a weir_tests::Cgroup>, uid: u32) -> Placement<'a> {
+    Placement { netns: Some(pod), cgroup, user: Some((uid, uid)), ..Placement::default() }
+}
+
+/// Stand-ins on 15001 and 15006 (uid 1337); the app (uid 1000) connects to the gateway
+/// and must land on 15001 with its original destination. Then the node connects to the
+/// pod's 8080: returns the (local, original destination) the inbound side reported, and
+/// the stand-ins, still listening (so a later connect that fails was not captured).
+fn ask_through_capture(
+    node: &Node,
+    pod: &NetNs,
+    cgroup: Option<&weir_tests::Cgroup>,
+    ip: &str,
+    rules: &str,
+) -> (String, String, [weir_tests::PodChild; 2]) {
+    let outbound = start_placed(placed(pod, cgroup, 1337), &["capture-listener", "0.0.0.0:15001"]).unwrap();
+    let inbound = start_placed(placed(pod, cgroup, 1337), &["capture-listener", "0.0.0.0:15006"]).unwrap();
+    let app = placed(pod, cgroup, 1000);
+    let out = run_placed(app, tools::testkit_command(), &["ask", &format!("{GATEWAY}:80")]);
+    let (local, orig) = captured(&out).unwrap_or_else(|| panic!("outbound not captured: {out}\n{rules}"));
+    assert!(local.ends_with(":15001") && orig == format!("{GATEWAY}:80"), "{out}");
+    let out = run_in(&node.ns, None, tools::testkit_command(), &["ask", &format!("{ip}:8080")]);
+    let (local, orig) = captured(&out).unwrap_or_else(|| panic!("inbound not captured: {out}"));
+    (local, orig, [outbound, inbound])
+}
+
 /// Detaches the node's eBPF capture when the test ends, passed or not.
 struct NodeCapture(String);
 
@@ -326,65 +419,24 @@ fn ebpf_capture_registers_pods_with_the_node_capture() {
     let _guard = NodeCapture(name.clone());
 
     // The node side: `weir cni install --ebpf-cgroup` attaches and pins the programs.
-    let host = Dir::new("cni-host").unwrap();
-    let (net, bin, run) = (host.path().join("net.d"), host.path().join("bin"), host.path().join("run"));
-    std::fs::create_dir_all(&net).unwrap();
-    std::fs::write(
-        net.join("10-k8s.conflist"),
-        r#"{"cniVersion":"1.0.0","name":"k8s","plugins":[{"type":"ptp"}]}"#,
-    )
-    .unwrap();
-    let kubeconfig = node.run_dir.path().join("istio-cni-kubeconfig");
-    let cg = cgroup.path().display().to_string();
-    // `weir cni install|uninstall` on this test's host folders.
-    let node_agent = |verb: &str, once: &[&str]| {
-        tools::weir_command()
-            .args(["cni", verb])
-            .args(once)
-            .args(["--ebpf-cgroup", &cg, "--ebpf-name", &name])
-            .arg("--cni-net-dir")
-            .arg(&net)
-            .arg("--cni-bin-dir")
-            .arg(&bin)
-            .arg("--run-dir")
-            .arg(&run)
-            .arg("--kubeconfig")
-            .arg(&kubeconfig)
-            .output()
-            .unwrap()
-    };
-    let out = node_agent("install", &["--once"]);
+    let node_agent = NodeAgent::new(&node, cgroup.path(), &name);
+    let out = node_agent.run("install", &["--once"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let installed: Value =
-        serde_json::from_slice(&std::fs::read(net.join("10-k8s.conflist")).unwrap()).unwrap();
+    let installed = node_agent.installed();
     assert_eq!(installed["plugins"][1]["ebpf_node_capture"], name.as_str());
     assert!(Path::new("/sys/fs/bpf/weir").join(&name).join("links").exists(), "node capture pinned");
 
     let rt = CniRuntime::new(&node.ns).unwrap();
     let pod = pod_netns(&rt, "web-1");
-    let list = node.conflist(json!({"capture_mode": "auto", "ebpf_node_capture": name}));
-    let a = Attachment::pod("c-web-1", pod.path(), "shop", "web-1");
-    let result = rt.add(&list, &a).unwrap_or_else(|e| panic!("ADD: {e}"));
-    let ip = pod_ip(&result);
+    let (list, a, result, ip) = add_auto(&node, &rt, &pod, &name);
     assert_eq!(istio_rules(&pod), "", "auto picked eBPF: no netfilter rules");
 
     // Processes in the pods' cgroup and the pod's namespace are captured.
-    let placed = |uid: u32| Placement {
-        netns: Some(&pod),
-        cgroup: Some(&cgroup),
-        user: Some((uid, uid)),
-        ..Placement::default()
-    };
-    let _outbound = start_placed(placed(1337), &["capture-listener", "0.0.0.0:15001"]).unwrap();
-    let _inbound = start_placed(placed(1337), &["capture-listener", "0.0.0.0:15006"]).unwrap();
-    let out = run_placed(placed(1000), tools::testkit_command(), &["ask", &format!("{GATEWAY}:80")]);
-    let (local, orig) = captured(&out).unwrap_or_else(|| panic!("outbound not captured: {out}"));
-    assert!(local.ends_with(":15001") && orig == format!("{GATEWAY}:80"), "{out}");
-    let out = run_in(&node.ns, None, tools::testkit_command(), &["ask", &format!("{ip}:8080")]);
-    let (local, _) = captured(&out).unwrap_or_else(|| panic!("inbound not captured: {out}"));
+    let placed = |uid: u32| placed(&pod, Some(&cgroup), uid);
+    let (local, _, _stand_ins) = ask_through_capture(&node, &pod, Some(&cgroup), &ip, "");
     // Nothing listens on 8080: the 15006 listener answered; sk_assign keeps the original
     // destination as the local address.
-    assert_eq!(local, format!("{ip}:8080"), "{out}");
+    assert_eq!(local, format!("{ip}:8080"), "inbound");
     rt.check(&list, &a, &result).unwrap_or_else(|e| panic!("CHECK: {e}"));
     // `weir capture status` shows the node capture and the pod registered with it as
     // live: the pod has no links of its own, the node capture's are its links.
@@ -420,7 +472,7 @@ fn ebpf_capture_registers_pods_with_the_node_capture() {
     rt.del(&list, &a, Some(&result)).unwrap_or_else(|e| panic!("second DEL: {e}"));
 
     // Uninstall detaches the node capture.
-    let out = node_agent("uninstall", &[]);
+    let out = node_agent.run("uninstall", &[]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(!Path::new("/sys/fs/bpf/weir").join(&name).exists(), "node capture unpinned");
 }
@@ -576,4 +628,56 @@ fn a_pod_namespace_deleted_during_add_is_named_and_leaves_nothing() {
         assert!(matches!(code, Some(3 | 5 | 100)), "{mode}: unknown container, I/O or capture failure: {e}");
         rt.del(&list, &a, Some(&bridge)).unwrap_or_else(|e| panic!("{mode}: DEL of the gone pod: {e}"));
     }
+}
+
+/// The DaemonSet as shipped (`WEIR_EBPF_CGROUP` set, `capture_mode` auto) on whatever
+/// this kernel is: where eBPF works the node capture is attached and pods are captured
+/// by it; where it cannot (before 5.14, cgroup v1) the agent still installs the plugin,
+/// says why there is no node capture, attaches nothing, and pods get Istio's iptables
+/// rules. Either way the app's connections and the node's land on the capture ports.
+#[test]
+fn the_node_agent_and_auto_capture_use_what_this_kernel_offers() {
+    require_root!();
+    let expected = weir_tests::kernel::expected_capture();
+    let _bpffs = weir_tests::BpffsUse::acquire().unwrap();
+    let test = test_name!();
+    let node = Node::new(&test, false);
+    node.api.set_pod(pod_object("shop", "web-1", true, &[], &[]));
+    let cgroup = weir_tests::kernel::PodCgroup::create(&test);
+    let name = unique_name("cni-auto");
+    let _guard = NodeCapture(name.clone());
+    let node_agent = NodeAgent::new(&node, cgroup.path(), &name);
+    let out = node_agent.run("install", &["--once"]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{said}");
+    let installed = node_agent.installed();
+    let pinned = Path::new("/sys/fs/bpf/weir").join(&name).exists();
+    assert_eq!(pinned, expected.ebpf(), "a node capture exactly where eBPF works ({expected:?}): {said}");
+    assert_eq!(installed["plugins"][1]["type"], "weir-cni", "{installed}");
+    assert_eq!(installed["plugins"][1].get("ebpf_node_capture").is_some(), expected.ebpf(), "{installed}");
+    if let Some(because) = expected.because {
+        assert!(said.contains("eBPF node capture unavailable") && said.contains(because), "{said}");
+    }
+
+    // The conflist names the node capture either way (an operator's stale config):
+    // auto follows what is attached, not what is named.
+    let rt = CniRuntime::new(&node.ns).unwrap();
+    let pod = pod_netns(&rt, "web-1");
+    let (list, a, result, ip) = add_auto(&node, &rt, &pod, &name);
+    let rules = istio_rules(&pod);
+    assert_eq!(rules.contains("-A ISTIO_OUTPUT"), !expected.ebpf(), "{expected:?}:\n{rules}");
+    let (local, orig, _stand_ins) = ask_through_capture(&node, &pod, cgroup.v2(), &ip, &rules);
+    // eBPF's sk_assign hands the connection to the 15006 listener with the original
+    // destination as its local address (nothing listens on 8080); REDIRECT lands on
+    // 15006 and SO_ORIGINAL_DST gives the destination back.
+    let landed = match expected.ebpf() {
+        true => local == format!("{ip}:8080"),
+        false => local.ends_with(":15006") && orig == format!("{ip}:8080"),
+    };
+    assert!(landed, "inbound: local={local} orig={orig}");
+    rt.check(&list, &a, &result).unwrap_or_else(|e| panic!("CHECK: {e}"));
+    rt.del(&list, &a, Some(&result)).unwrap_or_else(|e| panic!("DEL: {e}"));
+    let out = node_agent.run("uninstall", &[]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(!Path::new("/sys/fs/bpf/weir").join(&name).exists());
 }

@@ -6,7 +6,6 @@
 
 use std::{
     collections::BTreeMap,
-    fs::File,
     net::IpAddr,
     os::fd::AsFd as _,
     path::{Path, PathBuf},
@@ -327,8 +326,7 @@ impl CapturePrograms {
     /// Attaches every program: sk_msg to the sockhash, the cgroup hooks to `cgroup`.
     pub fn attach(&mut self, cgroup: &Path) -> Result<(), EbpfError> {
         self.attach_sk_msg()?;
-        let dir = File::open(cgroup)
-            .map_err(|source| EbpfError::OpenCgroup { path: cgroup.to_path_buf(), source })?;
+        let dir = super::open_cgroup2(cgroup)?;
         let attach_err = |program: &'static str| {
             let path = cgroup.to_path_buf();
             move |source| EbpfError::Attach { program, path, source }

@@ -241,8 +241,7 @@ impl NodePrograms {
     /// Attaches the cgroup hooks to `cgroup` and pins the links at `dir/links/<program>`
     /// (which keeps them after this process exits). On failure nothing stays attached.
     pub fn attach_cgroup(&self, cgroup: &Path, dir: &Path) -> Result<(), EbpfError> {
-        let target = File::open(cgroup)
-            .map_err(|source| EbpfError::OpenCgroup { path: cgroup.to_path_buf(), source })?;
+        let target = super::open_cgroup2(cgroup)?;
         let mut links: Vec<(&'static str, CgroupLink)> = Vec::new();
         for (name, kind) in cgroup_hooks() {
             let program = self.programs.get(name).expect("every hook is in the set");
