@@ -323,10 +323,17 @@ pub fn mesh_default_config(path: &str, text: &str) -> Result<Option<String>, Con
         source_name: format!("mesh config {path}"),
         message: e.to_string(),
     })?;
-    Ok(mesh
-        .get("defaultConfig")
+    // A value that parses need not serialize again (a tagged value such as
+    // `defaultConfig: !tag ...` fails in the emitter): an error, never a panic.
+    mesh.get("defaultConfig")
         .filter(|v| !v.is_null())
-        .map(|v| serde_yaml_ng::to_string(v).expect("yaml value serializes")))
+        .map(|v| {
+            serde_yaml_ng::to_string(v).map_err(|e| ConfigError::ProxyConfig {
+                source_name: format!("mesh config {path}"),
+                message: format!("defaultConfig cannot be read back as YAML: {e}"),
+            })
+        })
+        .transpose()
 }
 
 /// The downward-API annotations file: `key="value"` lines, values Go-quoted.
@@ -381,6 +388,16 @@ mod go_duration {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_tagged_default_config_that_cannot_be_written_back_is_an_error() {
+        // Found by the proxy_config fuzz target: parsed, then refused by the emitter.
+        let input =
+            "defaultConfig:\n !wasmoryveAderdss: aultConfisystem.svc:150r.locerception_mode: TPROX-\n";
+        let e = mesh_default_config("mesh.yaml", input).unwrap_err();
+        let text = e.to_string();
+        assert!(text.contains("mesh.yaml") && text.contains("cannot be read back as YAML"), "{text}");
+    }
 
     fn layer<'a>(source: &str, yaml: &'a str) -> Layer<'a> {
         Layer { source: source.into(), yaml }
