@@ -224,7 +224,6 @@ fn node_capture_or_fallback(s: &mut InstallSettings, capture_mode: &str) -> anyh
         reason = %why,
         "eBPF node capture unavailable: pods are captured with netfilter"
     );
-    eprintln!("weir cni: no eBPF node capture ({why}): pods are captured with netfilter");
     s.ebpf = None;
     Ok(())
 }
