@@ -19,6 +19,7 @@
 pub mod capture;
 pub mod cni;
 pub mod control_plane;
+pub mod datapath;
 pub mod demo;
 pub mod envoy;
 pub mod full_disk;

@@ -20,7 +20,7 @@ use weir_tests::{Cgroup, Mesh, Placement, Pod, capture::istio_iptables, envoy::E
 use crate::report::{Options, Row, Samples, Table, parse_iperf, parse_wrk};
 
 #[derive(Debug, Clone, Copy, PartialEq)]
-enum Mode {
+pub enum Mode {
     Floor,
     Iptables,
     Nftables,
@@ -29,7 +29,9 @@ enum Mode {
 }
 
 impl Mode {
-    fn name(self) -> &'static str {
+    pub const ALL: [Mode; 5] = [Mode::Floor, Mode::Iptables, Mode::Nftables, Mode::Ebpf, Mode::EbpfSkMsg];
+
+    pub fn name(self) -> &'static str {
         match self {
             Mode::Floor => "no capture (floor)",
             Mode::Iptables => "iptables REDIRECT",
@@ -135,6 +137,43 @@ static_resources:
     )
 }
 
+/// Captures `pod`'s outbound TCP (every destination, to 15001; no inbound capture) the
+/// way `mode` does: istio-iptables' injector flags for netfilter, the capture programs
+/// on `cgroup` with the pod registered for eBPF (kept attached while the value lives).
+pub fn apply(mode: Mode, pod: &Pod, cgroup: &Cgroup) -> anyhow::Result<Option<CapturePrograms>> {
+    match mode {
+        Mode::Floor => Ok(None),
+        Mode::Iptables | Mode::Nftables => {
+            let mut args =
+                vec!["-p", "15001", "-z", "15006", "-u", "1337", "-m", "REDIRECT", "-i", "*", "-b", ""];
+            if mode == Mode::Nftables {
+                args.push("--native-nftables");
+            }
+            let out = istio_iptables(pod, &args, None);
+            if !out.status.success() {
+                bail!("istio-iptables: {}", String::from_utf8_lossy(&out.stderr));
+            }
+            Ok(None)
+        }
+        Mode::Ebpf | Mode::EbpfSkMsg => {
+            let mut programs = CapturePrograms::load()?;
+            programs.attach(cgroup.path())?;
+            let cfg = CaptureConfig {
+                outbound_ip_ranges_include: IpRanges::All,
+                inbound_ports: InboundPorts::None,
+                ..CaptureConfig::default()
+            };
+            let capture = PodCapture::new(
+                &cfg,
+                vec![pod.ipv4().into()],
+                EbpfOptions { accelerate: mode == Mode::EbpfSkMsg, clamp_optlen: false },
+            )?;
+            programs.register(netns_cookie(Some(pod.netns().path()))?, &capture)?;
+            Ok(Some(programs))
+        }
+    }
+}
+
 /// Runs a command in the client pod as the app (uid 1000, in the pod's cgroup).
 fn app_run(pod: &Pod, cgroup: &Cgroup, program: &str, args: &[String]) -> anyhow::Result<String> {
     let mut cmd = Command::new(program);
@@ -170,37 +209,7 @@ fn measure(mode: Mode, opts: &Options) -> anyhow::Result<Measured> {
         Envoy::start_placed(&client, &sidecar(server.ipv4()), "127.0.0.1:15000".parse()?, sidecar_place)
             .context("sidecar Envoy")?;
 
-    let mut _programs = None;
-    match mode {
-        Mode::Floor => {}
-        Mode::Iptables | Mode::Nftables => {
-            let mut args =
-                vec!["-p", "15001", "-z", "15006", "-u", "1337", "-m", "REDIRECT", "-i", "*", "-b", ""];
-            if mode == Mode::Nftables {
-                args.push("--native-nftables");
-            }
-            let out = istio_iptables(&client, &args, None);
-            if !out.status.success() {
-                bail!("istio-iptables: {}", String::from_utf8_lossy(&out.stderr));
-            }
-        }
-        Mode::Ebpf | Mode::EbpfSkMsg => {
-            let mut programs = CapturePrograms::load()?;
-            programs.attach(cgroup.path())?;
-            let cfg = CaptureConfig {
-                outbound_ip_ranges_include: IpRanges::All,
-                inbound_ports: InboundPorts::None,
-                ..CaptureConfig::default()
-            };
-            let pod = PodCapture::new(
-                &cfg,
-                vec![client.ipv4().into()],
-                EbpfOptions { accelerate: mode == Mode::EbpfSkMsg, clamp_optlen: false },
-            )?;
-            programs.register(netns_cookie(Some(client.netns().path()))?, &pod)?;
-            _programs = Some(programs);
-        }
-    }
+    let _programs = apply(mode, &client, &cgroup)?;
     let (http, iperf) = if mode == Mode::Floor {
         ("127.0.0.1:15080".to_string(), ("127.0.0.1".to_string(), 15201))
     } else {
@@ -317,7 +326,7 @@ pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
     )?;
     let mut rows = Vec::new();
     let mut notes = Vec::new();
-    for mode in [Mode::Floor, Mode::Iptables, Mode::Nftables, Mode::Ebpf, Mode::EbpfSkMsg] {
+    for mode in Mode::ALL {
         eprintln!("weir-bench: measuring {} ({} runs of {}s)", mode.name(), opts.runs, opts.duration_secs);
         let m = measure(mode, opts)?;
         notes.extend(m.failures.iter().map(|f| format!("{}: {f}", mode.name())));

@@ -6,6 +6,12 @@
 //!       Envoy directly: the floor), iptables REDIRECT, nftables, eBPF, eBPF + sk_msg;
 //!       new connections/s; raw TCP throughput (iperf3) app -> Envoy -> server.
 //!
+//!   weir-bench datapath [--runs N] [--markdown]
+//!       capture's own cost, without Envoy: an acceptor on 15001 that reads
+//!       SO_ORIGINAL_DST, the same client load per mode (new connections, request/
+//!       response with 1 and 16 in flight, bulk), CPU per connection and per round trip
+//!       from the pod's cgroup; the floor connects to the acceptor directly.
+//!
 //!   weir-bench xds [--runs N] [--markdown]
 //!       push -> ACK latency (p50/p99 of small pushes, one 10 000-cluster push) with a
 //!       real Envoy through the Weir relay (SotW, Delta) vs Envoy talking to the control
@@ -37,6 +43,8 @@ use std::process::ExitCode;
 mod capture;
 #[path = "../bench/cni.rs"]
 mod cni;
+#[path = "../bench/datapath.rs"]
+mod datapath;
 #[path = "../bench/report.rs"]
 mod report;
 #[path = "../bench/rules.rs"]
@@ -75,7 +83,8 @@ fn all(opts: &report::Options) -> anyhow::Result<String> {
         opts.runs
     );
     type Bench = fn(&report::Options) -> anyhow::Result<Vec<report::Table>>;
-    let benches: [(&str, Bench); 6] = [
+    let benches: [(&str, Bench); 7] = [
+        ("datapath", datapath::tables),
         ("capture", capture::tables),
         ("rules", rules::tables),
         ("xds", xds::tables),
@@ -124,6 +133,7 @@ fn main() -> ExitCode {
     };
     let result = match args.first().map(String::as_str) {
         Some("capture") => capture::tables(&opts).map(|t| render(&t, opts.markdown)),
+        Some("datapath") => datapath::tables(&opts).map(|t| render(&t, opts.markdown)),
         Some("xds") => xds::tables(&opts).map(|t| render(&t, opts.markdown)),
         Some("sds") => sds::tables(&opts).map(|t| render(&t, opts.markdown)),
         Some("sidecar") => sidecar::tables(&opts).map(|t| render(&t, opts.markdown)),
@@ -131,7 +141,7 @@ fn main() -> ExitCode {
         Some("rules") => rules::tables(&opts).map(|t| render(&t, opts.markdown)),
         Some("all") => all(&opts),
         _ => Err(anyhow::anyhow!(
-            "usage: weir-bench capture [--runs N] [--duration SECS] [--connections N] [--markdown]\n       weir-bench xds [--runs N] [--markdown]\n       weir-bench sds [--runs N] [--markdown]\n       weir-bench sidecar [--runs N] [--duration SECS] [--markdown]\n       weir-bench cni [--runs N] [--markdown]\n       weir-bench rules [--runs N] [--markdown]\n       weir-bench all [--runs N] [--duration SECS] [--markdown]"
+            "usage: weir-bench capture [--runs N] [--duration SECS] [--connections N] [--markdown]\n       weir-bench datapath [--runs N] [--markdown]\n       weir-bench xds [--runs N] [--markdown]\n       weir-bench sds [--runs N] [--markdown]\n       weir-bench sidecar [--runs N] [--duration SECS] [--markdown]\n       weir-bench cni [--runs N] [--markdown]\n       weir-bench rules [--runs N] [--markdown]\n       weir-bench all [--runs N] [--duration SECS] [--markdown]"
         )),
     };
     match result {

@@ -24,6 +24,11 @@
 //!   dns-query <server> <name> [--connected]
 //!                                       prints `answer <ip> from <server addr>`; with
 //!                                       --connected, connect()s first (as glibc does)
+//!   datapath-serve <addr> [--cpu N]     the data-path benchmark's acceptor (see
+//!                                       weir_tests::datapath)
+//!   datapath-load <kind> <to> <expect|none> <count> <secs> <inflight> [<cgroup>] [--cpu N]
+//!                                       one load run (connect, rr or bulk); prints its
+//!                                       measurements as JSON
 use std::{
     io::{BufRead as _, BufReader, Read as _, Write as _},
     net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket},
@@ -108,6 +113,14 @@ fn main() -> ExitCode {
             "transfer" => transfer(addr(arg(1)?)?, arg(2)?.parse().map_err(|e| format!("bytes: {e}"))?),
             "dns-serve" => dns_serve(addr(arg(1)?)?, arg(2)?.parse().map_err(|e| format!("ipv4: {e}"))?),
             "dns-query" => dns_query(addr(arg(1)?)?, arg(2)?, args.iter().any(|a| a == "--connected")),
+            "datapath-serve" => {
+                pin_flag(&args)?;
+                weir_tests::datapath::serve(addr(arg(1)?)?)
+            }
+            "datapath-load" => {
+                pin_flag(&args)?;
+                datapath_load(&args)
+            }
             other => Err(format!("unknown command {other:?}")),
         }
     })();
@@ -397,5 +410,43 @@ fn dns_query(server: SocketAddr, name: &str, connected: bool) -> Result<(), Stri
     }
     let ip = IpAddr::from([buf[n - 4], buf[n - 3], buf[n - 2], buf[n - 1]]);
     println!("answer {ip} from {from}");
+    Ok(())
+}
+
+/// `--cpu N`: pin this process to CPU N.
+fn pin_flag(args: &[String]) -> Result<(), String> {
+    match args.iter().position(|a| a == "--cpu") {
+        Some(i) => {
+            let cpu = args.get(i + 1).and_then(|v| v.parse().ok()).ok_or("--cpu needs a CPU number")?;
+            weir_tests::datapath::pin_to_cpu(cpu)
+        }
+        None => Ok(()),
+    }
+}
+
+fn datapath_load(args: &[String]) -> Result<(), String> {
+    use weir_tests::datapath::{Kind, LoadSpec, run};
+    let positional: Vec<&str> = args
+        .iter()
+        .enumerate()
+        .filter(|(i, a)| *a != "--cpu" && (*i == 0 || args[i - 1] != "--cpu"))
+        .map(|(_, a)| a.as_str())
+        .collect();
+    let at = |i: usize| positional.get(i).copied().ok_or_else(|| format!("datapath-load: missing argument {i}"));
+    let v4 = |raw: &str| raw.parse::<std::net::SocketAddrV4>().map_err(|e| format!("{raw:?}: {e} (expected ipv4:port)"));
+    let spec = LoadSpec {
+        kind: Kind::parse(at(1)?)?,
+        to: v4(at(2)?)?,
+        expect: match at(3)? {
+            "none" => None,
+            a => Some(v4(a)?),
+        },
+        count: at(4)?.parse().map_err(|e| format!("count: {e}"))?,
+        secs: at(5)?.parse().map_err(|e| format!("secs: {e}"))?,
+        inflight: at(6)?.parse().map_err(|e| format!("inflight: {e}"))?,
+        cgroup: positional.get(7).map(std::path::PathBuf::from),
+    };
+    let result = run(&spec);
+    println!("{}", serde_json::to_string(&result).map_err(|e| e.to_string())?);
     Ok(())
 }
