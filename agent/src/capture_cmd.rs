@@ -56,6 +56,9 @@ pub enum CaptureCommand {
         #[arg(long)]
         pod: Option<String>,
     },
+    /// What capture does with one connection of a pod and why (which program decision
+    /// or netfilter rule), from the pod's live config.
+    Explain(Box<crate::capture_explain::ExplainArgs>),
     /// Remove pinned eBPF capture (programs, links, maps, classifier).
     Clean(CleanArgs),
     /// Switch the programs' log records on or off at run time.
@@ -143,6 +146,7 @@ pub fn run(args: CaptureArgs) -> anyhow::Result<()> {
             Ok(())
         }
         CaptureCommand::Status { json, pod } => status(json, pod.as_deref()),
+        CaptureCommand::Explain(args) => crate::capture_explain::run(&args),
         CaptureCommand::Clean(args) => clean(&args),
         CaptureCommand::Log { state, pod } => log_switch(state == "on", pod.as_deref()),
     }
@@ -359,6 +363,14 @@ fn status(json: bool, only: Option<&str>) -> anyhow::Result<()> {
             .unwrap_or_default();
         let maps = pod::maps_of(record);
         let (counters, registered, pending, cookies) = match &maps {
+            // A pod's own decisions; a node capture's record (no namespace of its
+            // own) shows its program set's totals.
+            Ok(m) if record.netns_cookie != 0 => (
+                m.pod_counters(record.netns_cookie).ok().flatten(),
+                m.pods().map(|p| p.len()).ok(),
+                m.pending_original_destinations().ok(),
+                m.pods().unwrap_or_default(),
+            ),
             Ok(m) => (
                 m.counters().ok(),
                 m.pods().map(|p| p.len()).ok(),

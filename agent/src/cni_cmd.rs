@@ -128,6 +128,10 @@ pub struct InstallArgs {
     /// Leave the plugin installed when the watcher stops.
     #[arg(long)]
     pub keep_on_exit: bool,
+    /// Serve `/metrics` (every captured pod's eBPF decision counters) on this port
+    /// (istio-cni's monitoring port is 15014; 0: off).
+    #[arg(long, env = "MONITORING_PORT", default_value_t = 0)]
+    pub monitoring_port: u16,
 }
 
 /// What the plugin does for pods, shared by `install` (written into the chain) and
@@ -228,6 +232,27 @@ fn node_capture_or_fallback(s: &mut InstallSettings, capture_mode: &str) -> anyh
     Ok(())
 }
 
+/// The node agent's monitoring endpoint: `/metrics` with the decision counters of every
+/// pod captured on this node (read from the pinned maps at each scrape).
+fn monitoring(path: &str) -> hyper::Response<http_body_util::Full<bytes::Bytes>> {
+    use hyper::{Response, StatusCode, header::CONTENT_TYPE};
+    if path != "/metrics" {
+        let mut r = Response::new(http_body_util::Full::new(bytes::Bytes::from_static(b"not found\n")));
+        *r.status_mut() = StatusCode::NOT_FOUND;
+        return r;
+    }
+    let mut readable = Vec::new();
+    for (pod, counters) in crate::ebpf::metrics::pod_counters() {
+        match counters {
+            Ok(c) => readable.push((pod, c)),
+            Err(e) => tracing::debug!(pod, error = %crate::error_chain(&e), "capture counters left out of /metrics"),
+        }
+    }
+    let mut r = Response::new(http_body_util::Full::new(bytes::Bytes::from(crate::ebpf::metrics::exposition(&readable))));
+    r.headers_mut().insert(CONTENT_TYPE, hyper::header::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"));
+    r
+}
+
 pub fn run(args: CniArgs) -> anyhow::Result<()> {
     match args.command {
         CniCommand::Repair(a) => {
@@ -260,6 +285,13 @@ pub fn run(args: CniArgs) -> anyhow::Result<()> {
             }
             let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
             runtime.block_on(async {
+                if a.monitoring_port != 0 {
+                    let listener = tokio::net::TcpListener::bind(("0.0.0.0", a.monitoring_port))
+                        .await
+                        .with_context(|| format!("--monitoring-port {}: cannot listen", a.monitoring_port))?;
+                    tracing::info!(port = a.monitoring_port, "serving capture metrics on /metrics");
+                    tokio::spawn(crate::http1::serve(listener, |req, _| async move { monitoring(req.uri().path()) }));
+                }
                 let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
                 let stop = async move {
                     tokio::select! {

@@ -6,6 +6,7 @@ pub mod accept;
 pub mod app;
 pub mod build_info;
 pub mod capture_cmd;
+pub mod capture_explain;
 pub mod cli;
 pub mod cni;
 pub mod cni_cmd;

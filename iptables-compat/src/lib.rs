@@ -9,6 +9,7 @@ pub mod apply;
 pub mod config;
 pub mod decisions;
 pub mod detect;
+pub mod explain;
 pub mod fast_path;
 pub mod flags;
 pub mod netlink;

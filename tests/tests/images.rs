@@ -294,6 +294,17 @@ fn the_cni_image_installs_the_daemonsets_node_agent() {
         said()
     );
     assert!(bpffs.0.join("weir").is_dir(), "the node capture is pinned in the node's bpffs");
+    // The monitoring port the manifest sets serves the node's capture decisions.
+    let port: u16 = env["MONITORING_PORT"].parse().unwrap();
+    let scrape = || {
+        netns
+            .run(move || async move { weir_tests::http::get(([127, 0, 0, 1], port).into(), "/metrics").await.ok() })
+            .unwrap()
+    };
+    assert!(settles(|| scrape().is_some()), "nothing serves :{port}/metrics\n{}", said());
+    let (status, body) = scrape().unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("# TYPE weir_capture_decisions counter"), "{body}");
 
     // SIGTERM (the DaemonSet's pod going away): out of the chain, binary and node
     // capture gone.

@@ -13,11 +13,11 @@ use std::{
 
 use aya::{
     Ebpf,
-    maps::{Array, HashMap, LpmTrie, Map, MapData, PerCpuArray, SockHash, lpm_trie::Key},
+    maps::{Array, HashMap, LpmTrie, Map, MapData, PerCpuHashMap, PerCpuValues, SockHash, lpm_trie::Key},
     programs::{CgroupSockAddr, CgroupSockopt, SkMsg, SockOps},
 };
 use weir_ebpf_common::capture::{
-    CidrV4, CidrV6, NETNS_PREFIX_BITS, PairKey, PodConfig, control, counter, map, prog,
+    CidrV4, CidrV6, NETNS_PREFIX_BITS, PairKey, PodConfig, PodCounters, control, counter, map, prog,
 };
 use weir_iptables::config::Cidr;
 
@@ -30,8 +30,8 @@ use super::{
 };
 
 /// Trie value for `-x` prefixes, and for the pod's own addresses.
-const EXCLUDED: u8 = 1;
-const OWN_ADDRESS: u8 = 2;
+pub const EXCLUDED: u8 = 1;
+pub const OWN_ADDRESS: u8 = 2;
 /// A map the kernel side uses internally (sk_msg's reorder guard).
 const NO_REDIRECT: &str = "NO_REDIRECT";
 
@@ -51,6 +51,17 @@ pub const CGROUP_SOCK_ADDR: &[(&str, u32)] = &[
 pub struct Counters(pub Vec<(&'static str, u64)>);
 
 impl Counters {
+    /// Per-CPU values of one pod, added up slot by slot.
+    fn sum<'a>(per_cpu: impl Iterator<Item = &'a PodCounters>) -> Self {
+        let mut total = [0u64; counter::COUNT as usize];
+        for c in per_cpu {
+            for (t, v) in total.iter_mut().zip(c.slots) {
+                *t = t.wrapping_add(v);
+            }
+        }
+        Counters(counter::NAMES.iter().copied().zip(total).collect())
+    }
+
     pub fn get(&self, name: &str) -> u64 {
         self.0.iter().find(|(n, _)| *n == name).map(|(_, v)| *v).unwrap_or(0)
     }
@@ -152,9 +163,40 @@ impl MapSet {
         for addr in &pod.dns_servers {
             self.put(map::DNS_V4, map::DNS_V6, netns, host(*addr), 1)?;
         }
+        self.add_counters(netns)?;
         let mut configs: HashMap<_, u64, PodConfig> =
             HashMap::try_from(self.get_mut(map::POD_CONFIG)?).map_err(map_err(map::POD_CONFIG))?;
         configs.insert(netns, pod.config, 0).map_err(map_err(map::POD_CONFIG))
+    }
+
+    /// Gives a pod its decision counters, zero on every CPU; a pod registered again (an
+    /// update in place) keeps what it has counted.
+    fn add_counters(&mut self, netns: u64) -> Result<(), EbpfError> {
+        const NO_EXIST: u64 = 1;
+        let cpus = aya::util::nr_cpus().map_err(|(_, e)| EbpfError::Map {
+            map: map::POD_COUNTERS,
+            source: aya::maps::MapError::SyscallError(aya::sys::SyscallError { call: "nr_cpus", io_error: e }),
+        })?;
+        let zero = PerCpuValues::try_from(vec![PodCounters::default(); cpus]).map_err(|e| EbpfError::Map {
+            map: map::POD_COUNTERS,
+            source: aya::maps::MapError::SyscallError(aya::sys::SyscallError { call: "per-cpu values", io_error: e }),
+        })?;
+        let mut counters = self.pod_counters_map_mut()?;
+        match counters.insert(netns, zero, NO_EXIST) {
+            Ok(()) => Ok(()),
+            Err(aya::maps::MapError::SyscallError(e)) if e.io_error.kind() == std::io::ErrorKind::AlreadyExists => {
+                Ok(())
+            }
+            Err(source) => Err(EbpfError::Map { map: map::POD_COUNTERS, source }),
+        }
+    }
+
+    fn pod_counters_map_mut(&mut self) -> Result<PerCpuHashMap<&mut MapData, u64, PodCounters>, EbpfError> {
+        PerCpuHashMap::try_from(self.get_mut(map::POD_COUNTERS)?).map_err(map_err(map::POD_COUNTERS))
+    }
+
+    fn pod_counters_map(&self) -> Result<PerCpuHashMap<&MapData, u64, PodCounters>, EbpfError> {
+        PerCpuHashMap::try_from(self.get(map::POD_COUNTERS)?).map_err(map_err(map::POD_COUNTERS))
     }
 
     /// Removes a pod: its config first (programs stop acting at once), then its lists.
@@ -165,6 +207,11 @@ impl MapSet {
             Ok(()) => {}
             Err(e) if is_not_found(&e) => {}
             Err(source) => return Err(EbpfError::Map { map: map::POD_CONFIG, source }),
+        }
+        match self.pod_counters_map_mut()?.remove(&netns) {
+            Ok(()) => {}
+            Err(e) if is_not_found(&e) => {}
+            Err(source) => return Err(EbpfError::Map { map: map::POD_COUNTERS, source }),
         }
         self.remove_lists(netns)
     }
@@ -190,6 +237,39 @@ impl MapSet {
         Ok(())
     }
 
+    /// A registered pod's config (`None`: not registered).
+    pub fn pod_config(&self, netns: u64) -> Result<Option<PodConfig>, EbpfError> {
+        let configs: HashMap<_, u64, PodConfig> =
+            HashMap::try_from(self.get(map::POD_CONFIG)?).map_err(map_err(map::POD_CONFIG))?;
+        match configs.get(&netns, 0) {
+            Ok(c) => Ok(Some(c)),
+            Err(e) if is_not_found(&e) => Ok(None),
+            Err(source) => Err(EbpfError::Map { map: map::POD_CONFIG, source }),
+        }
+    }
+
+    /// What a pod's trie holds for `addr` (longest prefix), as the programs look it up:
+    /// `trie` is one of the `*_V4`/`*_V6` pairs, picked by the address's family.
+    pub fn lookup(&self, v4: &'static str, v6: &'static str, netns: u64, addr: IpAddr) -> Result<Option<u8>, EbpfError> {
+        let found = match addr {
+            IpAddr::V4(a) => {
+                let trie: LpmTrie<_, CidrV4, u8> = LpmTrie::try_from(self.get(v4)?).map_err(map_err(v4))?;
+                let key = Key::new(NETNS_PREFIX_BITS + 32, CidrV4 { netns: netns.to_be_bytes(), addr: a.octets() });
+                trie.get(&key, 0).map_err(|e| (v4, e))
+            }
+            IpAddr::V6(a) => {
+                let trie: LpmTrie<_, CidrV6, u8> = LpmTrie::try_from(self.get(v6)?).map_err(map_err(v6))?;
+                let key = Key::new(NETNS_PREFIX_BITS + 128, CidrV6 { netns: netns.to_be_bytes(), addr: a.octets() });
+                trie.get(&key, 0).map_err(|e| (v6, e))
+            }
+        };
+        match found {
+            Ok(v) => Ok(Some(v)),
+            Err((_, e)) if is_not_found(&e) => Ok(None),
+            Err((map, source)) => Err(EbpfError::Map { map, source }),
+        }
+    }
+
     /// Network-namespace cookies of the registered pods.
     pub fn pods(&self) -> Result<Vec<u64>, EbpfError> {
         let configs: HashMap<_, u64, PodConfig> =
@@ -204,15 +284,36 @@ impl MapSet {
         Ok(pairs.keys().filter_map(Result::ok).count())
     }
 
-    pub fn counters(&self) -> Result<Counters, EbpfError> {
-        let counters: PerCpuArray<_, u64> =
-            PerCpuArray::try_from(self.get(map::COUNTERS)?).map_err(map_err(map::COUNTERS))?;
+    /// Every registered pod's decision counters, summed over CPUs.
+    pub fn counters_by_pod(&self) -> Result<Vec<(u64, Counters)>, EbpfError> {
+        let map = self.pod_counters_map()?;
         let mut out = Vec::new();
-        for (i, name) in counter::NAMES.iter().enumerate() {
-            let v = counters.get(&(i as u32), 0).map_err(map_err(map::COUNTERS))?;
-            out.push((*name, v.iter().sum()));
+        for entry in map.iter() {
+            let (netns, per_cpu) = entry.map_err(map_err(map::POD_COUNTERS))?;
+            out.push((netns, Counters::sum(per_cpu.iter())));
         }
-        Ok(Counters(out))
+        Ok(out)
+    }
+
+    /// One pod's counters (`None`: the pod has none, i.e. it is not registered).
+    pub fn pod_counters(&self, netns: u64) -> Result<Option<Counters>, EbpfError> {
+        match self.pod_counters_map()?.get(&netns, 0) {
+            Ok(per_cpu) => Ok(Some(Counters::sum(per_cpu.iter()))),
+            Err(e) if is_not_found(&e) => Ok(None),
+            Err(source) => Err(EbpfError::Map { map: map::POD_COUNTERS, source }),
+        }
+    }
+
+    /// Every pod's counters added up: the program set's totals.
+    pub fn counters(&self) -> Result<Counters, EbpfError> {
+        let pods = self.counters_by_pod()?;
+        Ok(Counters(
+            counter::NAMES
+                .iter()
+                .enumerate()
+                .map(|(i, name)| (*name, pods.iter().map(|(_, c)| c.0[i].1).sum()))
+                .collect(),
+        ))
     }
 
     /// Turns the programs' aya-log records on or off.
@@ -237,6 +338,7 @@ impl MapSet {
                 | Map::LruHashMap(d)
                 | Map::LpmTrie(d)
                 | Map::PerCpuArray(d)
+                | Map::PerCpuHashMap(d)
                 | Map::Array(d)
                 | Map::SockHash(d) => d,
                 _ => continue,

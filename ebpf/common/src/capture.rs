@@ -33,7 +33,7 @@ pub mod map {
     pub const ORIG_BY_PAIR: &str = "ORIG_BY_PAIR";
     pub const DNS_BY_COOKIE: &str = "DNS_BY_COOKIE";
     pub const SOCK_PAIRS: &str = "SOCK_PAIRS";
-    pub const COUNTERS: &str = "COUNTERS";
+    pub const POD_COUNTERS: &str = "POD_COUNTERS";
     pub const CONTROL: &str = "CONTROL";
     /// Every map, for pinning and status.
     pub const ALL: &[&str] = &[
@@ -48,7 +48,7 @@ pub mod map {
         ORIG_BY_PAIR,
         DNS_BY_COOKIE,
         SOCK_PAIRS,
-        COUNTERS,
+        POD_COUNTERS,
         CONTROL,
     ];
 }
@@ -77,6 +77,8 @@ pub mod flags {
     /// The kernel returns EFAULT for getsockopt buffers over a page unless the program
     /// clamps optlen (before Linux 6.5).
     pub const CLAMP_OPTLEN: u32 = 1 << 4;
+    /// Keep no decision counters for this pod (the benchmark's measure of their cost).
+    pub const NO_COUNTERS: u32 = 1 << 5;
 }
 
 /// One pod's capture settings (`POD_CONFIG[netns cookie]`).
@@ -94,7 +96,8 @@ pub struct PodConfig {
     pub outbound_port: u16,
     /// Envoy's inbound listener (15006).
     pub inbound_port: u16,
-    /// The tunnel port, never captured (15008).
+    /// The tunnel port (15008): the proxy's connections to it through loopback are not
+    /// sent to its inbound side.
     pub tunnel_port: u16,
     /// The agent's DNS listener (15053).
     pub dns_port: u16,
@@ -188,28 +191,50 @@ const _: () = assert!(core::mem::size_of::<CidrV6>() == 24);
 /// Bits of an LPM prefix taken by the netns cookie.
 pub const NETNS_PREFIX_BITS: u32 = 64;
 
-/// `COUNTERS` slots (per-CPU u64, summed by user space).
+/// One pod's decision counters (`POD_COUNTERS[netns cookie]`, per CPU, summed by user
+/// space): what the programs decided for its connections, slot by [`counter`].
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PodCounters {
+    pub slots: [u64; counter::COUNT as usize],
+}
+
+/// [`PodCounters`] slots: one per decision a program makes. `redirected` and the
+/// `bypass_*` slots partition the pod's outbound TCP connects (by the reason of
+/// [`crate::policy::Reason`]); the others count events.
 pub mod counter {
+    /// Outbound connect rewritten to Envoy's outbound listener.
     pub const REDIRECTED: u32 = 0;
-    pub const BYPASS_PROXY: u32 = 1;
-    pub const BYPASS_EXCLUDED: u32 = 2;
-    pub const NOT_INCLUDED: u32 = 3;
-    pub const ORIG_DST_ANSWERED: u32 = 4;
-    pub const ORIG_DST_MISSING: u32 = 5;
-    pub const DNS_REDIRECTED: u32 = 6;
-    pub const DNS_RESTORED: u32 = 7;
-    pub const PAIRS_REGISTERED: u32 = 8;
-    pub const SKMSG_REDIRECTED: u32 = 9;
-    pub const SKMSG_BYTES: u32 = 10;
-    pub const UNKNOWN_POD: u32 = 11;
+    /// The proxy reaching its own pod through loopback: to Envoy's inbound listener.
+    pub const REDIRECTED_INBOUND: u32 = 1;
+    pub const BYPASS_PROXY: u32 = 2;
+    pub const BYPASS_INBOUND_PASSTHROUGH: u32 = 3;
+    pub const BYPASS_EXCLUDED_PORT: u32 = 4;
+    pub const BYPASS_EXCLUDED_CIDR: u32 = 5;
+    pub const BYPASS_OWN_ADDRESS: u32 = 6;
+    pub const BYPASS_LOOPBACK: u32 = 7;
+    pub const NOT_INCLUDED: u32 = 8;
+    pub const ORIG_DST_ANSWERED: u32 = 9;
+    pub const ORIG_DST_MISSING: u32 = 10;
+    pub const DNS_REDIRECTED: u32 = 11;
+    pub const DNS_RESTORED: u32 = 12;
+    pub const PAIRS_REGISTERED: u32 = 13;
+    pub const SKMSG_REDIRECTED: u32 = 14;
+    pub const SKMSG_BYTES: u32 = 15;
     /// sk_msg found no registered peer: the sender stays on the stack.
-    pub const SKMSG_PASSED: u32 = 12;
-    pub const COUNT: u32 = 13;
-    /// Names, in slot order, for status output.
+    pub const SKMSG_PASSED: u32 = 16;
+    pub const COUNT: u32 = 17;
+    /// Names, in slot order: status output and the `decision` label of
+    /// `weir_capture_decisions_total`.
     pub const NAMES: [&str; COUNT as usize] = [
         "redirected",
+        "redirected_inbound",
         "bypass_proxy",
-        "bypass_excluded",
+        "bypass_inbound_passthrough",
+        "bypass_excluded_port",
+        "bypass_excluded_cidr",
+        "bypass_own_address",
+        "bypass_loopback",
         "not_included",
         "orig_dst_answered",
         "orig_dst_missing",
@@ -218,7 +243,6 @@ pub mod counter {
         "pairs_registered",
         "skmsg_redirected",
         "skmsg_bytes",
-        "unknown_pod",
         "skmsg_passed",
     ];
 }
@@ -238,4 +262,5 @@ mod pod {
     unsafe impl aya::Pod for super::PairKey {}
     unsafe impl aya::Pod for super::CidrV4 {}
     unsafe impl aya::Pod for super::CidrV6 {}
+    unsafe impl aya::Pod for super::PodCounters {}
 }

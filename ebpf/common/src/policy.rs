@@ -4,8 +4,10 @@
 //! proxy's own traffic (passed, except through loopback to anything but 127.0.0.1,
 //! i.e. another 127/8 address or the pod's own, which goes to Envoy's inbound side as
 //! Istio's `-o lo ! -d 127.0.0.1/32 ... -j ISTIO_IN_REDIRECT` does: this is what
-//! istio-validation's probe to 127.0.0.6 relies on); loopback and the tunnel port;
-//! excluded CIDRs and the pod's own addresses; included ports; included CIDRs.
+//! istio-validation's probe to 127.0.0.6 relies on; the tunnel port stays out of that
+//! redirect); loopback; excluded CIDRs and the pod's own addresses; included ports;
+//! included CIDRs. An app's connection to a tunnel port elsewhere is captured, as in
+//! Istio (its ISTIO_OUTPUT has no rule for it).
 //! Lookups are closures so the kernel does only the ones needed.
 
 use crate::capture::{MAX_PORTS, PodConfig, flags};
@@ -76,11 +78,39 @@ pub fn loopback4(dst: u32) -> Loopback {
     }
 }
 
+/// Why a connect is left alone: one per rule of Istio's ISTIO_OUTPUT that returns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reason {
+    /// The proxy's own traffic (`--uid-owner`/`--gid-owner` of `-u`/`-g`).
     Proxy,
-    Excluded,
+    /// Envoy's inbound passthrough to the app, bound to 127.0.0.6 (`-s 127.0.0.6/32`).
+    InboundPassthrough,
+    /// `-o`: an excluded outbound port.
+    ExcludedPort,
+    /// `-x`: an excluded destination CIDR.
+    ExcludedCidr,
+    /// The app calling its own pod address.
+    OwnPodAddress,
+    /// A loopback destination (`-d 127.0.0.1/32`, `-o lo`).
+    Loopback,
+    /// Neither `-i '*'`, an included CIDR nor an included port (`-q`) matches.
     NotIncluded,
+}
+
+impl Reason {
+    /// The pod counter slot this reason is counted in.
+    pub const fn counter(self) -> u32 {
+        use crate::capture::counter::*;
+        match self {
+            Reason::Proxy => BYPASS_PROXY,
+            Reason::InboundPassthrough => BYPASS_INBOUND_PASSTHROUGH,
+            Reason::ExcludedPort => BYPASS_EXCLUDED_PORT,
+            Reason::ExcludedCidr => BYPASS_EXCLUDED_CIDR,
+            Reason::OwnPodAddress => BYPASS_OWN_ADDRESS,
+            Reason::Loopback => BYPASS_LOOPBACK,
+            Reason::NotIncluded => NOT_INCLUDED,
+        }
+    }
 }
 
 fn in_list(list: &[u16; MAX_PORTS], port: u16) -> bool {
@@ -108,27 +138,38 @@ pub fn outbound_tcp(
     included: impl FnOnce() -> bool,
 ) -> Verdict {
     if in_list(&cfg.exclude_ports, dst_port) {
-        return Verdict::Pass(Reason::Excluded);
+        return Verdict::Pass(Reason::ExcludedPort);
     }
-    let special = loopback != Loopback::No || dst_port == cfg.tunnel_port;
+    // Port 53 is special on lo only when DNS is captured (Istio's `! --dport 53`).
+    let dns_skipped = dst_port == 53 && cfg.has(flags::REDIRECT_DNS);
     if cfg.is_proxy(uid, gid) {
         // Through lo to anything but localhost: another loopback address, or the pod's
         // own. Istio's rule matches the first proxy uid only: the `-o lo ! --uid-owner
-        // <first> -j RETURN` after it passes every other uid and gid-only matches. Port
-        // 53 is left alone only when DNS is captured (`! --dports 53,<tunnel>`).
+        // <first> -j RETURN` after it passes every other uid and gid-only matches.
         let through_lo = match loopback {
             Loopback::Localhost => false,
             Loopback::Other => true,
             Loopback::No => classify() == DstClass::OwnPod,
         };
-        let dns_skipped = dst_port == 53 && cfg.has(flags::REDIRECT_DNS);
         if through_lo && uid == cfg.proxy_uids[0] && dst_port != cfg.tunnel_port && !dns_skipped {
             return Verdict::Redirect(cfg.inbound_port);
         }
         return Verdict::Pass(Reason::Proxy);
     }
-    if special || classify() != DstClass::Other {
-        return Verdict::Pass(Reason::Excluded);
+    // `-d 127.0.0.1/32 -j RETURN` (::1 for IPv6).
+    if loopback == Loopback::Localhost {
+        return Verdict::Pass(Reason::Loopback);
+    }
+    let class = if loopback == Loopback::No { classify() } else { DstClass::Other };
+    // An app's traffic through lo (another 127/8 address, the pod's own) is returned by
+    // `-o lo -p tcp ! --dport 53 -m owner ! --uid-owner <proxy> -j RETURN`; with DNS
+    // captured, port 53 goes on to the rules below, as in Istio.
+    let through_lo = loopback == Loopback::Other || class == DstClass::OwnPod;
+    if through_lo && !dns_skipped {
+        return Verdict::Pass(if class == DstClass::OwnPod { Reason::OwnPodAddress } else { Reason::Loopback });
+    }
+    if class == DstClass::Excluded {
+        return Verdict::Pass(Reason::ExcludedCidr);
     }
     if in_list(&cfg.include_ports, dst_port) || cfg.has(flags::CAPTURE_ALL_OUTBOUND) || included() {
         return Verdict::Redirect(cfg.outbound_port);
@@ -196,29 +237,31 @@ mod tests {
         let other = || DstClass::Other;
         assert_eq!(
             outbound_tcp(&c, 1000, 1000, 9090, Loopback::No, other, || true),
-            Verdict::Pass(Reason::Excluded)
+            Verdict::Pass(Reason::ExcludedPort)
         );
         assert_eq!(
             outbound_tcp(&c, 1000, 1000, 80, Loopback::No, || DstClass::Excluded, || true),
-            Verdict::Pass(Reason::Excluded)
+            Verdict::Pass(Reason::ExcludedCidr)
         );
         assert_eq!(
             outbound_tcp(&c, 1000, 1000, 3306, Loopback::No, || DstClass::Excluded, || false),
-            Verdict::Pass(Reason::Excluded)
+            Verdict::Pass(Reason::ExcludedCidr)
         );
         assert_eq!(
             outbound_tcp(&c, 1000, 1000, 80, Loopback::Localhost, other, || true),
-            Verdict::Pass(Reason::Excluded),
+            Verdict::Pass(Reason::Loopback),
             "loopback"
         );
+        // Istio leaves 15008 alone only for the proxy (its ISTIO_OUTPUT has no rule for
+        // an app's connection to a tunnel port elsewhere: it is captured).
         assert_eq!(
             outbound_tcp(&c, 1000, 1000, 15008, Loopback::No, other, || true),
-            Verdict::Pass(Reason::Excluded),
-            "tunnel"
+            Verdict::Redirect(15001),
+            "tunnel port, app"
         );
         assert_eq!(
             outbound_tcp(&c, 1000, 1000, 80, Loopback::No, || DstClass::OwnPod, || true),
-            Verdict::Pass(Reason::Excluded),
+            Verdict::Pass(Reason::OwnPodAddress),
             "app to itself"
         );
     }
@@ -291,7 +334,7 @@ mod tests {
         // Apps' loopback traffic is never captured.
         assert_eq!(
             outbound_tcp(&c, 1000, 1000, 15002, Loopback::Other, none, || true),
-            Verdict::Pass(Reason::Excluded)
+            Verdict::Pass(Reason::Loopback)
         );
         assert_eq!(loopback4(u32::from_ne_bytes([10, 0, 0, 6])), Loopback::No);
         // IPv6: ::1 is localhost, ::6 (the validator's address on IPv6 pods) is not.
@@ -334,7 +377,7 @@ mod tests {
             || panic!("excluded port decides"),
             || panic!("no include lookup"),
         );
-        assert_eq!(verdict, Verdict::Pass(Reason::Excluded));
+        assert_eq!(verdict, Verdict::Pass(Reason::ExcludedPort));
     }
 
     #[test]

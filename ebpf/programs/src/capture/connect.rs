@@ -5,7 +5,7 @@
 use aya_ebpf::{EbpfContext as _, macros::cgroup_sock_addr, programs::SockAddrContext};
 use aya_log_ebpf::info;
 use weir_ebpf_common::{
-    capture::{OrigDst, counter},
+    capture::{OrigDst, PodConfig, counter},
     policy::{self, DstClass, Reason, Verdict},
 };
 
@@ -23,12 +23,11 @@ fn class(found: Option<u8>) -> DstClass {
     }
 }
 
-fn count_pass(reason: Reason) {
-    maps::count(match reason {
-        Reason::Proxy => counter::BYPASS_PROXY,
-        Reason::Excluded => counter::BYPASS_EXCLUDED,
-        Reason::NotIncluded => counter::NOT_INCLUDED,
-    });
+/// Counts a redirect by where it goes: Envoy's outbound or (the proxy calling its own
+/// pod) inbound listener.
+#[inline(always)]
+fn redirected(cfg: &PodConfig, to: u16) -> u32 {
+    if to == cfg.inbound_port { counter::REDIRECTED_INBOUND } else { counter::REDIRECTED }
 }
 
 #[cgroup_sock_addr(connect4)]
@@ -46,14 +45,15 @@ fn connect4(ctx: &SockAddrContext) {
         unsafe { (field!(sa, user_ip4), field!(sa, user_port) as u16, field!(sa, type_)) };
     let port = u16::from_be(port_be);
     let (uid, gid) = net::uid_gid();
+    // Istio's first rule: Envoy's inbound passthrough (bound to 127.0.0.6) is left alone.
+    if sock_type == SOCK_STREAM && policy::from_inbound_passthrough(net::bound_src4(sa)) {
+        maps::count(cfg, netns, Reason::InboundPassthrough.counter());
+        return;
+    }
     if dns::redirect_v4(ctx, cfg, netns, uid, gid, dst, port, sock_type == SOCK_STREAM) {
         return;
     }
     if sock_type != SOCK_STREAM {
-        return;
-    }
-    if policy::from_inbound_passthrough(net::bound_src4(sa)) {
-        count_pass(Reason::Proxy);
         return;
     }
     let verdict = policy::outbound_tcp(
@@ -66,7 +66,7 @@ fn connect4(ctx: &SockAddrContext) {
         || net::lookup_v4(&INCLUDE_V4, netns, dst).is_some(),
     );
     match verdict {
-        Verdict::Pass(reason) => count_pass(reason),
+        Verdict::Pass(reason) => maps::count(cfg, netns, reason.counter()),
         Verdict::Redirect(to) => {
             let orig = OrigDst { addr: [dst, 0, 0, 0], port: port_be, family: AF_INET };
             if ORIG_BY_COOKIE.insert(&net::socket_cookie(ctx.as_ptr()), &orig, 0).is_err() {
@@ -76,7 +76,7 @@ fn connect4(ctx: &SockAddrContext) {
                 (*sa).user_ip4 = LOOPBACK4;
                 (*sa).user_port = u32::from(to.to_be());
             }
-            maps::count(counter::REDIRECTED);
+            maps::count(cfg, netns, redirected(cfg, to));
             if maps::log_enabled() {
                 info!(ctx, "connect4 {:i}:{} -> 127.0.0.1:{}", u32::from_be(dst), port, to);
             }
@@ -111,14 +111,14 @@ fn connect6(ctx: &SockAddrContext) {
     let (uid, gid) = net::uid_gid();
     // A dual-stack socket connecting to ::ffff:a.b.c.d is IPv4 traffic.
     let mapped = net::mapped_v4(&dst);
+    if sock_type == SOCK_STREAM && policy::from_inbound_passthrough6(&net::bound_src6(sa)) {
+        maps::count(cfg, netns, Reason::InboundPassthrough.counter());
+        return;
+    }
     if dns::redirect_v6(ctx, cfg, netns, uid, gid, &dst, mapped, port, sock_type == SOCK_STREAM) {
         return;
     }
     if sock_type != SOCK_STREAM {
-        return;
-    }
-    if policy::from_inbound_passthrough6(&net::bound_src6(sa)) {
-        count_pass(Reason::Proxy);
         return;
     }
     let verdict = match mapped {
@@ -142,7 +142,7 @@ fn connect6(ctx: &SockAddrContext) {
         ),
     };
     match verdict {
-        Verdict::Pass(reason) => count_pass(reason),
+        Verdict::Pass(reason) => maps::count(cfg, netns, reason.counter()),
         Verdict::Redirect(to) => {
             let orig = match mapped {
                 Some(v4) => OrigDst { addr: [v4, 0, 0, 0], port: port_be, family: AF_INET },
@@ -162,7 +162,7 @@ fn connect6(ctx: &SockAddrContext) {
                 (*sa).user_ip6[3] = loopback[3];
                 (*sa).user_port = u32::from(to.to_be());
             }
-            maps::count(counter::REDIRECTED);
+            maps::count(cfg, netns, redirected(cfg, to));
             if maps::log_enabled() {
                 info!(ctx, "connect6 port {} -> [::1]:{}", port, to);
             }

@@ -41,7 +41,7 @@ pub fn redirect_v4(
         (*sa).user_ip4 = LOOPBACK4;
         (*sa).user_port = u32::from(cfg.dns_port.to_be());
     }
-    maps::count(counter::DNS_REDIRECTED);
+    maps::count(cfg, netns, counter::DNS_REDIRECTED);
     true
 }
 
@@ -84,7 +84,7 @@ pub fn redirect_v6(
         (*sa).user_ip6[3] = agent[3];
         (*sa).user_port = u32::from(cfg.dns_port.to_be());
     }
-    maps::count(counter::DNS_REDIRECTED);
+    maps::count(cfg, netns, counter::DNS_REDIRECTED);
     true
 }
 
@@ -135,13 +135,13 @@ pub fn weir_recvmsg4(ctx: SockAddrContext) -> i32 {
     if src == LOOPBACK4 {
         if let Some(orig) = unsafe { DNS_BY_COOKIE.get(&net::socket_cookie(ctx.as_ptr())) } {
             let netns = net::netns_cookie(ctx.as_ptr());
-            let agent = unsafe { POD_CONFIG.get(&netns) }.map(|c| c.dns_port.to_be());
-            if agent == Some(port) && orig.family == AF_INET {
+            let cfg = unsafe { POD_CONFIG.get(&netns) };
+            if let Some(cfg) = cfg.filter(|c| c.dns_port.to_be() == port && orig.family == AF_INET) {
                 unsafe {
                     (*sa).user_ip4 = orig.addr[0];
                     (*sa).user_port = u32::from(orig.port);
                 }
-                maps::count(counter::DNS_RESTORED);
+                maps::count(cfg, netns, counter::DNS_RESTORED);
             }
         }
     }
@@ -166,8 +166,8 @@ pub fn weir_recvmsg6(ctx: SockAddrContext) -> i32 {
     if from_agent {
         if let Some(orig) = unsafe { DNS_BY_COOKIE.get(&net::socket_cookie(ctx.as_ptr())) } {
             let netns = net::netns_cookie(ctx.as_ptr());
-            let agent = unsafe { POD_CONFIG.get(&netns) }.map(|c| c.dns_port.to_be());
-            if agent == Some(port) && orig.family == AF_INET6 {
+            let cfg = unsafe { POD_CONFIG.get(&netns) };
+            if let Some(cfg) = cfg.filter(|c| c.dns_port.to_be() == port && orig.family == AF_INET6) {
                 unsafe {
                     (*sa).user_ip6[0] = orig.addr[0];
                     (*sa).user_ip6[1] = orig.addr[1];
@@ -175,7 +175,7 @@ pub fn weir_recvmsg6(ctx: SockAddrContext) -> i32 {
                     (*sa).user_ip6[3] = orig.addr[3];
                     (*sa).user_port = u32::from(orig.port);
                 }
-                maps::count(counter::DNS_RESTORED);
+                maps::count(cfg, netns, counter::DNS_RESTORED);
             }
         }
     }

@@ -65,7 +65,7 @@ pub fn weir_getsockopt(ctx: SockoptContext) -> i32 {
             family: u32::from(family),
         };
         let Some(orig) = ORIG_BY_PAIR.get(&app) else {
-            maps::count(counter::ORIG_DST_MISSING);
+            maps::count(cfg, netns, counter::ORIG_DST_MISSING);
             return 1;
         };
         let orig = *orig;
@@ -100,6 +100,6 @@ pub fn weir_getsockopt(ctx: SockoptContext) -> i32 {
         (*so).retval = 0;
         let _ = ORIG_BY_PAIR.remove(&app);
     }
-    maps::count(counter::ORIG_DST_ANSWERED);
+    maps::count(cfg, netns, counter::ORIG_DST_ANSWERED);
     1
 }

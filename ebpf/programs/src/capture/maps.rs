@@ -2,11 +2,11 @@
 
 use aya_ebpf::{
     macros::map,
-    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, SockHash},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuHashMap, SockHash},
 };
 use weir_ebpf_common::capture::{
-    CidrV4, CidrV6, MAX_CIDRS, MAX_PODS, MAX_TRACKED_CONNECTIONS, OrigDst, PairKey, PodConfig, control,
-    counter,
+    CidrV4, CidrV6, MAX_CIDRS, MAX_PODS, MAX_TRACKED_CONNECTIONS, OrigDst, PairKey, PodConfig, PodCounters,
+    control, flags,
 };
 
 /// BPF_F_NO_PREALLOC, required for LPM tries.
@@ -50,22 +50,30 @@ pub static SOCK_PAIRS: SockHash<PairKey> = SockHash::with_max_entries(MAX_TRACKE
 #[map]
 pub static NO_REDIRECT: LruHashMap<PairKey, u8> = LruHashMap::with_max_entries(MAX_TRACKED_CONNECTIONS, 0);
 
+/// Each pod's decision counters, per CPU; the agent adds a pod's entry when it
+/// registers the pod (allocated then, not for every possible pod).
 #[map]
-pub static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(counter::COUNT, 0);
+pub static POD_COUNTERS: PerCpuHashMap<u64, PodCounters> = PerCpuHashMap::with_max_entries(MAX_PODS, NO_PREALLOC);
 #[map]
 pub static CONTROL: Array<u32> = Array::with_max_entries(control::COUNT, 0);
 
-/// Adds one to a counter slot.
+/// Adds one to a pod's counter slot.
 #[inline(always)]
-pub fn count(slot: u32) {
-    add(slot, 1);
+pub fn count(cfg: &PodConfig, netns: u64, slot: u32) {
+    if !cfg.has(flags::NO_COUNTERS) {
+        add(netns, slot, 1);
+    }
 }
 
+/// Adds `n` to a pod's counter slot (no-op for a pod without counters).
 #[inline(always)]
-pub fn add(slot: u32, n: u64) {
-    if let Some(v) = COUNTERS.get_ptr_mut(slot) {
-        // Per-CPU slot: no other CPU writes it.
-        unsafe { *v += n };
+pub fn add(netns: u64, slot: u32, n: u64) {
+    if slot >= weir_ebpf_common::capture::counter::COUNT {
+        return;
+    }
+    if let Some(c) = POD_COUNTERS.get_ptr_mut(&netns) {
+        // Per-CPU value: no other CPU writes it.
+        unsafe { (*c).slots[slot as usize] += n };
     }
 }
 

@@ -53,10 +53,10 @@ pub fn weir_sk_msg(ctx: SkMsgContext) -> u32 {
     }
     let mut peer = me.peer();
     if SOCK_PAIRS.redirect_msg(&ctx, &mut peer, INGRESS) == i64::from(SK_PASS) {
-        maps::count(counter::SKMSG_REDIRECTED);
-        maps::add(counter::SKMSG_BYTES, u64::from(size));
+        maps::add(netns, counter::SKMSG_REDIRECTED, 1);
+        maps::add(netns, counter::SKMSG_BYTES, u64::from(size));
     } else {
-        maps::count(counter::SKMSG_PASSED);
+        maps::add(netns, counter::SKMSG_PASSED, 1);
         if maps::log_enabled() {
             aya_log_ebpf::info!(
                 &ctx,

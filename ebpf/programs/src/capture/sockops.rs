@@ -77,7 +77,7 @@ fn established(ctx: &SockOpsContext, active: bool) {
         let mut key = key;
         let r = SOCK_PAIRS.update(&mut key, unsafe { &mut *ctx.ops }, NO_EXIST);
         if r.is_ok() {
-            maps::count(counter::PAIRS_REGISTERED);
+            maps::count(cfg, netns, counter::PAIRS_REGISTERED);
         }
         if maps::log_enabled() {
             aya_log_ebpf::info!(

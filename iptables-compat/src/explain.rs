@@ -1,0 +1,384 @@
+//! Which of Istio's nat rules a locally made connection meets: the `nat` table of an
+//! `iptables-save` (or `ip6tables-save`) walked from `OUTPUT` as the kernel walks it for
+//! the connection's first packet, for `weir capture explain`. Pure: the caller reads
+//! the rules from the pod's namespace and says how the packet leaves (loopback or not).
+//! It understands the matches and targets Istio's rules use; a rule with anything else
+//! is an error naming it, never a guess.
+
+use std::{collections::HashMap, net::IpAddr};
+
+use crate::config::Cidr;
+
+/// The connection's first packet, as the nat OUTPUT hook sees it.
+#[derive(Debug, Clone)]
+pub struct Connection {
+    pub dst: IpAddr,
+    pub dst_port: u16,
+    pub udp: bool,
+    pub uid: u32,
+    pub gid: u32,
+    /// The address the socket is bound to (`None`: unbound, the kernel picks one, never
+    /// 127.0.0.6).
+    pub src: Option<IpAddr>,
+    /// Whether the packet leaves through `lo` (a loopback destination or one of the
+    /// pod's own addresses).
+    pub through_lo: bool,
+}
+
+/// Where the walk ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// `REDIRECT --to-ports <port>`: to Envoy (15001 outbound, 15006 inbound) or the
+    /// DNS proxy (15053).
+    Redirect(u16),
+    /// Left alone: a `RETURN` out of `OUTPUT`, an `ACCEPT`, or the end of `OUTPUT`.
+    NotCaptured,
+}
+
+/// The outcome and the rules that decided it: every jump taken, then the deciding rule
+/// (a redirect, or the last `RETURN` before `OUTPUT` ended; `None` when no rule
+/// matched at all).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Explanation {
+    pub outcome: Outcome,
+    pub jumps: Vec<String>,
+    pub decided_by: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ExplainError {
+    #[error("the saved rules have no nat table")]
+    NoNatTable,
+    #[error("rule `{rule}`: {what} is not something `weir capture explain` evaluates")]
+    Unsupported { rule: String, what: String },
+    #[error("rule `{rule}`: {what}")]
+    Malformed { rule: String, what: String },
+    #[error("rule `{rule}` jumps to chain {chain}, which the saved rules do not have")]
+    NoChain { rule: String, chain: String },
+    #[error("more than {MAX_DEPTH} nested jumps (a loop?) at rule `{rule}`")]
+    TooDeep { rule: String },
+}
+
+const MAX_DEPTH: usize = 16;
+
+/// One `-A` rule: its matches (each possibly negated) and its target.
+#[derive(Debug, Clone)]
+struct Rule {
+    text: String,
+    matches: Vec<(bool, Match)>,
+    target: Target,
+}
+
+#[derive(Debug, Clone)]
+enum Match {
+    OutIface(String),
+    InIface,
+    Src(Cidr),
+    Dst(Cidr),
+    Proto(String),
+    DstPorts(Vec<(u16, u16)>),
+    SrcPorts,
+    Uid(u32, u32),
+    Gid(u32, u32),
+}
+
+#[derive(Debug, Clone)]
+enum Target {
+    Return,
+    Accept,
+    Redirect(u16),
+    Jump(String),
+    /// No `-j`: counts and goes on.
+    None,
+}
+
+fn words(line: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    let mut quoted = false;
+    for c in line.chars() {
+        match c {
+            '"' => quoted = !quoted,
+            ' ' if !quoted => {
+                if !cur.is_empty() {
+                    out.push(std::mem::take(&mut cur));
+                }
+            }
+            _ => cur.push(c),
+        }
+    }
+    if !cur.is_empty() {
+        out.push(cur);
+    }
+    out
+}
+
+fn ports(raw: &str) -> Option<Vec<(u16, u16)>> {
+    raw.split(',')
+        .map(|p| match p.split_once(':') {
+            Some((a, b)) => Some((a.parse().ok()?, b.parse().ok()?)),
+            None => p.parse().ok().map(|n| (n, n)),
+        })
+        .collect()
+}
+
+fn id_range(raw: &str) -> Option<(u32, u32)> {
+    match raw.split_once('-') {
+        Some((a, b)) => Some((a.parse().ok()?, b.parse().ok()?)),
+        None => raw.parse().ok().map(|n| (n, n)),
+    }
+}
+
+/// A rule line (`-A CHAIN ...`, or `-I CHAIN [N] ...` as restore input has them): its
+/// chain, its position for an insert (1-based), and the rule.
+fn parse_rule(line: &str) -> Result<(String, Option<usize>, Rule), ExplainError> {
+    let w = words(line);
+    let bad = |what: &str| ExplainError::Malformed { rule: line.into(), what: what.into() };
+    let unsupported = |what: String| ExplainError::Unsupported { rule: line.into(), what };
+    let chain = w.get(1).ok_or_else(|| bad("no chain after -A"))?.clone();
+    let insert_at = match w[0].as_str() {
+        "-I" | "--insert" => Some(w.get(2).and_then(|n| n.parse().ok()).unwrap_or(1)),
+        _ => None,
+    };
+    let (mut matches, mut target, mut negate) = (Vec::new(), Target::None, false);
+    let mut i = if insert_at.is_some() && w.get(2).is_some_and(|n| n.parse::<usize>().is_ok()) { 3 } else { 2 };
+    while i < w.len() {
+        let arg = |k: usize| w.get(k).map(String::as_str).ok_or_else(|| bad(&format!("{} needs a value", w[k - 1])));
+        let cidr = |v: &str| v.parse::<Cidr>().map_err(|e| bad(&format!("address {v:?}: {e}")));
+        let m = match w[i].as_str() {
+            "!" => {
+                negate = true;
+                i += 1;
+                continue;
+            }
+            "-m" | "--match" => {
+                i += 2;
+                continue;
+            }
+            "-o" | "--out-interface" => Some(Match::OutIface(arg(i + 1)?.into())),
+            "-i" | "--in-interface" => Some(Match::InIface),
+            "-s" | "--source" => Some(Match::Src(cidr(arg(i + 1)?)?)),
+            "-d" | "--destination" => Some(Match::Dst(cidr(arg(i + 1)?)?)),
+            "-p" | "--protocol" => Some(Match::Proto(arg(i + 1)?.into())),
+            "--dport" | "--dports" | "--destination-port" | "--destination-ports" => {
+                Some(Match::DstPorts(ports(arg(i + 1)?).ok_or_else(|| bad("bad port list"))?))
+            }
+            "--sport" | "--sports" | "--source-port" | "--source-ports" => Some(Match::SrcPorts),
+            "--uid-owner" => {
+                let (lo, hi) = id_range(arg(i + 1)?).ok_or_else(|| bad("bad uid"))?;
+                Some(Match::Uid(lo, hi))
+            }
+            "--gid-owner" => {
+                let (lo, hi) = id_range(arg(i + 1)?).ok_or_else(|| bad("bad gid"))?;
+                Some(Match::Gid(lo, hi))
+            }
+            "-j" | "--jump" => {
+                target = match arg(i + 1)? {
+                    "RETURN" => Target::Return,
+                    "ACCEPT" => Target::Accept,
+                    "REDIRECT" => {
+                        let port = w
+                            .iter()
+                            .position(|a| a == "--to-ports" || a == "--to-port")
+                            .and_then(|k| w.get(k + 1))
+                            .and_then(|p| p.split(['-', ':']).next()?.parse().ok())
+                            .ok_or_else(|| bad("REDIRECT without --to-ports"))?;
+                        Target::Redirect(port)
+                    }
+                    t if t.chars().all(|c| c.is_ascii_uppercase() || c == '_') && t.starts_with("ISTIO") => {
+                        Target::Jump(t.into())
+                    }
+                    other => return Err(unsupported(format!("target {other}"))),
+                };
+                break;
+            }
+            other => return Err(unsupported(format!("option {other}"))),
+        };
+        if let Some(m) = m {
+            matches.push((std::mem::take(&mut negate), m));
+        }
+        i += 2;
+    }
+    Ok((chain, insert_at, Rule { text: line.into(), matches, target }))
+}
+
+fn holds(m: &Match, c: &Connection) -> bool {
+    let within = |(lo, hi): (u32, u32), v: u32| lo <= v && v <= hi;
+    match m {
+        Match::OutIface(name) => (name == "lo") == c.through_lo,
+        Match::InIface => false,
+        Match::Src(cidr) => c.src.is_some_and(|s| cidr.contains(s)),
+        Match::Dst(cidr) => cidr.contains(c.dst),
+        Match::Proto(p) => p == if c.udp { "udp" } else { "tcp" },
+        Match::DstPorts(list) => list.iter().any(|&(lo, hi)| lo <= c.dst_port && c.dst_port <= hi),
+        // An app's source port is an ephemeral one, never the DNS proxy's 15053.
+        Match::SrcPorts => false,
+        Match::Uid(lo, hi) => within((*lo, *hi), c.uid),
+        Match::Gid(lo, hi) => within((*lo, *hi), c.gid),
+    }
+}
+
+/// The nat table's chains, rule by rule.
+fn nat_chains(save: &str) -> Result<HashMap<String, Vec<Rule>>, ExplainError> {
+    let mut chains: HashMap<String, Vec<Rule>> = HashMap::new();
+    let (mut in_nat, mut seen) = (false, false);
+    for line in save.lines() {
+        let line = line.trim();
+        if let Some(table) = line.strip_prefix('*') {
+            in_nat = table.trim() == "nat";
+            seen |= in_nat;
+            continue;
+        }
+        // `iptables-save -c` prefixes rules with their counters.
+        let line = if line.starts_with('[') { line.split_once(' ').map_or("", |(_, r)| r) } else { line };
+        if in_nat && (line.starts_with("-A ") || line.starts_with("-I ")) {
+            let (chain, insert_at, rule) = parse_rule(line)?;
+            let rules = chains.entry(chain).or_default();
+            match insert_at {
+                Some(n) => rules.insert((n - 1).min(rules.len()), rule),
+                None => rules.push(rule),
+            }
+        }
+    }
+    if !seen {
+        return Err(ExplainError::NoNatTable);
+    }
+    Ok(chains)
+}
+
+/// Walks `save`'s nat `OUTPUT` for `conn`.
+pub fn explain(save: &str, conn: &Connection) -> Result<Explanation, ExplainError> {
+    let chains = nat_chains(save)?;
+    let mut jumps = Vec::new();
+    // The last RETURN out of a user chain: what decided when OUTPUT then ends.
+    let mut returned: Option<String> = None;
+    // (chain, next rule index) of each chain entered.
+    let mut stack: Vec<(&str, usize)> = vec![("OUTPUT", 0)];
+    while let Some((chain, at)) = stack.pop() {
+        let rules = chains.get(chain).map(Vec::as_slice).unwrap_or_default();
+        let Some((i, rule)) = rules
+            .iter()
+            .enumerate()
+            .skip(at)
+            .find(|(_, r)| r.matches.iter().all(|(neg, m)| holds(m, conn) != *neg))
+        else {
+            // End of a user chain: back to the caller; end of OUTPUT: its ACCEPT policy.
+            if stack.is_empty() {
+                return Ok(Explanation { outcome: Outcome::NotCaptured, jumps, decided_by: returned });
+            }
+            continue;
+        };
+        let decided = |outcome| Ok(Explanation { outcome, jumps: jumps.clone(), decided_by: Some(rule.text.clone()) });
+        match &rule.target {
+            Target::Redirect(port) => return decided(Outcome::Redirect(*port)),
+            Target::Accept => return decided(Outcome::NotCaptured),
+            Target::Return if stack.is_empty() => return decided(Outcome::NotCaptured),
+            Target::Return => returned = Some(rule.text.clone()),
+            Target::None => stack.push((chain, i + 1)),
+            Target::Jump(to) => {
+                let to = chains
+                    .get_key_value(to.as_str())
+                    .map(|(k, _)| k.as_str())
+                    .ok_or_else(|| ExplainError::NoChain { rule: rule.text.clone(), chain: to.clone() })?;
+                if stack.len() >= MAX_DEPTH {
+                    return Err(ExplainError::TooDeep { rule: rule.text.clone() });
+                }
+                jumps.push(rule.text.clone());
+                stack.push((chain, i + 1));
+                stack.push((to, 0));
+            }
+        }
+    }
+    Ok(Explanation { outcome: Outcome::NotCaptured, jumps, decided_by: None })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{detect::HostFacts, flags::IstioIptablesArgs, render};
+    use clap::Parser;
+
+    #[derive(Parser)]
+    #[command(args_override_self = true)]
+    struct Cli {
+        #[command(flatten)]
+        args: IstioIptablesArgs,
+    }
+
+    struct Pod;
+
+    impl HostFacts for Pod {
+        fn addresses(&self) -> std::io::Result<Vec<IpAddr>> {
+            Ok(vec!["127.0.0.1".parse().unwrap(), "10.0.0.5".parse().unwrap()])
+        }
+        fn resolv_conf(&self) -> std::io::Result<String> {
+            Ok("nameserver 10.96.0.10\n".into())
+        }
+        fn user_id(&self, _: &str) -> Option<u32> {
+            None
+        }
+        fn group_exists(&self, _: &str) -> bool {
+            false
+        }
+    }
+
+    /// The injector's IPv4 rules (plus `extra` flags) as restore input.
+    fn injector_save(extra: &[&str]) -> String {
+        let mut argv = vec![
+            "istio-iptables", "-p", "15001", "-z", "15006", "-u", "1337", "-m", "REDIRECT", "-i", "*", "-x", "",
+            "-b", "*", "-d", "15090,15021,15020",
+        ];
+        argv.extend(extra);
+        let cli = Cli::try_parse_from(argv).unwrap();
+        let (cfg, _) = cli.args.resolve(&|_| None, &Pod).unwrap();
+        render::restore(&crate::plan::plan(&cfg).v4)
+    }
+
+    fn app(dst: &str, port: u16) -> Connection {
+        let dst: IpAddr = dst.parse().unwrap();
+        Connection { dst, dst_port: port, udp: false, uid: 1000, gid: 1000, src: None, through_lo: dst.is_loopback() }
+    }
+
+    #[test]
+    fn the_injectors_rules_send_apps_to_envoy_and_leave_envoy_alone() {
+        let save = injector_save(&[]);
+        let e = explain(&save, &app("10.0.0.9", 80)).unwrap();
+        assert_eq!(e.outcome, Outcome::Redirect(15001), "{e:?}");
+        assert_eq!(e.jumps, ["-A OUTPUT -j ISTIO_OUTPUT", "-A ISTIO_OUTPUT -j ISTIO_REDIRECT"]);
+        let proxy = Connection { uid: 1337, gid: 1337, ..app("10.0.0.9", 80) };
+        let e = explain(&save, &proxy).unwrap();
+        assert_eq!(e.outcome, Outcome::NotCaptured);
+        assert_eq!(e.decided_by.as_deref(), Some("-A ISTIO_OUTPUT -m owner --uid-owner 1337 -j RETURN"));
+        let e = explain(&save, &app("127.0.0.1", 8080)).unwrap();
+        assert_eq!(e.outcome, Outcome::NotCaptured, "{e:?}");
+        // Envoy calling its own pod through lo goes to the inbound side.
+        let own = Connection { uid: 1337, gid: 1337, through_lo: true, ..app("10.0.0.5", 8080) };
+        assert_eq!(explain(&save, &own).unwrap().outcome, Outcome::Redirect(15006));
+        // Envoy's inbound passthrough, bound to 127.0.0.6.
+        let passthrough =
+            Connection { uid: 1337, gid: 1337, src: Some("127.0.0.6".parse().unwrap()), ..own.clone() };
+        let e = explain(&save, &passthrough).unwrap();
+        assert_eq!(e.decided_by.as_deref(), Some("-A ISTIO_OUTPUT -o lo -s 127.0.0.6/32 -j RETURN"), "{e:?}");
+    }
+
+    #[test]
+    fn excluded_ports_and_cidrs_are_named_by_their_rule() {
+        let save = injector_save(&["-o", "3306", "-x", "10.96.0.0/12"]);
+        let e = explain(&save, &app("10.0.0.9", 3306)).unwrap();
+        assert_eq!(e.outcome, Outcome::NotCaptured);
+        assert!(e.decided_by.as_deref().unwrap().contains("3306"), "{e:?}");
+        let e = explain(&save, &app("10.96.0.10", 443)).unwrap();
+        assert_eq!(e.outcome, Outcome::NotCaptured);
+        assert!(e.decided_by.as_deref().unwrap().contains("10.96.0.0/12"), "{e:?}");
+    }
+
+    #[test]
+    fn rules_it_does_not_understand_are_refused_by_name() {
+        let save = "*nat\n-A OUTPUT -m statistic --probability 0.5 -j DNAT --to-destination 1.2.3.4\nCOMMIT\n";
+        let err = explain(save, &app("10.0.0.9", 80)).unwrap_err();
+        assert!(err.to_string().contains("option --probability"), "{err}");
+        assert_eq!(explain("*filter\nCOMMIT\n", &app("10.0.0.9", 80)).unwrap_err(), ExplainError::NoNatTable);
+        let save = "*nat\n-A OUTPUT -j ISTIO_NOWHERE\nCOMMIT\n";
+        assert!(matches!(explain(save, &app("10.0.0.9", 80)), Err(ExplainError::NoChain { .. })));
+    }
+}
