@@ -81,12 +81,22 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<()> {
             ebpf(pod, args)?
         }
         (_, Some(netns)) => {
-            privileges::require(&[Capability::SysAdmin, Capability::NetAdmin], "weir capture explain --netns")?;
+            privileges::require(
+                &[Capability::SysAdmin, Capability::NetAdmin],
+                "weir capture explain --netns",
+            )?;
             netfilter(netns, args)?
         }
         _ => bail!("--pod or --netns is needed"),
     };
-    println!("{} capture: {} {} by uid {} gid {}", answer.backend, kind(args), args.destination, args.uid, gid(args));
+    println!(
+        "{} capture: {} {} by uid {} gid {}",
+        answer.backend,
+        kind(args),
+        args.destination,
+        args.uid,
+        gid(args)
+    );
     println!("  {}", answer.outcome);
     println!("  because {}", answer.why);
     for e in &answer.evidence {
@@ -111,9 +121,9 @@ fn registered(pod: &str) -> anyhow::Result<(MapSet, u64, PodConfig)> {
         bail!("{pod} is a node capture, not a pod: name one of its pods (`weir capture status`)");
     }
     let maps = pod::maps_of(&record).with_context(|| format!("open the maps of capture {pod}"))?;
-    let cfg = maps
-        .pod_config(record.netns_cookie)?
-        .with_context(|| format!("capture {pod}: its namespace (cookie {}) is not registered", record.netns_cookie))?;
+    let cfg = maps.pod_config(record.netns_cookie)?.with_context(|| {
+        format!("capture {pod}: its namespace (cookie {}) is not registered", record.netns_cookie)
+    })?;
     Ok((maps, record.netns_cookie, cfg))
 }
 
@@ -156,11 +166,22 @@ fn ebpf(pod: &str, args: &ExplainArgs) -> anyhow::Result<Answer> {
                 ("Envoy's outbound listener", "redirected")
             };
             let why = if to == cfg.inbound_port {
-                format!("uid {} is the proxy's and it calls its own pod through loopback (Istio's `-o lo ! -d 127.0.0.1/32 ... -j ISTIO_IN_REDIRECT`)", args.uid)
+                format!(
+                    "uid {} is the proxy's and it calls its own pod through loopback (Istio's `-o lo ! -d 127.0.0.1/32 ... -j ISTIO_IN_REDIRECT`)",
+                    args.uid
+                )
             } else {
                 included_why(&cfg, port)
             };
-            answer(format!("redirected to {}:{to} ({listener}), original destination {}:{port}", loopback_of(dst), dst), why, counter)
+            answer(
+                format!(
+                    "redirected to {}:{to} ({listener}), original destination {}:{port}",
+                    loopback_of(dst),
+                    dst
+                ),
+                why,
+                counter,
+            )
         }
         Decision::Verdict(Verdict::Pass(reason)) => {
             let counter = weir_ebpf_common::capture::counter::NAMES[reason.counter() as usize];
@@ -221,7 +242,8 @@ fn loopback_of(dst: IpAddr) -> &'static str {
 }
 
 fn ids(list: &[u32]) -> String {
-    let v: Vec<String> = list.iter().filter(|i| **i != weir_ebpf_common::capture::NO_ID).map(u32::to_string).collect();
+    let v: Vec<String> =
+        list.iter().filter(|i| **i != weir_ebpf_common::capture::NO_ID).map(u32::to_string).collect();
     if v.is_empty() { "none".into() } else { v.join(",") }
 }
 
@@ -264,14 +286,18 @@ fn reason_why(cfg: &PodConfig, reason: Reason, args: &ExplainArgs, port: u16) ->
 }
 
 fn netfilter(netns: &std::path::Path, args: &ExplainArgs) -> anyhow::Result<Answer> {
-    use weir_iptables::{netlink::Family, xtables::{Lock, SystemXtables, Xtables as _}};
+    use weir_iptables::{
+        netlink::Family,
+        xtables::{Lock, SystemXtables, Xtables as _},
+    };
     let dst = args.destination.ip();
     let family = if dst.is_ipv4() { Family::V4 } else { Family::V6 };
     let own = SystemFacts { netns: Some(netns.to_path_buf()) }
         .addresses()
         .with_context(|| format!("read the addresses of {}", netns.display()))?;
     let save = in_netns(netns, || {
-        let mut x = SystemXtables::detect(None, family == Family::V6, Lock::Global).map_err(std::io::Error::other)?;
+        let mut x =
+            SystemXtables::detect(None, family == Family::V6, Lock::Global).map_err(std::io::Error::other)?;
         Ok(x.save(family))
     })
     .with_context(|| format!("read the rules of {}", netns.display()))?
@@ -289,7 +315,9 @@ fn netfilter(netns: &std::path::Path, args: &ExplainArgs) -> anyhow::Result<Answ
         anyhow::anyhow!("{e} (native nftables rules are not read: explain reads iptables-save)")
     })?;
     let outcome = match e.outcome {
-        Outcome::Redirect(port) => format!("redirected to local port {port}, original destination {}", args.destination),
+        Outcome::Redirect(port) => {
+            format!("redirected to local port {port}, original destination {}", args.destination)
+        }
         Outcome::NotCaptured => "not captured".into(),
     };
     let why = match &e.decided_by {
@@ -348,7 +376,8 @@ mod tests {
         let (cfg, _) = Cli::try_parse_from(&argv).unwrap().args.resolve(&|_| None, &Pod).unwrap();
         let save = weir_iptables::render::restore(&weir_iptables::plan::plan(&cfg).v4);
         let own: IpAddr = OWN.parse().unwrap();
-        let pod = PodCapture::new(&cfg, vec![own], EbpfOptions { accelerate: false, clamp_optlen: false }).unwrap();
+        let pod =
+            PodCapture::new(&cfg, vec![own], EbpfOptions { accelerate: false, clamp_optlen: false }).unwrap();
         let dsts = ["10.1.2.3", "10.96.0.10", "10.96.5.5", "192.168.7.7", OWN, "127.0.0.1", "127.0.0.6"];
         let mut compared = 0;
         for dst in dsts.map(|d| d.parse::<IpAddr>().unwrap()) {
@@ -388,17 +417,12 @@ mod tests {
                     Decision::Verdict(Verdict::Redirect(p)) => Outcome::Redirect(p),
                     Decision::Verdict(Verdict::Pass(_)) => Outcome::NotCaptured,
                 };
-                let conn = Connection {
-                    dst,
-                    dst_port: port,
-                    udp: false,
-                    uid,
-                    gid: uid,
-                    src,
-                    through_lo,
-                };
+                let conn = Connection { dst, dst_port: port, udp: false, uid, gid: uid, src, through_lo };
                 let nf = weir_iptables::explain::explain(&save, &conn).unwrap();
-                assert_eq!(ebpf, nf.outcome, "{extra:?}: uid {uid} -> {dst}:{port} from {src:?}: netfilter {nf:?}");
+                assert_eq!(
+                    ebpf, nf.outcome,
+                    "{extra:?}: uid {uid} -> {dst}:{port} from {src:?}: netfilter {nf:?}"
+                );
                 compared += 1;
             }
         }

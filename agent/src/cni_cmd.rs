@@ -245,11 +245,18 @@ fn monitoring(path: &str) -> hyper::Response<http_body_util::Full<bytes::Bytes>>
     for (pod, counters) in crate::ebpf::metrics::pod_counters() {
         match counters {
             Ok(c) => readable.push((pod, c)),
-            Err(e) => tracing::debug!(pod, error = %crate::error_chain(&e), "capture counters left out of /metrics"),
+            Err(e) => {
+                tracing::debug!(pod, error = %crate::error_chain(&e), "capture counters left out of /metrics")
+            }
         }
     }
-    let mut r = Response::new(http_body_util::Full::new(bytes::Bytes::from(crate::ebpf::metrics::exposition(&readable))));
-    r.headers_mut().insert(CONTENT_TYPE, hyper::header::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"));
+    let mut r = Response::new(http_body_util::Full::new(bytes::Bytes::from(
+        crate::ebpf::metrics::exposition(&readable),
+    )));
+    r.headers_mut().insert(
+        CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+    );
     r
 }
 
@@ -290,7 +297,9 @@ pub fn run(args: CniArgs) -> anyhow::Result<()> {
                         .await
                         .with_context(|| format!("--monitoring-port {}: cannot listen", a.monitoring_port))?;
                     tracing::info!(port = a.monitoring_port, "serving capture metrics on /metrics");
-                    tokio::spawn(crate::http1::serve(listener, |req, _| async move { monitoring(req.uri().path()) }));
+                    tokio::spawn(crate::http1::serve(listener, |req, _| async move {
+                        monitoring(req.uri().path())
+                    }));
                 }
                 let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
                 let stop = async move {

@@ -57,7 +57,9 @@ pub enum EbpfError {
          only to cgroup v2; on a cgroup v1 host use `weir capture apply` (nftables or iptables)"
     )]
     NotCgroup2 { path: PathBuf, fs: String },
-    #[error("the capture {pod} has no counters in its maps: its namespace (cookie {cookie}) is not registered")]
+    #[error(
+        "the capture {pod} has no counters in its maps: its namespace (cookie {cookie}) is not registered"
+    )]
     NotRegistered { pod: String, cookie: u64 },
     #[error("the maps of capture {pod} cannot be read: {reason}")]
     MapsUnreadable { pod: String, reason: String },

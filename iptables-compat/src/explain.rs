@@ -141,9 +141,12 @@ fn parse_rule(line: &str) -> Result<(String, Option<usize>, Rule), ExplainError>
         _ => None,
     };
     let (mut matches, mut target, mut negate) = (Vec::new(), Target::None, false);
-    let mut i = if insert_at.is_some() && w.get(2).is_some_and(|n| n.parse::<usize>().is_ok()) { 3 } else { 2 };
+    let mut i =
+        if insert_at.is_some() && w.get(2).is_some_and(|n| n.parse::<usize>().is_ok()) { 3 } else { 2 };
     while i < w.len() {
-        let arg = |k: usize| w.get(k).map(String::as_str).ok_or_else(|| bad(&format!("{} needs a value", w[k - 1])));
+        let arg = |k: usize| {
+            w.get(k).map(String::as_str).ok_or_else(|| bad(&format!("{} needs a value", w[k - 1])))
+        };
         let cidr = |v: &str| v.parse::<Cidr>().map_err(|e| bad(&format!("address {v:?}: {e}")));
         let m = match w[i].as_str() {
             "!" => {
@@ -268,7 +271,8 @@ pub fn explain(save: &str, conn: &Connection) -> Result<Explanation, ExplainErro
             }
             continue;
         };
-        let decided = |outcome| Ok(Explanation { outcome, jumps: jumps.clone(), decided_by: Some(rule.text.clone()) });
+        let decided =
+            |outcome| Ok(Explanation { outcome, jumps: jumps.clone(), decided_by: Some(rule.text.clone()) });
         match &rule.target {
             Target::Redirect(port) => return decided(Outcome::Redirect(*port)),
             Target::Accept => return decided(Outcome::NotCaptured),
@@ -325,8 +329,23 @@ mod tests {
     /// The injector's IPv4 rules (plus `extra` flags) as restore input.
     fn injector_save(extra: &[&str]) -> String {
         let mut argv = vec![
-            "istio-iptables", "-p", "15001", "-z", "15006", "-u", "1337", "-m", "REDIRECT", "-i", "*", "-x", "",
-            "-b", "*", "-d", "15090,15021,15020",
+            "istio-iptables",
+            "-p",
+            "15001",
+            "-z",
+            "15006",
+            "-u",
+            "1337",
+            "-m",
+            "REDIRECT",
+            "-i",
+            "*",
+            "-x",
+            "",
+            "-b",
+            "*",
+            "-d",
+            "15090,15021,15020",
         ];
         argv.extend(extra);
         let cli = Cli::try_parse_from(argv).unwrap();
@@ -336,7 +355,15 @@ mod tests {
 
     fn app(dst: &str, port: u16) -> Connection {
         let dst: IpAddr = dst.parse().unwrap();
-        Connection { dst, dst_port: port, udp: false, uid: 1000, gid: 1000, src: None, through_lo: dst.is_loopback() }
+        Connection {
+            dst,
+            dst_port: port,
+            udp: false,
+            uid: 1000,
+            gid: 1000,
+            src: None,
+            through_lo: dst.is_loopback(),
+        }
     }
 
     #[test]
@@ -374,7 +401,8 @@ mod tests {
 
     #[test]
     fn rules_it_does_not_understand_are_refused_by_name() {
-        let save = "*nat\n-A OUTPUT -m statistic --probability 0.5 -j DNAT --to-destination 1.2.3.4\nCOMMIT\n";
+        let save =
+            "*nat\n-A OUTPUT -m statistic --probability 0.5 -j DNAT --to-destination 1.2.3.4\nCOMMIT\n";
         let err = explain(save, &app("10.0.0.9", 80)).unwrap_err();
         assert!(err.to_string().contains("option --probability"), "{err}");
         assert_eq!(explain("*filter\nCOMMIT\n", &app("10.0.0.9", 80)).unwrap_err(), ExplainError::NoNatTable);

@@ -92,7 +92,8 @@ pub struct LoadResult {
 pub fn pin_to_cpu(cpu: usize) -> Result<(), String> {
     let mut set = nix::sched::CpuSet::new();
     set.set(cpu).map_err(|e| format!("cpu {cpu}: {e}"))?;
-    nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set).map_err(|e| format!("pin to cpu {cpu}: {e}"))
+    nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set)
+        .map_err(|e| format!("pin to cpu {cpu}: {e}"))
 }
 
 fn header(orig: Option<SocketAddrV4>) -> [u8; 8] {
@@ -106,9 +107,8 @@ fn header(orig: Option<SocketAddrV4>) -> [u8; 8] {
 }
 
 fn parse_header(h: &[u8; 8]) -> Option<SocketAddrV4> {
-    (h[0] == 1).then(|| {
-        SocketAddrV4::new(Ipv4Addr::new(h[4], h[5], h[6], h[7]), u16::from_be_bytes([h[2], h[3]]))
-    })
+    (h[0] == 1)
+        .then(|| SocketAddrV4::new(Ipv4Addr::new(h[4], h[5], h[6], h[7]), u16::from_be_bytes([h[2], h[3]])))
 }
 
 /// The acceptor: serves until killed. Prints `listening <addr>` once bound.

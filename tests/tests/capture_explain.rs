@@ -55,7 +55,10 @@ fn ebpf_decisions_are_counted_per_pod_and_explained_from_its_maps() {
     assert!(app_8080.contains("redirected to 127.0.0.1:15001 (Envoy's outbound listener)"), "{app_8080}");
     assert!(app_8080.contains("-i '*'"), "{app_8080}");
     let app_9090 = explain(to_9090, "1000");
-    assert!(app_9090.contains("not captured") && app_9090.contains("excluded outbound port (-o 9090)"), "{app_9090}");
+    assert!(
+        app_9090.contains("not captured") && app_9090.contains("excluded outbound port (-o 9090)"),
+        "{app_9090}"
+    );
     let proxy = explain(to_8080, "1337");
     assert!(proxy.contains("not captured") && proxy.contains("is the proxy's (-u 1337"), "{proxy}");
 
@@ -76,7 +79,10 @@ fn ebpf_decisions_are_counted_per_pod_and_explained_from_its_maps() {
     assert_eq!(counters["redirected"], 2, "{counters}");
     assert_eq!(counters["bypass_excluded_port"], 1, "{counters}");
     assert_eq!(counters["bypass_proxy"], 1, "{counters}");
-    assert_eq!(counters["orig_dst_answered"], 2, "the stand-in asked for each original destination: {counters}");
+    assert_eq!(
+        counters["orig_dst_answered"], 2,
+        "the stand-in asked for each original destination: {counters}"
+    );
     assert!(explain(to_8080, "1000").contains("counted as redirected (this pod so far: 2)"));
 
     // And as metrics, labelled by pod and decision.

@@ -298,7 +298,9 @@ fn the_cni_image_installs_the_daemonsets_node_agent() {
     let port: u16 = env["MONITORING_PORT"].parse().unwrap();
     let scrape = || {
         netns
-            .run(move || async move { weir_tests::http::get(([127, 0, 0, 1], port).into(), "/metrics").await.ok() })
+            .run(move || async move {
+                weir_tests::http::get(([127, 0, 0, 1], port).into(), "/metrics").await.ok()
+            })
             .unwrap()
     };
     assert!(settles(|| scrape().is_some()), "nothing serves :{port}/metrics\n{}", said());

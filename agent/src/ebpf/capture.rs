@@ -175,16 +175,25 @@ impl MapSet {
         const NO_EXIST: u64 = 1;
         let cpus = aya::util::nr_cpus().map_err(|(_, e)| EbpfError::Map {
             map: map::POD_COUNTERS,
-            source: aya::maps::MapError::SyscallError(aya::sys::SyscallError { call: "nr_cpus", io_error: e }),
+            source: aya::maps::MapError::SyscallError(aya::sys::SyscallError {
+                call: "nr_cpus",
+                io_error: e,
+            }),
         })?;
-        let zero = PerCpuValues::try_from(vec![PodCounters::default(); cpus]).map_err(|e| EbpfError::Map {
-            map: map::POD_COUNTERS,
-            source: aya::maps::MapError::SyscallError(aya::sys::SyscallError { call: "per-cpu values", io_error: e }),
-        })?;
+        let zero =
+            PerCpuValues::try_from(vec![PodCounters::default(); cpus]).map_err(|e| EbpfError::Map {
+                map: map::POD_COUNTERS,
+                source: aya::maps::MapError::SyscallError(aya::sys::SyscallError {
+                    call: "per-cpu values",
+                    io_error: e,
+                }),
+            })?;
         let mut counters = self.pod_counters_map_mut()?;
         match counters.insert(netns, zero, NO_EXIST) {
             Ok(()) => Ok(()),
-            Err(aya::maps::MapError::SyscallError(e)) if e.io_error.kind() == std::io::ErrorKind::AlreadyExists => {
+            Err(aya::maps::MapError::SyscallError(e))
+                if e.io_error.kind() == std::io::ErrorKind::AlreadyExists =>
+            {
                 Ok(())
             }
             Err(source) => Err(EbpfError::Map { map: map::POD_COUNTERS, source }),
@@ -250,16 +259,26 @@ impl MapSet {
 
     /// What a pod's trie holds for `addr` (longest prefix), as the programs look it up:
     /// `trie` is one of the `*_V4`/`*_V6` pairs, picked by the address's family.
-    pub fn lookup(&self, v4: &'static str, v6: &'static str, netns: u64, addr: IpAddr) -> Result<Option<u8>, EbpfError> {
+    pub fn lookup(
+        &self,
+        v4: &'static str,
+        v6: &'static str,
+        netns: u64,
+        addr: IpAddr,
+    ) -> Result<Option<u8>, EbpfError> {
         let found = match addr {
             IpAddr::V4(a) => {
                 let trie: LpmTrie<_, CidrV4, u8> = LpmTrie::try_from(self.get(v4)?).map_err(map_err(v4))?;
-                let key = Key::new(NETNS_PREFIX_BITS + 32, CidrV4 { netns: netns.to_be_bytes(), addr: a.octets() });
+                let key =
+                    Key::new(NETNS_PREFIX_BITS + 32, CidrV4 { netns: netns.to_be_bytes(), addr: a.octets() });
                 trie.get(&key, 0).map_err(|e| (v4, e))
             }
             IpAddr::V6(a) => {
                 let trie: LpmTrie<_, CidrV6, u8> = LpmTrie::try_from(self.get(v6)?).map_err(map_err(v6))?;
-                let key = Key::new(NETNS_PREFIX_BITS + 128, CidrV6 { netns: netns.to_be_bytes(), addr: a.octets() });
+                let key = Key::new(
+                    NETNS_PREFIX_BITS + 128,
+                    CidrV6 { netns: netns.to_be_bytes(), addr: a.octets() },
+                );
                 trie.get(&key, 0).map_err(|e| (v6, e))
             }
         };

@@ -42,9 +42,8 @@ pub fn pod_counters() -> Vec<(String, Result<Counters, EbpfError>)> {
     let mut out = Vec::new();
     for record in PinRecord::load_all().into_iter().filter(|r| r.netns_cookie != 0) {
         let dir = pod::maps_dir(&record);
-        let set = maps
-            .entry(dir)
-            .or_insert_with(|| pod::maps_of(&record).map_err(|e| crate::error_chain(&e)));
+        let set =
+            maps.entry(dir).or_insert_with(|| pod::maps_of(&record).map_err(|e| crate::error_chain(&e)));
         let counters = match set {
             Ok(set) => set.pod_counters(record.netns_cookie).and_then(|c| {
                 c.ok_or(EbpfError::NotRegistered { pod: record.pod.clone(), cookie: record.netns_cookie })
@@ -92,8 +91,14 @@ mod tests {
         c.0.iter_mut().find(|(n, _)| *n == "skmsg_bytes").unwrap().1 = 4096;
         c.0.iter_mut().find(|(n, _)| *n == "bypass_proxy").unwrap().1 = 2;
         let text = exposition(&[("web-1".into(), c)]);
-        assert!(text.contains("weir_capture_decisions_total{pod=\"web-1\",decision=\"redirected\"} 5"), "{text}");
-        assert!(text.contains("weir_capture_decisions_total{pod=\"web-1\",decision=\"bypass_proxy\"} 2"), "{text}");
+        assert!(
+            text.contains("weir_capture_decisions_total{pod=\"web-1\",decision=\"redirected\"} 5"),
+            "{text}"
+        );
+        assert!(
+            text.contains("weir_capture_decisions_total{pod=\"web-1\",decision=\"bypass_proxy\"} 2"),
+            "{text}"
+        );
         assert!(text.contains("weir_capture_skmsg_bytes_total{pod=\"web-1\"} 4096"), "{text}");
         assert!(!text.contains("decision=\"skmsg_bytes\""), "{text}");
         assert!(text.contains("# TYPE weir_capture_decisions counter"), "{text}");

@@ -166,7 +166,11 @@ pub fn outbound_tcp(
     // captured, port 53 goes on to the rules below, as in Istio.
     let through_lo = loopback == Loopback::Other || class == DstClass::OwnPod;
     if through_lo && !dns_skipped {
-        return Verdict::Pass(if class == DstClass::OwnPod { Reason::OwnPodAddress } else { Reason::Loopback });
+        return Verdict::Pass(if class == DstClass::OwnPod {
+            Reason::OwnPodAddress
+        } else {
+            Reason::Loopback
+        });
     }
     if class == DstClass::Excluded {
         return Verdict::Pass(Reason::ExcludedCidr);

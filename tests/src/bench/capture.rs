@@ -1,7 +1,11 @@
 //! The capture benchmark: the same load through a real Envoy sidecar for each capture
-//! mode, in fresh sandbox pods per mode. The floor is the app calling Envoy's own
-//! listener directly (one proxy hop, no capture); every other row sends the app's
-//! traffic to the server's address and lets capture bring it to Envoy.
+//! mode, in fresh sandbox pods per mode. The floor is the app calling Envoy's outbound
+//! listener on 127.0.0.1:15001 directly (the same listener, filter chain and
+//! passthrough cluster over the same loopback path, with no capture hook: the upstream
+//! comes from the `x-envoy-original-dst-host` header every row sends); every other row
+//! sends the app's traffic to the server's address and lets capture bring it to Envoy.
+//! iperf3's floor is a tcp_proxy listener on 127.0.0.1:15201 (a TCP stream carries no
+//! header to name its upstream).
 
 use std::{
     net::SocketAddr,
@@ -25,6 +29,8 @@ pub enum Mode {
     Iptables,
     Nftables,
     Ebpf,
+    /// eBPF with the pod's decision counters off (what counting costs).
+    EbpfNoCounters,
     EbpfSkMsg,
 }
 
@@ -37,6 +43,7 @@ impl Mode {
             Mode::Iptables => "iptables REDIRECT",
             Mode::Nftables => "nftables",
             Mode::Ebpf => "eBPF",
+            Mode::EbpfNoCounters => "eBPF, decision counters off",
             Mode::EbpfSkMsg => "eBPF + sk_msg",
         }
     }
@@ -98,8 +105,9 @@ fn static_cluster(name: &str, addr: SocketAddr) -> String {
     )
 }
 
-/// The sidecar: 15001 (original_dst; iperf's port by tcp_proxy, the rest over HTTP),
-/// plus direct listeners for the floor.
+/// The sidecar: 15001 (original_dst; iperf's port by tcp_proxy, the rest over HTTP to
+/// the passthrough cluster, which takes its upstream from the header when given), plus
+/// iperf3's floor listener.
 fn sidecar(server: std::net::Ipv4Addr) -> String {
     format!(
         r#"
@@ -114,11 +122,7 @@ static_resources:
     - filter_chain_match: {{ destination_port: 5201 }}
       filters:
 {tcp_out}    - filters:
-{hcm_out}  - name: floorHttp
-    address: {{ socket_address: {{ address: 127.0.0.1, port_value: 15080 }} }}
-    filter_chains:
-    - filters:
-{hcm_floor}  - name: floorTcp
+{hcm_out}  - name: floorTcp
     address: {{ socket_address: {{ address: 127.0.0.1, port_value: 15201 }} }}
     filter_chains:
     - filters:
@@ -127,12 +131,11 @@ static_resources:
     type: ORIGINAL_DST
     lb_policy: CLUSTER_PROVIDED
     connect_timeout: 5s
-{http_cluster}{iperf_cluster}"#,
+    original_dst_lb_config: {{ use_http_header: true }}
+{iperf_cluster}"#,
         tcp_out = tcp("outbound_tcp", "PassthroughCluster"),
         hcm_out = hcm("outbound_http", "PassthroughCluster"),
-        hcm_floor = hcm("floor_http", "server_http"),
         tcp_floor = tcp("floor_tcp", "server_iperf"),
-        http_cluster = static_cluster("server_http", SocketAddr::new(server.into(), 8080)),
         iperf_cluster = static_cluster("server_iperf", SocketAddr::new(server.into(), 5201)),
     )
 }
@@ -155,7 +158,7 @@ pub fn apply(mode: Mode, pod: &Pod, cgroup: &Cgroup) -> anyhow::Result<Option<Ca
             }
             Ok(None)
         }
-        Mode::Ebpf | Mode::EbpfSkMsg => {
+        Mode::Ebpf | Mode::EbpfNoCounters | Mode::EbpfSkMsg => {
             let mut programs = CapturePrograms::load()?;
             programs.attach(cgroup.path())?;
             let cfg = CaptureConfig {
@@ -163,11 +166,14 @@ pub fn apply(mode: Mode, pod: &Pod, cgroup: &Cgroup) -> anyhow::Result<Option<Ca
                 inbound_ports: InboundPorts::None,
                 ..CaptureConfig::default()
             };
-            let capture = PodCapture::new(
+            let mut capture = PodCapture::new(
                 &cfg,
                 vec![pod.ipv4().into()],
                 EbpfOptions { accelerate: mode == Mode::EbpfSkMsg, clamp_optlen: false },
             )?;
+            if mode == Mode::EbpfNoCounters {
+                capture.config.flags |= weir_ebpf_common::capture::flags::NO_COUNTERS;
+            }
             programs.register(netns_cookie(Some(pod.netns().path()))?, &capture)?;
             Ok(Some(programs))
         }
@@ -211,14 +217,20 @@ fn measure(mode: Mode, opts: &Options) -> anyhow::Result<Measured> {
 
     let _programs = apply(mode, &client, &cgroup)?;
     let (http, iperf) = if mode == Mode::Floor {
-        ("127.0.0.1:15080".to_string(), ("127.0.0.1".to_string(), 15201))
+        ("127.0.0.1:15001".to_string(), ("127.0.0.1".to_string(), 15201))
     } else {
         (format!("{}:8080", server.ipv4()), (server.ipv4().to_string(), 5201))
     };
+    let upstream = format!("x-envoy-original-dst-host: {}:8080", server.ipv4());
     let d = opts.duration_secs.to_string();
     let c = opts.connections.to_string();
     // Warm up Envoy's connection pools and caches.
-    app_run(&client, &cgroup, "wrk", &["-t1", "-c4", "-d1s", &format!("http://{http}/")].map(String::from))?;
+    app_run(
+        &client,
+        &cgroup,
+        "wrk",
+        &["-t1", "-c4", "-d1s", "-H", &upstream, &format!("http://{http}/")].map(String::from),
+    )?;
     let mut m = Measured {
         rps: Samples::default(),
         p50: Samples::default(),
@@ -237,6 +249,8 @@ fn measure(mode: Mode, opts: &Options) -> anyhow::Result<Measured> {
                 format!("-c{c}"),
                 format!("-d{d}s"),
                 "--latency".into(),
+                "-H".into(),
+                upstream.clone(),
                 format!("http://{http}/"),
             ],
         )?;
@@ -254,6 +268,8 @@ fn measure(mode: Mode, opts: &Options) -> anyhow::Result<Measured> {
                 format!("-d{d}s"),
                 "-H".into(),
                 "Connection: close".into(),
+                "-H".into(),
+                upstream.clone(),
                 format!("http://{http}/"),
             ],
         )?;
@@ -343,7 +359,7 @@ pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
         ],
         rows,
         notes: std::iter::once(format!(
-            "wrk -t1 -c{} -d{}s (keep-alive; and with Connection: close for new connections), iperf3 -t {} through Envoy's tcp_proxy; {} runs per mode, fresh pods per mode.",
+            "wrk -t1 -c{} -d{}s (keep-alive; and with Connection: close for new connections), every row naming the upstream in x-envoy-original-dst-host; iperf3 -t {} through Envoy's tcp_proxy; {} runs per mode, fresh pods per mode. Envoy and wrk share the machine's cores with the kernel's work, so capture's own cost is small next to theirs here: the data-path benchmark measures it alone.",
             opts.connections, opts.duration_secs, opts.duration_secs, opts.runs
         ))
         .chain(notes)

@@ -432,8 +432,11 @@ fn datapath_load(args: &[String]) -> Result<(), String> {
         .filter(|(i, a)| *a != "--cpu" && (*i == 0 || args[i - 1] != "--cpu"))
         .map(|(_, a)| a.as_str())
         .collect();
-    let at = |i: usize| positional.get(i).copied().ok_or_else(|| format!("datapath-load: missing argument {i}"));
-    let v4 = |raw: &str| raw.parse::<std::net::SocketAddrV4>().map_err(|e| format!("{raw:?}: {e} (expected ipv4:port)"));
+    let at =
+        |i: usize| positional.get(i).copied().ok_or_else(|| format!("datapath-load: missing argument {i}"));
+    let v4 = |raw: &str| {
+        raw.parse::<std::net::SocketAddrV4>().map_err(|e| format!("{raw:?}: {e} (expected ipv4:port)"))
+    };
     let spec = LoadSpec {
         kind: Kind::parse(at(1)?)?,
         to: v4(at(2)?)?,

@@ -53,7 +53,8 @@ pub static NO_REDIRECT: LruHashMap<PairKey, u8> = LruHashMap::with_max_entries(M
 /// Each pod's decision counters, per CPU; the agent adds a pod's entry when it
 /// registers the pod (allocated then, not for every possible pod).
 #[map]
-pub static POD_COUNTERS: PerCpuHashMap<u64, PodCounters> = PerCpuHashMap::with_max_entries(MAX_PODS, NO_PREALLOC);
+pub static POD_COUNTERS: PerCpuHashMap<u64, PodCounters> =
+    PerCpuHashMap::with_max_entries(MAX_PODS, NO_PREALLOC);
 #[map]
 pub static CONTROL: Array<u32> = Array::with_max_entries(control::COUNT, 0);
 
