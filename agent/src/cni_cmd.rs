@@ -241,18 +241,18 @@ fn monitoring(path: &str) -> hyper::Response<http_body_util::Full<bytes::Bytes>>
         *r.status_mut() = StatusCode::NOT_FOUND;
         return r;
     }
-    let mut readable = Vec::new();
+    let (mut readable, mut unreadable) = (Vec::new(), 0);
     for (pod, counters) in crate::ebpf::metrics::pod_counters() {
         match counters {
             Ok(c) => readable.push((pod, c)),
             Err(e) => {
-                tracing::debug!(pod, error = %crate::error_chain(&e), "capture counters left out of /metrics")
+                unreadable += 1;
+                tracing::warn!(pod, error = %crate::error_chain(&e), "capture counters left out of /metrics");
             }
         }
     }
-    let mut r = Response::new(http_body_util::Full::new(bytes::Bytes::from(
-        crate::ebpf::metrics::exposition(&readable),
-    )));
+    let text = crate::ebpf::metrics::exposition(&readable, unreadable);
+    let mut r = Response::new(http_body_util::Full::new(bytes::Bytes::from(text)));
     r.headers_mut().insert(
         CONTENT_TYPE,
         hyper::header::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),

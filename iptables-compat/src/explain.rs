@@ -238,7 +238,7 @@ fn nat_chains(save: &str) -> Result<HashMap<String, Vec<Rule>>, ExplainError> {
             let (chain, insert_at, rule) = parse_rule(line)?;
             let rules = chains.entry(chain).or_default();
             match insert_at {
-                Some(n) => rules.insert((n - 1).min(rules.len()), rule),
+                Some(n) => rules.insert(n.saturating_sub(1).min(rules.len()), rule),
                 None => rules.push(rule),
             }
         }
@@ -406,6 +406,12 @@ mod tests {
         let err = explain(save, &app("10.0.0.9", 80)).unwrap_err();
         assert!(err.to_string().contains("option --probability"), "{err}");
         assert_eq!(explain("*filter\nCOMMIT\n", &app("10.0.0.9", 80)).unwrap_err(), ExplainError::NoNatTable);
+        // Positions out of range and odd lines are read, not trusted.
+        let save =
+            "*nat\n-I OUTPUT 0 -p tcp -j REDIRECT --to-ports 15001\n-I OUTPUT 99 -j RETURN\n-A OUTPUT -j\n";
+        assert!(matches!(explain(save, &app("10.0.0.9", 80)), Err(ExplainError::Malformed { .. })));
+        let save = "*nat\n-I OUTPUT 0 -p tcp -j REDIRECT --to-ports 15001\n-I OUTPUT 99 -j RETURN\n";
+        assert_eq!(explain(save, &app("10.0.0.9", 80)).unwrap().outcome, Outcome::Redirect(15001));
         let save = "*nat\n-A OUTPUT -j ISTIO_NOWHERE\nCOMMIT\n";
         assert!(matches!(explain(save, &app("10.0.0.9", 80)), Err(ExplainError::NoChain { .. })));
     }

@@ -452,6 +452,11 @@ fn ebpf_capture_registers_pods_with_the_node_capture() {
         .collect();
     assert_eq!(ours.len(), 2, "the node capture and the pod: {status}");
     assert!(ours.iter().all(|p| p["live"] == true), "{status}");
+    // The pod's own decisions, counted in the node set's maps: the app's one connection
+    // redirected, its original destination answered.
+    let pod_status = ours.iter().find(|p| p["pod"] != name.as_str()).unwrap();
+    assert_eq!(pod_status["counters"]["redirected"], 1, "{pod_status}");
+    assert_eq!(pod_status["counters"]["orig_dst_answered"], 1, "{pod_status}");
 
     // A namespace whose `lo` is still down (the runtime's loopback ADD may come later)
     // registers too.

@@ -252,6 +252,10 @@ fn the_cni_image_installs_the_daemonsets_node_agent() {
         .stderr(file);
     // hostNetwork: a namespace of the test's own stands in for the node's.
     let netns = NetNs::create(&unique_name("image-node")).unwrap();
+    netns
+        .run(|| async { weir_iptables::netlink::Netlink::open()?.set_up("lo").await })
+        .unwrap()
+        .expect("lo up, as on a node");
     let placement = Placement {
         netns: Some(&netns),
         mounts: &mounts,
@@ -306,7 +310,7 @@ fn the_cni_image_installs_the_daemonsets_node_agent() {
     assert!(settles(|| scrape().is_some()), "nothing serves :{port}/metrics\n{}", said());
     let (status, body) = scrape().unwrap();
     assert_eq!(status, 200, "{body}");
-    assert!(body.contains("# TYPE weir_capture_decisions counter"), "{body}");
+    assert!(body.contains("weir_capture_pods 0\n"), "no pod is captured on this node yet: {body}");
 
     // SIGTERM (the DaemonSet's pod going away): out of the chain, binary and node
     // capture gone.

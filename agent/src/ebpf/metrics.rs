@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 
 use prometheus_client::{
     encoding::{EncodeLabelSet, text::encode},
-    metrics::{counter::Counter, family::Family},
+    metrics::{counter::Counter, family::Family, gauge::Gauge},
     registry::Registry,
 };
 
@@ -55,9 +55,19 @@ pub fn pod_counters() -> Vec<(String, Result<Counters, EbpfError>)> {
     out
 }
 
-/// Prometheus text for `pods` (pods whose counters could not be read are left out).
-pub fn exposition(pods: &[(String, Counters)]) -> String {
+/// Prometheus text for `pods`, and how many captured pods could not be read
+/// (`unreadable`: they are left out of the per-pod series).
+pub fn exposition(pods: &[(String, Counters)], unreadable: usize) -> String {
     let mut registry = Registry::with_prefix("weir_capture");
+    let (count, failed) = (Gauge::<i64>::default(), Gauge::<i64>::default());
+    count.set(pods.len() as i64);
+    failed.set(unreadable as i64);
+    registry.register("pods", "Pods whose eBPF capture decisions are reported here", count);
+    registry.register(
+        "unreadable_pods",
+        "Captured pods whose counters could not be read (see the node agent's log)",
+        failed,
+    );
     let decisions = Family::<Decision, Counter>::default();
     let bytes = Family::<PodLabel, Counter>::default();
     for (pod, counters) in pods {
@@ -90,7 +100,11 @@ mod tests {
         c.0[0].1 = 5;
         c.0.iter_mut().find(|(n, _)| *n == "skmsg_bytes").unwrap().1 = 4096;
         c.0.iter_mut().find(|(n, _)| *n == "bypass_proxy").unwrap().1 = 2;
-        let text = exposition(&[("web-1".into(), c)]);
+        let text = exposition(&[("web-1".into(), c)], 1);
+        assert!(
+            text.contains("weir_capture_pods 1") && text.contains("weir_capture_unreadable_pods 1"),
+            "{text}"
+        );
         assert!(
             text.contains("weir_capture_decisions_total{pod=\"web-1\",decision=\"redirected\"} 5"),
             "{text}"

@@ -1,0 +1,31 @@
+//! `weir capture explain --netns` on arbitrary `iptables-save` text: the first line is
+//! the connection (`<dst ip> <port> <uid> <gid> <through lo: 0|1> [src ip]`), the rest
+//! the saved rules, walked from the nat table's OUTPUT.
+#![no_main]
+use libfuzzer_sys::fuzz_target;
+use weir_iptables::explain::{Connection, explain};
+
+fuzz_target!(|data: &[u8]| {
+    let Some(text) = weir_fuzz::text(data) else { return };
+    let (first, save) = text.split_once('\n').unwrap_or((text, ""));
+    let w: Vec<&str> = first.split_whitespace().collect();
+    let (Some(dst), Some(port), Some(uid), Some(gid), Some(lo)) = (
+        w.first().and_then(|v| v.parse().ok()),
+        w.get(1).and_then(|v| v.parse().ok()),
+        w.get(2).and_then(|v| v.parse().ok()),
+        w.get(3).and_then(|v| v.parse().ok()),
+        w.get(4).map(|v| *v == "1"),
+    ) else {
+        return;
+    };
+    let conn = Connection {
+        dst,
+        dst_port: port,
+        udp: false,
+        uid,
+        gid,
+        src: w.get(5).and_then(|v| v.parse().ok()),
+        through_lo: lo,
+    };
+    let _ = explain(save, &conn);
+});
