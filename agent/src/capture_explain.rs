@@ -285,23 +285,33 @@ fn reason_why(cfg: &PodConfig, reason: Reason, args: &ExplainArgs, port: u16) ->
     }
 }
 
-fn netfilter(netns: &std::path::Path, args: &ExplainArgs) -> anyhow::Result<Answer> {
+/// The pod's nat rules: Weir's native nftables table when the namespace has one, else
+/// what iptables-save prints for the destination's family.
+fn nat_rules(netns: &std::path::Path, v6: bool) -> anyhow::Result<(&'static str, String)> {
     use weir_iptables::{
         netlink::Family,
         xtables::{Lock, SystemXtables, Xtables as _},
     };
+    let family = if v6 { Family::V6 } else { Family::V4 };
+    in_netns(netns, || {
+        let nft =
+            std::process::Command::new("nft").args(["list", "table", "inet", "istio-proxy-nat"]).output();
+        if let Some(out) = nft.ok().filter(|o| o.status.success()) {
+            return Ok(Some(("nftables", String::from_utf8_lossy(&out.stdout).into_owned())));
+        }
+        let mut x = SystemXtables::detect(None, v6, Lock::Global).map_err(std::io::Error::other)?;
+        Ok(x.save(family).map(|save| ("iptables", save)))
+    })
+    .with_context(|| format!("read the rules of {}", netns.display()))?
+    .with_context(|| format!("neither nft nor iptables-save could read the rules of {}", netns.display()))
+}
+
+fn netfilter(netns: &std::path::Path, args: &ExplainArgs) -> anyhow::Result<Answer> {
     let dst = args.destination.ip();
-    let family = if dst.is_ipv4() { Family::V4 } else { Family::V6 };
     let own = SystemFacts { netns: Some(netns.to_path_buf()) }
         .addresses()
         .with_context(|| format!("read the addresses of {}", netns.display()))?;
-    let save = in_netns(netns, || {
-        let mut x =
-            SystemXtables::detect(None, family == Family::V6, Lock::Global).map_err(std::io::Error::other)?;
-        Ok(x.save(family))
-    })
-    .with_context(|| format!("read the rules of {}", netns.display()))?
-    .with_context(|| format!("iptables-save in {} failed", netns.display()))?;
+    let (backend, rules) = nat_rules(netns, dst.is_ipv6())?;
     let conn = Connection {
         dst,
         dst_port: args.destination.port(),
@@ -311,9 +321,11 @@ fn netfilter(netns: &std::path::Path, args: &ExplainArgs) -> anyhow::Result<Answ
         src: args.src,
         through_lo: dst.is_loopback() || own.contains(&dst),
     };
-    let e = weir_iptables::explain::explain(&save, &conn).map_err(|e| {
-        anyhow::anyhow!("{e} (native nftables rules are not read: explain reads iptables-save)")
-    })?;
+    let e = match backend {
+        "nftables" => weir_iptables::explain::explain_nft(&rules, &conn),
+        _ => weir_iptables::explain::explain(&rules, &conn),
+    }
+    .with_context(|| format!("the {backend} rules of {}", netns.display()))?;
     let outcome = match e.outcome {
         Outcome::Redirect(port) => {
             format!("redirected to local port {port}, original destination {}", args.destination)
@@ -322,22 +334,18 @@ fn netfilter(netns: &std::path::Path, args: &ExplainArgs) -> anyhow::Result<Answ
     };
     let why = match &e.decided_by {
         Some(rule) => format!("the rule `{rule}` matched"),
-        None => "no rule of the nat table's OUTPUT matched".into(),
+        None => "no rule of the nat output chain matched".into(),
     };
-    Ok(Answer {
-        backend: "netfilter",
-        outcome,
-        why,
-        evidence: e.jumps.iter().map(|j| format!("through `{j}`")).collect(),
-    })
+    Ok(Answer { backend, outcome, why, evidence: e.jumps.iter().map(|j| format!("through `{j}`")).collect() })
 }
 
 #[cfg(test)]
 mod tests {
-    //! The two explainers agree: for the injector's rules and variants of them, every
+    //! The explainers agree: for the injector's rules and variants of them, every
     //! connection gets the same fate from the eBPF programs' decision function as from
-    //! Istio's nat rules walked rule by rule (so `explain` tells the same story for both
-    //! backends, and the backends capture the same connections).
+    //! Istio's nat rules walked rule by rule, as iptables and as native nftables (so
+    //! `explain` tells the same story for every backend, and the backends capture the
+    //! same connections).
     use super::*;
     use crate::ebpf::config::{EbpfOptions, PodCapture};
     use clap::Parser;
@@ -375,6 +383,7 @@ mod tests {
         argv.extend(extra);
         let (cfg, _) = Cli::try_parse_from(&argv).unwrap().args.resolve(&|_| None, &Pod).unwrap();
         let save = weir_iptables::render::restore(&weir_iptables::plan::plan(&cfg).v4);
+        let nft = weir_iptables::nft::render(&weir_iptables::nft::plan(&cfg));
         let own: IpAddr = OWN.parse().unwrap();
         let pod =
             PodCapture::new(&cfg, vec![own], EbpfOptions { accelerate: false, clamp_optlen: false }).unwrap();
@@ -419,10 +428,10 @@ mod tests {
                 };
                 let conn = Connection { dst, dst_port: port, udp: false, uid, gid: uid, src, through_lo };
                 let nf = weir_iptables::explain::explain(&save, &conn).unwrap();
-                assert_eq!(
-                    ebpf, nf.outcome,
-                    "{extra:?}: uid {uid} -> {dst}:{port} from {src:?}: netfilter {nf:?}"
-                );
+                let at = format!("{extra:?}: uid {uid} -> {dst}:{port} from {src:?}");
+                assert_eq!(ebpf, nf.outcome, "{at}: iptables {nf:?}");
+                let nft = weir_iptables::explain::explain_nft(&nft, &conn).unwrap();
+                assert_eq!(ebpf, nft.outcome, "{at}: nftables {nft:?}");
                 compared += 1;
             }
         }

@@ -1,9 +1,10 @@
-//! Which of Istio's nat rules a locally made connection meets: the `nat` table of an
-//! `iptables-save` (or `ip6tables-save`) walked from `OUTPUT` as the kernel walks it for
-//! the connection's first packet, for `weir capture explain`. Pure: the caller reads
-//! the rules from the pod's namespace and says how the packet leaves (loopback or not).
-//! It understands the matches and targets Istio's rules use; a rule with anything else
-//! is an error naming it, never a guess.
+//! Which of Istio's nat rules a locally made connection meets, walked from the nat
+//! output hook as the kernel walks it for the connection's first packet, for `weir
+//! capture explain`: the `nat` table of an `iptables-save` (or `ip6tables-save`), or
+//! the native nftables table (`nft list table inet istio-proxy-nat`, or the `add rule`
+//! lines Weir renders). Pure: the caller reads the rules from the pod's namespace and
+//! says how the packet leaves (loopback or not). It understands the matches and targets
+//! Istio's rules use; a rule with anything else is an error naming it, never a guess.
 
 use std::{collections::HashMap, net::IpAddr};
 
@@ -71,6 +72,10 @@ struct Rule {
 
 #[derive(Debug, Clone)]
 enum Match {
+    /// nftables' `ip`/`ip6` payload matches imply the family (never negated).
+    Family {
+        v6: bool,
+    },
     OutIface(String),
     InIface,
     Src(Cidr),
@@ -208,6 +213,7 @@ fn parse_rule(line: &str) -> Result<(String, Option<usize>, Rule), ExplainError>
 fn holds(m: &Match, c: &Connection) -> bool {
     let within = |(lo, hi): (u32, u32), v: u32| lo <= v && v <= hi;
     match m {
+        Match::Family { v6 } => c.dst.is_ipv6() == *v6,
         Match::OutIface(name) => (name == "lo") == c.through_lo,
         Match::InIface => false,
         Match::Src(cidr) => c.src.is_some_and(|s| cidr.contains(s)),
@@ -251,12 +257,25 @@ fn nat_chains(save: &str) -> Result<HashMap<String, Vec<Rule>>, ExplainError> {
 
 /// Walks `save`'s nat `OUTPUT` for `conn`.
 pub fn explain(save: &str, conn: &Connection) -> Result<Explanation, ExplainError> {
-    let chains = nat_chains(save)?;
+    walk(&nat_chains(save)?, "OUTPUT", conn)
+}
+
+/// Walks the native nftables nat table's output chain for `conn`.
+pub fn explain_nft(table: &str, conn: &Connection) -> Result<Explanation, ExplainError> {
+    let (chains, entry) = nft_chains(table)?;
+    walk(&chains, &entry, conn)
+}
+
+fn walk(
+    chains: &HashMap<String, Vec<Rule>>,
+    entry: &str,
+    conn: &Connection,
+) -> Result<Explanation, ExplainError> {
     let mut jumps = Vec::new();
     // The last RETURN out of a user chain: what decided when OUTPUT then ends.
     let mut returned: Option<String> = None;
     // (chain, next rule index) of each chain entered.
-    let mut stack: Vec<(&str, usize)> = vec![("OUTPUT", 0)];
+    let mut stack: Vec<(&str, usize)> = vec![(entry, 0)];
     while let Some((chain, at)) = stack.pop() {
         let rules = chains.get(chain).map(Vec::as_slice).unwrap_or_default();
         let Some((i, rule)) = rules
@@ -294,6 +313,152 @@ pub fn explain(save: &str, conn: &Connection) -> Result<Explanation, ExplainErro
         }
     }
     Ok(Explanation { outcome: Outcome::NotCaptured, jumps, decided_by: None })
+}
+
+/// The chains of an nftables nat table, and its output-hook chain: `nft list table`
+/// blocks, or `add chain`/`add rule` lines (tables other than a nat one are skipped).
+fn nft_chains(text: &str) -> Result<(HashMap<String, Vec<Rule>>, String), ExplainError> {
+    let mut chains: HashMap<String, Vec<Rule>> = HashMap::new();
+    let (mut entry, mut current) = (None, None::<String>);
+    for line in text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')) {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            ["add", "chain", _, table, name, ..] if table.ends_with("-nat") => {
+                chains.entry(name.to_string()).or_default();
+                if line.contains("type nat hook output") {
+                    entry = Some(name.to_string());
+                }
+            }
+            ["add", "rule", _, table, name, ..] if table.ends_with("-nat") => {
+                let rule = line.splitn(6, ' ').nth(5).unwrap_or_default();
+                chains.entry(name.to_string()).or_default().push(parse_nft_rule(rule)?);
+            }
+            ["add" | "flush" | "delete", ..] | ["table", ..] => {}
+            ["chain", name, ..] => {
+                current = Some(name.to_string());
+                chains.entry(name.to_string()).or_default();
+            }
+            ["}"] => current = None,
+            ["type", ..] => {
+                if line.starts_with("type nat hook output") {
+                    entry = current.clone();
+                }
+            }
+            _ => {
+                let Some(chain) = &current else { continue };
+                let rule = parse_nft_rule(line)?;
+                chains.entry(chain.clone()).or_default().push(rule);
+            }
+        }
+    }
+    let entry = entry.ok_or(ExplainError::NoNatTable)?;
+    Ok((chains, entry))
+}
+
+/// One nftables rule: its statements, Istio's vocabulary only.
+fn parse_nft_rule(line: &str) -> Result<Rule, ExplainError> {
+    let t: Vec<String> = line
+        .replace('{', " { ")
+        .replace('}', " } ")
+        .replace(',', " ")
+        .split_whitespace()
+        .map(|w| w.trim_matches('"').to_string())
+        .collect();
+    let bad = |what: String| ExplainError::Malformed { rule: line.into(), what };
+    let unsupported = |what: String| ExplainError::Unsupported { rule: line.into(), what };
+    // `[!=] value` or `[!=] { a b }` at `i`: (negated, values, next index).
+    let value = |i: usize| -> Result<(bool, Vec<String>, usize), ExplainError> {
+        let (neg, i) = if t.get(i).is_some_and(|w| w == "!=") { (true, i + 1) } else { (false, i) };
+        match t.get(i).map(String::as_str) {
+            Some("{") => {
+                let end =
+                    t[i..].iter().position(|w| w == "}").ok_or_else(|| bad("a set without }".into()))?;
+                Ok((neg, t[i + 1..i + end].to_vec(), i + end + 1))
+            }
+            Some(v) => Ok((neg, vec![v.to_string()], i + 1)),
+            None => Err(bad(format!("{} needs a value", t[i - 1]))),
+        }
+    };
+    let cidr = |v: &str| {
+        let full = if v.contains('/') {
+            v.to_string()
+        } else {
+            format!("{v}/{}", if v.contains(':') { 128 } else { 32 })
+        };
+        full.parse::<Cidr>().map_err(|e| bad(format!("address {v:?}: {e}")))
+    };
+    let id = |v: &[String]| match v {
+        [one] => id_range(one).ok_or_else(|| bad(format!("id {one:?}"))),
+        _ => Err(unsupported("a set of uids or gids".into())),
+    };
+    let (mut matches, mut target, mut i) = (Vec::new(), Target::None, 0);
+    while i < t.len() {
+        let key = t[i].as_str();
+        let next = t.get(i + 1).map(String::as_str).unwrap_or_default();
+        match key {
+            "counter" => i += if next == "packets" { 5 } else { 1 },
+            "oifname" | "iifname" => {
+                let (neg, v, n) = value(i + 1)?;
+                let m = if key == "oifname" { Match::OutIface(v.join(" ")) } else { Match::InIface };
+                matches.push((neg, m));
+                i = n;
+            }
+            "ip" | "ip6" if next == "saddr" || next == "daddr" => {
+                let (neg, v, n) = value(i + 2)?;
+                let [addr] = v.as_slice() else { return Err(unsupported("a set of addresses".into())) };
+                matches.push((false, Match::Family { v6: key == "ip6" }));
+                matches.push((
+                    neg,
+                    if next == "saddr" { Match::Src(cidr(addr)?) } else { Match::Dst(cidr(addr)?) },
+                ));
+                i = n;
+            }
+            "meta" if next == "l4proto" => {
+                let (neg, v, n) = value(i + 2)?;
+                matches.push((neg, Match::Proto(v.join(" "))));
+                i = n;
+            }
+            "meta" | "skuid" | "skgid" => {
+                let (field, at) = if key == "meta" { (next, i + 2) } else { (key, i + 1) };
+                let (neg, v, n) = value(at)?;
+                let (lo, hi) = id(&v)?;
+                match field {
+                    "skuid" => matches.push((neg, Match::Uid(lo, hi))),
+                    "skgid" => matches.push((neg, Match::Gid(lo, hi))),
+                    other => return Err(unsupported(format!("meta {other}"))),
+                }
+                i = n;
+            }
+            "tcp" | "udp" if next == "dport" || next == "sport" => {
+                let (neg, v, n) = value(i + 2)?;
+                matches.push((false, Match::Proto(key.into())));
+                let list = v
+                    .iter()
+                    .map(|p| ports(&p.replace('-', ":")).and_then(|r| r.first().copied()))
+                    .collect::<Option<Vec<_>>>()
+                    .ok_or_else(|| bad(format!("ports {v:?}")))?;
+                matches.push((neg, if next == "dport" { Match::DstPorts(list) } else { Match::SrcPorts }));
+                i = n;
+            }
+            "return" | "accept" | "jump" | "redirect" => {
+                target = match (key, next) {
+                    ("return", _) => Target::Return,
+                    ("accept", _) => Target::Accept,
+                    ("jump", chain) if !chain.is_empty() => Target::Jump(chain.into()),
+                    ("redirect", "to") => {
+                        let port = t
+                            .get(i + 2)
+                            .and_then(|p| p.trim_start_matches(':').split('-').next()?.parse().ok());
+                        Target::Redirect(port.ok_or_else(|| bad("redirect without a port".into()))?)
+                    }
+                    _ => return Err(bad(format!("{key} {next}"))),
+                };
+                break;
+            }
+            other => return Err(unsupported(format!("statement {other}"))),
+        }
+    }
+    Ok(Rule { text: line.into(), matches, target })
 }
 
 #[cfg(test)]
@@ -397,6 +562,42 @@ mod tests {
         let e = explain(&save, &app("10.96.0.10", 443)).unwrap();
         assert_eq!(e.outcome, Outcome::NotCaptured);
         assert!(e.decided_by.as_deref().unwrap().contains("10.96.0.0/12"), "{e:?}");
+    }
+
+    #[test]
+    fn a_live_native_nftables_table_is_walked_too() {
+        // `nft list table inet istio-proxy-nat` in a namespace after `weir
+        // istio-iptables ... -x 10.96.0.0/12 -o 9090 -q 3306 --redirect-dns
+        // --native-nftables` (pod address 10.0.0.5, DNS server 10.255.255.53).
+        let table = include_str!("../testdata/explain/nft-list-injector.txt");
+        let e = explain_nft(table, &app("10.1.2.3", 80)).unwrap();
+        assert_eq!(e.outcome, Outcome::Redirect(15001), "{e:?}");
+        assert_eq!(
+            e.jumps,
+            [
+                "counter packets 0 bytes 0 jump istio-output",
+                "counter packets 0 bytes 0 jump istio-output-dns",
+                "counter packets 0 bytes 0 jump istio-redirect"
+            ]
+        );
+        let e = explain_nft(table, &app("10.96.1.1", 443)).unwrap();
+        assert_eq!(e.decided_by.as_deref(), Some("ip daddr 10.96.0.0/12 counter packets 0 bytes 0 return"));
+        let e = explain_nft(table, &app("10.1.2.3", 9090)).unwrap();
+        assert_eq!(e.decided_by.as_deref(), Some("tcp dport 9090 counter packets 0 bytes 0 return"));
+        let proxy = Connection { uid: 1337, gid: 1337, ..app("10.1.2.3", 80) };
+        assert_eq!(
+            explain_nft(table, &proxy).unwrap().decided_by.as_deref(),
+            Some("meta skuid 1337 counter packets 0 bytes 0 return")
+        );
+        let dns = explain_nft(table, &app("10.255.255.53", 53)).unwrap();
+        assert_eq!(dns.outcome, Outcome::Redirect(15053));
+        // IPv6 skips every `ip` rule: an app's connection is captured all the same.
+        let v6 = explain_nft(table, &app("fd00::9", 80)).unwrap();
+        assert_eq!(v6.outcome, Outcome::Redirect(15001));
+        let own = Connection { uid: 1337, gid: 1337, through_lo: true, ..app("10.0.0.5", 8080) };
+        assert_eq!(explain_nft(table, &own).unwrap().outcome, Outcome::Redirect(15006));
+        let odd = "table inet istio-proxy-nat {\n chain output {\n type nat hook output priority -100; policy accept;\n fib daddr type local counter return\n }\n}\n";
+        assert!(explain_nft(odd, &app("10.1.2.3", 80)).unwrap_err().to_string().contains("statement fib"));
     }
 
     #[test]

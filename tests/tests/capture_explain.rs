@@ -105,27 +105,51 @@ fn ebpf_decisions_are_counted_per_pod_and_explained_from_its_maps() {
 #[test]
 fn netfilter_rules_are_explained_rule_by_rule_and_traffic_agrees() {
     require_root!();
-    let test = test_name!();
-    let s = CaptureScene::new(&test, Family::V4, false);
-    let out = istio_iptables(
-        &s.client,
-        &["-p", "15001", "-z", "15006", "-u", "1337", "-m", "REDIRECT", "-i", "*", "-b", "", "-o", "9090"],
-        None,
-    );
+    for native_nftables in [false, true] {
+        explain_netfilter(&format!("{}-{native_nftables}", test_name!()), native_nftables);
+    }
+}
+
+fn explain_netfilter(test: &str, native_nftables: bool) {
+    let s = CaptureScene::new(test, Family::V4, false);
+    let mut flags =
+        vec!["-p", "15001", "-z", "15006", "-u", "1337", "-m", "REDIRECT", "-i", "*", "-b", "", "-o", "9090"];
+    if native_nftables {
+        flags.push("--native-nftables");
+    }
+    let out = istio_iptables(&s.client, &flags, None);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let netns = s.client.netns().path().to_str().unwrap();
     let (to_8080, to_9090) = (s.addr(&s.server, 8080), s.addr(&s.server, 9090));
     let explain = |dst: std::net::SocketAddr, uid: &str| {
         ok(&weir(&["capture", "explain", "--netns", netns, &dst.to_string(), "--uid", uid]), "explain")
     };
+    // Each backend's own rule text: iptables-save's, or nft's listing.
+    let (backend, redirect, into_redirect, port_return, proxy_return) = if native_nftables {
+        (
+            "nftables capture",
+            "redirect to :15001",
+            "jump istio-redirect",
+            "tcp dport 9090 counter packets 0 bytes 0 return",
+            "meta skuid 1337 counter packets 0 bytes 0 return",
+        )
+    } else {
+        (
+            "iptables capture",
+            "-A ISTIO_REDIRECT -p tcp -j REDIRECT --to-ports 15001",
+            "-A ISTIO_OUTPUT -j ISTIO_REDIRECT",
+            "--dport 9090 -j RETURN",
+            "--uid-owner 1337 -j RETURN",
+        )
+    };
     let app = explain(to_8080, "1000");
-    assert!(app.contains("redirected to local port 15001"), "{app}");
-    assert!(app.contains("`-A ISTIO_REDIRECT -p tcp -j REDIRECT --to-ports 15001`"), "{app}");
-    assert!(app.contains("through `-A ISTIO_OUTPUT -j ISTIO_REDIRECT`"), "{app}");
+    assert!(app.starts_with(backend), "{app}");
+    assert!(app.contains("redirected to local port 15001") && app.contains(redirect), "{app}");
+    assert!(app.contains("through `") && app.contains(into_redirect), "{app}");
     let excluded = explain(to_9090, "1000");
-    assert!(excluded.contains("not captured") && excluded.contains("--dport 9090 -j RETURN"), "{excluded}");
+    assert!(excluded.contains("not captured") && excluded.contains(port_return), "{excluded}");
     let proxy = explain(to_8080, "1337");
-    assert!(proxy.contains("not captured") && proxy.contains("--uid-owner 1337 -j RETURN"), "{proxy}");
+    assert!(proxy.contains("not captured") && proxy.contains(proxy_return), "{proxy}");
 
     let as_uid = |uid| Placement { user: Some((uid, uid)), ..Placement::default() };
     let line = ask_placed(&s.client, as_uid(1000), to_8080);

@@ -1,9 +1,9 @@
-//! `weir capture explain --netns` on arbitrary `iptables-save` text: the first line is
-//! the connection (`<dst ip> <port> <uid> <gid> <through lo: 0|1> [src ip]`), the rest
-//! the saved rules, walked from the nat table's OUTPUT.
+//! `weir capture explain --netns` on arbitrary rule text: the first line is the
+//! connection (`<dst ip> <port> <uid> <gid> <through lo: 0|1> [src ip]`), the rest the
+//! rules, walked as `iptables-save` output and as an nftables table listing.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use weir_iptables::explain::{Connection, explain};
+use weir_iptables::explain::{Connection, explain, explain_nft};
 
 fuzz_target!(|data: &[u8]| {
     let Some(text) = weir_fuzz::text(data) else { return };
@@ -28,4 +28,5 @@ fuzz_target!(|data: &[u8]| {
         through_lo: lo,
     };
     let _ = explain(save, &conn);
+    let _ = explain_nft(save, &conn);
 });
