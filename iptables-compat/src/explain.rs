@@ -376,7 +376,10 @@ fn parse_nft_rule(line: &str) -> Result<Rule, ExplainError> {
                 Ok((neg, t[i + 1..i + end].to_vec(), i + end + 1))
             }
             Some(v) => Ok((neg, vec![v.to_string()], i + 1)),
-            None => Err(bad(format!("{} needs a value", t[i - 1]))),
+            None => {
+                let after = t.get(i.saturating_sub(1)).or(t.last()).map_or("a match", String::as_str);
+                Err(bad(format!("{after} needs a value")))
+            }
         }
     };
     let cidr = |v: &str| {
@@ -596,6 +599,16 @@ mod tests {
         assert_eq!(v6.outcome, Outcome::Redirect(15001));
         let own = Connection { uid: 1337, gid: 1337, through_lo: true, ..app("10.0.0.5", 8080) };
         assert_eq!(explain_nft(table, &own).unwrap().outcome, Outcome::Redirect(15006));
+        // Truncated statements are errors, never a panic (found by the fuzz target).
+        for cut in ["ip daddr", "ip daddr !=", "tcp dport", "meta skuid", "oifname !=", "tcp dport { 53"] {
+            let table = format!(
+                "add chain inet istio-proxy-nat output {{ type nat hook output ; }}\nadd rule inet istio-proxy-nat output {cut}\n"
+            );
+            assert!(
+                matches!(explain_nft(&table, &app("10.1.2.3", 80)), Err(ExplainError::Malformed { .. })),
+                "{cut}"
+            );
+        }
         let odd = "table inet istio-proxy-nat {\n chain output {\n type nat hook output priority -100; policy accept;\n fib daddr type local counter return\n }\n}\n";
         assert!(explain_nft(odd, &app("10.1.2.3", 80)).unwrap_err().to_string().contains("statement fib"));
     }
