@@ -379,8 +379,24 @@ fn status(json: bool, only: Option<&str>) -> anyhow::Result<()> {
             ),
             Err(_) => (None, None, None, Vec::new()),
         };
-        let inbound_counters = inbound::pinned_inbound_assigned(&pod::maps_dir(record))
-            .or_else(|| inbound::pinned_inbound_assigned(&dir));
+        // The tc classifier's decisions for the pod's inbound connections, next to its
+        // outbound ones (a node capture's record: the classifier's totals).
+        let inbound_counters = match record.netns_cookie {
+            0 => inbound::pinned_totals(&pod::maps_dir(record)),
+            cookie => inbound::pod_counters(&pod::maps_dir(record), &dir, cookie),
+        };
+        let (inbound_counters, inbound_error) = match inbound_counters {
+            Some(Ok(c)) => (Some(c), None),
+            Some(Err(e)) => (None, Some(crate::error_chain(&e))),
+            None => (None, None),
+        };
+        let counters = match (counters, inbound_counters) {
+            (Some(mut c), Some(i)) => {
+                c.0.extend(i.0);
+                Some(c)
+            }
+            (c, i) => c.or(i),
+        };
         let faults = health::faults(record, &all);
         pods.push(serde_json::json!({
             "pod": record.pod,
@@ -396,7 +412,7 @@ fn status(json: bool, only: Option<&str>) -> anyhow::Result<()> {
             "links": links,
             "registered_pods": registered,
             "pending_original_destinations": pending,
-            "inbound_assigned": inbound_counters,
+            "inbound_error": inbound_error,
             "counters": counters.map(|c| c.0.into_iter().collect::<std::collections::BTreeMap<_, _>>()),
             "maps_error": maps.err().map(|e| crate::error_chain(&e)),
         }));
@@ -435,9 +451,12 @@ fn print_status(pods: &[serde_json::Value]) {
         }
         println!("  attached: {}", p["links"]);
         println!(
-            "  registered: {}  pods in its maps: {}  pending original destinations: {}  inbound assigned: {}",
-            p["registered"], p["registered_pods"], p["pending_original_destinations"], p["inbound_assigned"]
+            "  registered: {}  pods in its maps: {}  pending original destinations: {}",
+            p["registered"], p["registered_pods"], p["pending_original_destinations"]
         );
+        if let Some(e) = p["inbound_error"].as_str() {
+            println!("  inbound counters unreadable: {e}");
+        }
         if let Some(counters) = p["counters"].as_object() {
             let line: Vec<String> = counters.iter().map(|(k, v)| format!("{k}={v}")).collect();
             println!("  counters: {}", line.join(" "));

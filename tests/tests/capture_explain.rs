@@ -1,14 +1,15 @@
 //! "Why did this connection bypass the sidecar?" answered from a live pod: real
-//! connections are made, the pod's decision counters count each by its reason (in
-//! `weir capture status` and as `weir_capture_*` metrics), and `weir capture explain`
-//! says, before any connection is made, what capture will do with it and which
-//! program decision or netfilter rule decides — and the traffic then does exactly that.
+//! connections are made, outbound and inbound, the pod's decision counters count each
+//! by its reason (in `weir capture status` and as `weir_capture_*` metrics), and `weir
+//! capture explain` says, before any connection is made, what capture will do with it
+//! and which program decision or netfilter rule decides — and the traffic then does
+//! exactly that.
 
 use std::process::{Command, Output, Stdio};
 
 use weir_tests::{
     Placement,
-    capture::{CaptureScene, Family, PinnedCapture, ask_placed, captured, istio_iptables},
+    capture::{CaptureScene, Family, PinnedCapture, ask, ask_placed, captured, istio_iptables},
     require_root, test_cgroup, test_name, tools,
 };
 
@@ -41,7 +42,7 @@ fn ebpf_decisions_are_counted_per_pod_and_explained_from_its_maps() {
     ok(
         &weir(&[
             "capture", "ebpf", "--cgroup", cg, "--netns", netns, "-p", "15001", "-z", "15006", "-u", "1337",
-            "-i", "*", "-b", "", "-o", "9090",
+            "-i", "*", "-b", "*", "-d", "15021", "-o", "9090",
         ]),
         "weir capture ebpf",
     );
@@ -71,6 +72,11 @@ fn ebpf_decisions_are_counted_per_pod_and_explained_from_its_maps() {
     }
     assert!(ask_placed(&s.client, as_uid(1000), to_9090).starts_with("hello server "));
     assert!(ask_placed(&s.client, as_uid(1337), to_8080).starts_with("hello server "));
+    // Inbound, decided by the tc classifier: one connection to the app's 8080 assigned
+    // to Envoy's 15006, one to 15021 (-d) left to the port it was sent to.
+    let line = ask(&s.server, 0, s.addr(&s.client, 8080));
+    assert_eq!(captured(&line).map(|(l, _)| l), Some(s.addr(&s.client, 8080).to_string()), "{line}");
+    assert!(ask(&s.server, 0, s.addr(&s.client, 15021)).starts_with("hello app-15021 "));
 
     // Counted per pod, by reason.
     let status: serde_json::Value =
@@ -79,6 +85,9 @@ fn ebpf_decisions_are_counted_per_pod_and_explained_from_its_maps() {
     assert_eq!(counters["redirected"], 2, "{counters}");
     assert_eq!(counters["bypass_excluded_port"], 1, "{counters}");
     assert_eq!(counters["bypass_proxy"], 1, "{counters}");
+    assert_eq!(counters["inbound_assigned"], 1, "{counters}");
+    assert_eq!(counters["inbound_not_captured"], 1, "{counters}");
+    assert_eq!(counters["inbound_no_listener"], 0, "{counters}");
     assert_eq!(
         counters["orig_dst_answered"], 2,
         "the stand-in asked for each original destination: {counters}"
@@ -93,6 +102,8 @@ fn ebpf_decisions_are_counted_per_pod_and_explained_from_its_maps() {
         format!("weir_capture_decisions_total{{pod=\"{pod}\",decision=\"redirected\"}} 2"),
         format!("weir_capture_decisions_total{{pod=\"{pod}\",decision=\"bypass_excluded_port\"}} 1"),
         format!("weir_capture_decisions_total{{pod=\"{pod}\",decision=\"bypass_proxy\"}} 1"),
+        format!("weir_capture_decisions_total{{pod=\"{pod}\",decision=\"inbound_assigned\"}} 1"),
+        format!("weir_capture_decisions_total{{pod=\"{pod}\",decision=\"inbound_not_captured\"}} 1"),
     ] {
         assert!(text.contains(&series), "{series} in\n{text}");
     }

@@ -398,6 +398,14 @@ fn ask_through_capture(
     (local, orig, [outbound, inbound])
 }
 
+/// `weir capture status --json`: one object per pinned capture.
+fn capture_status() -> Vec<serde_json::Value> {
+    let out =
+        std::process::Command::new(tools::weir()).args(["capture", "status", "--json"]).output().unwrap();
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("capture status: {e}: {}", String::from_utf8_lossy(&out.stderr)))
+}
+
 /// Detaches the node's eBPF capture when the test ends, passed or not.
 struct NodeCapture(String);
 
@@ -440,23 +448,22 @@ fn ebpf_capture_registers_pods_with_the_node_capture() {
     rt.check(&list, &a, &result).unwrap_or_else(|e| panic!("CHECK: {e}"));
     // `weir capture status` shows the node capture and the pod registered with it as
     // live: the pod has no links of its own, the node capture's are its links.
-    let out =
-        std::process::Command::new(tools::weir()).args(["capture", "status", "--json"]).output().unwrap();
-    let status: serde_json::Value = serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("capture status: {e}: {}", String::from_utf8_lossy(&out.stderr)));
+    let status = capture_status();
     let ours: Vec<&serde_json::Value> = status
-        .as_array()
-        .unwrap()
         .iter()
         .filter(|p| p["pod"].as_str().is_some_and(|n| n == name || n.starts_with(&format!("{name}-pod-"))))
         .collect();
-    assert_eq!(ours.len(), 2, "the node capture and the pod: {status}");
-    assert!(ours.iter().all(|p| p["live"] == true), "{status}");
+    assert_eq!(ours.len(), 2, "the node capture and the pod: {status:?}");
+    assert!(ours.iter().all(|p| p["live"] == true), "{status:?}");
     // The pod's own decisions, counted in the node set's maps: the app's one connection
     // redirected, its original destination answered.
     let pod_status = ours.iter().find(|p| p["pod"] != name.as_str()).unwrap();
     assert_eq!(pod_status["counters"]["redirected"], 1, "{pod_status}");
     assert_eq!(pod_status["counters"]["orig_dst_answered"], 1, "{pod_status}");
+    // And the node classifier's, for this pod by its netns cookie: the node's one
+    // connection to 8080 assigned to the 15006 listener.
+    assert_eq!(pod_status["counters"]["inbound_assigned"], 1, "{pod_status}");
+    assert_eq!(pod_status["counters"]["inbound_no_listener"], 0, "{pod_status}");
 
     // A namespace whose `lo` is still down (the runtime's loopback ADD may come later)
     // registers too.
@@ -465,6 +472,16 @@ fn ebpf_capture_registers_pods_with_the_node_capture() {
     let b = Attachment::pod("c-web-2", bare.path(), "shop", "web-2");
     let bare_result = rt.add(&list, &b).unwrap_or_else(|e| panic!("ADD with lo down: {e}"));
     rt.check(&list, &b, &bare_result).unwrap_or_else(|e| panic!("CHECK with lo down: {e}"));
+    // Counted per pod: web-2 is registered with the same node classifier and has had
+    // no inbound connection, while web-1's one is still counted as web-1's.
+    let status = capture_status();
+    let of = |netns: &Path| {
+        status.iter().find(|p| p["netns"].as_str().is_some_and(|n| Path::new(n) == netns)).cloned()
+    };
+    let web2 = of(bare.path()).unwrap_or_else(|| panic!("web-2 in capture status: {status:?}"));
+    assert_eq!(web2["counters"]["inbound_assigned"], 0, "{web2}");
+    let web1 = of(pod.path()).unwrap_or_else(|| panic!("web-1 in capture status: {status:?}"));
+    assert_eq!(web1["counters"]["inbound_assigned"], 1, "{web1}");
     rt.del(&list, &b, Some(&bare_result)).unwrap();
 
     // DEL unregisters: the app's connections go where they were sent; CHECK says so.

@@ -71,6 +71,34 @@ fn map_err(map: &'static str) -> impl FnOnce(aya::maps::MapError) -> EbpfError {
     move |source| EbpfError::Map { map, source }
 }
 
+/// Inserts counters for `key`, zero on every CPU, unless it has some (BPF_NOEXIST): a pod
+/// registered again keeps what it has counted.
+pub(super) fn add_zeroed<M, T>(
+    counters: &mut PerCpuHashMap<M, u64, T>,
+    name: &'static str,
+    key: u64,
+) -> Result<(), EbpfError>
+where
+    M: std::borrow::BorrowMut<MapData>,
+    T: aya::Pod + Default,
+{
+    const NO_EXIST: u64 = 1;
+    let syscall = |call, io_error| EbpfError::Map {
+        map: name,
+        source: aya::maps::MapError::SyscallError(aya::sys::SyscallError { call, io_error }),
+    };
+    let cpus = aya::util::nr_cpus().map_err(|(_, e)| syscall("nr_cpus", e))?;
+    let zero = PerCpuValues::try_from(vec![T::default(); cpus]).map_err(|e| syscall("per-cpu values", e))?;
+    match counters.insert(key, zero, NO_EXIST) {
+        Err(aya::maps::MapError::SyscallError(e))
+            if e.io_error.kind() == std::io::ErrorKind::AlreadyExists =>
+        {
+            Ok(())
+        }
+        other => other.map_err(map_err(name)),
+    }
+}
+
 /// Whether a map call failed only because the key was not there.
 pub fn is_not_found(e: &aya::maps::MapError) -> bool {
     match e {
@@ -172,32 +200,7 @@ impl MapSet {
     /// Gives a pod its decision counters, zero on every CPU; a pod registered again (an
     /// update in place) keeps what it has counted.
     fn add_counters(&mut self, netns: u64) -> Result<(), EbpfError> {
-        const NO_EXIST: u64 = 1;
-        let cpus = aya::util::nr_cpus().map_err(|(_, e)| EbpfError::Map {
-            map: map::POD_COUNTERS,
-            source: aya::maps::MapError::SyscallError(aya::sys::SyscallError {
-                call: "nr_cpus",
-                io_error: e,
-            }),
-        })?;
-        let zero =
-            PerCpuValues::try_from(vec![PodCounters::default(); cpus]).map_err(|e| EbpfError::Map {
-                map: map::POD_COUNTERS,
-                source: aya::maps::MapError::SyscallError(aya::sys::SyscallError {
-                    call: "per-cpu values",
-                    io_error: e,
-                }),
-            })?;
-        let mut counters = self.pod_counters_map_mut()?;
-        match counters.insert(netns, zero, NO_EXIST) {
-            Ok(()) => Ok(()),
-            Err(aya::maps::MapError::SyscallError(e))
-                if e.io_error.kind() == std::io::ErrorKind::AlreadyExists =>
-            {
-                Ok(())
-            }
-            Err(source) => Err(EbpfError::Map { map: map::POD_COUNTERS, source }),
-        }
+        add_zeroed(&mut self.pod_counters_map_mut()?, map::POD_COUNTERS, netns)
     }
 
     fn pod_counters_map_mut(&mut self) -> Result<PerCpuHashMap<&mut MapData, u64, PodCounters>, EbpfError> {

@@ -12,14 +12,15 @@ use std::{
 
 use aya::{
     Ebpf,
-    maps::{Array, HashMap, Map, MapData, PerCpuArray},
+    maps::{Array, HashMap, Map, MapData, PerCpuArray, PerCpuHashMap},
     programs::{SchedClassifier, TcAttachType, links::FdLink, tc::SchedClassifierLink},
 };
-use weir_ebpf_common::inbound::{self, InboundConfig, InboundKey, InboundPod};
+use weir_ebpf_common::inbound::{self, InboundConfig, InboundCounters, InboundKey, InboundPod, counter};
 
 use super::{
     EbpfError,
     bpffs::{aya_pin_error, create_dir, mount_bpffs},
+    capture::{Counters, add_zeroed, is_not_found},
     netns::in_netns,
     objects,
 };
@@ -98,8 +99,36 @@ fn keep(link: SchedClassifierLink, path: &Path) -> Result<(), EbpfError> {
     fd.pin(path).map(drop).map_err(aya_pin_error(path))
 }
 
+/// Slot values added up over CPUs, by name.
+fn sum<'a>(per_cpu: impl Iterator<Item = &'a [u64; counter::COUNT as usize]>) -> Counters {
+    let mut total = [0u64; counter::COUNT as usize];
+    for slots in per_cpu {
+        for (t, v) in total.iter_mut().zip(slots) {
+            *t = t.wrapping_add(*v);
+        }
+    }
+    Counters(counter::NAMES.iter().copied().zip(total).collect())
+}
+
+/// The totals in an `INBOUND_COUNTERS` array (one classifier's, over every pod it serves).
+fn totals(map: &Map) -> Result<Counters, EbpfError> {
+    let counters: PerCpuArray<_, u64> = PerCpuArray::try_from(map).map_err(map_err(inbound::COUNTERS))?;
+    let mut per_cpu = Vec::new();
+    for slot in 0..counter::COUNT {
+        let values = counters.get(&slot, 0).map_err(map_err(inbound::COUNTERS))?;
+        for (cpu, v) in values.iter().enumerate() {
+            if per_cpu.len() <= cpu {
+                per_cpu.push([0u64; counter::COUNT as usize]);
+            }
+            per_cpu[cpu][slot as usize] = *v;
+        }
+    }
+    Ok(sum(per_cpu.iter()))
+}
+
 /// The per-node classifier, pinned in a node program set's folder
-/// (`progs/weir_inbound`, `maps/INBOUND_PODS`, `maps/INBOUND_COUNTERS`).
+/// (`progs/weir_inbound`, `maps/INBOUND_PODS`, `maps/INBOUND_COUNTERS`,
+/// `maps/INBOUND_POD_COUNTERS`).
 pub struct NodeClassifier {
     set_dir: PathBuf,
 }
@@ -124,10 +153,10 @@ impl NodeClassifier {
 
     /// Pins a loaded classifier and its maps under `set_dir`.
     pub fn pin(mut ebpf: Ebpf, set_dir: &Path) -> Result<(), EbpfError> {
-        for name in [inbound::PODS, inbound::COUNTERS] {
+        for name in [inbound::PODS, inbound::COUNTERS, inbound::POD_COUNTERS] {
             let path = set_dir.join("maps").join(name);
             let data = match ebpf.map_mut(name).ok_or_else(|| missing_map(name))? {
-                Map::HashMap(d) | Map::PerCpuArray(d) => d,
+                Map::HashMap(d) | Map::PerCpuArray(d) | Map::PerCpuHashMap(d) => d,
                 _ => return Err(missing_map(name)),
             };
             data.pin(&path).map_err(aya_pin_error(&path))?;
@@ -145,14 +174,18 @@ impl NodeClassifier {
         self.set_dir.join("progs").join(inbound::PROG)
     }
 
+    fn pinned_map(&self, name: &'static str) -> Result<Map, EbpfError> {
+        let data = MapData::from_pin(self.set_dir.join("maps").join(name)).map_err(map_err(name))?;
+        Map::from_map_data(data).map_err(map_err(name))
+    }
+
     fn pods(&self) -> Result<Map, EbpfError> {
-        let data = MapData::from_pin(self.set_dir.join("maps").join(inbound::PODS))
-            .map_err(map_err(inbound::PODS))?;
-        Map::from_map_data(data).map_err(map_err(inbound::PODS))
+        self.pinned_map(inbound::PODS)
     }
 
     /// Writes the pod's config for each of its `addresses` on the interface with `mac`,
-    /// replacing what was registered for `cookie` before.
+    /// replacing what was registered for `cookie` before, and creates its counters
+    /// (kept, with their counts, when the pod registers again).
     pub fn register(
         &self,
         cookie: u64,
@@ -160,7 +193,8 @@ impl NodeClassifier {
         addresses: &[IpAddr],
         config: &InboundConfig,
     ) -> Result<(), EbpfError> {
-        self.unregister(cookie)?;
+        self.remove_keys(cookie)?;
+        self.add_counters(cookie)?;
         let mut map = self.pods()?;
         let mut pods: HashMap<_, InboundKey, InboundPod> =
             HashMap::try_from(&mut map).map_err(map_err(inbound::PODS))?;
@@ -176,8 +210,46 @@ impl NodeClassifier {
         Ok(())
     }
 
-    /// Removes what was registered for `cookie` (missing is fine).
+    fn add_counters(&self, cookie: u64) -> Result<(), EbpfError> {
+        let mut map = self.pinned_map(inbound::POD_COUNTERS)?;
+        let mut counters: PerCpuHashMap<_, u64, InboundCounters> =
+            PerCpuHashMap::try_from(&mut map).map_err(map_err(inbound::POD_COUNTERS))?;
+        add_zeroed(&mut counters, inbound::POD_COUNTERS, cookie)
+    }
+
+    /// Removes what was registered for `cookie`, its counters included (missing is
+    /// fine).
     pub fn unregister(&self, cookie: u64) -> Result<(), EbpfError> {
+        self.remove_keys(cookie)?;
+        let mut map = self.pinned_map(inbound::POD_COUNTERS)?;
+        let mut counters: PerCpuHashMap<_, u64, InboundCounters> =
+            PerCpuHashMap::try_from(&mut map).map_err(map_err(inbound::POD_COUNTERS))?;
+        match counters.remove(&cookie) {
+            Err(e) if !is_not_found(&e) => Err(EbpfError::Map { map: inbound::POD_COUNTERS, source: e }),
+            _ => Ok(()),
+        }
+    }
+
+    /// One pod's inbound decisions (`None`: it has no counters here, i.e. it is not
+    /// registered with this classifier).
+    pub fn pod_counters(&self, cookie: u64) -> Result<Option<Counters>, EbpfError> {
+        let map = self.pinned_map(inbound::POD_COUNTERS)?;
+        let counters: PerCpuHashMap<_, u64, InboundCounters> =
+            PerCpuHashMap::try_from(&map).map_err(map_err(inbound::POD_COUNTERS))?;
+        match counters.get(&cookie, 0) {
+            Ok(per_cpu) => Ok(Some(sum(per_cpu.iter().map(|c| &c.slots)))),
+            Err(e) if is_not_found(&e) => Ok(None),
+            Err(source) => Err(EbpfError::Map { map: inbound::POD_COUNTERS, source }),
+        }
+    }
+
+    /// The classifier's totals over every pod it serves.
+    pub fn totals(&self) -> Result<Counters, EbpfError> {
+        totals(&self.pinned_map(inbound::COUNTERS)?)
+    }
+
+    /// The pod's config entries (one per address) go; its counters stay.
+    fn remove_keys(&self, cookie: u64) -> Result<(), EbpfError> {
         let mut map = self.pods()?;
         let mut pods: HashMap<_, InboundKey, InboundPod> =
             HashMap::try_from(&mut map).map_err(map_err(inbound::PODS))?;
@@ -186,7 +258,7 @@ impl NodeClassifier {
         for key in keys {
             match pods.remove(&key) {
                 Ok(()) => {}
-                Err(e) if super::capture::is_not_found(&e) => {}
+                Err(e) if is_not_found(&e) => {}
                 Err(source) => return Err(EbpfError::Map { map: inbound::PODS, source }),
             }
         }
@@ -232,12 +304,10 @@ impl InboundProgram {
         Ok(Self { ebpf: Some(ebpf), netns: netns.to_path_buf(), link: Some(link) })
     }
 
-    /// New connections assigned to Envoy so far.
-    pub fn assigned(&self) -> Result<u64, EbpfError> {
+    /// This interface's inbound decisions so far (its one pod's).
+    pub fn counters(&self) -> Result<Counters, EbpfError> {
         let ebpf = self.ebpf.as_ref().expect("loaded until pinned");
-        let m = ebpf.map(inbound::COUNTERS).ok_or_else(|| missing_map(inbound::COUNTERS))?;
-        let counters: PerCpuArray<_, u64> = PerCpuArray::try_from(m).map_err(map_err(inbound::COUNTERS))?;
-        Ok(counters.get(&inbound::counter::ASSIGNED, 0).map_err(map_err(inbound::COUNTERS))?.iter().sum())
+        totals(ebpf.map(inbound::COUNTERS).ok_or_else(|| missing_map(inbound::COUNTERS))?)
     }
 
     /// Keeps the classifier attached after this process exits: a TCX link is pinned at
@@ -297,10 +367,36 @@ pub fn detach_inbound(netns: Option<&Path>, interface: &str) {
     };
 }
 
-/// Inbound assignments counted by pinned classifier counters under `dir`, if any.
-pub fn pinned_inbound_assigned(dir: &Path) -> Option<u64> {
-    let data = MapData::from_pin(dir.join("maps").join(inbound::COUNTERS)).ok()?;
-    let m = Map::from_map_data(data).ok()?;
-    let counters: PerCpuArray<_, u64> = PerCpuArray::try_from(&m).ok()?;
-    Some(counters.get(&inbound::counter::ASSIGNED, 0).ok()?.iter().sum())
+/// The totals of the inbound classifier pinned under `dir` (a node set's, or a pod's
+/// own copy, whose totals are its pod's); `None` when none is pinned there.
+pub fn pinned_totals(dir: &Path) -> Option<Result<Counters, EbpfError>> {
+    let path = dir.join("maps").join(inbound::COUNTERS);
+    if !path.exists() {
+        return None;
+    }
+    Some(
+        MapData::from_pin(&path)
+            .and_then(Map::from_map_data)
+            .map_err(map_err(inbound::COUNTERS))
+            .and_then(|m| totals(&m)),
+    )
+}
+
+/// One pod's inbound decisions: from the node classifier in its program set
+/// (`set_dir`), by its netns `cookie`, or else from its own copy's totals under
+/// `pin_dir`. `None`: the pod has no inbound capture.
+pub fn pod_counters(set_dir: &Path, pin_dir: &Path, cookie: u64) -> Option<Result<Counters, EbpfError>> {
+    if let Some(classifier) = NodeClassifier::pinned(set_dir)
+        && set_dir.join("maps").join(inbound::POD_COUNTERS).exists()
+    {
+        match classifier.pod_counters(cookie) {
+            Ok(Some(c)) => return Some(Ok(c)),
+            Ok(None) => {}
+            Err(e) => return Some(Err(e)),
+        }
+    }
+    if set_dir == pin_dir {
+        return None;
+    }
+    pinned_totals(pin_dir)
 }

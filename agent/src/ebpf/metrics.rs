@@ -1,5 +1,6 @@
 //! Capture decisions as Prometheus metrics: every pinned capture's per-pod counters
-//! (what the programs decided for each of the pod's connections, and sk_msg's bytes)
+//! (what the programs decided for each of the pod's connections, outbound and inbound,
+//! and sk_msg's bytes)
 //! read from the pinned maps at scrape time, as `weir_capture_decisions_total{pod,
 //! decision}` and `weir_capture_skmsg_bytes_total{pod}`. Istio has no metric for this
 //! (its capture is netfilter rules with packet counters), hence Weir's own names.
@@ -35,8 +36,8 @@ const BYTES: &str = "skmsg_bytes";
 
 /// Each registered pod's counters, by its capture's name: every pin record with a
 /// registered namespace, read from the maps its capture uses (a node set's maps are
-/// opened once for all its pods). Pods whose maps cannot be read are returned as errors
-/// next to the others.
+/// opened once for all its pods), its inbound classifier's decisions after its outbound
+/// ones. Pods whose maps cannot be read are returned as errors next to the others.
 pub fn pod_counters() -> Vec<(String, Result<Counters, EbpfError>)> {
     let mut maps: BTreeMap<std::path::PathBuf, Result<MapSet, String>> = BTreeMap::new();
     let mut out = Vec::new();
@@ -49,6 +50,16 @@ pub fn pod_counters() -> Vec<(String, Result<Counters, EbpfError>)> {
                 c.ok_or(EbpfError::NotRegistered { pod: record.pod.clone(), cookie: record.netns_cookie })
             }),
             Err(e) => Err(EbpfError::MapsUnreadable { pod: record.pod.clone(), reason: e.clone() }),
+        };
+        let inbound =
+            super::inbound::pod_counters(&pod::maps_dir(&record), &record.pin_dir(), record.netns_cookie);
+        let counters = match (counters, inbound) {
+            (Ok(mut c), Some(Ok(i))) => {
+                c.0.extend(i.0);
+                Ok(c)
+            }
+            (Ok(_), Some(Err(e))) => Err(e),
+            (c, _) => c,
         };
         out.push((record.pod, counters));
     }

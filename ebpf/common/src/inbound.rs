@@ -19,7 +19,12 @@ pub const PROGS: &[&str] = &[PROG, PROG_POD];
 pub const PODS: &str = "INBOUND_PODS";
 /// The per-pod copy's config, slot 0.
 pub const CONFIG: &str = "INBOUND_CONFIG";
+/// Totals by [`counter`] slot (per CPU): the program's own, over every pod it serves.
 pub const COUNTERS: &str = "INBOUND_COUNTERS";
+/// `POD_COUNTERS[netns cookie]`: [`InboundCounters`] for each pod [`PROG`] serves,
+/// created when the pod registers and removed with it (the per-pod copy's
+/// [`COUNTERS`] are its one pod's already).
+pub const POD_COUNTERS: &str = "INBOUND_POD_COUNTERS";
 /// Entries in [`PODS`].
 pub const MAX_PODS: u32 = 4096;
 
@@ -97,11 +102,32 @@ fn contains(list: &[u16; MAX_PORTS], port: u16) -> bool {
     false
 }
 
-/// `INBOUND_COUNTERS` slots.
+/// One pod's inbound decisions (per CPU, summed by user space), slot by [`counter`].
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct InboundCounters {
+    pub slots: [u64; counter::COUNT as usize],
+}
+
+/// Counter slots: what the classifier decided for each new connection (SYN) to one of
+/// the pod's addresses. They partition those connections.
 pub mod counter {
+    /// Assigned to Envoy's inbound listener.
     pub const ASSIGNED: u32 = 0;
-    pub const NO_LISTENER: u32 = 1;
-    pub const COUNT: u32 = 2;
+    /// The port is not captured (`-b`/`-d`, the tunnel port 15008, or 15006 itself):
+    /// the connection reaches the port it was sent to.
+    pub const NOT_CAPTURED: u32 = 1;
+    /// Captured port, but nothing listens on Envoy's inbound port yet: the connection
+    /// reaches the app directly, bypassing the sidecar.
+    pub const NO_LISTENER: u32 = 2;
+    /// The kernel refused the assignment (`bpf_sk_assign` failed): same outcome as
+    /// [`NO_LISTENER`].
+    pub const ASSIGN_FAILED: u32 = 3;
+    pub const COUNT: u32 = 4;
+    /// Names, in slot order: status output and the `decision` label of
+    /// `weir_capture_decisions_total`.
+    pub const NAMES: [&str; COUNT as usize] =
+        ["inbound_assigned", "inbound_not_captured", "inbound_no_listener", "inbound_assign_failed"];
 }
 
 #[cfg(feature = "user")]
@@ -113,3 +139,6 @@ unsafe impl aya::Pod for InboundKey {}
 #[cfg(feature = "user")]
 // SAFETY: plain #[repr(C)] data.
 unsafe impl aya::Pod for InboundPod {}
+#[cfg(feature = "user")]
+// SAFETY: plain #[repr(C)] data.
+unsafe impl aya::Pod for InboundCounters {}

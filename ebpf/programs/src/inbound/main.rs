@@ -12,10 +12,10 @@ use aya_ebpf::{
     bindings::{TC_ACT_OK, bpf_sock_tuple},
     helpers::{bpf_sk_assign, bpf_sk_release, bpf_skc_lookup_tcp},
     macros::{classifier, map},
-    maps::{Array, HashMap, PerCpuArray},
+    maps::{Array, HashMap, PerCpuArray, PerCpuHashMap},
     programs::TcContext,
 };
-use weir_ebpf_common::inbound::{InboundConfig, InboundKey, InboundPod, MAX_PODS, counter};
+use weir_ebpf_common::inbound::{InboundConfig, InboundCounters, InboundKey, InboundPod, MAX_PODS, counter};
 
 /// BPF_F_NO_PREALLOC: entries are allocated as pods register.
 const NO_PREALLOC: u32 = 1;
@@ -26,6 +26,9 @@ static INBOUND_PODS: HashMap<InboundKey, InboundPod> = HashMap::with_max_entries
 static INBOUND_CONFIG: Array<InboundConfig> = Array::with_max_entries(1, 0);
 #[map]
 static INBOUND_COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(counter::COUNT, 0);
+#[map]
+static INBOUND_POD_COUNTERS: PerCpuHashMap<u64, InboundCounters> =
+    PerCpuHashMap::with_max_entries(MAX_PODS, NO_PREALLOC);
 
 const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
@@ -35,31 +38,41 @@ const TCP_LISTEN: u32 = 10;
 /// BPF_F_CURRENT_NETNS
 const CURRENT_NETNS: u64 = u64::MAX;
 
-fn count(slot: u32) {
+/// Counts a decision in the program's totals and, when the pod has them, its own slots.
+fn count(pod: Option<*mut InboundCounters>, slot: u32) {
     if let Some(v) = INBOUND_COUNTERS.get_ptr_mut(slot) {
         unsafe { *v += 1 };
     }
+    if let Some(p) = pod
+        && let Some(v) = unsafe { (*p).slots.get_mut(slot as usize) }
+    {
+        *v += 1;
+    }
 }
 
-/// The per-node classifier: the pod's config by the frame's destination.
+/// The per-node classifier: the pod's config by the frame's destination, its counters
+/// by the pod's netns cookie.
 #[classifier]
 pub fn weir_inbound(ctx: TcContext) -> i32 {
-    // SAFETY: a hash lookup; the value is only read.
-    let _ = try_inbound(&ctx, |key| unsafe { INBOUND_PODS.get(key) }.map(|p| &p.config));
+    let _ = try_inbound(&ctx, |key| {
+        // SAFETY: a hash lookup; the value is only read.
+        let pod = unsafe { INBOUND_PODS.get(key) }?;
+        Some((&pod.config, INBOUND_POD_COUNTERS.get_ptr_mut(&pod.netns)))
+    });
     TC_ACT_OK
 }
 
-/// The copy for one interface: its own config.
+/// The copy for one interface: its own config (its totals are its one pod's).
 #[classifier]
 pub fn weir_in_pod(ctx: TcContext) -> i32 {
-    let _ = try_inbound(&ctx, |_| INBOUND_CONFIG.get(0));
+    let _ = try_inbound(&ctx, |_| INBOUND_CONFIG.get(0).map(|c| (c, None)));
     TC_ACT_OK
 }
 
 #[inline(always)]
 fn try_inbound<'a>(
     ctx: &TcContext,
-    config: impl FnOnce(&InboundKey) -> Option<&'a InboundConfig>,
+    config: impl FnOnce(&InboundKey) -> Option<(&'a InboundConfig, Option<*mut InboundCounters>)>,
 ) -> Option<()> {
     let proto: u16 = u16::from_be(ctx.load(12).ok()?);
     let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
@@ -97,8 +110,9 @@ fn try_inbound<'a>(
     }
     let sport: u16 = ctx.load(tcp_off).ok()?;
     let dport: u16 = ctx.load(tcp_off + 2).ok()?;
-    let cfg = config(&key)?;
+    let (cfg, pod) = config(&key)?;
     if !cfg.captures(u16::from_be(dport)) {
+        count(pod, counter::NOT_CAPTURED);
         return None;
     }
     let listen_port = cfg.capture_port.to_be();
@@ -112,18 +126,17 @@ fn try_inbound<'a>(
         }
         let sk = bpf_skc_lookup_tcp(ctx.skb.skb.cast(), &mut tuple, size as u32, CURRENT_NETNS, 0);
         if sk.is_null() {
-            count(counter::NO_LISTENER);
+            count(pod, counter::NO_LISTENER);
             return None;
         }
         if (*sk).state != TCP_LISTEN {
             bpf_sk_release(sk.cast());
+            count(pod, counter::NO_LISTENER);
             return None;
         }
         let ret = bpf_sk_assign(ctx.skb.skb.cast(), sk.cast(), 0);
         bpf_sk_release(sk.cast());
-        if ret == 0 {
-            count(counter::ASSIGNED);
-        }
+        count(pod, if ret == 0 { counter::ASSIGNED } else { counter::ASSIGN_FAILED });
     }
     Some(())
 }
