@@ -1,9 +1,11 @@
-//! `weir capture explain`: what capture does with one outbound connection of a pod, and
-//! why, from the pod's live config. eBPF (`--pod`): the programs' own decision function
-//! (`weir_ebpf_common::policy`) over the pod's registered config and CIDR tries, read
-//! from the pinned maps, with the counter the decision is counted in. Netfilter
-//! (`--netns`): the nat rules the pod's namespace holds (`iptables-save`), walked from
-//! OUTPUT (`weir_iptables::explain`), naming the deciding rule.
+//! `weir capture explain`: what capture does with one connection of a pod, outbound or
+//! (`--inbound`) arriving at it, and why, from the pod's live config. eBPF (`--pod`):
+//! the programs' own decision functions (`weir_ebpf_common::policy`, and
+//! `InboundConfig::captures` for the tc classifier) over the pod's registered config
+//! and CIDR tries, read from the pinned maps, with the counter the decision is counted
+//! in. Netfilter (`--netns`): the nat rules the pod's namespace holds (`iptables-save`
+//! or Weir's nftables table), walked from OUTPUT or PREROUTING
+//! (`weir_iptables::explain`), naming the deciding rule.
 
 use std::{
     net::{IpAddr, SocketAddr},
@@ -61,6 +63,13 @@ pub struct ExplainArgs {
     /// A UDP send rather than a TCP connect.
     #[arg(long)]
     pub udp: bool,
+    /// A connection arriving at the pod instead: the destination is one of the pod's
+    /// addresses and its port, `--src` the peer's address (TCP; no uid or gid applies).
+    #[arg(long, conflicts_with_all = ["udp", "uid", "gid"])]
+    pub inbound: bool,
+    /// The interface it arrives on (default: the capture's, else eth0).
+    #[arg(long, requires = "inbound")]
+    pub interface: Option<String>,
 }
 
 /// The answer: what happens, why, and what counts it.
@@ -78,25 +87,30 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<()> {
     let answer = match (&args.target.pod, &args.target.netns) {
         (Some(pod), _) => {
             privileges::require(&[Capability::SysAdmin, Capability::Bpf], "weir capture explain --pod")?;
-            ebpf(pod, args)?
+            if args.inbound { inbound::ebpf(pod, args)? } else { ebpf(pod, args)? }
         }
         (_, Some(netns)) => {
             privileges::require(
                 &[Capability::SysAdmin, Capability::NetAdmin],
                 "weir capture explain --netns",
             )?;
-            netfilter(netns, args)?
+            if args.inbound { inbound::netfilter(netns, args)? } else { netfilter(netns, args)? }
         }
         _ => bail!("--pod or --netns is needed"),
     };
-    println!(
-        "{} capture: {} {} by uid {} gid {}",
-        answer.backend,
-        kind(args),
-        args.destination,
-        args.uid,
-        gid(args)
-    );
+    if args.inbound {
+        let from = args.src.map_or("a peer".to_string(), |s| s.to_string());
+        println!("{} capture: TCP connection from {from} to {}", answer.backend, args.destination);
+    } else {
+        println!(
+            "{} capture: {} {} by uid {} gid {}",
+            answer.backend,
+            kind(args),
+            args.destination,
+            args.uid,
+            gid(args)
+        );
+    }
     println!("  {}", answer.outcome);
     println!("  because {}", answer.why);
     for e in &answer.evidence {
@@ -113,13 +127,19 @@ fn kind(args: &ExplainArgs) -> &'static str {
     if args.udp { "UDP send to" } else { "TCP connect to" }
 }
 
-/// The pod's registered config and maps, from its pin record.
-fn registered(pod: &str) -> anyhow::Result<(MapSet, u64, PodConfig)> {
+/// A pod's pin record (not a node capture's).
+fn pod_record(pod: &str) -> anyhow::Result<PinRecord> {
     let record = PinRecord::load(pod)
         .with_context(|| format!("no eBPF capture named {pod} (`weir capture status` lists them)"))?;
     if record.netns_cookie == 0 {
         bail!("{pod} is a node capture, not a pod: name one of its pods (`weir capture status`)");
     }
+    Ok(record)
+}
+
+/// The pod's registered config and maps, from its pin record.
+fn registered(pod: &str) -> anyhow::Result<(MapSet, u64, PodConfig)> {
+    let record = pod_record(pod)?;
     let maps = pod::maps_of(&record).with_context(|| format!("open the maps of capture {pod}"))?;
     let cfg = maps.pod_config(record.netns_cookie)?.with_context(|| {
         format!("capture {pod}: its namespace (cookie {}) is not registered", record.netns_cookie)
@@ -306,6 +326,26 @@ fn nat_rules(netns: &std::path::Path, v6: bool) -> anyhow::Result<(&'static str,
     .with_context(|| format!("neither nft nor iptables-save could read the rules of {}", netns.display()))
 }
 
+/// The answer for a netfilter walk: the outcome, the deciding rule, the jumps taken.
+fn walked(
+    backend: &'static str,
+    e: &weir_iptables::explain::Explanation,
+    args: &ExplainArgs,
+    hook: &str,
+) -> Answer {
+    let outcome = match e.outcome {
+        Outcome::Redirect(port) => {
+            format!("redirected to local port {port}, original destination {}", args.destination)
+        }
+        Outcome::NotCaptured => "not captured".into(),
+    };
+    let why = match &e.decided_by {
+        Some(rule) => format!("the rule `{rule}` matched"),
+        None => format!("no rule of the nat {hook} chain matched"),
+    };
+    Answer { backend, outcome, why, evidence: e.jumps.iter().map(|j| format!("through `{j}`")).collect() }
+}
+
 fn netfilter(netns: &std::path::Path, args: &ExplainArgs) -> anyhow::Result<Answer> {
     let dst = args.destination.ip();
     let own = SystemFacts { netns: Some(netns.to_path_buf()) }
@@ -320,24 +360,17 @@ fn netfilter(netns: &std::path::Path, args: &ExplainArgs) -> anyhow::Result<Answ
         gid: gid(args),
         src: args.src,
         through_lo: dst.is_loopback() || own.contains(&dst),
+        in_iface: None,
     };
     let e = match backend {
         "nftables" => weir_iptables::explain::explain_nft(&rules, &conn),
         _ => weir_iptables::explain::explain(&rules, &conn),
     }
     .with_context(|| format!("the {backend} rules of {}", netns.display()))?;
-    let outcome = match e.outcome {
-        Outcome::Redirect(port) => {
-            format!("redirected to local port {port}, original destination {}", args.destination)
-        }
-        Outcome::NotCaptured => "not captured".into(),
-    };
-    let why = match &e.decided_by {
-        Some(rule) => format!("the rule `{rule}` matched"),
-        None => "no rule of the nat output chain matched".into(),
-    };
-    Ok(Answer { backend, outcome, why, evidence: e.jumps.iter().map(|j| format!("through `{j}`")).collect() })
+    Ok(walked(backend, &e, args, "output"))
 }
+
+mod inbound;
 
 #[cfg(test)]
 mod tests {
@@ -419,6 +452,8 @@ mod tests {
                     gid: None,
                     src,
                     udp: false,
+                    inbound: false,
+                    interface: None,
                 };
                 let ebpf = match decide(&pod.config, &args, dst, &lookup).unwrap() {
                     Decision::Dns => Outcome::Redirect(pod.config.dns_port),
@@ -426,7 +461,16 @@ mod tests {
                     Decision::Verdict(Verdict::Redirect(p)) => Outcome::Redirect(p),
                     Decision::Verdict(Verdict::Pass(_)) => Outcome::NotCaptured,
                 };
-                let conn = Connection { dst, dst_port: port, udp: false, uid, gid: uid, src, through_lo };
+                let conn = Connection {
+                    dst,
+                    dst_port: port,
+                    udp: false,
+                    uid,
+                    gid: uid,
+                    src,
+                    through_lo,
+                    in_iface: None,
+                };
                 let nf = weir_iptables::explain::explain(&save, &conn).unwrap();
                 let at = format!("{extra:?}: uid {uid} -> {dst}:{port} from {src:?}");
                 assert_eq!(ebpf, nf.outcome, "{at}: iptables {nf:?}");
@@ -437,6 +481,52 @@ mod tests {
         }
         // Every destination, uid and port unbound; bound to 127.0.0.6 only through lo.
         assert_eq!(compared, 7 * 3 * 6 + 3 * 3 * 6);
+    }
+
+    /// Inbound: the tc classifier's test against Istio's PREROUTING rules, both forms.
+    fn agree_inbound(inbound: &[&str]) {
+        let mut argv = vec!["istio-iptables", "-p", "15001", "-z", "15006", "-u", "1337", "-m", "REDIRECT"];
+        argv.extend(["-i", "*", "-x", ""]);
+        argv.extend(inbound);
+        let (cfg, _) = Cli::try_parse_from(&argv).unwrap().args.resolve(&|_| None, &Pod).unwrap();
+        let save = weir_iptables::render::restore(&weir_iptables::plan::plan(&cfg).v4);
+        let nft = weir_iptables::nft::render(&weir_iptables::nft::plan(&cfg));
+        let pod = PodCapture::new(
+            &cfg,
+            vec![OWN.parse().unwrap()],
+            EbpfOptions { accelerate: false, clamp_optlen: false },
+        )
+        .unwrap();
+        // Not 15006 itself: Istio redirects it to itself, the classifier leaves it; the
+        // same listener either way.
+        for port in [80u16, 8080, 9080, 15008, 15020, 15021, 15090, 22] {
+            let ebpf = match &pod.inbound {
+                Some(c) if c.captures(port) => Outcome::Redirect(c.capture_port),
+                _ => Outcome::NotCaptured,
+            };
+            let conn = Connection {
+                dst: OWN.parse().unwrap(),
+                dst_port: port,
+                udp: false,
+                uid: 0,
+                gid: 0,
+                src: Some("10.0.0.7".parse().unwrap()),
+                through_lo: false,
+                in_iface: Some("eth0".into()),
+            };
+            let nf = weir_iptables::explain::explain_inbound(&save, &conn).unwrap();
+            assert_eq!(ebpf, nf.outcome, "{inbound:?}: port {port}: iptables {nf:?}");
+            let nft = weir_iptables::explain::explain_nft_inbound(&nft, &conn).unwrap();
+            assert_eq!(ebpf, nft.outcome, "{inbound:?}: port {port}: nftables {nft:?}");
+        }
+    }
+
+    #[test]
+    fn the_inbound_classifier_and_netfilter_decide_alike() {
+        agree_inbound(&["-b", "*", "-d", "15090,15021,15020"]);
+        agree_inbound(&["-b", "8080,9080"]);
+        agree_inbound(&["-b", "*"]);
+        agree_inbound(&["-b", ""]);
     }
 
     #[test]

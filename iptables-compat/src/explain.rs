@@ -1,6 +1,8 @@
-//! Which of Istio's nat rules a locally made connection meets, walked from the nat
-//! output hook as the kernel walks it for the connection's first packet, for `weir
-//! capture explain`: the `nat` table of an `iptables-save` (or `ip6tables-save`), or
+//! Which of Istio's nat rules a connection meets, walked as the kernel walks them for
+//! its first packet, for `weir capture explain`: from the nat output hook for one the
+//! pod makes, from the nat prerouting hook for one arriving at the pod (REDIRECT
+//! inbound capture; TPROXY's mangle rules are refused by name). The rules: the `nat`
+//! table of an `iptables-save` (or `ip6tables-save`), or
 //! the native nftables table (`nft list table inet istio-proxy-nat`, or the `add rule`
 //! lines Weir renders). Pure: the caller reads the rules from the pod's namespace and
 //! says how the packet leaves (loopback or not). It understands the matches and targets
@@ -10,7 +12,8 @@ use std::{collections::HashMap, net::IpAddr};
 
 use crate::config::Cidr;
 
-/// The connection's first packet, as the nat OUTPUT hook sees it.
+/// The connection's first packet, as the nat OUTPUT hook (made by the pod) or
+/// PREROUTING hook (arriving at the pod) sees it.
 #[derive(Debug, Clone)]
 pub struct Connection {
     pub dst: IpAddr,
@@ -24,6 +27,8 @@ pub struct Connection {
     /// Whether the packet leaves through `lo` (a loopback destination or one of the
     /// pod's own addresses).
     pub through_lo: bool,
+    /// The interface an arriving packet came in on (`None`: made by the pod).
+    pub in_iface: Option<String>,
 }
 
 /// Where the walk ended.
@@ -58,6 +63,10 @@ pub enum ExplainError {
     NoChain { rule: String, chain: String },
     #[error("more than {MAX_DEPTH} nested jumps (a loop?) at rule `{rule}`")]
     TooDeep { rule: String },
+    #[error(
+        "inbound capture here is TPROXY (rule `{rule}` in the mangle table), which is not walked; the pod's nat rules do not decide its inbound connections"
+    )]
+    Tproxy { rule: String },
 }
 
 const MAX_DEPTH: usize = 16;
@@ -77,7 +86,7 @@ enum Match {
         v6: bool,
     },
     OutIface(String),
-    InIface,
+    InIface(String),
     Src(Cidr),
     Dst(Cidr),
     Proto(String),
@@ -164,7 +173,7 @@ fn parse_rule(line: &str) -> Result<(String, Option<usize>, Rule), ExplainError>
                 continue;
             }
             "-o" | "--out-interface" => Some(Match::OutIface(arg(i + 1)?.into())),
-            "-i" | "--in-interface" => Some(Match::InIface),
+            "-i" | "--in-interface" => Some(Match::InIface(arg(i + 1)?.into())),
             "-s" | "--source" => Some(Match::Src(cidr(arg(i + 1)?)?)),
             "-d" | "--destination" => Some(Match::Dst(cidr(arg(i + 1)?)?)),
             "-p" | "--protocol" => Some(Match::Proto(arg(i + 1)?.into())),
@@ -215,7 +224,7 @@ fn holds(m: &Match, c: &Connection) -> bool {
     match m {
         Match::Family { v6 } => c.dst.is_ipv6() == *v6,
         Match::OutIface(name) => (name == "lo") == c.through_lo,
-        Match::InIface => false,
+        Match::InIface(name) => c.in_iface.as_deref().is_some_and(|i| iface_matches(name, i)),
         Match::Src(cidr) => c.src.is_some_and(|s| cidr.contains(s)),
         Match::Dst(cidr) => cidr.contains(c.dst),
         Match::Proto(p) => p == if c.udp { "udp" } else { "tcp" },
@@ -224,6 +233,16 @@ fn holds(m: &Match, c: &Connection) -> bool {
         Match::SrcPorts => false,
         Match::Uid(lo, hi) => within((*lo, *hi), c.uid),
         Match::Gid(lo, hi) => within((*lo, *hi), c.gid),
+    }
+}
+
+/// An interface name against a rule's: exact, or a prefix ending in `+` (iptables) or
+/// `*` (nftables).
+fn iface_matches(pattern: &str, name: &str) -> bool {
+    let pattern = pattern.trim_matches('"');
+    match pattern.strip_suffix(['+', '*']) {
+        Some(prefix) => name.starts_with(prefix),
+        None => pattern == name,
     }
 }
 
@@ -262,7 +281,28 @@ pub fn explain(save: &str, conn: &Connection) -> Result<Explanation, ExplainErro
 
 /// Walks the native nftables nat table's output chain for `conn`.
 pub fn explain_nft(table: &str, conn: &Connection) -> Result<Explanation, ExplainError> {
-    let (chains, entry) = nft_chains(table)?;
+    let (chains, entry) = nft_chains(table, "output")?;
+    walk(&chains, &entry, conn)
+}
+
+/// Walks `save`'s nat `PREROUTING` for `conn`, arriving at the pod; refused when the
+/// mangle table holds Istio's TPROXY inbound rules (they decide instead).
+pub fn explain_inbound(save: &str, conn: &Connection) -> Result<Explanation, ExplainError> {
+    let mut in_mangle = false;
+    for line in save.lines().map(str::trim) {
+        if let Some(table) = line.strip_prefix('*') {
+            in_mangle = table.trim() == "mangle";
+        } else if in_mangle && (line.contains("-j ISTIO_INBOUND") || line.contains("-j ISTIO_TPROXY")) {
+            return Err(ExplainError::Tproxy { rule: line.into() });
+        }
+    }
+    walk(&nat_chains(save)?, "PREROUTING", conn)
+}
+
+/// Walks the native nftables nat table's prerouting chain for `conn`, arriving at the
+/// pod (the caller checks that the namespace has no TPROXY mangle table).
+pub fn explain_nft_inbound(table: &str, conn: &Connection) -> Result<Explanation, ExplainError> {
+    let (chains, entry) = nft_chains(table, "prerouting")?;
     walk(&chains, &entry, conn)
 }
 
@@ -315,9 +355,10 @@ fn walk(
     Ok(Explanation { outcome: Outcome::NotCaptured, jumps, decided_by: None })
 }
 
-/// The chains of an nftables nat table, and its output-hook chain: `nft list table`
+/// The chains of an nftables nat table, and its chain on `hook`: `nft list table`
 /// blocks, or `add chain`/`add rule` lines (tables other than a nat one are skipped).
-fn nft_chains(text: &str) -> Result<(HashMap<String, Vec<Rule>>, String), ExplainError> {
+fn nft_chains(text: &str, hook: &str) -> Result<(HashMap<String, Vec<Rule>>, String), ExplainError> {
+    let hook_spec = format!("type nat hook {hook} ");
     let mut chains: HashMap<String, Vec<Rule>> = HashMap::new();
     let (mut entry, mut current) = (None, None::<String>);
     for line in text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')) {
@@ -325,7 +366,7 @@ fn nft_chains(text: &str) -> Result<(HashMap<String, Vec<Rule>>, String), Explai
         match words.as_slice() {
             ["add", "chain", _, table, name, ..] if table.ends_with("-nat") => {
                 chains.entry(name.to_string()).or_default();
-                if line.contains("type nat hook output") {
+                if line.contains(&hook_spec) {
                     entry = Some(name.to_string());
                 }
             }
@@ -340,7 +381,7 @@ fn nft_chains(text: &str) -> Result<(HashMap<String, Vec<Rule>>, String), Explai
             }
             ["}"] => current = None,
             ["type", ..] => {
-                if line.starts_with("type nat hook output") {
+                if line.starts_with(&hook_spec) {
                     entry = current.clone();
                 }
             }
@@ -351,7 +392,17 @@ fn nft_chains(text: &str) -> Result<(HashMap<String, Vec<Rule>>, String), Explai
             }
         }
     }
-    let entry = entry.ok_or(ExplainError::NoNatTable)?;
+    // A table without a chain on the hook (Weir declares only chains with rules) lets
+    // every packet through it: an empty entry chain.
+    let entry = match entry {
+        Some(entry) => entry,
+        None if !chains.is_empty() => {
+            let name = format!("(no {hook} chain)");
+            chains.insert(name.clone(), Vec::new());
+            name
+        }
+        None => return Err(ExplainError::NoNatTable),
+    };
     Ok((chains, entry))
 }
 
@@ -402,7 +453,8 @@ fn parse_nft_rule(line: &str) -> Result<Rule, ExplainError> {
             "counter" => i += if next == "packets" { 5 } else { 1 },
             "oifname" | "iifname" => {
                 let (neg, v, n) = value(i + 1)?;
-                let m = if key == "oifname" { Match::OutIface(v.join(" ")) } else { Match::InIface };
+                let m =
+                    if key == "oifname" { Match::OutIface(v.join(" ")) } else { Match::InIface(v.join(" ")) };
                 matches.push((neg, m));
                 i = n;
             }
@@ -531,7 +583,54 @@ mod tests {
             gid: 1000,
             src: None,
             through_lo: dst.is_loopback(),
+            in_iface: None,
         }
+    }
+
+    /// A new connection from a peer to the pod's `port`, arriving on eth0.
+    fn peer(port: u16) -> Connection {
+        Connection {
+            in_iface: Some("eth0".into()),
+            src: Some("10.0.0.7".parse().unwrap()),
+            uid: 0,
+            gid: 0,
+            ..app("10.0.0.5", port)
+        }
+    }
+
+    #[test]
+    fn inbound_connections_are_walked_from_prerouting() {
+        let save = injector_save(&[]);
+        let e = explain_inbound(&save, &peer(8080)).unwrap();
+        assert_eq!(e.outcome, Outcome::Redirect(15006), "{e:?}");
+        assert_eq!(
+            e.jumps,
+            ["-A PREROUTING -p tcp -j ISTIO_INBOUND", "-A ISTIO_INBOUND -p tcp -j ISTIO_IN_REDIRECT"]
+        );
+        assert_eq!(e.decided_by.as_deref(), Some("-A ISTIO_IN_REDIRECT -p tcp -j REDIRECT --to-ports 15006"));
+        let e = explain_inbound(&save, &peer(15021)).unwrap();
+        assert_eq!(e.outcome, Outcome::NotCaptured);
+        assert_eq!(e.decided_by.as_deref(), Some("-A ISTIO_INBOUND -p tcp --dport 15021 -j RETURN"));
+        let e = explain_inbound(&save, &peer(15008)).unwrap();
+        assert_eq!(e.decided_by.as_deref(), Some("-A ISTIO_INBOUND -p tcp --dport 15008 -j RETURN"));
+        // An excluded interface (-c) is named by its rule; others still captured.
+        let save = injector_save(&["-c", "veth+"]);
+        let on = |iface: &str| Connection { in_iface: Some(iface.into()), ..peer(8080) };
+        let e = explain_inbound(&save, &on("veth7")).unwrap();
+        assert_eq!(e.outcome, Outcome::NotCaptured, "{save}");
+        assert!(e.decided_by.as_deref().is_some_and(|r| r.contains("-i veth+")), "{e:?}");
+        assert_eq!(explain_inbound(&save, &on("eth0")).unwrap().outcome, Outcome::Redirect(15006));
+        // No inbound capture at all: nothing in PREROUTING decides.
+        let none = explain_inbound(&injector_save(&["-b", ""]), &peer(8080)).unwrap();
+        assert_eq!((none.outcome, none.decided_by), (Outcome::NotCaptured, None));
+    }
+
+    #[test]
+    fn tproxy_inbound_capture_is_refused_by_its_rule() {
+        let save = injector_save(&["-m", "TPROXY"]);
+        let err = explain_inbound(&save, &peer(8080)).unwrap_err();
+        assert!(matches!(err, ExplainError::Tproxy { .. }), "{err}");
+        assert!(err.to_string().contains("TPROXY"), "{err}");
     }
 
     #[test]

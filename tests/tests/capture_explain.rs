@@ -62,6 +62,19 @@ fn ebpf_decisions_are_counted_per_pod_and_explained_from_its_maps() {
     );
     let proxy = explain(to_8080, "1337");
     assert!(proxy.contains("not captured") && proxy.contains("is the proxy's (-u 1337"), "{proxy}");
+    // Inbound, from the tc classifier's registered config and the pod's listeners.
+    let (app_8080_in, app_15021_in) = (s.addr(&s.client, 8080), s.addr(&s.client, 15021));
+    let explain_in = |dst: std::net::SocketAddr| {
+        ok(&weir(&["capture", "explain", "--pod", &pod, "--inbound", &dst.to_string()]), "explain --inbound")
+    };
+    let assigned = explain_in(app_8080_in);
+    assert!(assigned.contains("assigned to Envoy's inbound listener on port 15006"), "{assigned}");
+    assert!(assigned.contains("every port (-b '*') except -d 15021"), "{assigned}");
+    let health = explain_in(app_15021_in);
+    assert!(
+        health.contains("not captured") && health.contains("excluded inbound port (-d 15021)"),
+        "{health}"
+    );
 
     // Then done: two app connections captured, one to the excluded port and one by the
     // proxy uid left alone, exactly as explained.
@@ -93,6 +106,7 @@ fn ebpf_decisions_are_counted_per_pod_and_explained_from_its_maps() {
         "the stand-in asked for each original destination: {counters}"
     );
     assert!(explain(to_8080, "1000").contains("counted as redirected (this pod so far: 2)"));
+    assert!(explain_in(app_8080_in).contains("counted as inbound_assigned (this pod so far: 1)"));
 
     // And as metrics, labelled by pod and decision.
     let pods = weir_agent::ebpf::metrics::pod_counters();
@@ -123,8 +137,10 @@ fn netfilter_rules_are_explained_rule_by_rule_and_traffic_agrees() {
 
 fn explain_netfilter(test: &str, native_nftables: bool) {
     let s = CaptureScene::new(test, Family::V4, false);
-    let mut flags =
-        vec!["-p", "15001", "-z", "15006", "-u", "1337", "-m", "REDIRECT", "-i", "*", "-b", "", "-o", "9090"];
+    let mut flags = vec![
+        "-p", "15001", "-z", "15006", "-u", "1337", "-m", "REDIRECT", "-i", "*", "-b", "*", "-d", "15021",
+        "-o", "9090",
+    ];
     if native_nftables {
         flags.push("--native-nftables");
     }
@@ -162,11 +178,33 @@ fn explain_netfilter(test: &str, native_nftables: bool) {
     let proxy = explain(to_8080, "1337");
     assert!(proxy.contains("not captured") && proxy.contains(proxy_return), "{proxy}");
 
+    // Inbound, walked from PREROUTING.
+    let (in_8080, in_15021) = (s.addr(&s.client, 8080), s.addr(&s.client, 15021));
+    let explain_in = |dst: std::net::SocketAddr| {
+        ok(
+            &weir(&["capture", "explain", "--netns", netns, "--inbound", &dst.to_string()]),
+            "explain --inbound",
+        )
+    };
+    let (in_redirect, in_return) = if native_nftables {
+        ("redirect to :15006", "tcp dport 15021 counter packets 0 bytes 0 return")
+    } else {
+        ("-A ISTIO_IN_REDIRECT -p tcp -j REDIRECT --to-ports 15006", "--dport 15021 -j RETURN")
+    };
+    let inbound = explain_in(in_8080);
+    assert!(inbound.contains("redirected to local port 15006") && inbound.contains(in_redirect), "{inbound}");
+    let health = explain_in(in_15021);
+    assert!(health.contains("not captured") && health.contains(in_return), "{health}");
+
     let as_uid = |uid| Placement { user: Some((uid, uid)), ..Placement::default() };
     let line = ask_placed(&s.client, as_uid(1000), to_8080);
     assert_eq!(captured(&line).map(|(_, o)| o), Some(to_8080.to_string()), "{line}");
     assert!(ask_placed(&s.client, as_uid(1000), to_9090).starts_with("hello server "));
     assert!(ask_placed(&s.client, as_uid(1337), to_8080).starts_with("hello server "));
+    // And inbound traffic does what was explained.
+    let line = ask(&s.server, 0, in_8080);
+    assert_eq!(captured(&line).map(|(_, o)| o), Some(in_8080.to_string()), "{line}");
+    assert!(ask(&s.server, 0, in_15021).starts_with("hello app-15021 "));
 }
 
 #[test]
@@ -178,4 +216,9 @@ fn explain_names_what_it_needs() {
     let out = weir(&["capture", "explain", "--pod", "x", "not-an-address"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("not-an-address"));
+    // No uid sends an arriving connection: the flags refuse each other by name.
+    let out = weir(&["capture", "explain", "--pod", "x", "--inbound", "--uid", "5", "10.0.0.1:80"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--inbound") && err.contains("--uid"), "{err}");
 }

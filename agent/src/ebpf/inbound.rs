@@ -243,6 +243,20 @@ impl NodeClassifier {
         }
     }
 
+    /// One pod's inbound config (`None`: it has no inbound registration here).
+    pub fn pod_config(&self, cookie: u64) -> Result<Option<InboundConfig>, EbpfError> {
+        let map = self.pods()?;
+        let pods: HashMap<_, InboundKey, InboundPod> =
+            HashMap::try_from(&map).map_err(map_err(inbound::PODS))?;
+        for entry in pods.iter() {
+            let (_, pod) = entry.map_err(map_err(inbound::PODS))?;
+            if pod.netns == cookie {
+                return Ok(Some(pod.config));
+            }
+        }
+        Ok(None)
+    }
+
     /// The classifier's totals over every pod it serves.
     pub fn totals(&self) -> Result<Counters, EbpfError> {
         totals(&self.pinned_map(inbound::COUNTERS)?)
@@ -311,15 +325,18 @@ impl InboundProgram {
     }
 
     /// Keeps the classifier attached after this process exits: a TCX link is pinned at
-    /// `dir/links/inbound` (and its counters at `dir/maps/INBOUND_COUNTERS`); a legacy tc
-    /// filter simply stays (removed by [`detach_inbound`]).
+    /// `dir/links/inbound` (and its counters and config at `dir/maps/INBOUND_COUNTERS`
+    /// and `dir/maps/INBOUND_CONFIG`); a legacy tc filter simply stays (removed by
+    /// [`detach_inbound`]).
     pub fn pin(mut self, dir: &Path) -> Result<(), EbpfError> {
         mount_bpffs()?;
         create_dir(&dir.join("maps"))?;
         let mut ebpf = self.ebpf.take().expect("loaded until pinned");
-        if let Some(Map::PerCpuArray(data)) = ebpf.map_mut(inbound::COUNTERS) {
-            let path = dir.join("maps").join(inbound::COUNTERS);
-            data.pin(&path).map_err(aya_pin_error(&path))?;
+        for name in [inbound::COUNTERS, inbound::CONFIG] {
+            if let Some(Map::PerCpuArray(data) | Map::Array(data)) = ebpf.map_mut(name) {
+                let path = dir.join("maps").join(name);
+                data.pin(&path).map_err(aya_pin_error(&path))?;
+            }
         }
         let link = self.link.take().expect("attached until pinned");
         keep(link, &dir.join("links").join("inbound"))?;
@@ -380,6 +397,24 @@ pub fn pinned_totals(dir: &Path) -> Option<Result<Counters, EbpfError>> {
             .map_err(map_err(inbound::COUNTERS))
             .and_then(|m| totals(&m)),
     )
+}
+
+/// One pod's inbound config: registered with the node classifier in its program set
+/// (`set_dir`), or its own copy's under `pin_dir`. `None`: the pod has no inbound
+/// capture.
+pub fn pod_config(set_dir: &Path, pin_dir: &Path, cookie: u64) -> Result<Option<InboundConfig>, EbpfError> {
+    if let Some(classifier) = NodeClassifier::pinned(set_dir)
+        && let Some(config) = classifier.pod_config(cookie)?
+    {
+        return Ok(Some(config));
+    }
+    let path = pin_dir.join("maps").join(inbound::CONFIG);
+    if !path.exists() {
+        return Ok(None);
+    }
+    let map = MapData::from_pin(&path).and_then(Map::from_map_data).map_err(map_err(inbound::CONFIG))?;
+    let config: Array<_, InboundConfig> = Array::try_from(&map).map_err(map_err(inbound::CONFIG))?;
+    config.get(&0, 0).map(Some).map_err(map_err(inbound::CONFIG))
 }
 
 /// One pod's inbound decisions: from the node classifier in its program set
