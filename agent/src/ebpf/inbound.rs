@@ -257,11 +257,6 @@ impl NodeClassifier {
         Ok(None)
     }
 
-    /// The classifier's totals over every pod it serves.
-    pub fn totals(&self) -> Result<Counters, EbpfError> {
-        totals(&self.pinned_map(inbound::COUNTERS)?)
-    }
-
     /// The pod's config entries (one per address) go; its counters stay.
     fn remove_keys(&self, cookie: u64) -> Result<(), EbpfError> {
         let mut map = self.pods()?;
@@ -421,7 +416,8 @@ pub fn pod_config(set_dir: &Path, pin_dir: &Path, cookie: u64) -> Result<Option<
 /// (`set_dir`), by its netns `cookie`, or else from its own copy's totals under
 /// `pin_dir`. `None`: the pod has no inbound capture.
 pub fn pod_counters(set_dir: &Path, pin_dir: &Path, cookie: u64) -> Option<Result<Counters, EbpfError>> {
-    if let Some(classifier) = NodeClassifier::pinned(set_dir)
+    let node = NodeClassifier::pinned(set_dir);
+    if let Some(classifier) = &node
         && set_dir.join("maps").join(inbound::POD_COUNTERS).exists()
     {
         match classifier.pod_counters(cookie) {
@@ -430,7 +426,8 @@ pub fn pod_counters(set_dir: &Path, pin_dir: &Path, cookie: u64) -> Option<Resul
             Err(e) => return Some(Err(e)),
         }
     }
-    if set_dir == pin_dir {
+    // A node classifier's totals are every pod's, never one pod's.
+    if node.is_some() && set_dir == pin_dir {
         return None;
     }
     pinned_totals(pin_dir)
