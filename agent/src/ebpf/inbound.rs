@@ -113,17 +113,12 @@ fn sum<'a>(per_cpu: impl Iterator<Item = &'a [u64; counter::COUNT as usize]>) ->
 /// The totals in an `INBOUND_COUNTERS` array (one classifier's, over every pod it serves).
 fn totals(map: &Map) -> Result<Counters, EbpfError> {
     let counters: PerCpuArray<_, u64> = PerCpuArray::try_from(map).map_err(map_err(inbound::COUNTERS))?;
-    let mut per_cpu = Vec::new();
-    for slot in 0..counter::COUNT {
-        let values = counters.get(&slot, 0).map_err(map_err(inbound::COUNTERS))?;
-        for (cpu, v) in values.iter().enumerate() {
-            if per_cpu.len() <= cpu {
-                per_cpu.push([0u64; counter::COUNT as usize]);
-            }
-            per_cpu[cpu][slot as usize] = *v;
-        }
+    let mut out = Vec::new();
+    for (slot, name) in (0..).zip(counter::NAMES) {
+        let per_cpu = counters.get(&slot, 0).map_err(map_err(inbound::COUNTERS))?;
+        out.push((name, per_cpu.iter().fold(0u64, |t, v| t.wrapping_add(*v))));
     }
-    Ok(sum(per_cpu.iter()))
+    Ok(Counters(out))
 }
 
 /// The per-node classifier, pinned in a node program set's folder
