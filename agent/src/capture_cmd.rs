@@ -122,13 +122,29 @@ pub struct CleanArgs {
     pub pod: Option<String>,
     #[arg(long)]
     pub all: bool,
+    /// The captures of pods that are gone (their namespace or cgroup no longer
+    /// exists), and list entries no registration owns.
+    #[arg(long)]
+    pub gone: bool,
 }
 
 pub fn run(args: CaptureArgs) -> anyhow::Result<()> {
     match args.command {
         CaptureCommand::Ebpf(run) => ebpf(&run),
         CaptureCommand::Apply(apply) => {
-            let choice = detect::choose(apply.capture_mode)?;
+            let mut choice = detect::choose(apply.capture_mode)?;
+            if choice.backend == Backend::Ebpf
+                && let Some(why) = pod_refuses_ebpf(&apply.run)?
+            {
+                if apply.capture_mode == CaptureMode::Ebpf {
+                    bail!("--capture-mode=ebpf cannot capture this pod: {why}");
+                }
+                let fallback = match detect::nftables_unavailable() {
+                    None => Backend::Nftables,
+                    Some(_) => Backend::Iptables,
+                };
+                choice = detect::Choice { backend: fallback, reasons: vec![format!("not ebpf: {why}")] };
+            }
             eprintln!("weir: {choice}");
             match choice.backend {
                 Backend::Ebpf => ebpf(&apply.run),
@@ -167,18 +183,43 @@ fn rules(run: &RunArgs, nft: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The capture's name: `--pod` (checked: it names pins and a record), or the cgroup's
+/// basename with what a name cannot hold made '_' (kubelet cgroups end in `.slice`
+/// or `.scope`, and bpffs refuses dots).
 fn pod_name(run: &RunArgs) -> anyhow::Result<String> {
-    match &run.pod {
-        Some(p) => Ok(p.clone()),
+    let name = match &run.pod {
+        Some(p) => p.clone(),
         None => run
             .cgroup
             .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
+            .map(|n| {
+                n.to_string_lossy()
+                    .chars()
+                    .map(|c| if c.is_ascii_graphic() && !matches!(c, '/' | '.') { c } else { '_' })
+                    .collect::<String>()
+            })
             .filter(|n| !n.is_empty())
             .with_context(|| {
                 format!("--pod is needed: cannot name the capture after {}", run.cgroup.display())
-            }),
-    }
+            })?,
+    };
+    crate::ebpf::record::check_name(&name).context("--pod")?;
+    Ok(name)
+}
+
+/// Why eBPF cannot capture this pod correctly (its own user namespace), or `None`.
+fn pod_refuses_ebpf(run: &RunArgs) -> anyhow::Result<Option<String>> {
+    let netns = run.netns.clone().unwrap_or_else(|| PathBuf::from("/proc/self/ns/net"));
+    let own = !netns::owned_by_this_user_namespace(&netns)
+        .with_context(|| format!("read the owner of network namespace {}", netns.display()))?;
+    let in_userns = std::fs::read_to_string("/proc/self/uid_map")
+        .map(|m| m.split_whitespace().collect::<Vec<_>>() != ["0", "0", "4294967295"])
+        .unwrap_or(false);
+    Ok((own || in_userns).then(|| {
+        "the pod runs in a user namespace of its own (hostUsers: false): eBPF capture tells Envoy's \
+         connections apart by user id as the node sees it, which differs there"
+            .to_string()
+    }))
 }
 
 /// Refuses a namespace no process of the cgroup is in (see `--allow-netns-mismatch`).
@@ -207,7 +248,7 @@ fn ebpf(run: &RunArgs) -> anyhow::Result<()> {
     let facts = SystemFacts { netns: run.netns.clone() };
     let (cfg, opts) = run.capture.resolve(&env, &facts)?;
     let own = own_addresses(&facts).context("read the pod's addresses")?;
-    let pod = PodCapture::new(&cfg, own, EbpfOptions::for_running_kernel(run.accelerate))?;
+    let pod = PodCapture::new(&cfg, own, EbpfOptions { accelerate: run.accelerate })?;
     let name = pod_name(run)?;
     if opts.dry_run {
         println!("{}", serde_json::to_string_pretty(&describe(&name, run, &pod))?);
@@ -215,14 +256,17 @@ fn ebpf(run: &RunArgs) -> anyhow::Result<()> {
     }
     privileges::require(&[Capability::SysAdmin, Capability::NetAdmin, Capability::Bpf], "weir capture ebpf")?;
     if opts.cleanup_only {
-        return clean(&CleanArgs { cgroup: None, pod: Some(name), all: false });
+        return clean(&CleanArgs { cgroup: None, pod: Some(name), all: false, gone: false });
     }
-    if let Some(why) = detect::ebpf_prerequisites() {
+    if let Some(why) = detect::ebpf_prerequisites().or(pod_refuses_ebpf(run)?) {
         bail!(
             "eBPF capture cannot work here: {why} (use `weir capture apply` to fall back to nftables or iptables)"
         );
     }
     check_netns(run)?;
+    // Pods captured before that are gone now (nothing else unregisters them in
+    // init-container mode) go first, so they never fill the node's maps.
+    collect_gone();
     let cookie = netns_cookie(run.netns.as_deref()).context("read the pod's network namespace cookie")?;
 
     // An existing pinned capture of this pod is updated in place (no gap in capture),
@@ -301,7 +345,7 @@ fn repair(record: &PinRecord, netns: Option<&Path>, cookie: u64, faults: &[healt
 fn foreground(run: &RunArgs, name: &str, cookie: u64, pod: &PodCapture) -> anyhow::Result<()> {
     let mut programs = CapturePrograms::load()?;
     programs.attach(&run.cgroup)?;
-    programs.register(cookie, pod)?;
+    programs.register(cookie, pod, None)?;
     let netns_path = run.netns.clone().unwrap_or_else(|| PathBuf::from("/proc/self/ns/net"));
     let inbound = match &pod.inbound {
         Some(cfg) => Some(InboundProgram::attach(&netns_path, &run.interface, cfg)?),
@@ -464,11 +508,35 @@ fn print_status(pods: &[serde_json::Value]) {
     }
 }
 
+/// Removes the captures of pods that are gone, and orphaned list entries; logged.
+fn collect_gone() {
+    for (pod, result) in crate::ebpf::gc::collect_gone() {
+        match result {
+            Ok(()) => eprintln!("weir: removed the eBPF capture of {pod}: the pod is gone"),
+            Err(e) => {
+                eprintln!("weir: the eBPF capture of {pod} (gone) not removed: {}", crate::error_chain(&e))
+            }
+        }
+    }
+    match crate::ebpf::gc::collect_orphans() {
+        Ok(0) => {}
+        Ok(n) => eprintln!("weir: removed {n} orphaned capture list entries"),
+        Err(e) => eprintln!("weir: orphaned capture list entries not collected: {}", crate::error_chain(&e)),
+    }
+}
+
 fn clean(args: &CleanArgs) -> anyhow::Result<()> {
     privileges::require(
         &[Capability::SysAdmin, Capability::NetAdmin, Capability::Bpf],
         "weir capture clean",
     )?;
+    if args.gone {
+        collect_gone();
+        for key in set::remove_unused()? {
+            eprintln!("weir: removed unused eBPF program set {key}");
+        }
+        return Ok(());
+    }
     let records: Vec<PinRecord> = PinRecord::load_all()
         .into_iter()
         .filter(|r| {
@@ -480,6 +548,7 @@ fn clean(args: &CleanArgs) -> anyhow::Result<()> {
     if records.is_empty() {
         // Pins without a record (a crash between pinning and recording) still go.
         if let Some(pod) = &args.pod {
+            crate::ebpf::record::check_name(pod).context("--pod")?;
             bpffs::unpin(&pin_dir(pod))?;
         }
         remove_unused_sets(args.all)?;

@@ -418,8 +418,7 @@ mod tests {
         let save = weir_iptables::render::restore(&weir_iptables::plan::plan(&cfg).v4);
         let nft = weir_iptables::nft::render(&weir_iptables::nft::plan(&cfg));
         let own: IpAddr = OWN.parse().unwrap();
-        let pod =
-            PodCapture::new(&cfg, vec![own], EbpfOptions { accelerate: false, clamp_optlen: false }).unwrap();
+        let pod = PodCapture::new(&cfg, vec![own], EbpfOptions { accelerate: false }).unwrap();
         let dsts = ["10.1.2.3", "10.96.0.10", "10.96.5.5", "192.168.7.7", OWN, "127.0.0.1", "127.0.0.6"];
         let mut compared = 0;
         for dst in dsts.map(|d| d.parse::<IpAddr>().unwrap()) {
@@ -491,12 +490,8 @@ mod tests {
         let (cfg, _) = Cli::try_parse_from(&argv).unwrap().args.resolve(&|_| None, &Pod).unwrap();
         let save = weir_iptables::render::restore(&weir_iptables::plan::plan(&cfg).v4);
         let nft = weir_iptables::nft::render(&weir_iptables::nft::plan(&cfg));
-        let pod = PodCapture::new(
-            &cfg,
-            vec![OWN.parse().unwrap()],
-            EbpfOptions { accelerate: false, clamp_optlen: false },
-        )
-        .unwrap();
+        let pod =
+            PodCapture::new(&cfg, vec![OWN.parse().unwrap()], EbpfOptions { accelerate: false }).unwrap();
         // Not 15006 itself: Istio redirects it to itself, the classifier leaves it; the
         // same listener either way.
         for port in [80u16, 8080, 9080, 15008, 15020, 15021, 15090, 22] {

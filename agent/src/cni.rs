@@ -2,8 +2,9 @@
 //! primary CNI): the protocol (`spec`), what to do for a pod (`pod`), where the pod
 //! comes from (`kube`, the Kubernetes API through the node's kubeconfig), capturing a
 //! pod inside its network namespace (`capture`, eBPF registration in `ebpf`), ADD /
-//! DEL / CHECK (`plugin`), capturing pods that started before the plugin (`repair`),
-//! and the node side that installs and keeps the plugin chained (`install`).
+//! DEL / CHECK (`plugin`), capturing pods that started before the plugin (`repair`,
+//! which finds their namespaces through the node's /proc: `podns`), and the node side
+//! that installs and keeps the plugin chained (`install`).
 
 pub mod capture;
 pub mod ebpf;
@@ -11,6 +12,7 @@ pub mod install;
 pub mod kube;
 pub mod plugin;
 pub mod pod;
+pub mod podns;
 pub mod repair;
 pub mod spec;
 

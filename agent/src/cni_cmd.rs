@@ -20,10 +20,13 @@ pub struct CniArgs {
 
 #[derive(Debug, Subcommand)]
 pub enum CniCommand {
-    /// Install the plugin and chain it into the primary CNI's config; keep it there
-    /// (unless --once) and take it out again on SIGTERM.
+    /// Install the plugin and chain it into the primary CNI's config, and keep it there
+    /// (unless --once). Stopping (SIGTERM) leaves everything in place: pods stay
+    /// captured through restarts and rollouts.
     Install(InstallArgs),
-    /// Take the plugin out: its chain entry, kubeconfig and binary.
+    /// Take the plugin out: its chain entry, kubeconfig and binary (new pods are no
+    /// longer captured). The node's eBPF capture stays while pods are registered with
+    /// it, unless --detach-running-pods.
     Uninstall(InstallArgs),
     /// Capture the node's sidecar pods that started before the plugin was installed.
     Repair(RepairArgs),
@@ -34,9 +37,10 @@ pub struct RepairArgs {
     /// This node's name (as in the pods' spec.nodeName).
     #[arg(long, env = "NODE_NAME")]
     pub node_name: String,
-    /// Where the container runtime names pod network namespaces.
-    #[arg(long, env = "WEIR_NETNS_DIR", default_value = "/var/run/netns")]
-    pub netns_dir: PathBuf,
+    /// The node's /proc (mounted from the host in the DaemonSet): pods' namespaces are
+    /// found through their processes' kubelet cgroups.
+    #[arg(long, env = "WEIR_HOST_PROC", default_value = "/proc")]
+    pub proc_dir: PathBuf,
     /// The plugin's kubeconfig (as installed).
     #[arg(long, default_value = "/var/run/istio-cni/istio-cni-kubeconfig")]
     pub kubeconfig: PathBuf,
@@ -60,7 +64,7 @@ fn repair(a: &RepairArgs) -> anyhow::Result<()> {
     let conf = NetConf::parse(conf.to_string().as_bytes()).map_err(|e| anyhow::anyhow!("{e}"))?;
     loop {
         let client = KubeClient::load(&a.kubeconfig)?;
-        let report = repair::repair(&conf, repair::list(&client, &a.node_name)?, &a.netns_dir);
+        let report = repair::repair(&conf, repair::list(&client, &a.node_name)?, &a.proc_dir);
         tracing::info!(
             node = %a.node_name,
             repaired = report.repaired.len(),
@@ -74,7 +78,10 @@ fn repair(a: &RepairArgs) -> anyhow::Result<()> {
                 println!("repaired {pod} in {}", netns.display());
             }
             for pod in &report.not_found {
-                println!("not found {pod} (no namespace in {} holds its IP)", a.netns_dir.display());
+                println!(
+                    "not found {pod} (no process of it runs on this node, per {})",
+                    a.proc_dir.display()
+                );
             }
             anyhow::ensure!(
                 report.failed.is_empty(),
@@ -125,9 +132,14 @@ pub struct InstallArgs {
     /// How often the chain and kubeconfig are checked.
     #[arg(long, default_value = "1s", value_parser = parse_duration)]
     pub interval: Duration,
-    /// Leave the plugin installed when the watcher stops.
-    #[arg(long)]
+    /// Accepted for compatibility: stopping always leaves the plugin installed and
+    /// every pod captured.
+    #[arg(long, hide = true)]
     pub keep_on_exit: bool,
+    /// With `uninstall`: also take eBPF capture away from the pods still registered
+    /// with the node capture (they then send and receive around their sidecars).
+    #[arg(long)]
+    pub detach_running_pods: bool,
     /// Serve `/metrics` (every captured pod's eBPF decision counters) on this port
     /// (istio-cni's monitoring port is 15014; 0: off).
     #[arg(long, env = "MONITORING_PORT", default_value_t = 0)]
@@ -233,14 +245,40 @@ fn node_capture_or_fallback(s: &mut InstallSettings, capture_mode: &str) -> anyh
 }
 
 /// The node agent's monitoring endpoint: `/metrics` with the decision counters of every
-/// pod captured on this node (read from the pinned maps at each scrape).
-fn monitoring(path: &str) -> hyper::Response<http_body_util::Full<bytes::Bytes>> {
+/// pod captured on this node and how full the node-wide maps are, read from the pinned
+/// maps. Reading bpffs is blocking work: it runs on a blocking thread, one scrape at a
+/// time, and a scrape within a second of the last is answered from it, so a scrape
+/// flood never delays the loop that keeps the plugin chained.
+async fn monitoring(
+    path: String,
+    cache: std::sync::Arc<tokio::sync::Mutex<Option<(std::time::Instant, bytes::Bytes)>>>,
+) -> hyper::Response<http_body_util::Full<bytes::Bytes>> {
     use hyper::{Response, StatusCode, header::CONTENT_TYPE};
     if path != "/metrics" {
         let mut r = Response::new(http_body_util::Full::new(bytes::Bytes::from_static(b"not found\n")));
         *r.status_mut() = StatusCode::NOT_FOUND;
         return r;
     }
+    let mut cached = cache.lock().await;
+    let text = match cached.as_ref().filter(|(at, _)| at.elapsed() < Duration::from_secs(1)) {
+        Some((_, text)) => text.clone(),
+        None => {
+            let text = tokio::task::spawn_blocking(metrics_text).await.unwrap_or_default();
+            *cached = Some((std::time::Instant::now(), text.clone()));
+            text
+        }
+    };
+    drop(cached);
+    let mut r = Response::new(http_body_util::Full::new(text));
+    r.headers_mut().insert(
+        CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+    );
+    r
+}
+
+/// The metrics text, read from bpffs (blocking).
+fn metrics_text() -> bytes::Bytes {
     let (mut readable, mut unreadable) = (Vec::new(), 0);
     for (pod, counters) in crate::ebpf::metrics::pod_counters() {
         match counters {
@@ -251,13 +289,11 @@ fn monitoring(path: &str) -> hyper::Response<http_body_util::Full<bytes::Bytes>>
             }
         }
     }
-    let text = crate::ebpf::metrics::exposition(&readable, unreadable);
-    let mut r = Response::new(http_body_util::Full::new(bytes::Bytes::from(text)));
-    r.headers_mut().insert(
-        CONTENT_TYPE,
-        hyper::header::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
-    );
-    r
+    bytes::Bytes::from(crate::ebpf::metrics::exposition(
+        &readable,
+        unreadable,
+        &crate::ebpf::metrics::map_fill(),
+    ))
 }
 
 pub fn run(args: CniArgs) -> anyhow::Result<()> {
@@ -273,7 +309,13 @@ pub fn run(args: CniArgs) -> anyhow::Result<()> {
                     "weir cni uninstall --ebpf-cgroup",
                 )?;
             }
-            install::uninstall(&a.settings()?)?;
+            let done = install::uninstall(&a.settings()?, a.detach_running_pods)?;
+            if done.pods_kept_captured > 0 {
+                eprintln!(
+                    "weir: the plugin is out of the chain (new pods are not captured); the eBPF node capture stays for the {} pods still registered with it: `weir cni uninstall --detach-running-pods` takes it away from them",
+                    done.pods_kept_captured
+                );
+            }
             Ok(())
         }
         CniCommand::Install(a) => {
@@ -297,18 +339,19 @@ pub fn run(args: CniArgs) -> anyhow::Result<()> {
                         .await
                         .with_context(|| format!("--monitoring-port {}: cannot listen", a.monitoring_port))?;
                     tracing::info!(port = a.monitoring_port, "serving capture metrics on /metrics");
-                    tokio::spawn(crate::http1::serve(listener, |req, _| async move {
-                        monitoring(req.uri().path())
+                    let cache = std::sync::Arc::new(tokio::sync::Mutex::new(None));
+                    tokio::spawn(crate::http1::serve(listener, move |req, _| {
+                        monitoring(req.uri().path().to_string(), cache.clone())
                     }));
                 }
                 let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
                 let stop = async move {
                     tokio::select! {
-                        _ = term.recv() => tracing::info!("SIGTERM: uninstalling"),
-                        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: uninstalling"),
+                        _ = term.recv() => tracing::info!("SIGTERM: stopping"),
+                        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: stopping"),
                     }
                 };
-                install::watch(&s, a.interval, !a.keep_on_exit, stop).await?;
+                install::watch(&s, a.interval, stop).await?;
                 Ok(())
             })
         }

@@ -216,7 +216,9 @@ impl Demo {
                 crate::cni::ebpf::attach_node(&node, self.cgroup.path())?;
                 self.ebpf_node = Some(node.clone());
                 for (pod, name) in [(&self.client, "client"), (&self.server, "server")] {
-                    crate::cni::ebpf::register(&node, name, pod.netns().path(), "eth0", &cfg)?;
+                    let who =
+                        crate::cni::ebpf::PodIdentity { name: format!("demo/{name}"), uid: String::new() };
+                    crate::cni::ebpf::register(&node, name, pod.netns().path(), "eth0", &cfg, &who)?;
                 }
             }
             Backend::Nftables | Backend::Iptables => {

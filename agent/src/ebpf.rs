@@ -6,6 +6,7 @@ pub mod bpffs;
 pub mod capture;
 pub mod config;
 pub mod detect;
+pub mod gc;
 pub mod health;
 pub mod inbound;
 pub mod link;
@@ -15,7 +16,9 @@ pub mod objects;
 pub mod pod;
 pub mod probe;
 pub mod record;
+pub mod registration;
 pub mod set;
+pub mod sys;
 
 use std::{
     fs::File,

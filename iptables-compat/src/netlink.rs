@@ -319,6 +319,67 @@ impl Netlink {
     }
 }
 
+/// A bpf filter on an interface's tc ingress (`tc filter show dev <name> ingress`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BpfFilter {
+    pub priority: u16,
+    pub handle: u32,
+    /// The program's name, as the kernel reports it (`<object>:[<section>]` or the
+    /// function's name).
+    pub name: String,
+    /// The program's kernel id (0 on kernels that do not report it).
+    pub prog_id: u32,
+}
+
+impl Netlink {
+    /// The bpf filters on `name`'s ingress, in the order the kernel lists them.
+    pub async fn ingress_bpf_filters(&self, name: &str) -> Result<Vec<BpfFilter>> {
+        use netlink_packet_route::tc::{TcAttribute, TcFilterBpfOption, TcOption};
+        let index = self.link_index(name).await?;
+        let messages: Vec<_> = self
+            .handle
+            .traffic_filter(index as i32)
+            .get()
+            .ingress()
+            .execute()
+            .try_collect()
+            .await
+            .map_err(op(format!("tc filter show dev {name} ingress")))?;
+        let mut out = Vec::new();
+        for m in messages {
+            if !m.attributes.iter().any(|a| matches!(a, TcAttribute::Kind(k) if k == "bpf")) {
+                continue;
+            }
+            let mut filter = BpfFilter {
+                priority: (m.header.info >> 16) as u16,
+                handle: m.header.handle.into(),
+                name: String::new(),
+                prog_id: 0,
+            };
+            for option in m
+                .attributes
+                .iter()
+                .filter_map(|a| match a {
+                    TcAttribute::Options(o) => Some(o),
+                    _ => None,
+                })
+                .flatten()
+            {
+                match option {
+                    TcOption::Bpf(TcFilterBpfOption::ProgName(n)) => filter.name = n.clone(),
+                    TcOption::Bpf(TcFilterBpfOption::ProgId(id)) => filter.prog_id = *id,
+                    _ => {}
+                }
+            }
+            // A dump lists each filter's chain head (no program) too.
+            if !filter.name.is_empty() || filter.prog_id != 0 {
+                out.push(filter);
+            }
+        }
+        Ok(out)
+    }
+}
+
 fn route_table(route: &RouteMessage) -> u32 {
     route
         .attributes

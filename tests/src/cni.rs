@@ -477,3 +477,26 @@ pub fn try_run_placed(placement: Placement<'_>, mut cmd: Command, args: &[&str])
         Err(format!("exit {}: {}", out.status, String::from_utf8_lossy(&out.stderr).trim()))
     }
 }
+
+/// A pod's sandbox as the kubelet makes it, for code that finds pods through the
+/// node's /proc: a process in the pod's network namespace and in a cgroup named after
+/// the pod's UID (`<parent>/pod<uid>`, the cgroupfs driver's shape). Both go on drop.
+pub struct KubeletSandbox {
+    _process: crate::PodChild,
+    _cgroup: crate::Cgroup,
+}
+
+impl KubeletSandbox {
+    pub fn start(parent: &crate::Cgroup, uid: &str, netns: &NetNs) -> anyhow::Result<Self> {
+        let mount = weir_agent::sandbox::cgroup::cgroup2_mount()?;
+        let relative = parent.path().strip_prefix(&mount)?.join(format!("pod{uid}"));
+        let cgroup = crate::Cgroup::create(&relative.to_string_lossy())?;
+        let mut sleep = Command::new("sleep");
+        sleep.arg("infinity");
+        let process = weir_agent::sandbox::process::spawn(
+            &mut sleep,
+            Placement { netns: Some(netns), cgroup: Some(&cgroup), ..Placement::default() },
+        )?;
+        Ok(Self { _process: process, _cgroup: cgroup })
+    }
+}

@@ -57,7 +57,12 @@ fn pinned_capture_outlives_the_command_and_cleans_up_completely() {
     let status: serde_json::Value =
         serde_json::from_str(&ok(&weir(&["capture", "status", "--json", "--pod", pod.as_str()]), "status"))
             .unwrap();
-    let mine = status.as_array().unwrap().iter().find(|p| p["pod"] == pod).expect("status lists the pod");
+    let mine = status
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["pod"] == pod)
+        .unwrap_or_else(|| panic!("status lists the pod {pod}: {status}"));
     assert_eq!(mine["live"], true, "{mine}");
     assert!(mine["counters"]["redirected"].as_u64().unwrap() >= 1, "{mine}");
     assert!(mine["links"].as_array().unwrap().iter().any(|l| l == "weir_connect4"), "{mine}");
@@ -176,7 +181,12 @@ fn attach_args<'a>(cgroup: &'a str, netns: &'a str) -> Vec<&'a str> {
 fn program_set_of(pod: &str) -> String {
     let status: serde_json::Value =
         serde_json::from_str(&ok(&weir(&["capture", "status", "--json", "--pod", pod]), "status")).unwrap();
-    let mine = status.as_array().unwrap().iter().find(|p| p["pod"] == pod).expect("status lists the pod");
+    let mine = status
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["pod"] == pod)
+        .unwrap_or_else(|| panic!("status lists the pod {pod}: {status}"));
     assert_eq!(mine["registered"], true, "{mine}");
     mine["program_set"].as_str().unwrap_or_else(|| panic!("no program set: {mine}")).to_string()
 }
@@ -450,9 +460,11 @@ fn automatic_backend_choice_verifies_the_programs_once() {
     let names: Vec<String> =
         cgroups.iter().map(|c| c.path().file_name().unwrap().to_string_lossy().into_owned()).collect();
     let _pins: Vec<PinnedCapture> = names.iter().cloned().map(PinnedCapture).collect();
-    let mut loads = Vec::new();
+    let (mut loads, mut pods) = (Vec::new(), Vec::new());
     for (i, cgroup) in cgroups.iter().enumerate() {
-        let pod = mesh.pod(&format!("p{i}")).unwrap();
+        // Kept until the end: a pod whose namespace is gone has its capture collected.
+        pods.push(mesh.pod(&format!("p{i}")).unwrap());
+        let pod = pods.last().unwrap();
         let (cg, netns) = (cgroup.path().to_str().unwrap(), pod.netns().path().to_str().unwrap());
         let mut args = attach_args(cg, netns);
         args[1] = "apply";

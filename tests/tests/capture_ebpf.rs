@@ -42,9 +42,9 @@ fn capture(
     let mut programs = CapturePrograms::load().expect("the verifier accepts every capture program");
     programs.attach(cgroup.path()).expect("attach to the test cgroup");
     let own: Vec<IpAddr> = vec![scene.client.ipv4().into(), scene.client.ipv6().into()];
-    let pod = PodCapture::new(cfg, own, EbpfOptions { accelerate, clamp_optlen: false }).unwrap();
+    let pod = PodCapture::new(cfg, own, EbpfOptions { accelerate }).unwrap();
     let cookie = netns_cookie(Some(scene.client.netns().path())).unwrap();
-    programs.register(cookie, &pod).unwrap();
+    programs.register(cookie, &pod, None).unwrap();
     let inbound = pod.inbound.map(|cfg| {
         InboundProgram::attach(scene.client.netns().path(), "eth0", &cfg).expect("attach tc inbound")
     });
@@ -207,8 +207,8 @@ fn transfer(test: &str, accelerate: bool) -> weir_agent::ebpf::capture::Counters
     programs.attach(cgroup.path()).unwrap();
     let own: Vec<IpAddr> = vec![pod.ipv4().into(), pod.ipv6().into()];
     let cfg = CaptureConfig { inbound_ports: InboundPorts::None, ..injector_config(None) };
-    let capture = PodCapture::new(&cfg, own, EbpfOptions { accelerate, clamp_optlen: false }).unwrap();
-    programs.register(netns_cookie(Some(pod.netns().path())).unwrap(), &capture).unwrap();
+    let capture = PodCapture::new(&cfg, own, EbpfOptions { accelerate }).unwrap();
+    programs.register(netns_cookie(Some(pod.netns().path())).unwrap(), &capture, None).unwrap();
     let app = Placement { user: Some((1000, 1000)), cgroup: Some(&cgroup), ..Placement::default() };
     let target = std::net::SocketAddr::new(server.ipv4().into(), 8080).to_string();
     let out = weir_tests::capture::run_testkit(&pod, app, &["transfer", &target, "8388608"]);
@@ -248,10 +248,10 @@ fn real_envoy_forwards_captured_traffic_to_the_original_destination() {
     let pod = PodCapture::new(
         &cfg,
         vec![client.ipv4().into(), client.ipv6().into()],
-        EbpfOptions { accelerate: false, clamp_optlen: false },
+        EbpfOptions { accelerate: false },
     )
     .unwrap();
-    programs.register(netns_cookie(Some(client.netns().path())).unwrap(), &pod).unwrap();
+    programs.register(netns_cookie(Some(client.netns().path())).unwrap(), &pod, None).unwrap();
 
     let sidecar = Placement { user: Some((1337, 1337)), cgroup: Some(&cgroup), ..Placement::default() };
     let envoy = weir_tests::envoy::Envoy::start_placed(
@@ -308,10 +308,8 @@ fn istio_validation_passes_under_ebpf_capture() {
     let mut programs = CapturePrograms::load().expect("the verifier accepts every capture program");
     programs.attach(cgroup.path()).expect("attach to the test cgroup");
     let own: Vec<IpAddr> = vec![pod.ipv4().into(), pod.ipv6().into()];
-    let cfg =
-        PodCapture::new(&injector_config(None), own, EbpfOptions { accelerate: false, clamp_optlen: false })
-            .unwrap();
-    programs.register(netns_cookie(Some(pod.netns().path())).unwrap(), &cfg).unwrap();
+    let cfg = PodCapture::new(&injector_config(None), own, EbpfOptions { accelerate: false }).unwrap();
+    programs.register(netns_cookie(Some(pod.netns().path())).unwrap(), &cfg, None).unwrap();
 
     // istio-validation (injected when a CNI captures pods) runs as the proxy user and
     // connects to 127.0.0.6:15002: Istio's `-o lo ! -d 127.0.0.1/32 ... --uid-owner 1337

@@ -111,7 +111,7 @@ fn ebpf_decisions_are_counted_per_pod_and_explained_from_its_maps() {
     // And as metrics, labelled by pod and decision.
     let pods = weir_agent::ebpf::metrics::pod_counters();
     let mine: Vec<_> = pods.into_iter().filter(|(p, _)| *p == pod).map(|(p, c)| (p, c.unwrap())).collect();
-    let text = weir_agent::ebpf::metrics::exposition(&mine, 0);
+    let text = weir_agent::ebpf::metrics::exposition(&mine, 0, &[]);
     for series in [
         format!("weir_capture_decisions_total{{pod=\"{pod}\",decision=\"redirected\"}} 2"),
         format!("weir_capture_decisions_total{{pod=\"{pod}\",decision=\"bypass_excluded_port\"}} 1"),

@@ -13,8 +13,8 @@ use weir_tests::{
     Placement,
     capture::captured,
     cni::{
-        Attachment, CniRuntime, TestApiServer, conflist, pod_object, run_in, run_placed, start_in,
-        start_placed, try_run_placed, write_kubeconfig,
+        Attachment, CniRuntime, KubeletSandbox, TestApiServer, conflist, pod_object, run_in, run_placed,
+        start_in, start_placed, try_run_placed, write_kubeconfig,
     },
     control_plane::TestCa,
     envoy::tempfile_dir::Dir,
@@ -499,14 +499,24 @@ fn ebpf_capture_registers_pods_with_the_node_capture() {
     assert!(!Path::new("/sys/fs/bpf/weir").join(&name).exists(), "node capture unpinned");
 }
 
+/// A pod as the API lists it on a node: UID, node, IP.
+fn listed_pod(name: &str, sidecar: bool, node: &str, ip: &str) -> Value {
+    let mut object = pod_object("shop", name, sidecar, &[], &[]);
+    object["metadata"]["uid"] = json!(format!("uid-{name}"));
+    object["spec"]["nodeName"] = json!(node);
+    object["status"] = json!({"podIP": ip});
+    object
+}
+
 #[test]
 fn repair_captures_pods_that_started_before_the_plugin() {
     require_root!();
     let _bpffs = weir_tests::BpffsUse::acquire().unwrap();
     let node = Node::new(&test_name!(), false);
     let rt = CniRuntime::new(&node.ns).unwrap();
-    // The cluster's CNI without Weir: these pods start uncaptured. (A subnet of its
-    // own: repair finds namespaces by pod IP among every namespace on the machine.)
+    let kubepods = test_cgroup(&test_name!());
+    // The cluster's CNI without Weir: these pods start uncaptured, each with its
+    // sandbox process in a kubelet-named cgroup.
     let mut before = conflist("10.79.0.0/24", node.ipam.path(), json!({}));
     before["plugins"].as_array_mut().unwrap().pop();
     let mut pods = Vec::new();
@@ -514,12 +524,14 @@ fn repair_captures_pods_that_started_before_the_plugin() {
         let ns = pod_netns(&rt, name);
         let result =
             rt.add(&before, &Attachment::pod(&format!("c-{name}"), ns.path(), "shop", name)).unwrap();
-        let mut object = pod_object("shop", name, sidecar, &[], &[]);
-        object["spec"]["nodeName"] = json!("node-1");
-        object["status"] = json!({"podIP": pod_ip(&result)});
-        node.api.set_pod(object);
-        pods.push((ns, pod_ip(&result)));
+        node.api.set_pod(listed_pod(name, sidecar, "node-1", &pod_ip(&result)));
+        let sandbox = KubeletSandbox::start(&kubepods, &format!("uid-{name}"), &ns).unwrap();
+        pods.push((ns, pod_ip(&result), sandbox));
     }
+    // Another pod claims old-web's IP in its own namespace: repair must not take it
+    // for old-web (it goes by the sandbox, not by the IP).
+    let squatter = pod_netns(&rt, "squatter");
+    run_in(&squatter, None, Command::new("ip"), &["addr", "add", &format!("{}/32", pods[0].1), "dev", "lo"]);
     let mut elsewhere = pod_object("shop", "other-node", true, &[], &[]);
     elsewhere["spec"]["nodeName"] = json!("node-2");
     node.api.set_pod(elsewhere);
@@ -528,48 +540,117 @@ fn repair_captures_pods_that_started_before_the_plugin() {
     let kubeconfig = node.run_dir.path().join("istio-cni-kubeconfig").display().to_string();
     // `weir cni repair --once` for a node, with extra flags.
     let repair_node = |node_name: &str, extra: &[&str]| {
-        let mut args = vec!["cni", "repair", "--once", "--node-name", node_name, "--netns-dir", "/run/netns"];
+        let mut args = vec!["cni", "repair", "--once", "--node-name", node_name, "--proc-dir", "/proc"];
         args.extend(["--kubeconfig", kubeconfig.as_str()]);
         args.extend(extra);
-        run_in(&node.ns, None, tools::weir_command(), &args)
+        try_run_placed(
+            Placement { netns: Some(&node.ns), ..Placement::default() },
+            tools::weir_command(),
+            &args,
+        )
     };
-    let repair = || repair_node("node-1", &["--capture-mode", "iptables"]);
+    let repair = || repair_node("node-1", &["--capture-mode", "iptables"]).unwrap_or_else(|e| panic!("{e}"));
     let out = repair();
-    assert!(out.contains(&format!("repaired shop/old-web in {}", pods[0].0.path().display())), "{out}");
+    assert!(out.contains("repaired shop/old-web in /proc/"), "{out}");
     assert!(!out.contains("old-plain") && !out.contains("other-node"), "{out}");
     assert!(
         node.api.requests.lock().unwrap().iter().any(|r| r.contains("fieldSelector=spec.nodeName%3Dnode-1"))
     );
     assert_eq!(istio_rules(&pods[1].0), "", "a pod without a sidecar is left alone");
+    assert_eq!(istio_rules(&squatter), "", "the namespace that claimed the pod's IP is not the pod's");
     assert_captured(&node, &pods[0].0, &pods[0].1);
     // A second pass finds it captured and changes nothing.
     let out = repair();
     assert!(!out.contains("repaired"), "{out}");
 
-    // With eBPF: repair registers the pod under its UID, and the runtime's DEL for
-    // that pod (K8S_POD_UID in CNI_ARGS) unregisters it.
-    let cgroup = test_cgroup(&test_name!());
+    // A sandbox whose namespace does not hold the pod's IP is reported, not captured.
+    let stray = pod_netns(&rt, "stray");
+    node.api.set_pod(listed_pod("stray", true, "node-1", "10.79.0.250"));
+    let _stray = KubeletSandbox::start(&kubepods, "uid-stray", &stray).unwrap();
+    let e = repair_node("node-1", &["--capture-mode", "iptables"]).expect_err("stray is not repaired");
+    assert!(e.contains("shop/stray") && e.contains("does not hold its IP 10.79.0.250"), "{e}");
+    assert_eq!(istio_rules(&stray), "");
+}
+
+/// eBPF: repair registers a pod that started before the plugin under its UID, and the
+/// runtime's DEL for that pod (K8S_POD_UID in CNI_ARGS) unregisters it; a pod ADD
+/// captured is recognised by its record and never registered again (before, repair
+/// looked for ADD's registration under the wrong name and registered every such pod
+/// again on each pass, adding a tc filter each time).
+#[test]
+fn repair_with_ebpf_registers_once_and_never_again() {
+    require_root!();
+    let _bpffs = weir_tests::BpffsUse::acquire().unwrap();
+    let node = Node::new(&test_name!(), false);
+    let rt = CniRuntime::new(&node.ns).unwrap();
+    let kubepods = test_cgroup(&test_name!());
     let name = unique_name("cni-node");
     let _guard = NodeCapture(name.clone());
-    weir_agent::cni::ebpf::attach_node(&name, cgroup.path()).unwrap();
-    let ns = pod_netns(&rt, "old-ebpf");
-    let a = Attachment::pod("c-old-ebpf", ns.path(), "shop", "old-ebpf");
+    weir_agent::cni::ebpf::attach_node(&name, kubepods.path()).unwrap();
+    let kubeconfig = node.run_dir.path().join("istio-cni-kubeconfig").display().to_string();
+    let repair = || {
+        let args = [
+            "cni",
+            "repair",
+            "--once",
+            "--node-name",
+            "node-3",
+            "--proc-dir",
+            "/proc",
+            "--kubeconfig",
+            &kubeconfig,
+            "--capture-mode",
+            "ebpf",
+            "--ebpf-name",
+            &name,
+        ];
+        run_in(&node.ns, None, tools::weir_command(), &args)
+    };
+    // One pod from before the plugin, one through ADD.
+    let mut before = conflist(SUBNET, node.ipam.path(), json!({}));
+    before["plugins"].as_array_mut().unwrap().pop();
+    let old = pod_netns(&rt, "old-ebpf");
+    let a = Attachment::pod("c-old-ebpf", old.path(), "shop", "old-ebpf");
     let result = rt.add(&before, &a).unwrap();
-    let mut object = pod_object("shop", "old-ebpf", true, &[], &[]);
-    object["metadata"]["uid"] = json!("uid-old-ebpf");
-    object["spec"]["nodeName"] = json!("node-3");
-    object["status"] = json!({"podIP": pod_ip(&result)});
-    node.api.set_pod(object);
-    let out = repair_node("node-3", &["--capture-mode", "ebpf", "--ebpf-name", &name]);
-    assert!(out.contains("repaired shop/old-ebpf"), "{out}");
-    assert!(weir_agent::cni::ebpf::registered(&name, "repair-uid-old-ebpf", ns.path()).unwrap());
+    node.api.set_pod(listed_pod("old-ebpf", true, "node-3", &pod_ip(&result)));
+    let _old_sandbox = KubeletSandbox::start(&kubepods, "uid-old-ebpf", &old).unwrap();
     let weir = node.conflist(json!({"capture_mode": "ebpf", "ebpf_node_capture": name}));
+    let new = pod_netns(&rt, "new-ebpf");
+    node.api.set_pod(listed_pod("new-ebpf", true, "node-3", "10.77.0.200"));
+    let b = Attachment::pod("c-new-ebpf", new.path(), "shop", "new-ebpf");
+    let new_result = rt.add(&weir, &b).unwrap_or_else(|e| panic!("ADD: {e}"));
+    node.api.set_pod(listed_pod("new-ebpf", true, "node-3", &pod_ip(&new_result)));
+    let _new_sandbox = KubeletSandbox::start(&kubepods, "uid-new-ebpf", &new).unwrap();
+    let records_of = |uid: &str| {
+        weir_agent::cni::ebpf::pod_records(&name)
+            .into_iter()
+            .filter(|r| r.pod_uid.as_deref() == Some(uid))
+            .count()
+    };
+    let filters_on = |ns: &NetNs| {
+        weir_agent::ebpf::netns::in_netns(ns.path(), || weir_agent::ebpf::inbound::weir_filters("eth0"))
+            .unwrap()
+            .len()
+    };
+
+    let out = repair();
+    assert!(out.contains("repaired shop/old-ebpf"), "{out}");
+    assert!(!out.contains("new-ebpf"), "ADD captured it: {out}");
+    assert!(weir_agent::cni::ebpf::registered_pod(&name, "uid-old-ebpf", old.path()).unwrap().is_some());
+    for _ in 0..2 {
+        let out = repair();
+        assert!(!out.contains("repaired"), "{out}");
+    }
+    assert_eq!((records_of("uid-old-ebpf"), records_of("uid-new-ebpf")), (1, 1), "one registration each");
+    assert_eq!((filters_on(&old), filters_on(&new)), (1, 1), "one inbound filter each");
+
     let conf = CniRuntime::plugin_config(&weir, &weir["plugins"][1], Some(&result));
     rt.exec("istio-cni", "DEL", &a, conf.to_string().as_bytes()).unwrap_or_else(|e| panic!("DEL: {e}"));
     assert!(
-        !weir_agent::cni::ebpf::registered(&name, "repair-uid-old-ebpf", ns.path()).unwrap(),
+        weir_agent::cni::ebpf::registered_pod(&name, "uid-old-ebpf", old.path()).unwrap().is_none(),
         "DEL left the repair registration"
     );
+    rt.del(&weir, &b, Some(&new_result)).unwrap_or_else(|e| panic!("DEL: {e}"));
 }
 
 /// The API server answering 500 and 503, then recovering: the plugin retries, as

@@ -36,8 +36,12 @@ impl Host {
     }
 
     fn install(&self, extra: &[&str]) -> Command {
+        self.verb("install", extra)
+    }
+
+    fn verb(&self, verb: &str, extra: &[&str]) -> Command {
         let mut cmd = Command::new(tools::weir());
-        cmd.args(["cni", "install", "--cni-net-dir"])
+        cmd.args(["cni", verb, "--cni-net-dir"])
             .arg(&self.net)
             .arg("--cni-bin-dir")
             .arg(&self.bin)
@@ -135,7 +139,7 @@ fn wait_for(what: &str, f: impl FnMut() -> bool) {
 }
 
 #[test]
-fn the_watcher_reinserts_after_a_rewrite_follows_the_token_and_uninstalls_on_sigterm() {
+fn the_watcher_reinserts_after_a_rewrite_follows_the_token_and_stays_installed_on_sigterm() {
     let host = Host::new();
     std::fs::write(host.net.join("10-k8s.conflist"), PRIMARY_LIST).unwrap();
     let log = host.run.parent().unwrap().join("install.log");
@@ -162,6 +166,17 @@ fn the_watcher_reinserts_after_a_rewrite_follows_the_token_and_uninstalls_on_sig
         .unwrap();
     let status = child.wait().unwrap();
     assert!(status.success(), "{}", std::fs::read_to_string(&log).unwrap());
+    // Stopping the agent (a rollout, an eviction) takes nothing out: pods starting
+    // meanwhile are still captured by the plugin.
+    assert!(chained(&host), "still chained after SIGTERM: {}", host.config("10-k8s.conflist"));
+    assert!(kubeconfig.exists() && host.bin.join("weir-cni").exists(), "kubeconfig and binary stay");
+    let log = std::fs::read_to_string(&log).unwrap();
+    assert!(log.contains("repaired=true"), "{log}");
+    assert!(log.contains("the plugin stays chained and every pod stays captured"), "{log}");
+
+    // Uninstall is the explicit act that takes Weir out.
+    let out = host.verb("uninstall", &[]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(
         types(&host.config("10-k8s.conflist")),
         ["ptp", "portmap"],
@@ -169,8 +184,6 @@ fn the_watcher_reinserts_after_a_rewrite_follows_the_token_and_uninstalls_on_sig
     );
     assert_eq!(host.config("10-k8s.conflist")["plugins"][1]["capabilities"]["portMappings"], true);
     assert!(!kubeconfig.exists() && !host.bin.join("weir-cni").exists(), "kubeconfig and binary removed");
-    let log = std::fs::read_to_string(&log).unwrap();
-    assert!(log.contains("repaired=true"), "{log}");
 }
 
 #[test]

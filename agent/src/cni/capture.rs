@@ -93,7 +93,9 @@ fn plan(
 }
 
 /// Captures `pod` inside `netns` with the configured backend (ADD, and repair for
-/// pods that started before the plugin was installed).
+/// pods that started before the plugin was installed). In `auto` mode a pod eBPF
+/// cannot capture correctly (a user namespace of its own) gets netfilter, with the
+/// reason logged; with `capture_mode: ebpf` that is an error.
 pub fn capture(
     conf: &NetConf,
     pod: &PodInfo,
@@ -101,14 +103,28 @@ pub fn capture(
     container_id: &str,
     ifname: &str,
 ) -> Result<(), CniError> {
-    let (mode, cfg, opts) = plan(conf, pod, netns)?;
+    let (mode, cfg, mut opts) = plan(conf, pod, netns)?;
     let who = format!("{}/{}", pod.namespace, pod.name);
     if mode == CaptureMode::Ebpf {
         let node = node_capture(conf);
-        let cookie = super::ebpf::register(node, container_id, netns, ifname, &cfg)
-            .map_err(ebpf_error(format!("cannot capture pod {who} with eBPF in {}", netns.display())))?;
-        tracing::info!(pod = %who, netns = %netns.display(), backend = "ebpf", node_capture = node, netns_cookie = cookie, "pod captured");
-        return Ok(());
+        let identity = super::ebpf::PodIdentity { name: who.clone(), uid: pod.uid.clone() };
+        match super::ebpf::register(node, container_id, netns, ifname, &cfg, &identity) {
+            Ok(cookie) => {
+                tracing::info!(pod = %who, netns = %netns.display(), backend = "ebpf", node_capture = node, netns_cookie = cookie, "pod captured");
+                return Ok(());
+            }
+            Err(e @ super::ebpf::CniEbpfError::UserNamespace { .. })
+                if conf.capture_mode.as_deref().unwrap_or("auto") == "auto" =>
+            {
+                tracing::warn!(pod = %who, reason = %e, "not captured with eBPF: netfilter instead");
+                opts.native_nftables = conf.native_nftables;
+            }
+            Err(e) => {
+                return Err(
+                    ebpf_error(format!("cannot capture pod {who} with eBPF in {}", netns.display()))(e),
+                );
+            }
+        }
     }
     let report = weir_iptables::program(&cfg, &opts).map_err(|e| {
         CniError::new(
@@ -136,12 +152,29 @@ pub fn missing_capture(
     netns: &Path,
     container_id: &str,
 ) -> Result<Option<String>, CniError> {
-    let (mode, cfg, opts) = plan(conf, pod, netns)?;
+    let (mode, cfg, mut opts) = plan(conf, pod, netns)?;
     if mode == CaptureMode::Ebpf {
         let node = node_capture(conf);
+        let what = format!("cannot check the eBPF capture in {}", netns.display());
+        // ADD's registration (by container), or repair's (by pod UID).
         let registered = super::ebpf::registered(node, container_id, netns)
-            .map_err(ebpf_error(format!("cannot check the eBPF capture in {}", netns.display())))?;
-        return Ok((!registered).then(|| format!("not registered with the eBPF node capture {node}")));
+            .map_err(ebpf_error(what.clone()))?
+            || super::ebpf::registered_pod(node, &pod.uid, netns).map_err(ebpf_error(what))?.is_some();
+        if registered {
+            return Ok(None);
+        }
+        let own_user_namespace = !crate::ebpf::netns::owned_by_this_user_namespace(netns).map_err(|e| {
+            CniError::new(
+                code::IO_FAILURE,
+                format!("cannot read the owner of {}", netns.display()),
+                e.to_string(),
+            )
+        })?;
+        if !(own_user_namespace && conf.capture_mode.as_deref().unwrap_or("auto") == "auto") {
+            return Ok(Some(format!("not registered with the eBPF node capture {node}")));
+        }
+        // Captured with netfilter (see `capture`).
+        opts.native_nftables = conf.native_nftables;
     }
     let verdict = weir_iptables::apply::verify(&cfg, &opts).map_err(|e| {
         CniError::new(

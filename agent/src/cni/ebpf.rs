@@ -5,18 +5,30 @@
 //! its capture config in the set's maps and attaches the set's inbound classifier to
 //! the pod's interface, DEL unregisters it (from a record, so it works after the
 //! namespace is gone), CHECK looks it up. Nothing is loaded per pod.
+//!
+//! Capture outlives the node agent: nothing here runs when the agent stops. When the
+//! agent of another Weir build takes over a node (an upgrade, a rollback), the set the
+//! node capture ran is kept attached as `<node>-set-<key>` for the pods registered
+//! with it, which stay captured by it until they go; the set and its links go with its
+//! last pod ([`collect_retired`]). Taking capture away from running pods is only ever
+//! [`detach_node`], which `weir cni uninstall --detach-running-pods` asks for.
 
-use std::path::{Path, PathBuf};
+use std::{
+    fs::File,
+    path::{Path, PathBuf},
+};
 
+use nix::fcntl::{Flock, FlockArg};
 use weir_iptables::CaptureConfig;
 
 use crate::ebpf::{
     bpffs,
     capture::MapSet,
     config::{EbpfOptions, PodCapture, own_addresses},
-    netns::netns_cookie,
-    record::{PinRecord, pin_dir},
-    set::{self, NodePrograms},
+    health, link,
+    netns::{netns_cookie, owned_by_this_user_namespace},
+    record::{PinRecord, RECORD_DIR, pin_dir},
+    set::{self, LockedSet, NodePrograms},
 };
 
 /// The node capture's default name (its pins and record).
@@ -31,10 +43,15 @@ pub enum CniEbpfError {
     #[error("the node capture {name} is attached to {existing}, not {wanted}")]
     OtherCgroup { name: String, existing: PathBuf, wanted: PathBuf },
     #[error(
-        "the node capture {name} runs the eBPF programs of another Weir build ({attached}; this one is {this}): \
-         they are not reused; detach it (`weir cni uninstall --ebpf-cgroup ...`) once its pods are gone, then install again"
+        "the node capture {name} runs the eBPF programs of another Weir build ({attached}; this one is {this}), \
+         and this build's programs are not attached on this node: the node agent of this build has not started here yet"
     )]
     OtherVersion { name: String, attached: String, this: String },
+    #[error(
+        "the pod's network namespace {netns} belongs to a user namespace of its own (hostUsers: false): eBPF \
+         capture tells Envoy's connections apart by user id as the node sees it, which differs there"
+    )]
+    UserNamespace { netns: PathBuf },
     #[error(transparent)]
     Ebpf(Box<crate::ebpf::EbpfError>),
     #[error(transparent)]
@@ -63,25 +80,84 @@ pub fn node_capture_present(name: &str) -> bool {
     PinRecord::load(name).is_some_and(|r| r.pin_dir().join("links").exists())
 }
 
-/// The node capture `name`, pinned and made by this Weir build (its program set's key).
+/// The name a set of another build keeps while pods registered with it remain.
+pub fn retired_name(node: &str, key: &str) -> String {
+    format!("{node}-set-{key}")
+}
+
+/// Serialises attaching, retiring and collecting a node's captures (a DaemonSet
+/// rollout may run two agents at once).
+fn node_lock(name: &str) -> Result<Flock<File>, CniEbpfError> {
+    std::fs::create_dir_all(RECORD_DIR).map_err(io(format!("create {RECORD_DIR}")))?;
+    let path = Path::new(RECORD_DIR).join(format!(".{name}.lock"));
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(io(format!("open {}", path.display())))?;
+    Flock::lock(file, FlockArg::LockExclusive)
+        .map_err(|(_, e)| io(format!("lock {}", path.display()))(std::io::Error::from(e)))
+}
+
+/// The attachment this build registers pods with: the node capture when it runs this
+/// build's set, else this build's set kept attached under its retired name (during a
+/// rollout, before this build's agent took the node over, or after it was rolled back).
 fn node_record(name: &str) -> Result<(PinRecord, String), CniEbpfError> {
     let record = PinRecord::load(name)
         .filter(|r| r.pin_dir().join("links").exists())
         .ok_or_else(|| CniEbpfError::NoNodeCapture { name: name.into() })?;
     let this = set::version_key();
-    match &record.programs {
-        Some(key) if *key == this => Ok((record, this)),
-        other => Err(CniEbpfError::OtherVersion {
-            name: name.into(),
-            attached: other.clone().unwrap_or_else(|| "programs of its own".into()),
-            this,
-        }),
+    if record.programs.as_deref() == Some(this.as_str()) {
+        return Ok((record, this));
     }
+    if let Some(retired) =
+        PinRecord::load(&retired_name(name, &this)).filter(|r| r.pin_dir().join("links").exists())
+    {
+        return Ok((retired, this));
+    }
+    Err(CniEbpfError::OtherVersion {
+        name: name.into(),
+        attached: record.programs.clone().unwrap_or_else(|| "programs of its own".into()),
+        this,
+    })
+}
+
+/// Whether every cgroup link of a node capture still attaches its program to its cgroup.
+fn links_live(record: &PinRecord) -> bool {
+    let Ok(id) = link::cgroup_id(&record.cgroup) else { return false };
+    let links = record.pin_dir().join("links");
+    crate::ebpf::capture::cgroup_hooks()
+        .iter()
+        .all(|(name, _)| link::attached_to(&links.join(name), id).unwrap_or(false))
+}
+
+/// Moves a node capture's record and link pins to `to` (the links stay attached: each
+/// is pinned at its new place before its old pin goes).
+fn rename_capture(record: &PinRecord, to: &str) -> Result<PinRecord, CniEbpfError> {
+    let mut moved = record.clone();
+    moved.pod = to.to_string();
+    let (from_links, to_links) = (record.pin_dir().join("links"), moved.pin_dir().join("links"));
+    bpffs::create_dir(&to_links)?;
+    for entry in
+        std::fs::read_dir(&from_links).map_err(io(format!("read {}", from_links.display())))?.flatten()
+    {
+        link::move_pin(&entry.path(), &to_links.join(entry.file_name()))
+            .map_err(io(format!("move the pin {}", entry.path().display())))?;
+    }
+    moved.save().map_err(io("write the node capture record"))?;
+    bpffs::unpin(&record.pin_dir())?;
+    let _ = std::fs::remove_file(PinRecord::path(&record.pod));
+    Ok(moved)
 }
 
 /// Links the node program set to `cgroup` and pins the links; an existing node
-/// capture on the same cgroup is kept. Returns whether it was attached now.
+/// capture of this build on the same cgroup is kept (its links attached again if they
+/// were detached). Another build's node capture is kept attached, renamed for its set,
+/// while its pods remain. Returns whether anything was attached now.
 pub fn attach_node(name: &str, cgroup: &Path) -> Result<bool, CniEbpfError> {
+    let _lock = node_lock(name)?;
+    let this = set::version_key();
     if let Some(record) = PinRecord::load(name).filter(|r| r.pin_dir().exists()) {
         if record.cgroup != cgroup {
             return Err(CniEbpfError::OtherCgroup {
@@ -90,8 +166,42 @@ pub fn attach_node(name: &str, cgroup: &Path) -> Result<bool, CniEbpfError> {
                 wanted: cgroup.into(),
             });
         }
-        node_record(name)?;
-        return Ok(false);
+        if record.programs.as_deref() == Some(this.as_str()) {
+            if links_live(&record) {
+                return Ok(false);
+            }
+            tracing::warn!(
+                node_capture = name,
+                "the node capture's links are detached: attaching them again"
+            );
+            bpffs::unpin(&record.pin_dir().join("links"))?;
+            let set = NodePrograms::open_existing(&this)?
+                .ok_or_else(|| CniEbpfError::NoNodeCapture { name: name.into() })?;
+            set.attach_cgroup(cgroup, &record.pin_dir())?;
+            return Ok(true);
+        }
+        let key = record.programs.clone().unwrap_or_default();
+        let retired = retired_name(name, &key);
+        if PinRecord::load(&retired).is_some() {
+            // That set is attached under its retired name already: one attachment.
+            PinRecord { pod: name.into(), ..record }.remove_pins_only()?;
+        } else {
+            rename_capture(&record, &retired)?;
+        }
+        tracing::info!(node_capture = name, program_set = %key, kept_as = %retired, "another build's node capture kept for its pods");
+    }
+    if let Some(retired) = PinRecord::load(&retired_name(name, &this)).filter(|r| r.pin_dir().exists()) {
+        // Rolled back to a build whose set is still attached: it becomes the node
+        // capture again, never attached twice.
+        let record = rename_capture(&retired, name)?;
+        if !links_live(&record) {
+            bpffs::unpin(&record.pin_dir().join("links"))?;
+            let set = NodePrograms::open_existing(&this)?
+                .ok_or_else(|| CniEbpfError::NoNodeCapture { name: name.into() })?;
+            set.attach_cgroup(cgroup, &record.pin_dir())?;
+        }
+        tracing::info!(node_capture = name, program_set = %this, "this build's node capture taken up again");
+        return Ok(true);
     }
     let set = NodePrograms::acquire()?;
     let record = PinRecord {
@@ -101,6 +211,9 @@ pub fn attach_node(name: &str, cgroup: &Path) -> Result<bool, CniEbpfError> {
         netns_cookie: 0,
         interface: None,
         programs: Some(set.key().to_string()),
+        registration: None,
+        k8s_pod: None,
+        pod_uid: None,
     };
     set.attach_cgroup(cgroup, &record.pin_dir())?;
     if let Err(e) = record.save() {
@@ -111,9 +224,45 @@ pub fn attach_node(name: &str, cgroup: &Path) -> Result<bool, CniEbpfError> {
     Ok(true)
 }
 
-/// Detaches the node capture and every pod record made against it.
+impl PinRecord {
+    /// Removes a node capture's pins and record, leaving its set and registrations.
+    fn remove_pins_only(&self) -> Result<(), CniEbpfError> {
+        bpffs::unpin(&self.pin_dir())?;
+        let _ = std::fs::remove_file(PinRecord::path(&self.pod));
+        Ok(())
+    }
+}
+
+/// Removes the retired attachments of node capture `name` whose sets no pod uses any
+/// more (no pod registered in their maps); returns their names.
+pub fn collect_retired(name: &str) -> Result<Vec<String>, CniEbpfError> {
+    let _lock = node_lock(name)?;
+    let prefix = format!("{name}-set-");
+    let mut removed = Vec::new();
+    for record in PinRecord::load_all().into_iter().filter(|r| r.pod.starts_with(&prefix)) {
+        let Some(key) = record.programs.clone() else { continue };
+        let pods = match LockedSet::open(&key)? {
+            Some(set) => set.pod_count()?,
+            None => 0,
+        };
+        if pods == 0 {
+            record.remove()?;
+            tracing::info!(node_capture = name, program_set = %key, "another build's node capture removed with its last pod");
+            removed.push(record.pod);
+        }
+    }
+    Ok(removed)
+}
+
+/// Detaches the node capture, every attachment it kept for other builds' sets, and
+/// every pod record made against them: capture is taken away from the node's pods.
 pub fn detach_node(name: &str) -> Result<(), CniEbpfError> {
-    for record in PinRecord::load_all().into_iter().filter(|r| r.pod.starts_with(&pod_prefix(name))) {
+    let _lock = node_lock(name)?;
+    let (pods, retired) = (pod_prefix(name), format!("{name}-set-"));
+    for record in PinRecord::load_all().into_iter().filter(|r| r.pod.starts_with(&pods)) {
+        record.remove()?;
+    }
+    for record in PinRecord::load_all().into_iter().filter(|r| r.pod.starts_with(&retired)) {
         record.remove()?;
     }
     match PinRecord::load(name) {
@@ -121,6 +270,12 @@ pub fn detach_node(name: &str) -> Result<(), CniEbpfError> {
         None => bpffs::unpin(&pin_dir(name))?,
     }
     Ok(())
+}
+
+/// The pods registered through node capture `name` (their records).
+pub fn pod_records(name: &str) -> Vec<PinRecord> {
+    let prefix = pod_prefix(name);
+    PinRecord::load_all().into_iter().filter(|r| r.pod.starts_with(&prefix)).collect()
 }
 
 fn pod_prefix(node: &str) -> String {
@@ -133,59 +288,109 @@ fn pod_record_name(node: &str, container_id: &str) -> String {
     format!("{}{short}", pod_prefix(node))
 }
 
+/// The Kubernetes pod a registration is for (CNI_ARGS, or the API).
+#[derive(Debug, Clone, Default)]
+pub struct PodIdentity {
+    /// `namespace/name`.
+    pub name: String,
+    pub uid: String,
+}
+
 /// ADD: registers the pod in the node program set's maps and attaches inbound
-/// capture to `ifname` in `netns`.
+/// capture to `ifname` in `netns`. A container registered already (the runtime retried
+/// ADD) is registered again in place, in one switch.
 pub fn register(
     node: &str,
     container_id: &str,
     netns: &Path,
     ifname: &str,
     cfg: &CaptureConfig,
+    who: &PodIdentity,
 ) -> Result<u64, CniEbpfError> {
     let (node_record, key) = node_record(node)?;
+    if !owned_by_this_user_namespace(netns).map_err(io(format!("read the owner of {}", netns.display())))? {
+        return Err(CniEbpfError::UserNamespace { netns: netns.into() });
+    }
     let facts = weir_iptables::detect::SystemFacts { netns: Some(netns.into()) };
     let own = own_addresses(&facts).map_err(io(format!("read the addresses in {}", netns.display())))?;
-    let pod = PodCapture::new(cfg, own, EbpfOptions::for_running_kernel(false))?;
+    let pod = PodCapture::new(cfg, own, EbpfOptions::default())?;
     let cookie = netns_cookie(Some(netns))
         .map_err(io(format!("read the network namespace cookie of {}", netns.display())))?;
-    let record = PinRecord {
-        pod: pod_record_name(node, container_id),
+    let name = pod_record_name(node, container_id);
+    let mut record = PinRecord {
+        pod: name.clone(),
         cgroup: node_record.cgroup.clone(),
         netns: Some(netns.into()),
         netns_cookie: cookie,
         interface: pod.inbound.map(|_| ifname.to_string()),
         programs: Some(key.clone()),
+        registration: None,
+        k8s_pod: (!who.name.is_empty()).then(|| who.name.clone()),
+        pod_uid: (!who.uid.is_empty()).then(|| who.uid.clone()),
     };
-    // A retried ADD replaces its own earlier registration (before the set is locked).
-    if let Some(old) = PinRecord::load(&record.pod) {
-        old.remove()?;
-    }
+    let previous = match PinRecord::load(&name) {
+        Some(old) if old.netns_cookie == cookie && old.programs == record.programs => old.registration,
+        Some(old) => {
+            old.remove()?;
+            None
+        }
+        None => None,
+    };
     let mut set = NodePrograms::open_existing(&key)?
         .ok_or_else(|| CniEbpfError::NoNodeCapture { name: node.into() })?;
-    set.register(cookie, &pod)?;
-    let attached = set.attach_inbound(netns, ifname, cookie, &pod, &record.pin_dir());
-    if let Err(e) = attached {
-        let _ = set.unregister(cookie);
+    let registration = set.register(cookie, &pod, Some((netns, ifname)), previous.as_ref())?;
+    if let Err(e) = set.attach_inbound(netns, ifname, &pod, &record.pin_dir()) {
+        let _ = set.unregister(cookie, Some(&registration));
         return Err(e.into());
     }
-    record.save().map_err(io("write the pod's capture record"))?;
+    record.registration = Some(registration);
+    if let Err(e) = record.save() {
+        let _ = set.unregister(cookie, record.registration.as_ref());
+        return Err(io("write the pod's capture record")(e));
+    }
     Ok(cookie)
 }
 
-/// DEL: unregisters the container's pod (idempotent; works without the namespace).
+/// DEL: unregisters the container's pod (idempotent; works without the namespace), then
+/// removes another build's attachment if this was its last pod.
 pub fn unregister(node: &str, container_id: &str) -> Result<(), CniEbpfError> {
     let Some(record) = PinRecord::load(&pod_record_name(node, container_id)) else { return Ok(()) };
     record.remove()?;
+    if record.programs.as_deref() != Some(set::version_key().as_str()) {
+        collect_retired(node)?;
+    }
     Ok(())
 }
 
-/// CHECK: the container's pod is registered under its namespace's cookie.
-pub fn registered(node: &str, container_id: &str, netns: &Path) -> Result<bool, CniEbpfError> {
-    let Some(record) = PinRecord::load(&pod_record_name(node, container_id)) else { return Ok(false) };
-    let Some(key) = record.programs.as_deref().filter(|k| set::present(k)) else { return Ok(false) };
+/// The pod with UID `uid` as registered through node capture `node` (ADD's record, or
+/// repair's), if its registration is live in namespace `netns`.
+pub fn registered_pod(node: &str, uid: &str, netns: &Path) -> Result<Option<PinRecord>, CniEbpfError> {
     let cookie = netns_cookie(Some(netns))
         .map_err(io(format!("read the network namespace cookie of {}", netns.display())))?;
-    Ok(cookie == record.netns_cookie && MapSet::open_pinned(&set::set_dir(key))?.pods()?.contains(&cookie))
+    for record in pod_records(node).into_iter().filter(|r| r.pod_uid.as_deref() == Some(uid)) {
+        if record.netns_cookie == cookie && is_registered(&record)? {
+            return Ok(Some(record));
+        }
+    }
+    Ok(None)
+}
+
+/// Whether a record's namespace is registered in its set's maps.
+fn is_registered(record: &PinRecord) -> Result<bool, CniEbpfError> {
+    let Some(key) = record.programs.as_deref().filter(|k| set::present(k)) else { return Ok(false) };
+    Ok(MapSet::open_pinned(&set::set_dir(key))?.pods()?.contains(&record.netns_cookie))
+}
+
+/// CHECK: the container's pod is registered under its namespace's cookie, and its
+/// capture is whole (links attached, inbound filter in place).
+pub fn registered(node: &str, container_id: &str, netns: &Path) -> Result<bool, CniEbpfError> {
+    let Some(record) = PinRecord::load(&pod_record_name(node, container_id)) else { return Ok(false) };
+    let cookie = netns_cookie(Some(netns))
+        .map_err(io(format!("read the network namespace cookie of {}", netns.display())))?;
+    if cookie != record.netns_cookie || !is_registered(&record)? {
+        return Ok(false);
+    }
+    Ok(health::faults(&record, &PinRecord::load_all()).is_empty())
 }
 
 #[cfg(test)]
@@ -197,5 +402,6 @@ mod tests {
         let name = pod_record_name("cni-node", "0f3a5c9e-77/../x");
         assert_eq!(name, "cni-node-pod-0f3a5c9e77x");
         assert!(name.starts_with(&pod_prefix("cni-node")));
+        crate::ebpf::record::check_name(&retired_name("cni-node", "1_0_0-0123456789ab")).unwrap();
     }
 }

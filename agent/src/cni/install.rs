@@ -250,9 +250,19 @@ pub fn ensure(s: &InstallSettings) -> Result<Changes, InstallError> {
     Ok(changes)
 }
 
-/// Takes Weir out: its chain entry, the kubeconfig and the binary. Missing parts are
-/// fine (uninstall is idempotent).
-pub fn uninstall(s: &InstallSettings) -> Result<(), InstallError> {
+/// What uninstall left in place, and why.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Uninstalled {
+    /// Pods still captured by the node's eBPF capture, which was kept for them.
+    pub pods_kept_captured: usize,
+}
+
+/// Takes Weir out: its chain entry, the kubeconfig and the binary, so new pods are no
+/// longer captured. The node's eBPF capture goes only when no pod is registered with
+/// it, or when `detach_running_pods` says to take capture away from running pods.
+/// Missing parts are fine (uninstall is idempotent).
+pub fn uninstall(s: &InstallSettings, detach_running_pods: bool) -> Result<Uninstalled, InstallError> {
+    let mut report = Uninstalled::default();
     if let Ok(path) = primary_config(&s.net_dir, s.conf_name.as_deref()) {
         let bytes = std::fs::read(&path).map_err(io("read", &path))?;
         if let Ok(existing) = serde_json::from_slice::<Value>(&bytes) {
@@ -264,8 +274,14 @@ pub fn uninstall(s: &InstallSettings) -> Result<(), InstallError> {
         }
     }
     if let Some((name, _)) = &s.ebpf {
-        super::ebpf::detach_node(name)?;
-        tracing::info!(node_capture = %name, "eBPF node capture detached");
+        let pods = super::ebpf::pod_records(name).len();
+        if pods == 0 || detach_running_pods {
+            super::ebpf::detach_node(name)?;
+            tracing::info!(node_capture = %name, pods_uncaptured = pods, "eBPF node capture detached");
+        } else {
+            report.pods_kept_captured = pods;
+            tracing::warn!(node_capture = %name, pods, "eBPF node capture kept: pods are still captured by it (--detach-running-pods takes it away from them)");
+        }
     }
     for path in [s.run_dir.join(super::plugin::KUBECONFIG_NAME), s.bin_dir.join(PLUGIN_TYPE)] {
         match std::fs::remove_file(&path) {
@@ -274,15 +290,16 @@ pub fn uninstall(s: &InstallSettings) -> Result<(), InstallError> {
             Err(e) => return Err(io("remove", &path)(e)),
         }
     }
-    Ok(())
+    Ok(report)
 }
 
-/// Install, then keep it installed every `interval` until `stop` resolves; then
-/// uninstall when `uninstall_on_exit`.
+/// Install, then keep it installed (and the node's eBPF capture tidy: see
+/// [`tidy_node_capture`]) every `interval` until `stop` resolves. Stopping changes
+/// nothing: the plugin stays chained and every pod stays captured, through a restart,
+/// an eviction, or a rollout to another build. Only `weir cni uninstall` takes Weir out.
 pub async fn watch(
     s: &InstallSettings,
     interval: Duration,
-    uninstall_on_exit: bool,
     stop: impl std::future::Future<Output = ()>,
 ) -> Result<(), InstallError> {
     tokio::pin!(stop);
@@ -306,16 +323,42 @@ pub async fn watch(
             Err(e) if first => return Err(e),
             Err(e) => tracing::error!(error = %crate::error_chain(&e), "cannot keep weir-cni installed"),
         }
+        if let Some((name, _)) = &s.ebpf {
+            tidy_node_capture(name);
+        }
         first = false;
         tokio::select! {
             _ = &mut stop => break,
             _ = tokio::time::sleep(interval) => {}
         }
     }
-    if uninstall_on_exit {
-        uninstall(s)?;
-    }
+    tracing::info!("stopped; the plugin stays chained and every pod stays captured");
     Ok(())
+}
+
+/// The node agent's housekeeping for its eBPF capture: registrations of pods that are
+/// gone (a DEL that never came), list entries no registration owns, other builds' sets
+/// whose last pod went. Logged, never fatal.
+pub fn tidy_node_capture(name: &str) {
+    for (pod, result) in crate::ebpf::gc::collect_gone() {
+        match result {
+            Ok(()) => tracing::info!(capture = %pod, "capture of a pod that is gone removed"),
+            Err(e) => {
+                tracing::warn!(capture = %pod, error = %crate::error_chain(&e), "capture of a pod that is gone not removed")
+            }
+        }
+    }
+    match crate::ebpf::gc::collect_orphans() {
+        Ok(0) => {}
+        Ok(n) => tracing::info!(entries = n, "orphaned capture list entries removed"),
+        Err(e) => {
+            tracing::warn!(error = %crate::error_chain(&e), "orphaned capture list entries not collected")
+        }
+    }
+    if let Err(e) = super::ebpf::collect_retired(name) {
+        tracing::warn!(node_capture = name, error = %crate::error_chain(&e), "other builds' node captures not collected");
+    }
+    crate::ebpf::metrics::warn_on_full_maps();
 }
 
 #[cfg(test)]

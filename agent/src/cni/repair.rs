@@ -1,13 +1,13 @@
 //! Repair: pods that started on this node before the plugin was chained in (istio/istio#14327)
 //! never went through ADD. The node agent lists the node's pods from the Kubernetes API,
-//! finds each sidecar pod's network namespace by its pod IP among the runtime's named
-//! namespaces (`/var/run/netns`), and captures the ones that are not captured yet, in
-//! place, exactly as ADD would. Pods it cannot place are reported, never guessed at.
+//! finds each sidecar pod's network namespace from its sandbox (the processes in the
+//! pod's kubelet cgroup, through the node's /proc: `podns`), and captures the ones that
+//! are not captured yet, in place, exactly as ADD would. What ADD captured (found by its
+//! record, by container or pod UID) is never captured again. Pods it cannot place are
+//! reported, never guessed at; a namespace that does not hold the pod's IP is not the
+//! pod's.
 
-use std::{
-    net::IpAddr,
-    path::{Path, PathBuf},
-};
+use std::path::{Path, PathBuf};
 
 use weir_iptables::detect::HostFacts as _;
 
@@ -15,6 +15,7 @@ use super::{
     capture::{self, repair_container_id},
     kube::KubeClient,
     pod::{self, PodInfo},
+    podns,
     spec::NetConf,
 };
 
@@ -24,56 +25,62 @@ pub struct RepairReport {
     /// Captured now: `namespace/name` and the namespace it lives in.
     pub repaired: Vec<(String, PathBuf)>,
     pub already_captured: Vec<String>,
-    /// Sidecar pods whose namespace was not found (not started yet, or another dir).
+    /// Sidecar pods with no running process on this node (not started yet, or gone).
     pub not_found: Vec<String>,
     /// Pods that needed capture and could not get it: `namespace/name` and why.
     pub failed: Vec<(String, String)>,
 }
 
-/// Every named namespace under `dir` and its addresses.
-fn namespaces(dir: &Path) -> Vec<(PathBuf, Vec<IpAddr>)> {
-    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
-    entries
-        .flatten()
-        .map(|e| e.path())
-        .filter_map(|path| {
-            let facts = weir_iptables::detect::SystemFacts { netns: Some(path.clone()) };
-            facts.addresses().ok().map(|a| (path, a))
-        })
-        .collect()
+/// The pod's namespace, checked against the IP the API gives it.
+fn place(pod: &PodInfo, proc_root: &Path) -> Result<Option<PathBuf>, String> {
+    let Some(netns) = podns::find(proc_root, &pod.uid).map_err(|e| e.to_string())? else { return Ok(None) };
+    if let Some(ip) = pod.pod_ip {
+        let facts = weir_iptables::detect::SystemFacts { netns: Some(netns.clone()) };
+        let held =
+            facts.addresses().map_err(|e| format!("read the addresses in {}: {e}", netns.display()))?;
+        if !held.contains(&ip) {
+            return Err(format!(
+                "the pod's sandbox namespace {} does not hold its IP {ip} (it holds {held:?}): not capturing it",
+                crate::ebpf::netns::describe(&netns)
+            ));
+        }
+    }
+    Ok(Some(netns))
 }
 
 /// One pass over the node's pods (as the API listed them): captures the sidecar pods
-/// found in `netns_dir` that are not captured yet. Synchronous: capture enters
-/// namespaces and runs its own netlink runtime.
-pub fn repair(conf: &NetConf, pods: Vec<PodInfo>, netns_dir: &Path) -> RepairReport {
+/// running here (found under `proc_root`, the node's /proc) that are not captured yet.
+/// Synchronous: capture enters namespaces and runs its own netlink runtime.
+pub fn repair(conf: &NetConf, pods: Vec<PodInfo>, proc_root: &Path) -> RepairReport {
     let mut report = RepairReport::default();
-    let candidates: Vec<PodInfo> = pods
+    let candidates = pods
         .into_iter()
         .filter(|p| !p.host_network)
         .filter(|p| !conf.excluded_namespaces().any(|n| n == p.namespace))
-        .filter(|p| pod::skip_reason(p).is_none())
-        .collect();
-    if candidates.is_empty() {
-        return report;
-    }
-    let spaces = namespaces(netns_dir);
+        .filter(|p| pod::skip_reason(p).is_none());
     for pod in candidates {
         let who = format!("{}/{}", pod.namespace, pod.name);
-        let Some((netns, _)) = pod.pod_ip.and_then(|ip| spaces.iter().find(|(_, addrs)| addrs.contains(&ip)))
-        else {
-            report.not_found.push(who);
-            continue;
+        let netns = match place(&pod, proc_root) {
+            Ok(Some(netns)) => netns,
+            Ok(None) => {
+                report.not_found.push(who);
+                continue;
+            }
+            Err(e) => {
+                tracing::error!(pod = %who, error = %e, "cannot repair");
+                report.failed.push((who, e));
+                continue;
+            }
         };
         let id = repair_container_id(&pod);
-        let outcome = capture::missing_capture(conf, &pod, netns, &id).and_then(|missing| match missing {
+        let outcome = capture::missing_capture(conf, &pod, &netns, &id).and_then(|missing| match missing {
             None => Ok(false),
-            Some(_) => capture::capture(conf, &pod, netns, &id, "eth0").map(|()| true),
+            Some(_) => capture::capture(conf, &pod, &netns, &id, "eth0").map(|()| true),
         });
         match outcome {
             Ok(true) => {
                 tracing::info!(pod = %who, netns = %netns.display(), "repaired: captured a pod that started before the plugin");
-                report.repaired.push((who, netns.clone()));
+                report.repaired.push((who, netns));
             }
             Ok(false) => report.already_captured.push(who),
             Err(e) => {

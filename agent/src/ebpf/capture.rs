@@ -4,22 +4,24 @@
 //! network-namespace cookie, read counters. [`MapSet`] gives the same operations on
 //! maps held by a loader or opened from pins.
 
+mod lists;
+
 use std::{
     collections::BTreeMap,
     net::IpAddr,
-    os::fd::AsFd as _,
+    os::fd::{AsFd as _, BorrowedFd},
     path::{Path, PathBuf},
 };
 
 use aya::{
     Ebpf,
     maps::{Array, HashMap, LpmTrie, Map, MapData, PerCpuHashMap, PerCpuValues, SockHash, lpm_trie::Key},
-    programs::{CgroupSockAddr, CgroupSockopt, SkMsg, SockOps},
+    programs::{CgroupSock, CgroupSockAddr, CgroupSockopt, SkMsg, SockOps},
 };
+pub use lists::Staged;
 use weir_ebpf_common::capture::{
-    CidrV4, CidrV6, NETNS_PREFIX_BITS, PairKey, PodConfig, PodCounters, control, counter, map, prog,
+    CidrV4, CidrV6, KEY_PREFIX_BITS, PairKey, PodConfig, PodCounters, control, counter, map, prog,
 };
-use weir_iptables::config::Cidr;
 
 use super::{
     EbpfError,
@@ -27,6 +29,7 @@ use super::{
     config::PodCapture,
     link::{CgroupLink, attach_type},
     objects,
+    registration::Registration,
 };
 
 /// Trie value for `-x` prefixes, and for the pod's own addresses.
@@ -72,12 +75,12 @@ fn map_err(map: &'static str) -> impl FnOnce(aya::maps::MapError) -> EbpfError {
 }
 
 /// Inserts counters for `key`, zero on every CPU, unless it has some (BPF_NOEXIST): a pod
-/// registered again keeps what it has counted.
+/// registered again keeps what it has counted. Returns whether it inserted them.
 pub(super) fn add_zeroed<M, T>(
     counters: &mut PerCpuHashMap<M, u64, T>,
     name: &'static str,
     key: u64,
-) -> Result<(), EbpfError>
+) -> Result<bool, EbpfError>
 where
     M: std::borrow::BorrowMut<MapData>,
     T: aya::Pod + Default,
@@ -90,12 +93,13 @@ where
     let cpus = aya::util::nr_cpus().map_err(|(_, e)| syscall("nr_cpus", e))?;
     let zero = PerCpuValues::try_from(vec![T::default(); cpus]).map_err(|e| syscall("per-cpu values", e))?;
     match counters.insert(key, zero, NO_EXIST) {
+        Ok(()) => Ok(true),
         Err(aya::maps::MapError::SyscallError(e))
             if e.io_error.kind() == std::io::ErrorKind::AlreadyExists =>
         {
-            Ok(())
+            Ok(false)
         }
-        other => other.map_err(map_err(name)),
+        Err(e) => Err(map_err(name)(e)),
     }
 }
 
@@ -105,6 +109,20 @@ pub fn is_not_found(e: &aya::maps::MapError) -> bool {
         aya::maps::MapError::KeyNotFound => true,
         aya::maps::MapError::SyscallError(s) => s.io_error.kind() == std::io::ErrorKind::NotFound,
         _ => false,
+    }
+}
+
+/// The data of the map kinds the capture object has.
+fn map_data(m: &Map) -> Option<&MapData> {
+    match m {
+        Map::HashMap(d)
+        | Map::LruHashMap(d)
+        | Map::LpmTrie(d)
+        | Map::PerCpuArray(d)
+        | Map::PerCpuHashMap(d)
+        | Map::Array(d)
+        | Map::SockHash(d) => Some(d),
+        _ => None,
     }
 }
 
@@ -153,57 +171,9 @@ impl MapSet {
         LpmTrie::try_from(self.get_mut(name)?).map_err(map_err(name))
     }
 
-    fn put(
+    pub(super) fn pod_counters_map_mut(
         &mut self,
-        v4: &'static str,
-        v6: &'static str,
-        netns: u64,
-        cidr: Cidr,
-        value: u8,
-    ) -> Result<(), EbpfError> {
-        let prefix = NETNS_PREFIX_BITS + u32::from(cidr.bits);
-        match cidr.addr {
-            IpAddr::V4(a) => self
-                .trie4(v4)?
-                .insert(&Key::new(prefix, CidrV4 { netns: netns.to_be_bytes(), addr: a.octets() }), value, 0)
-                .map_err(map_err(v4)),
-            IpAddr::V6(a) => self
-                .trie6(v6)?
-                .insert(&Key::new(prefix, CidrV6 { netns: netns.to_be_bytes(), addr: a.octets() }), value, 0)
-                .map_err(map_err(v6)),
-        }
-    }
-
-    /// Registers (or replaces) one pod: its lists first, its config last, so the
-    /// programs never see a pod half configured.
-    pub fn register(&mut self, netns: u64, pod: &PodCapture) -> Result<(), EbpfError> {
-        self.remove_lists(netns)?;
-        let host = |addr: IpAddr| Cidr { addr, bits: if addr.is_ipv4() { 32 } else { 128 } };
-        for cidr in &pod.exclude {
-            self.put(map::EXCLUDE_V4, map::EXCLUDE_V6, netns, *cidr, EXCLUDED)?;
-        }
-        for addr in &pod.own_addresses {
-            self.put(map::EXCLUDE_V4, map::EXCLUDE_V6, netns, host(*addr), OWN_ADDRESS)?;
-        }
-        for cidr in &pod.include {
-            self.put(map::INCLUDE_V4, map::INCLUDE_V6, netns, *cidr, 1)?;
-        }
-        for addr in &pod.dns_servers {
-            self.put(map::DNS_V4, map::DNS_V6, netns, host(*addr), 1)?;
-        }
-        self.add_counters(netns)?;
-        let mut configs: HashMap<_, u64, PodConfig> =
-            HashMap::try_from(self.get_mut(map::POD_CONFIG)?).map_err(map_err(map::POD_CONFIG))?;
-        configs.insert(netns, pod.config, 0).map_err(map_err(map::POD_CONFIG))
-    }
-
-    /// Gives a pod its decision counters, zero on every CPU; a pod registered again (an
-    /// update in place) keeps what it has counted.
-    fn add_counters(&mut self, netns: u64) -> Result<(), EbpfError> {
-        add_zeroed(&mut self.pod_counters_map_mut()?, map::POD_COUNTERS, netns)
-    }
-
-    fn pod_counters_map_mut(&mut self) -> Result<PerCpuHashMap<&mut MapData, u64, PodCounters>, EbpfError> {
+    ) -> Result<PerCpuHashMap<&mut MapData, u64, PodCounters>, EbpfError> {
         PerCpuHashMap::try_from(self.get_mut(map::POD_COUNTERS)?).map_err(map_err(map::POD_COUNTERS))
     }
 
@@ -211,42 +181,9 @@ impl MapSet {
         PerCpuHashMap::try_from(self.get(map::POD_COUNTERS)?).map_err(map_err(map::POD_COUNTERS))
     }
 
-    /// Removes a pod: its config first (programs stop acting at once), then its lists.
-    pub fn unregister(&mut self, netns: u64) -> Result<(), EbpfError> {
-        let mut configs: HashMap<_, u64, PodConfig> =
-            HashMap::try_from(self.get_mut(map::POD_CONFIG)?).map_err(map_err(map::POD_CONFIG))?;
-        match configs.remove(&netns) {
-            Ok(()) => {}
-            Err(e) if is_not_found(&e) => {}
-            Err(source) => return Err(EbpfError::Map { map: map::POD_CONFIG, source }),
-        }
-        match self.pod_counters_map_mut()?.remove(&netns) {
-            Ok(()) => {}
-            Err(e) if is_not_found(&e) => {}
-            Err(source) => return Err(EbpfError::Map { map: map::POD_COUNTERS, source }),
-        }
-        self.remove_lists(netns)
-    }
-
-    fn remove_lists(&mut self, netns: u64) -> Result<(), EbpfError> {
-        let prefix = netns.to_be_bytes();
-        for m in [map::EXCLUDE_V4, map::INCLUDE_V4, map::DNS_V4] {
-            let mut trie = self.trie4(m)?;
-            let keys: Vec<_> =
-                trie.keys().filter_map(Result::ok).filter(|k| k.data().netns == prefix).collect();
-            for k in keys {
-                let _ = trie.remove(&k);
-            }
-        }
-        for m in [map::EXCLUDE_V6, map::INCLUDE_V6, map::DNS_V6] {
-            let mut trie = self.trie6(m)?;
-            let keys: Vec<_> =
-                trie.keys().filter_map(Result::ok).filter(|k| k.data().netns == prefix).collect();
-            for k in keys {
-                let _ = trie.remove(&k);
-            }
-        }
-        Ok(())
+    /// The descriptor of one of the set's maps, for raw operations (registrations).
+    pub fn fd(&self, name: &str) -> Option<BorrowedFd<'_>> {
+        self.maps.get(name).and_then(map_data).map(|d| d.fd().as_fd())
     }
 
     /// A registered pod's config (`None`: not registered).
@@ -260,8 +197,10 @@ impl MapSet {
         }
     }
 
-    /// What a pod's trie holds for `addr` (longest prefix), as the programs look it up:
-    /// `trie` is one of the `*_V4`/`*_V6` pairs, picked by the address's family.
+    /// What a pod's trie holds for `addr` (longest prefix), as the programs look it up
+    /// (the entries of the generation the pod's config names): `v4`/`v6` is one of the
+    /// `*_V4`/`*_V6` pairs, picked by the address's family. `None` also for a pod that
+    /// is not registered.
     pub fn lookup(
         &self,
         v4: &'static str,
@@ -269,19 +208,19 @@ impl MapSet {
         netns: u64,
         addr: IpAddr,
     ) -> Result<Option<u8>, EbpfError> {
+        let Some(config) = self.pod_config(netns)? else { return Ok(None) };
+        let (cookie, generation) = (netns.to_be_bytes(), config.generation.to_be_bytes());
         let found = match addr {
             IpAddr::V4(a) => {
                 let trie: LpmTrie<_, CidrV4, u8> = LpmTrie::try_from(self.get(v4)?).map_err(map_err(v4))?;
                 let key =
-                    Key::new(NETNS_PREFIX_BITS + 32, CidrV4 { netns: netns.to_be_bytes(), addr: a.octets() });
+                    Key::new(KEY_PREFIX_BITS + 32, CidrV4 { netns: cookie, generation, addr: a.octets() });
                 trie.get(&key, 0).map_err(|e| (v4, e))
             }
             IpAddr::V6(a) => {
                 let trie: LpmTrie<_, CidrV6, u8> = LpmTrie::try_from(self.get(v6)?).map_err(map_err(v6))?;
-                let key = Key::new(
-                    NETNS_PREFIX_BITS + 128,
-                    CidrV6 { netns: netns.to_be_bytes(), addr: a.octets() },
-                );
+                let key =
+                    Key::new(KEY_PREFIX_BITS + 128, CidrV6 { netns: cookie, generation, addr: a.octets() });
                 trie.get(&key, 0).map_err(|e| (v6, e))
             }
         };
@@ -355,16 +294,7 @@ impl MapSet {
     fn pin(&self, dir: &Path) -> Result<(), EbpfError> {
         for (name, m) in &self.maps {
             let path = dir.join(name);
-            let data = match m {
-                Map::HashMap(d)
-                | Map::LruHashMap(d)
-                | Map::LpmTrie(d)
-                | Map::PerCpuArray(d)
-                | Map::PerCpuHashMap(d)
-                | Map::Array(d)
-                | Map::SockHash(d) => d,
-                _ => continue,
-            };
+            let Some(data) = map_data(m) else { continue };
             data.pin(&path).map_err(aya_pin_error(&path))?;
         }
         Ok(())
@@ -418,6 +348,8 @@ impl CapturePrograms {
         p.load().map_err(|source| EbpfError::Verify { program: prog::GETSOCKOPT, source })?;
         let p: &mut SockOps = program(&mut ebpf, prog::SOCKOPS)?;
         p.load().map_err(|source| EbpfError::Verify { program: prog::SOCKOPS, source })?;
+        let p: &mut CgroupSock = program(&mut ebpf, prog::SOCK_RELEASE)?;
+        p.load().map_err(|source| EbpfError::Verify { program: prog::SOCK_RELEASE, source })?;
         let p: &mut SkMsg = program(&mut ebpf, prog::SK_MSG)?;
         p.load().map_err(|source| EbpfError::Verify { program: prog::SK_MSG, source })?;
         let maps = MapSet::take(&mut ebpf)?;
@@ -479,12 +411,17 @@ impl CapturePrograms {
     }
 
     /// Registers (or replaces) one pod; see [`MapSet::register`].
-    pub fn register(&mut self, netns: u64, pod: &PodCapture) -> Result<(), EbpfError> {
-        self.maps.register(netns, pod)
+    pub fn register(
+        &mut self,
+        netns: u64,
+        pod: &PodCapture,
+        previous: Option<&Registration>,
+    ) -> Result<Registration, EbpfError> {
+        self.maps.register(netns, pod, previous)
     }
 
-    pub fn unregister(&mut self, netns: u64) -> Result<(), EbpfError> {
-        self.maps.unregister(netns)
+    pub fn unregister(&mut self, netns: u64, registration: Option<&Registration>) -> Result<(), EbpfError> {
+        self.maps.unregister(netns, registration)
     }
 
     pub fn counters(&self) -> Result<Counters, EbpfError> {
@@ -536,6 +473,7 @@ pub const SET_PROGRAMS: &[&str] = &[
     prog::SK_MSG,
     prog::SOCKOPS,
     prog::GETSOCKOPT,
+    prog::SOCK_RELEASE,
     prog::RECVMSG4,
     prog::RECVMSG6,
     prog::SENDMSG4,
@@ -547,8 +485,11 @@ pub const SET_PROGRAMS: &[&str] = &[
 /// The cgroup hooks with their attach types, in attach order: the hooks that rewrite
 /// connections last.
 pub fn cgroup_hooks() -> Vec<(&'static str, u32)> {
-    let mut hooks: Vec<(&'static str, u32)> =
-        vec![(prog::SOCKOPS, attach_type::SOCK_OPS), (prog::GETSOCKOPT, attach_type::GETSOCKOPT)];
+    let mut hooks: Vec<(&'static str, u32)> = vec![
+        (prog::SOCKOPS, attach_type::SOCK_OPS),
+        (prog::GETSOCKOPT, attach_type::GETSOCKOPT),
+        (prog::SOCK_RELEASE, attach_type::SOCK_RELEASE),
+    ];
     hooks.extend_from_slice(CGROUP_SOCK_ADDR);
     hooks
 }

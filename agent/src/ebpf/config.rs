@@ -1,12 +1,16 @@
 //! From a capture configuration (istio-iptables' flags) to what the kernel programs
 //! read: a [`PodConfig`], the pod's CIDR and DNS lists, and the inbound classifier's
-//! [`InboundConfig`]. Pure; limits of the fixed-size kernel structs are errors here,
-//! named after the flag that exceeds them.
+//! [`InboundConfig`]. Pure; limits of the fixed-size kernel structs, and each pod's
+//! share of the node-wide lists ([`MAX_CIDRS_PER_POD`] entries per list and address
+//! family), are errors here, named after the flag that exceeds them and checked before
+//! anything is written. Istio has no such limit (its rules live in the pod's own
+//! namespace); Weir's lists are shared by every pod on the node, so one pod's
+//! annotation must not be able to fill them for the others.
 
 use std::net::IpAddr;
 
 use weir_ebpf_common::{
-    capture::{MAX_IDS, MAX_PORTS, NO_ID, PodConfig, flags},
+    capture::{MAX_CIDRS_PER_POD, MAX_IDS, MAX_PORTS, NO_ID, PodConfig, flags},
     inbound::{self, InboundConfig},
 };
 use weir_iptables::{
@@ -46,22 +50,31 @@ pub struct PodCapture {
 }
 
 /// Options that are Weir's own rather than istio-iptables'.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct EbpfOptions {
     /// Pass data between local socket pairs with sk_msg.
     pub accelerate: bool,
-    /// The kernel needs getsockopt's optlen clamped (before Linux 6.5).
-    pub clamp_optlen: bool,
 }
 
-impl EbpfOptions {
-    /// For the running kernel.
-    pub fn for_running_kernel(accelerate: bool) -> Self {
-        let release = nix::sys::utsname::uname()
-            .map(|u| u.release().to_string_lossy().into_owned())
-            .unwrap_or_default();
-        Self { accelerate, clamp_optlen: kernel_needs_optlen_clamp(&release) }
+/// Refuses a list with more entries of one address family than a pod may have.
+fn within_limit<'a>(
+    input: &'static str,
+    addrs: impl Iterator<Item = &'a IpAddr>,
+) -> Result<(), EbpfConfigError> {
+    let (v4, v6) =
+        addrs.fold((0u32, 0u32), |(v4, v6), a| if a.is_ipv4() { (v4 + 1, v6) } else { (v4, v6 + 1) });
+    let (family, n) = if v4 > v6 { ("IPv4", v4) } else { ("IPv6", v6) };
+    if n > MAX_CIDRS_PER_POD {
+        return Err(err(
+            input,
+            format!(
+                "{n} {family} entries, more than the {MAX_CIDRS_PER_POD} one pod may have with eBPF capture \
+                 (the lists are shared by every pod on the node); merge ranges, or capture this pod with \
+                 iptables or nftables"
+            ),
+        ));
     }
+    Ok(())
 }
 
 /// The pod's own (non-loopback) addresses, as the capture config needs them.
@@ -134,9 +147,6 @@ impl PodCapture {
         if options.accelerate {
             bits |= flags::ACCELERATE;
         }
-        if options.clamp_optlen {
-            bits |= flags::CLAMP_OPTLEN;
-        }
         let config = PodConfig {
             proxy_uids: ids("-u/--proxy-uid", &cfg.proxy_uids)?,
             proxy_gids: ids("-g/--proxy-gid", &cfg.proxy_gids)?,
@@ -150,13 +160,13 @@ impl PodCapture {
             tunnel_port: cfg.inbound_tunnel_port,
             dns_port: DNS_PROXY_PORT,
             flags: bits,
-            _reserved: 0,
+            generation: 0,
         };
         let include = match &cfg.outbound_ip_ranges_include {
             IpRanges::All => Vec::new(),
             IpRanges::Only(cidrs) => cidrs.clone(),
         };
-        let dns_servers = cfg
+        let dns_servers: Vec<IpAddr> = cfg
             .dns_servers_v4
             .iter()
             .chain(&cfg.dns_servers_v6)
@@ -188,24 +198,15 @@ impl PodCapture {
                 exclude_ports: none,
             }),
         };
-        Ok(Self {
-            config,
-            exclude: decisions.exclude_v4.iter().chain(&decisions.exclude_v6).copied().collect(),
-            own_addresses,
-            include,
-            dns_servers,
-            inbound,
-        })
+        let exclude: Vec<Cidr> = decisions.exclude_v4.iter().chain(&decisions.exclude_v6).copied().collect();
+        within_limit(
+            "-x/--istio-service-exclude-cidr",
+            exclude.iter().map(|c| &c.addr).chain(own_addresses.iter()),
+        )?;
+        within_limit("-i/--istio-service-cidr", include.iter().map(|c| &c.addr))?;
+        within_limit("/etc/resolv.conf", dns_servers.iter())?;
+        Ok(Self { config, exclude, own_addresses, include, dns_servers, inbound })
     }
-}
-
-/// Whether this kernel (from `uname -r`, e.g. "6.1.0-18-amd64") fails getsockopt
-/// buffers over a page unless the program clamps optlen (fixed in 6.5).
-pub fn kernel_needs_optlen_clamp(release: &str) -> bool {
-    let mut parts = release.split(|c: char| !c.is_ascii_digit()).filter(|p| !p.is_empty());
-    let major: u32 = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
-    let minor: u32 = parts.next().and_then(|p| p.parse().ok()).unwrap_or(0);
-    (major, minor) < (6, 5)
 }
 
 #[cfg(test)]
@@ -223,7 +224,7 @@ mod tests {
         }
     }
 
-    const OPTS: EbpfOptions = EbpfOptions { accelerate: true, clamp_optlen: false };
+    const OPTS: EbpfOptions = EbpfOptions { accelerate: true };
 
     #[test]
     fn the_injector_line_translates() {
@@ -274,10 +275,23 @@ mod tests {
     }
 
     #[test]
-    fn optlen_clamp_by_kernel() {
-        assert!(kernel_needs_optlen_clamp("5.15.0-91-generic"));
-        assert!(kernel_needs_optlen_clamp("6.1.0-18-amd64"));
-        assert!(!kernel_needs_optlen_clamp("6.5.0"));
-        assert!(!kernel_needs_optlen_clamp("6.18.44-fc-v769"));
+    fn one_pods_lists_are_limited_before_anything_is_written() {
+        let mut cfg = injector();
+        let many: Vec<String> =
+            (0..=MAX_CIDRS_PER_POD).map(|i| format!("10.{}.{}.0/24", i / 256, i % 256)).collect();
+        cfg.outbound_ip_ranges_exclude =
+            weir_iptables::config::parse_exclude_ranges("-x", &many.join(",")).unwrap();
+        let e = PodCapture::new(&cfg, vec![], OPTS).unwrap_err();
+        assert_eq!(e.input, "-x/--istio-service-exclude-cidr");
+        assert!(e.problem.contains(&format!("{} IPv4 entries", MAX_CIDRS_PER_POD + 1)), "{e}");
+        assert!(e.problem.contains(&MAX_CIDRS_PER_POD.to_string()), "{e}");
+        // At the limit, counting the pod's own address: refused too.
+        cfg.outbound_ip_ranges_exclude =
+            weir_iptables::config::parse_exclude_ranges("-x", &many[..MAX_CIDRS_PER_POD as usize].join(","))
+                .unwrap();
+        assert!(PodCapture::new(&cfg, vec![], OPTS).is_ok());
+        assert!(PodCapture::new(&cfg, vec!["10.66.0.10".parse().unwrap()], OPTS).is_err());
+        // IPv6 entries count apart from IPv4 ones.
+        assert!(PodCapture::new(&cfg, vec!["fd00::10".parse().unwrap()], OPTS).is_ok());
     }
 }

@@ -1,13 +1,17 @@
-//! Whether a pinned capture is still live, from what the kernel keeps for it: bpffs
-//! mounted, its cgroup links pinned (once the command that made them has exited, a
-//! link lives exactly as long as its pin), its program set present and its namespace
-//! registered in the set's maps. A pod registered with a CNI node capture has no links
-//! of its own: the node capture's are its links. What `weir capture status` reports
-//! and what `weir capture apply` repairs.
+//! Whether a pinned capture is still live, from what the kernel says rather than what
+//! bpffs shows: bpffs mounted, its cgroup links pinned *and attached to its cgroup* (a
+//! pinned link survives `bpftool link detach` and its cgroup's removal, attached to
+//! nothing), its cgroup and network namespace still there, its inbound tc filter on
+//! its interface, its program set present and its namespace registered in the set's
+//! maps. A pod registered with a CNI node capture has no links of its own: the node
+//! capture's are its links. What `weir capture status` reports and what `weir capture
+//! apply` repairs.
 
-use std::path::Path;
+use std::{os::fd::AsFd as _, path::Path};
 
-use super::{bpffs::bpffs_mounted, capture::cgroup_hooks, pod, record::PinRecord, set};
+use super::{
+    bpffs::bpffs_mounted, capture::cgroup_hooks, gc, inbound, link, pod, record::PinRecord, set, sys,
+};
 
 /// One reason a recorded capture is not (wholly) live.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -18,6 +22,14 @@ pub enum CaptureFault {
     PinsGone(String),
     #[error("links gone from {dir}: {names} (those hooks no longer run in the cgroup)")]
     LinksGone { dir: String, names: String },
+    #[error("links in {dir} pinned but detached from the cgroup: {names} (those hooks no longer run)")]
+    LinksDetached { dir: String, names: String },
+    #[error("its cgroup {0} is gone")]
+    CgroupGone(String),
+    #[error("its network namespace is gone: {0}")]
+    NetnsGone(String),
+    #[error("no Weir inbound filter on {interface} in {netns}: inbound connections are not captured")]
+    FilterGone { interface: String, netns: String },
     #[error("its program set {0} is gone (the programs may run on, but cannot be shown or changed)")]
     SetGone(String),
     #[error("its network namespace (cookie {0}) is not registered in the program set's maps")]
@@ -41,29 +53,83 @@ fn gone(path: &Path) -> bool {
     matches!(std::fs::symlink_metadata(path), Err(e) if e.kind() == std::io::ErrorKind::NotFound)
 }
 
+/// What is wrong with the cgroup links held under `holder`'s pins.
+fn link_faults(holder: &PinRecord) -> Vec<CaptureFault> {
+    let dir = holder.pin_dir();
+    if gone(&dir) {
+        return vec![CaptureFault::PinsGone(dir.display().to_string())];
+    }
+    let links = dir.join("links");
+    let names: Vec<&str> = cgroup_hooks().into_iter().map(|(name, _)| name).collect();
+    let missing: Vec<&str> = names.iter().copied().filter(|name| gone(&links.join(name))).collect();
+    let mut faults = Vec::new();
+    if !missing.is_empty() {
+        faults.push(CaptureFault::LinksGone { dir: links.display().to_string(), names: missing.join(", ") });
+    }
+    let cgroup_id = match link::cgroup_id(&holder.cgroup) {
+        Ok(id) => id,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            faults.push(CaptureFault::CgroupGone(holder.cgroup.display().to_string()));
+            return faults;
+        }
+        Err(_) => return faults,
+    };
+    let detached: Vec<&str> = names
+        .iter()
+        .copied()
+        .filter(|name| !missing.contains(name))
+        .filter(|name| matches!(link::attached_to(&links.join(name), cgroup_id), Ok(false)))
+        .collect();
+    if !detached.is_empty() {
+        faults.push(CaptureFault::LinksDetached {
+            dir: links.display().to_string(),
+            names: detached.join(", "),
+        });
+    }
+    faults
+}
+
+/// Whether a pod's inbound classifier is on its interface: a filter of its set's node
+/// classifier, or its own copy (a TCX link, or a filter).
+fn filter_fault(record: &PinRecord) -> Option<CaptureFault> {
+    let interface = record.interface.as_deref()?;
+    // A pod registered from inside its namespace (no path): nowhere to look from here.
+    let netns = record.netns.as_deref().filter(|p| *p != Path::new("/proc/self/ns/net"))?;
+    let own_link = record.pin_dir().join("links").join("inbound");
+    if !gone(&own_link) {
+        return match link::attached(&own_link) {
+            Ok(false) => Some(CaptureFault::FilterGone {
+                interface: interface.into(),
+                netns: netns.display().to_string(),
+            }),
+            _ => None,
+        };
+    }
+    let filters = super::netns::in_netns(netns, || inbound::weir_filters(interface)).ok()?;
+    let node_classifier = pod::maps_dir(record).join("progs").join(weir_ebpf_common::inbound::PROG);
+    let expected = sys::obj_get(&node_classifier).ok().and_then(|fd| sys::prog_id(fd.as_fd()).ok());
+    let present = match expected {
+        Some(id) => filters.iter().any(|f| f.prog_id == id),
+        None => !filters.is_empty(),
+    };
+    (!present)
+        .then(|| CaptureFault::FilterGone { interface: interface.into(), netns: netns.display().to_string() })
+}
+
 /// Everything wrong with `record`'s capture (`all`: every record on the node); empty
 /// when it is live. Needs the privileges that read pinned maps (CAP_BPF, CAP_SYS_ADMIN).
 pub fn faults(record: &PinRecord, all: &[PinRecord]) -> Vec<CaptureFault> {
     if !bpffs_mounted() {
         return vec![CaptureFault::BpffsNotMounted];
     }
-    let mut faults = Vec::new();
-    let dir = links_holder(record, all).pin_dir();
-    if gone(&dir) {
-        faults.push(CaptureFault::PinsGone(dir.display().to_string()));
-    } else {
-        let links = dir.join("links");
-        let missing: Vec<&str> =
-            cgroup_hooks().into_iter().map(|(name, _)| name).filter(|name| gone(&links.join(name))).collect();
-        if !missing.is_empty() {
-            faults.push(CaptureFault::LinksGone {
-                dir: links.display().to_string(),
-                names: missing.join(", "),
-            });
-        }
+    let mut faults = link_faults(links_holder(record, all));
+    if let Some(why) = gc::gone(record) {
+        faults.push(CaptureFault::NetnsGone(why));
+        return faults;
     }
     if let Some(key) = &record.programs
         && !set::present(key)
+        && !set::pinned_keys().contains(key)
     {
         faults.push(CaptureFault::SetGone(key.clone()));
         return faults;
@@ -72,10 +138,15 @@ pub fn faults(record: &PinRecord, all: &[PinRecord]) -> Vec<CaptureFault> {
         match pod::maps_of(record).and_then(|maps| maps.pods()) {
             Ok(pods) if pods.contains(&record.netns_cookie) => {}
             Ok(_) => faults.push(CaptureFault::NotRegistered(record.netns_cookie)),
-            Err(_) => faults.push(CaptureFault::SetGone(
-                record.programs.clone().unwrap_or_else(|| format!("of {}", record.pod)),
-            )),
+            // Another build's set, whose maps this build cannot read typed: counted raw.
+            Err(_) => match record.programs.as_deref().map(set::LockedSet::open) {
+                Some(Ok(Some(_))) => {}
+                _ => faults.push(CaptureFault::SetGone(
+                    record.programs.clone().unwrap_or_else(|| format!("of {}", record.pod)),
+                )),
+            },
         }
+        faults.extend(filter_fault(record));
     }
     faults
 }

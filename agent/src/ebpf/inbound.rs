@@ -7,13 +7,18 @@
 
 use std::{
     net::IpAddr,
+    os::fd::AsFd as _,
     path::{Path, PathBuf},
 };
 
 use aya::{
     Ebpf,
     maps::{Array, HashMap, Map, MapData, PerCpuArray, PerCpuHashMap},
-    programs::{SchedClassifier, TcAttachType, links::FdLink, tc::SchedClassifierLink},
+    programs::{
+        SchedClassifier, TcAttachType,
+        links::FdLink,
+        tc::{NlOptions, SchedClassifierLink, TcAttachOptions, TcHandle},
+    },
 };
 use weir_ebpf_common::inbound::{self, InboundConfig, InboundCounters, InboundKey, InboundPod, counter};
 
@@ -23,7 +28,19 @@ use super::{
     capture::{Counters, add_zeroed, is_not_found},
     netns::in_netns,
     objects,
+    registration::{Registration, bytes_of},
 };
+
+/// An inbound registration written (see [`NodeClassifier::stage`]).
+#[derive(Debug)]
+pub struct StagedInbound {
+    cookie: u64,
+    /// What the pod owns in the classifier's maps now.
+    pub registration: Registration,
+    /// Each entry written, with what it held before.
+    undo: Vec<(InboundKey, Option<InboundPod>)>,
+    counters_created: bool,
+}
 
 fn map_err(map: &'static str) -> impl FnOnce(aya::maps::MapError) -> EbpfError {
     move |source| EbpfError::Map { map, source }
@@ -45,15 +62,6 @@ fn classifier<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut Sche
         .map_err(|source| EbpfError::Verify { program: name, source })
 }
 
-/// How a classifier is attached: TCX where the kernel has it (a link), or a tc filter
-/// on the clsact qdisc through netlink, which needs no RCU grace period (a TCX attach
-/// waits for one: 10–30 ms per pod on a busy machine).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Attach {
-    Best,
-    Netlink,
-}
-
 /// Attaches `classifier` to `interface`'s ingress inside the namespace at `netns`
 /// (interface lookups and tc netlink calls happen inside the pod).
 fn attach_in(
@@ -61,19 +69,10 @@ fn attach_in(
     name: &'static str,
     netns: &Path,
     interface: &str,
-    how: Attach,
 ) -> Result<SchedClassifierLink, EbpfError> {
     in_netns(netns, || {
         let _ = aya::programs::tc::qdisc_add_clsact(interface);
-        let id = match how {
-            Attach::Best => classifier.attach(interface, TcAttachType::Ingress),
-            Attach::Netlink => classifier.attach_with_options(
-                interface,
-                TcAttachType::Ingress,
-                aya::programs::tc::TcAttachOptions::Netlink(aya::programs::tc::NlOptions::default()),
-            ),
-        }
-        .map_err(std::io::Error::other)?;
+        let id = classifier.attach(interface, TcAttachType::Ingress).map_err(std::io::Error::other)?;
         classifier.take_link(id).map_err(std::io::Error::other)
     })
     .map_err(|e| EbpfError::Attach {
@@ -178,34 +177,92 @@ impl NodeClassifier {
         self.pinned_map(inbound::PODS)
     }
 
-    /// Writes the pod's config for each of its `addresses` on the interface with `mac`,
-    /// replacing what was registered for `cookie` before, and creates its counters
-    /// (kept, with their counts, when the pod registers again).
-    pub fn register(
+    /// Writes the pod's config for each of its `addresses` on the interface with `mac`
+    /// (an entry it had is replaced in place, one update each: never a moment without
+    /// one) and gives it counters (kept, with their counts, when it has some). Returns
+    /// what the pod owns now and how to take the writes back; entries of a previous
+    /// registration that this one lacks are the caller's to remove (after its switch).
+    pub fn stage(
         &self,
         cookie: u64,
         mac: [u8; 6],
         addresses: &[IpAddr],
         config: &InboundConfig,
-    ) -> Result<(), EbpfError> {
-        self.remove_keys(cookie)?;
-        self.add_counters(cookie)?;
-        let mut map = self.pods()?;
-        let mut pods: HashMap<_, InboundKey, InboundPod> =
-            HashMap::try_from(&mut map).map_err(map_err(inbound::PODS))?;
-        for addr in addresses {
-            let mut key = InboundKey { mac, _pad: [0; 2], addr: [0; 16] };
-            match addr {
-                IpAddr::V4(a) => key.addr[..4].copy_from_slice(&a.octets()),
-                IpAddr::V6(a) => key.addr = a.octets(),
+    ) -> Result<StagedInbound, EbpfError> {
+        let mut staged = StagedInbound {
+            cookie,
+            registration: Registration::default(),
+            undo: Vec::new(),
+            counters_created: false,
+        };
+        staged.registration.add(inbound::POD_COUNTERS, &cookie.to_ne_bytes());
+        let written = (|| {
+            staged.counters_created = self.add_counters(cookie)?;
+            let mut map = self.pods()?;
+            let mut pods: HashMap<_, InboundKey, InboundPod> =
+                HashMap::try_from(&mut map).map_err(map_err(inbound::PODS))?;
+            for addr in addresses {
+                let mut key = InboundKey { mac, _pad: [0; 2], addr: [0; 16] };
+                match addr {
+                    IpAddr::V4(a) => key.addr[..4].copy_from_slice(&a.octets()),
+                    IpAddr::V6(a) => key.addr = a.octets(),
+                }
+                let before = match pods.get(&key, 0) {
+                    Ok(v) => Some(v),
+                    Err(e) if is_not_found(&e) => None,
+                    Err(source) => return Err(EbpfError::Map { map: inbound::PODS, source }),
+                };
+                pods.insert(key, InboundPod { netns: cookie, config: *config }, 0)
+                    .map_err(map_err(inbound::PODS))?;
+                staged.undo.push((key, before));
+                staged.registration.add(inbound::PODS, &bytes_of(&key));
             }
-            let value = InboundPod { netns: cookie, config: *config };
-            pods.insert(key, value, 0).map_err(map_err(inbound::PODS))?;
+            Ok(())
+        })();
+        match written {
+            Ok(()) => Ok(staged),
+            Err(e) => {
+                self.abort(staged);
+                Err(e)
+            }
         }
-        Ok(())
     }
 
-    fn add_counters(&self, cookie: u64) -> Result<(), EbpfError> {
+    /// Takes back what [`NodeClassifier::stage`] wrote: entries as they were, counters
+    /// created by it removed.
+    pub fn abort(&self, staged: StagedInbound) {
+        let restored = (|| {
+            let mut map = self.pods()?;
+            let mut pods: HashMap<_, InboundKey, InboundPod> =
+                HashMap::try_from(&mut map).map_err(map_err(inbound::PODS))?;
+            for (key, before) in staged.undo.iter().rev() {
+                let r = match before {
+                    Some(v) => pods.insert(*key, *v, 0),
+                    None => pods.remove(key),
+                };
+                if let Err(e) = r.or_else(|e| if is_not_found(&e) { Ok(()) } else { Err(e) }) {
+                    return Err(EbpfError::Map { map: inbound::PODS, source: e });
+                }
+            }
+            if staged.counters_created {
+                let mut map = self.pinned_map(inbound::POD_COUNTERS)?;
+                let mut counters: PerCpuHashMap<_, u64, InboundCounters> =
+                    PerCpuHashMap::try_from(&mut map).map_err(map_err(inbound::POD_COUNTERS))?;
+                let _ = counters.remove(&staged.cookie);
+            }
+            Ok(())
+        })();
+        if let Err(e) = restored {
+            tracing::error!(netns_cookie = staged.cookie, error = %crate::error_chain(&e), "inbound registration not taken back");
+        }
+    }
+
+    /// The descriptor of one of the classifier's pinned maps (raw operations).
+    pub fn map_fd(&self, name: &str) -> Option<std::os::fd::OwnedFd> {
+        crate::ebpf::sys::obj_get(&self.set_dir.join("maps").join(name)).ok()
+    }
+
+    fn add_counters(&self, cookie: u64) -> Result<bool, EbpfError> {
         let mut map = self.pinned_map(inbound::POD_COUNTERS)?;
         let mut counters: PerCpuHashMap<_, u64, InboundCounters> =
             PerCpuHashMap::try_from(&mut map).map_err(map_err(inbound::POD_COUNTERS))?;
@@ -252,7 +309,8 @@ impl NodeClassifier {
         Ok(None)
     }
 
-    /// The pod's config entries (one per address) go; its counters stay.
+    /// The pod's config entries (one per address) go; its counters stay. A scan of the
+    /// node-wide map: only for pods recorded without a registration (older records).
     fn remove_keys(&self, cookie: u64) -> Result<(), EbpfError> {
         let mut map = self.pods()?;
         let mut pods: HashMap<_, InboundKey, InboundPod> =
@@ -270,17 +328,95 @@ impl NodeClassifier {
     }
 
     /// Attaches the pinned classifier to `interface` in `netns` and keeps it there: a tc
-    /// filter (netlink, no grace period to wait for), removed with [`detach_inbound`] or
-    /// with the interface.
-    pub fn attach(&self, netns: &Path, interface: &str, link_pin: &Path) -> Result<(), EbpfError> {
+    /// filter (netlink, no grace period to wait for) at Weir's own priority and handle,
+    /// removed with [`detach_inbound`] or with the interface. Idempotent: a filter of
+    /// this program already there is kept; one of another Weir program at Weir's
+    /// handle is replaced in one netlink call; Weir filters elsewhere (from builds that
+    /// let the kernel choose) go once this one is in place, so the interface is never
+    /// without one and never runs two.
+    pub fn attach(&self, netns: &Path, interface: &str) -> Result<(), EbpfError> {
         let mut program = SchedClassifier::from_pin(self.program_pin())
             .map_err(|source| EbpfError::Verify { program: inbound::PROG, source })?;
-        let link = attach_in(&mut program, inbound::PROG, netns, interface, Attach::Netlink)?;
-        let kept = keep(link, link_pin);
+        let prog_id = program
+            .fd()
+            .map_err(|source| EbpfError::Verify { program: inbound::PROG, source })
+            .and_then(|fd| {
+                super::sys::prog_id(fd.as_fd())
+                    .map_err(|source| EbpfError::Io { what: "read a program's id", source })
+            })?;
+        let attach_err = |e: std::io::Error| EbpfError::Attach {
+            program: inbound::PROG,
+            path: PathBuf::from(interface),
+            source: aya::programs::ProgramError::IOError(e),
+        };
+        let filters = in_netns(netns, || weir_filters(interface)).map_err(attach_err)?;
+        if filters
+            .iter()
+            .any(|f| f.prog_id == prog_id && (f.priority, f.handle) == (FILTER_PRIORITY, FILTER_HANDLE))
+        {
+            std::mem::forget(program);
+            return Ok(());
+        }
+        let ours_taken = filters.iter().any(|f| (f.priority, f.handle) == (FILTER_PRIORITY, FILTER_HANDLE));
+        let attached = in_netns(netns, || {
+            let _ = aya::programs::tc::qdisc_add_clsact(interface);
+            let id = if ours_taken {
+                let link = SchedClassifierLink::attached(
+                    interface,
+                    TcAttachType::Ingress,
+                    FILTER_PRIORITY,
+                    TcHandle::from(FILTER_HANDLE),
+                    None,
+                )?;
+                program.attach_to_link(link)
+            } else {
+                program.attach_with_options(
+                    interface,
+                    TcAttachType::Ingress,
+                    TcAttachOptions::Netlink(NlOptions {
+                        priority: FILTER_PRIORITY,
+                        handle: TcHandle::from(FILTER_HANDLE),
+                        ..NlOptions::default()
+                    }),
+                )
+            }
+            .map_err(std::io::Error::other)?;
+            // Dropping a netlink link would detach the filter: it stays on its own.
+            std::mem::forget(program.take_link(id).map_err(std::io::Error::other)?);
+            // Filters of Weir's programs at other places (kernel-chosen) go now.
+            for f in filters.iter().filter(|f| (f.priority, f.handle) != (FILTER_PRIORITY, FILTER_HANDLE)) {
+                let stale = SchedClassifierLink::attached(
+                    interface,
+                    TcAttachType::Ingress,
+                    f.priority,
+                    TcHandle::from(f.handle),
+                    None,
+                )?;
+                if let Err(e) = aya::programs::links::Link::detach(stale) {
+                    tracing::warn!(interface, priority = f.priority, error = %e, "an older Weir inbound filter not removed");
+                }
+            }
+            Ok(())
+        });
         // A legacy filter holds the program itself; the handle must not detach it.
         std::mem::forget(program);
-        kept
+        attached.map_err(attach_err)
     }
+}
+
+/// Weir's tc filter on a pod interface: its priority and handle ('WE' and 'WEIR').
+pub const FILTER_PRIORITY: u16 = 0x5745;
+pub const FILTER_HANDLE: u32 = 0x5745_4952;
+
+/// Weir's bpf filters on `interface`'s ingress (programs named as Weir's classifiers),
+/// in the calling thread's namespace.
+pub fn weir_filters(interface: &str) -> std::io::Result<Vec<weir_iptables::netlink::BpfFilter>> {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    runtime.block_on(async {
+        let nl = weir_iptables::netlink::Netlink::open().map_err(std::io::Error::other)?;
+        let filters = nl.ingress_bpf_filters(interface).await.map_err(std::io::Error::other)?;
+        Ok(filters.into_iter().filter(|f| inbound::PROGS.iter().any(|p| f.name == *p)).collect())
+    })
 }
 
 /// The tc inbound classifier attached to one pod interface (its own loaded copy and
@@ -304,7 +440,7 @@ impl InboundProgram {
         }
         let program = classifier(&mut ebpf, inbound::PROG_POD)?;
         program.load().map_err(|source| EbpfError::Verify { program: inbound::PROG_POD, source })?;
-        let link = attach_in(program, inbound::PROG_POD, netns, interface, Attach::Best)?;
+        let link = attach_in(program, inbound::PROG_POD, netns, interface)?;
         Ok(Self { ebpf: Some(ebpf), netns: netns.to_path_buf(), link: Some(link) })
     }
 

@@ -4,6 +4,12 @@
 //! read from the pinned maps at scrape time, as `weir_capture_decisions_total{pod,
 //! decision}` and `weir_capture_skmsg_bytes_total{pod}`. Istio has no metric for this
 //! (its capture is netfilter rules with packet counters), hence Weir's own names.
+//! Pods are labelled with their Kubernetes `namespace/name` where the capture knows it
+//! (CNI mode), else the capture's name.
+//!
+//! Also how full each program set's node-wide maps are
+//! (`weir_capture_map_entries{program_set,map}` against `weir_capture_map_capacity`),
+//! and a warning in the log when one passes [`WARN_PERCENT`].
 
 use std::collections::BTreeMap;
 
@@ -61,14 +67,71 @@ pub fn pod_counters() -> Vec<(String, Result<Counters, EbpfError>)> {
             (Ok(_), Some(Err(e))) => Err(e),
             (c, _) => c,
         };
-        out.push((record.pod, counters));
+        out.push((record.display_name().to_string(), counters));
     }
     out
 }
 
+/// A map's fill level: entries against capacity.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MapFill {
+    pub program_set: String,
+    pub map: String,
+    pub entries: u32,
+    pub capacity: u32,
+}
+
+/// Share of a map's capacity past which the node agent warns.
+pub const WARN_PERCENT: u64 = 80;
+
+/// How full every pinned program set's maps are (arrays, always full, left out).
+pub fn map_fill() -> Vec<MapFill> {
+    use std::os::fd::AsFd as _;
+    let mut out = Vec::new();
+    for key in super::set::pinned_keys() {
+        let Ok(maps) = std::fs::read_dir(super::set::set_dir(&key).join("maps")) else { continue };
+        for entry in maps.flatten() {
+            let Ok(fd) = super::sys::obj_get(&entry.path()) else { continue };
+            let Ok(info) = super::sys::map_info(fd.as_fd()) else { continue };
+            if matches!(info.map_type, super::sys::map_type::ARRAY | super::sys::map_type::PERCPU_ARRAY) {
+                continue;
+            }
+            let Ok(keys) = super::sys::keys_raw(fd.as_fd(), info.key_size) else { continue };
+            out.push(MapFill {
+                program_set: key.clone(),
+                map: entry.file_name().to_string_lossy().into_owned(),
+                entries: keys.len() as u32,
+                capacity: info.max_entries,
+            });
+        }
+    }
+    out
+}
+
+/// Logs a warning for every map past [`WARN_PERCENT`] of its capacity.
+pub fn warn_on_full_maps() {
+    for fill in map_fill() {
+        if u64::from(fill.entries) * 100 >= u64::from(fill.capacity) * WARN_PERCENT {
+            tracing::warn!(
+                program_set = %fill.program_set,
+                map = %fill.map,
+                entries = fill.entries,
+                capacity = fill.capacity,
+                "an eBPF capture map is nearly full: registrations or connection tracking will fail when it is"
+            );
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct MapLabel {
+    program_set: String,
+    map: String,
+}
+
 /// Prometheus text for `pods`, and how many captured pods could not be read
 /// (`unreadable`: they are left out of the per-pod series).
-pub fn exposition(pods: &[(String, Counters)], unreadable: usize) -> String {
+pub fn exposition(pods: &[(String, Counters)], unreadable: usize, fills: &[MapFill]) -> String {
     let mut registry = Registry::with_prefix("weir_capture");
     let (count, failed) = (Gauge::<i64>::default(), Gauge::<i64>::default());
     count.set(pods.len() as i64);
@@ -96,6 +159,15 @@ pub fn exposition(pods: &[(String, Counters)], unreadable: usize) -> String {
         decisions,
     );
     registry.register("skmsg_bytes", "Bytes sk_msg passed directly between local sockets, per pod", bytes);
+    let (entries, capacity) =
+        (Family::<MapLabel, Gauge<i64>>::default(), Family::<MapLabel, Gauge<i64>>::default());
+    for fill in fills {
+        let label = MapLabel { program_set: fill.program_set.clone(), map: fill.map.clone() };
+        entries.get_or_create(&label).set(i64::from(fill.entries));
+        capacity.get_or_create(&label).set(i64::from(fill.capacity));
+    }
+    registry.register("map_entries", "Entries in each node-wide eBPF capture map", entries);
+    registry.register("map_capacity", "Capacity of each node-wide eBPF capture map", capacity);
     let mut out = String::new();
     let _ = encode(&mut out, &registry);
     out
@@ -111,7 +183,13 @@ mod tests {
         c.0[0].1 = 5;
         c.0.iter_mut().find(|(n, _)| *n == "skmsg_bytes").unwrap().1 = 4096;
         c.0.iter_mut().find(|(n, _)| *n == "bypass_proxy").unwrap().1 = 2;
-        let text = exposition(&[("web-1".into(), c)], 1);
+        let fill = MapFill { program_set: "k".into(), map: "POD_CONFIG".into(), entries: 3, capacity: 4096 };
+        let text = exposition(&[("web-1".into(), c)], 1, &[fill]);
+        assert!(
+            text.contains("weir_capture_map_entries{program_set=\"k\",map=\"POD_CONFIG\"} 3")
+                && text.contains("weir_capture_map_capacity{program_set=\"k\",map=\"POD_CONFIG\"} 4096"),
+            "{text}"
+        );
         assert!(
             text.contains("weir_capture_pods 1") && text.contains("weir_capture_unreadable_pods 1"),
             "{text}"

@@ -133,3 +133,24 @@ pub fn cgroup_members_in(cgroup: &Path, netns: &Path) -> std::io::Result<Members
     }
     Ok(found)
 }
+
+/// NS_GET_USERNS: the user namespace that owns a namespace.
+const NS_GET_USERNS: libc::Ioctl = 0xb701;
+
+/// Whether the network namespace at `netns` is owned by the user namespace this process
+/// is in (for a node agent, the node's). A pod with `hostUsers: false` has its own: the
+/// ids its processes run as are not the ids eBPF programs see.
+pub fn owned_by_this_user_namespace(netns: &Path) -> std::io::Result<bool> {
+    use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
+    let file = File::open(netns)?;
+    // SAFETY: NS_GET_USERNS takes no argument and returns a new descriptor or -1.
+    let fd = unsafe { libc::ioctl(file.as_raw_fd(), NS_GET_USERNS) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a new descriptor we own from here on.
+    let owner = unsafe { OwnedFd::from_raw_fd(fd) };
+    let owner = nix::sys::stat::fstat(owner.as_fd()).map_err(std::io::Error::from)?;
+    let ours = std::fs::metadata("/proc/self/ns/user")?;
+    Ok((owner.st_dev, owner.st_ino) == (ours.dev(), ours.ino()))
+}

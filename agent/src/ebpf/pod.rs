@@ -47,25 +47,41 @@ pub fn capture_in_set(
     cookie: u64,
     pod: &PodCapture,
 ) -> Result<PinRecord, EbpfError> {
+    super::record::check_name(&target.name)
+        .map_err(|e| EbpfError::Io { what: "name the capture", source: std::io::Error::other(e) })?;
     let mut set = NodePrograms::acquire_key(key)?;
-    let record = PinRecord {
+    let mut record = PinRecord {
         pod: target.name.clone(),
         cgroup: target.cgroup.clone(),
         netns: target.netns.clone(),
         netns_cookie: cookie,
         interface: pod.inbound.map(|_| target.interface.clone()),
         programs: Some(set.key().to_string()),
+        registration: None,
+        k8s_pod: None,
+        pod_uid: None,
     };
     let dir = pin_dir(&target.name);
+    let netns = target.netns_path();
+    let registration = match set.register(cookie, pod, Some((&netns, &target.interface)), None) {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = set.release();
+            return Err(e);
+        }
+    };
+    record.registration = Some(registration);
     let done = (|| {
-        set.register(cookie, pod)?;
         set.attach_cgroup(&target.cgroup, &dir)?;
-        set.attach_inbound(&target.netns_path(), &target.interface, cookie, pod, &dir)?;
+        set.attach_inbound(&netns, &target.interface, pod, &dir)?;
         record.save().map_err(|source| EbpfError::Io { what: "write the capture record", source })
     })();
     if let Err(e) = done {
-        let _ = set.unregister(cookie);
+        let _ = set.unregister(cookie, record.registration.as_ref());
         let _ = unpin(&dir);
+        if let Some(interface) = &record.interface {
+            super::inbound::detach_inbound(Some(&netns), interface);
+        }
         let _ = set.release();
         return Err(e);
     }
@@ -79,26 +95,31 @@ pub fn capture_in_set(
     Ok(record)
 }
 
-/// Replaces the settings of a pod captured already (no gap in capture).
-pub fn update(record: &PinRecord, pod: &PodCapture) -> Result<(), EbpfError> {
+/// Replaces the settings of a pod captured already, in one switch (no gap in capture);
+/// returns its record with the new registration (saved).
+pub fn update(record: &PinRecord, pod: &PodCapture) -> Result<PinRecord, EbpfError> {
+    let mut record = record.clone();
     match &record.programs {
         Some(key) => {
             let mut set = NodePrograms::open_existing(key)?.ok_or_else(|| EbpfError::Pin {
                 path: super::set::set_dir(key).display().to_string(),
                 source: std::io::Error::new(std::io::ErrorKind::NotFound, "the pod's program set is gone"),
             })?;
-            set.register(record.netns_cookie, pod)?;
-            match &record.interface {
-                Some(interface) => {
-                    let netns = record.netns.clone().unwrap_or_else(|| PathBuf::from("/proc/self/ns/net"));
-                    set.register_inbound(&netns, interface, record.netns_cookie, pod)
-                }
-                None => Ok(()),
-            }
+            let netns = record.netns.clone().unwrap_or_else(|| PathBuf::from("/proc/self/ns/net"));
+            let inbound = record.interface.as_deref().map(|i| (netns.as_path(), i));
+            let registration =
+                set.register(record.netns_cookie, pod, inbound, record.registration.as_ref())?;
+            record.registration = Some(registration);
         }
         // A capture with maps of its own (made before program sets).
-        None => super::capture::MapSet::open_pinned(&record.pin_dir())?.register(record.netns_cookie, pod),
+        None => {
+            let mut maps = super::capture::MapSet::open_pinned(&record.pin_dir())?;
+            record.registration =
+                Some(maps.register(record.netns_cookie, pod, record.registration.as_ref())?);
+        }
     }
+    record.save().map_err(|source| EbpfError::Io { what: "write the capture record", source })?;
+    Ok(record)
 }
 
 /// The maps a record's capture uses: its program set's, or its own.

@@ -32,6 +32,8 @@ use super::{
     inbound::{InboundProgram, NodeClassifier},
     link::{self, CgroupLink},
     netns, objects,
+    registration::Registration,
+    sys,
 };
 
 /// Where node program sets live, one folder per key.
@@ -157,14 +159,100 @@ fn lock(key: &str, create: bool) -> Result<Option<(PathBuf, Flock<File>)>, EbpfE
     }
 }
 
-/// One node program set, open and locked while this value lives.
-pub struct NodePrograms {
+/// A program set's folder, locked while this value lives, whatever Weir build pinned
+/// it: what removing a pod's registration, counting its pods and removing the set
+/// need, through raw keys and whatever pins the folder holds. A newer build uses this
+/// on an older build's set, whose layout it need not know.
+pub struct LockedSet {
     key: String,
     dir: PathBuf,
+    _lock: Flock<File>,
+}
+
+impl LockedSet {
+    /// The set `key` if its folder exists (complete or not); never creates it.
+    pub fn open(key: &str) -> Result<Option<Self>, EbpfError> {
+        Ok(lock(key, false)?.map(|(dir, lock)| Self { key: key.to_string(), dir, _lock: lock }))
+    }
+
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// One of the set's pinned maps, opened (`None`: the set has no such map).
+    pub fn map_fd(&self, name: &str) -> Option<OwnedFd> {
+        link::obj_get(&self.dir.join("maps").join(name)).ok()
+    }
+
+    /// Removes exactly what `registration` wrote in this set.
+    pub fn unregister(&self, registration: &Registration) -> Result<(), EbpfError> {
+        let fds: BTreeMap<String, OwnedFd> =
+            registration.keys.keys().filter_map(|name| Some((name.clone(), self.map_fd(name)?))).collect();
+        registration.remove(|name| fds.get(name).map(|fd| fd.as_fd()))
+    }
+
+    /// How many pods are registered in the set's maps (its POD_CONFIG's entries).
+    pub fn pod_count(&self) -> Result<usize, EbpfError> {
+        let name = weir_ebpf_common::capture::map::POD_CONFIG;
+        let Some(fd) = self.map_fd(name) else { return Ok(0) };
+        let count = sys::count_entries(fd.as_fd())
+            .map_err(|source| EbpfError::Io { what: "count the pods registered in a program set", source })?;
+        Ok(count as usize)
+    }
+
+    /// Kernel ids of every program pinned in the set.
+    fn program_ids(&self) -> Vec<u32> {
+        let Ok(entries) = std::fs::read_dir(self.dir.join("progs")) else { return Vec::new() };
+        entries
+            .flatten()
+            .filter_map(|e| link::obj_get(&e.path()).ok())
+            .filter_map(|fd| link::prog_id(fd.as_fd()).ok())
+            .collect()
+    }
+
+    /// Whether anything uses the set: a pod registered in its maps, or a pinned link
+    /// (under any capture's `links/`) to one of its programs.
+    pub fn in_use(&self) -> Result<bool, EbpfError> {
+        if self.pod_count()? > 0 {
+            return Ok(true);
+        }
+        let ids = self.program_ids();
+        let Ok(captures) = std::fs::read_dir(PIN_ROOT) else { return Ok(false) };
+        for capture in captures.flatten().filter(|e| e.file_name() != "programs") {
+            let Ok(links) = std::fs::read_dir(capture.path().join("links")) else { continue };
+            for pin in links.flatten() {
+                let Ok(fd) = link::obj_get(&pin.path()) else { continue };
+                if link::link_prog_id(fd.as_fd()).is_ok_and(|id| ids.contains(&id)) {
+                    return Ok(true);
+                }
+            }
+        }
+        Ok(false)
+    }
+
+    /// Removes the set if nothing uses it (see [`LockedSet::in_use`]); returns whether it
+    /// did. The lock is released either way.
+    pub fn release(self) -> Result<bool, EbpfError> {
+        if self.in_use()? {
+            return Ok(false);
+        }
+        clear(&self.dir)?;
+        std::fs::remove_dir(&self.dir).map_err(pin_error(&self.dir))?;
+        tracing::info!(program_set = %self.key, "eBPF program set removed: no pod uses it");
+        drop(self);
+        remove_empty_parents(Path::new(PROGRAMS_DIR));
+        Ok(true)
+    }
+}
+
+/// One node program set of this Weir build, open and locked while this value lives.
+pub struct NodePrograms {
+    set: LockedSet,
     maps: MapSet,
     programs: BTreeMap<&'static str, OwnedFd>,
     inbound: Option<NodeClassifier>,
-    _lock: Flock<File>,
+    /// The node classifier's maps, open for raw operations (registrations).
+    inbound_maps: BTreeMap<&'static str, OwnedFd>,
 }
 
 impl NodePrograms {
@@ -208,15 +296,28 @@ impl NodePrograms {
         }
         let maps = MapSet::open_pinned(&dir)?;
         let inbound = NodeClassifier::pinned(&dir);
-        Ok(Self { key: key.to_string(), dir, maps, programs, inbound, _lock: lock })
+        let mut inbound_maps = BTreeMap::new();
+        if inbound.is_some() {
+            for name in [weir_ebpf_common::inbound::PODS, weir_ebpf_common::inbound::POD_COUNTERS] {
+                let path = dir.join("maps").join(name);
+                inbound_maps.insert(name, link::obj_get(&path).map_err(pin_error(&path))?);
+            }
+        }
+        let set = LockedSet { key: key.to_string(), dir, _lock: lock };
+        Ok(Self { set, maps, programs, inbound, inbound_maps })
     }
 
     pub fn key(&self) -> &str {
-        &self.key
+        &self.set.key
     }
 
     pub fn dir(&self) -> &Path {
-        &self.dir
+        &self.set.dir
+    }
+
+    /// Any of the set's maps by name, for raw operations.
+    fn fd(&self, name: &str) -> Option<std::os::fd::BorrowedFd<'_>> {
+        self.maps.fd(name).or_else(|| self.inbound_maps.get(name).map(|fd| fd.as_fd()))
     }
 
     pub fn maps(&self) -> &MapSet {
@@ -264,101 +365,102 @@ impl NodePrograms {
         Ok(())
     }
 
-    /// Registers (or replaces) a pod: its lists and config.
-    pub fn register(&mut self, cookie: u64, pod: &PodCapture) -> Result<(), EbpfError> {
-        self.maps.register(cookie, pod)
+    /// Registers (or replaces) a pod in one switch: its lists and, for the node
+    /// classifier, its inbound config keyed by `inbound`'s interface MAC (in its
+    /// namespace) and each of its addresses are written first, then its config is
+    /// switched; then what `previous` (its last registration, from its record) wrote
+    /// and this one did not goes. All or nothing: on failure a pod keeps its previous
+    /// registration, a new pod has none. Returns the registration, for the record.
+    pub fn register(
+        &mut self,
+        cookie: u64,
+        pod: &PodCapture,
+        inbound: Option<(&Path, &str)>,
+        previous: Option<&Registration>,
+    ) -> Result<Registration, EbpfError> {
+        let staged = self.maps.stage(cookie, pod)?;
+        let staged_inbound = match (&self.inbound, &pod.inbound, inbound) {
+            (Some(classifier), Some(config), Some((netns, interface))) => {
+                let mac = netns::interface_mac(netns, interface).map_err(|e| EbpfError::Attach {
+                    program: weir_ebpf_common::inbound::PROG,
+                    path: PathBuf::from(interface),
+                    source: aya::programs::ProgramError::IOError(e),
+                });
+                match mac.and_then(|mac| classifier.stage(cookie, mac, &pod.own_addresses, config)) {
+                    Ok(s) => Some(s),
+                    Err(e) => {
+                        self.maps.abort(staged);
+                        return Err(e);
+                    }
+                }
+            }
+            _ => None,
+        };
+        if let Err(e) = self.maps.commit(&staged) {
+            if let (Some(classifier), Some(s)) = (&self.inbound, staged_inbound) {
+                classifier.abort(s);
+            }
+            self.maps.abort(staged);
+            return Err(e);
+        }
+        let mut registration = staged.registration().clone();
+        for (map, keys) in staged_inbound.map(|s| s.registration.keys).into_iter().flatten() {
+            registration.keys.entry(map).or_default().extend(keys);
+        }
+        if let Some(previous) = previous
+            && let Err(e) = previous.minus(&registration).remove(|name| self.fd(name))
+        {
+            tracing::warn!(netns_cookie = cookie, error = %crate::error_chain(&e), "a pod's previous capture entries not all removed (garbage collection takes them)");
+        }
+        Ok(registration)
     }
 
-    /// Removes a pod's registration, inbound included (missing is fine).
-    pub fn unregister(&mut self, cookie: u64) -> Result<(), EbpfError> {
-        self.maps.unregister(cookie)?;
+    /// Removes a pod's registration, inbound included (missing is fine): exactly what
+    /// `registration` wrote, or, for a pod recorded without one, everything under its
+    /// cookie (a scan of the node-wide maps).
+    pub fn unregister(&mut self, cookie: u64, registration: Option<&Registration>) -> Result<(), EbpfError> {
+        if let Some(registration) = registration {
+            return registration.remove(|name| self.fd(name));
+        }
+        self.maps.unregister(cookie, None)?;
         if let Some(classifier) = &self.inbound {
             classifier.unregister(cookie)?;
         }
         Ok(())
     }
 
-    /// Writes (or replaces) the pod's inbound config for the node classifier: keyed by
-    /// `interface`'s MAC address in `netns` and each of the pod's own addresses. A
-    /// set without a node classifier has nothing to write.
-    pub fn register_inbound(
-        &self,
-        netns: &Path,
-        interface: &str,
-        cookie: u64,
-        pod: &PodCapture,
-    ) -> Result<(), EbpfError> {
-        let Some(classifier) = &self.inbound else { return Ok(()) };
-        let Some(config) = &pod.inbound else { return classifier.unregister(cookie) };
-        let mac = netns::interface_mac(netns, interface).map_err(|e| EbpfError::Attach {
-            program: weir_ebpf_common::inbound::PROG,
-            path: PathBuf::from(interface),
-            source: aya::programs::ProgramError::IOError(e),
-        })?;
-        classifier.register(cookie, mac, &pod.own_addresses, config)
-    }
-
     /// Attaches inbound capture to `interface` in `netns` and keeps it: the node
-    /// classifier as a tc filter, with the pod's config registered for it; or, in a set
-    /// without one, a copy of its own (a TCX link pinned at `dir/links/inbound`).
+    /// classifier as a tc filter (the pod's config was written by [`Self::register`]);
+    /// or, in a set without one, a copy of its own (a TCX link pinned at
+    /// `dir/links/inbound`).
     pub fn attach_inbound(
         &self,
         netns: &Path,
         interface: &str,
-        cookie: u64,
         pod: &PodCapture,
         dir: &Path,
     ) -> Result<(), EbpfError> {
         let Some(config) = &pod.inbound else { return Ok(()) };
         match &self.inbound {
-            Some(classifier) => {
-                self.register_inbound(netns, interface, cookie, pod)?;
-                classifier.attach(netns, interface, &dir.join("links").join("inbound"))
-            }
+            Some(classifier) => classifier.attach(netns, interface),
             None => InboundProgram::attach(netns, interface, config)?.pin(dir),
         }
     }
 
-    /// Whether anything uses the set: a pod registered in its maps, or a pinned link
-    /// (under any capture's `links/`) to one of its programs.
-    pub fn in_use(&self) -> Result<bool, EbpfError> {
-        if !self.maps.pods()?.is_empty() {
-            return Ok(true);
-        }
-        let mut ids: Vec<u32> = self.program_ids()?.into_values().collect();
-        if let Some(classifier) = &self.inbound
-            && let Ok(fd) = link::obj_get(&classifier.program_pin())
-            && let Ok(id) = link::prog_id(fd.as_fd())
-        {
-            ids.push(id);
-        }
-        let Ok(captures) = std::fs::read_dir(PIN_ROOT) else { return Ok(false) };
-        for capture in captures.flatten().filter(|e| e.file_name() != "programs") {
-            let Ok(links) = std::fs::read_dir(capture.path().join("links")) else { continue };
-            for pin in links.flatten() {
-                let Ok(fd) = link::obj_get(&pin.path()) else { continue };
-                if link::link_prog_id(fd.as_fd()).is_ok_and(|id| ids.contains(&id)) {
-                    return Ok(true);
-                }
-            }
-        }
-        Ok(false)
+    /// List entries no registered pod's config names (see [`MapSet::orphans`]), removed.
+    pub fn collect_orphans(&self) -> Result<usize, EbpfError> {
+        self.maps.collect_orphans()
     }
 
-    /// Removes the set if nothing uses it (see [`NodePrograms::in_use`]); returns
-    /// whether it did. The lock is released either way.
+    pub fn in_use(&self) -> Result<bool, EbpfError> {
+        self.set.in_use()
+    }
+
+    /// Removes the set if nothing uses it; returns whether it did.
     pub fn release(self) -> Result<bool, EbpfError> {
-        if self.in_use()? {
-            return Ok(false);
-        }
-        let Self { key, dir, maps, programs, inbound, _lock } = self;
-        drop((maps, programs, inbound));
-        clear(&dir)?;
-        std::fs::remove_dir(&dir).map_err(pin_error(&dir))?;
-        tracing::info!(program_set = %key, "eBPF program set removed: no pod uses it");
-        drop(_lock);
-        remove_empty_parents(Path::new(PROGRAMS_DIR));
-        Ok(true)
+        let Self { set, maps, programs, inbound, inbound_maps } = self;
+        drop((maps, programs, inbound, inbound_maps));
+        set.release()
     }
 }
 
@@ -394,26 +496,15 @@ pub fn pinned_keys() -> Vec<String> {
 }
 
 /// Removes every set nothing uses (a crash between pinning and registering leaves
-/// one); returns the keys removed.
+/// one, half pinned or whole; another build's set goes with its last pod); returns the
+/// keys removed. Sets in use, of any build, stay.
 pub fn remove_unused() -> Result<Vec<String>, EbpfError> {
     let mut removed = Vec::new();
     for key in pinned_keys() {
-        match NodePrograms::open_existing(&key)? {
-            Some(set) => {
-                if set.release()? {
-                    removed.push(key);
-                }
-            }
-            None => {
-                // Half pinned and not being loaded (we would have waited for the lock).
-                if let Some((dir, _lock)) = lock(&key, false)?
-                    && !complete(&dir)
-                {
-                    clear(&dir)?;
-                    let _ = std::fs::remove_dir(&dir);
-                    removed.push(key);
-                }
-            }
+        if let Some(set) = LockedSet::open(&key)?
+            && set.release()?
+        {
+            removed.push(key);
         }
     }
     remove_empty_parents(Path::new(PROGRAMS_DIR));

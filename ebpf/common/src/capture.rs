@@ -3,6 +3,11 @@
 //! data directly between local socket pairs. All per-pod state is keyed by the pod's
 //! network-namespace cookie, so one loaded copy can serve one pod (sidecar mode) or
 //! every pod on a node (CNI mode).
+//!
+//! A pod's list entries (the LPM tries) are keyed by its cookie *and* a generation that
+//! its [`PodConfig`] names: registering a pod again writes the new generation's entries
+//! first and then switches the config in one map update, so the programs never see a
+//! pod half configured, and the old generation's entries go after the switch.
 
 /// Object file name in the agent's embedded objects.
 pub const OBJECT: &str = "weir-capture";
@@ -18,6 +23,7 @@ pub mod prog {
     pub const GETSOCKOPT: &str = "weir_getsockopt";
     pub const SOCKOPS: &str = "weir_sockops";
     pub const SK_MSG: &str = "weir_sk_msg";
+    pub const SOCK_RELEASE: &str = "weir_sock_release";
 }
 
 /// Map names (the statics in `ebpf/programs/src/capture/maps.rs`).
@@ -53,9 +59,19 @@ pub mod map {
     ];
 }
 
-/// Map sizes.
+/// Map sizes. Node-wide maps are shared by every pod a program set serves, so each
+/// pod's share is bounded where it is written (user space refuses a pod over
+/// [`MAX_CIDRS_PER_POD`] before writing anything) and the tries hold every pod at its
+/// limit twice over (a pod being registered again holds two generations for a moment):
+/// no pod can fill them for another.
 pub const MAX_PODS: u32 = 4096;
-pub const MAX_CIDRS: u32 = 16384;
+/// Entries one pod may have in one trie (one address family of one list).
+pub const MAX_CIDRS_PER_POD: u32 = 256;
+pub const MAX_CIDRS: u32 = 2 * MAX_PODS * MAX_CIDRS_PER_POD;
+/// Connections being set up (connect to Envoy's accept) and UDP sockets that sent DNS
+/// to the agent; entries go when their socket closes (`sock_release`), or when Envoy
+/// asks for the original destination, so they count connections in flight, not
+/// connections made.
 pub const MAX_TRACKED_CONNECTIONS: u32 = 65536;
 
 /// Slots for proxy uids/gids and port lists in [`PodConfig`].
@@ -74,9 +90,8 @@ pub mod flags {
     pub const CAPTURE_ALL_DNS: u32 = 1 << 2;
     /// Register local socket pairs so sk_msg passes data socket to socket.
     pub const ACCELERATE: u32 = 1 << 3;
-    /// The kernel returns EFAULT for getsockopt buffers over a page unless the program
-    /// clamps optlen (before Linux 6.5).
-    pub const CLAMP_OPTLEN: u32 = 1 << 4;
+    // 1 << 4 was CLAMP_OPTLEN: getsockopt now leaves every large buffer alone, for
+    // every socket, on every kernel.
     /// Keep no decision counters for this pod (the benchmark's measure of their cost).
     pub const NO_COUNTERS: u32 = 1 << 5;
 }
@@ -102,7 +117,8 @@ pub struct PodConfig {
     /// The agent's DNS listener (15053).
     pub dns_port: u16,
     pub flags: u32,
-    pub _reserved: u32,
+    /// Which generation of the pod's list entries (the tries) this config uses.
+    pub generation: u32,
 }
 
 const _: () = assert!(core::mem::size_of::<PodConfig>() == 112);
@@ -168,28 +184,31 @@ impl PairKey {
     }
 }
 
-/// LPM-trie data for IPv4 entries: the pod's netns cookie (big-endian), then the
-/// address; the prefix length covers the 64 cookie bits plus the CIDR's bits.
+/// LPM-trie data for IPv4 entries: the pod's netns cookie and the generation of its
+/// entries (both big-endian), then the address; the prefix length covers the 96 bits
+/// of cookie and generation plus the CIDR's bits.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CidrV4 {
     pub netns: [u8; 8],
+    pub generation: [u8; 4],
     pub addr: [u8; 4],
 }
 
-const _: () = assert!(core::mem::size_of::<CidrV4>() == 12);
+const _: () = assert!(core::mem::size_of::<CidrV4>() == 16);
 
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CidrV6 {
     pub netns: [u8; 8],
+    pub generation: [u8; 4],
     pub addr: [u8; 16],
 }
 
-const _: () = assert!(core::mem::size_of::<CidrV6>() == 24);
+const _: () = assert!(core::mem::size_of::<CidrV6>() == 28);
 
-/// Bits of an LPM prefix taken by the netns cookie.
-pub const NETNS_PREFIX_BITS: u32 = 64;
+/// Bits of an LPM prefix taken by the netns cookie and the generation.
+pub const KEY_PREFIX_BITS: u32 = 96;
 
 /// One pod's decision counters (`POD_COUNTERS[netns cookie]`, per CPU, summed by user
 /// space): what the programs decided for its connections, slot by [`counter`].

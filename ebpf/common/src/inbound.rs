@@ -110,24 +110,36 @@ pub struct InboundCounters {
 }
 
 /// Counter slots: what the classifier decided for each new connection (SYN) to one of
-/// the pod's addresses. They partition those connections.
+/// the pod's addresses, and for each packet to one that it could not read. Capture
+/// fails closed: a connection it should hand to Envoy and cannot is refused (the SYN
+/// is dropped, so the client retries it, and connects once Envoy listens), never
+/// delivered around Envoy.
 pub mod counter {
     /// Assigned to Envoy's inbound listener.
     pub const ASSIGNED: u32 = 0;
     /// The port is not captured (`-b`/`-d`, the tunnel port 15008, or 15006 itself):
     /// the connection reaches the port it was sent to.
     pub const NOT_CAPTURED: u32 = 1;
-    /// Captured port, but nothing listens on Envoy's inbound port yet: the connection
-    /// reaches the app directly, bypassing the sidecar.
+    /// Captured port, but nothing listens on Envoy's inbound port (Envoy starting,
+    /// restarting or gone): refused.
     pub const NO_LISTENER: u32 = 2;
-    /// The kernel refused the assignment (`bpf_sk_assign` failed): same outcome as
-    /// [`NO_LISTENER`].
+    /// The kernel refused the assignment (`bpf_sk_assign` failed): refused.
     pub const ASSIGN_FAILED: u32 = 3;
-    pub const COUNT: u32 = 4;
+    /// A TCP packet (or one that may be TCP) the classifier cannot read: a fragment, an
+    /// IPv6 extension header chain longer than it walks, a TCP header cut short, or
+    /// IPsec it cannot see into. Dropped: the stack would reassemble or decrypt it
+    /// after the classifier, where nothing would send it to Envoy.
+    pub const UNPARSEABLE: u32 = 4;
+    pub const COUNT: u32 = 5;
     /// Names, in slot order: status output and the `decision` label of
     /// `weir_capture_decisions_total`.
-    pub const NAMES: [&str; COUNT as usize] =
-        ["inbound_assigned", "inbound_not_captured", "inbound_no_listener", "inbound_assign_failed"];
+    pub const NAMES: [&str; COUNT as usize] = [
+        "inbound_assigned",
+        "inbound_not_captured",
+        "inbound_no_listener",
+        "inbound_assign_failed",
+        "inbound_unparseable",
+    ];
 }
 
 #[cfg(feature = "user")]

@@ -213,7 +213,7 @@ mod tests {
             tunnel_port: 15008,
             dns_port: 15053,
             flags,
-            _reserved: 0,
+            generation: 0,
         }
     }
 

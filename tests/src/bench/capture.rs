@@ -169,12 +169,12 @@ pub fn apply(mode: Mode, pod: &Pod, cgroup: &Cgroup) -> anyhow::Result<Option<Ca
             let mut capture = PodCapture::new(
                 &cfg,
                 vec![pod.ipv4().into()],
-                EbpfOptions { accelerate: mode == Mode::EbpfSkMsg, clamp_optlen: false },
+                EbpfOptions { accelerate: mode == Mode::EbpfSkMsg },
             )?;
             if mode == Mode::EbpfNoCounters {
                 capture.config.flags |= weir_ebpf_common::capture::flags::NO_COUNTERS;
             }
-            programs.register(netns_cookie(Some(pod.netns().path()))?, &capture)?;
+            programs.register(netns_cookie(Some(pod.netns().path()))?, &capture, None)?;
             Ok(Some(programs))
         }
     }

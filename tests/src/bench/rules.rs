@@ -139,7 +139,7 @@ fn capture_pod(key: &str, name: &str, pod: &Pod, cgroup: &Cgroup) -> anyhow::Res
     let cfg = injector_config();
     let started = Instant::now();
     let facts = weir_iptables::detect::SystemFacts { netns: Some(pod.netns().path().to_path_buf()) };
-    let capture = PodCapture::new(&cfg, own_addresses(&facts)?, EbpfOptions::for_running_kernel(false))?;
+    let capture = PodCapture::new(&cfg, own_addresses(&facts)?, EbpfOptions::default())?;
     let cookie = netns_cookie(Some(pod.netns().path()))?;
     let target = PodTarget {
         name: unique_name(name),
@@ -156,8 +156,7 @@ fn map_update(set_dir: &Path, cookie: u64) -> anyhow::Result<(f64, f64)> {
     use aya::maps::{HashMap, Map, MapData};
     use weir_ebpf_common::capture::PodConfig;
     let path = set_dir.join("maps").join(weir_ebpf_common::capture::map::POD_CONFIG);
-    let config: PodConfig =
-        PodCapture::new(&injector_config(), Vec::new(), EbpfOptions::for_running_kernel(false))?.config;
+    let config: PodConfig = PodCapture::new(&injector_config(), Vec::new(), EbpfOptions::default())?.config;
     let open = || -> anyhow::Result<Map> { Ok(Map::HashMap(MapData::from_pin(&path)?)) };
     let apply = timed(|| {
         let mut map = open()?;

@@ -62,8 +62,8 @@ fn connect4(ctx: &SockAddrContext) {
         gid,
         port,
         policy::loopback4(dst),
-        || class(net::lookup_v4(&EXCLUDE_V4, netns, dst)),
-        || net::lookup_v4(&INCLUDE_V4, netns, dst).is_some(),
+        || class(net::lookup_v4(&EXCLUDE_V4, cfg, netns, dst)),
+        || net::lookup_v4(&INCLUDE_V4, cfg, netns, dst).is_some(),
     );
     match verdict {
         Verdict::Pass(reason) => maps::count(cfg, netns, reason.counter()),
@@ -128,8 +128,8 @@ fn connect6(ctx: &SockAddrContext) {
             gid,
             port,
             policy::loopback4(v4),
-            || class(net::lookup_v4(&EXCLUDE_V4, netns, v4)),
-            || net::lookup_v4(&INCLUDE_V4, netns, v4).is_some(),
+            || class(net::lookup_v4(&EXCLUDE_V4, cfg, netns, v4)),
+            || net::lookup_v4(&INCLUDE_V4, cfg, netns, v4).is_some(),
         ),
         None => policy::outbound_tcp(
             cfg,
@@ -137,8 +137,8 @@ fn connect6(ctx: &SockAddrContext) {
             gid,
             port,
             policy::loopback6(&dst),
-            || class(net::lookup_v6(&EXCLUDE_V6, netns, &dst)),
-            || net::lookup_v6(&INCLUDE_V6, netns, &dst).is_some(),
+            || class(net::lookup_v6(&EXCLUDE_V6, cfg, netns, &dst)),
+            || net::lookup_v6(&INCLUDE_V6, cfg, netns, &dst).is_some(),
         ),
     };
     match verdict {

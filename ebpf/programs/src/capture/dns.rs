@@ -27,7 +27,7 @@ pub fn redirect_v4(
     port: u16,
     tcp: bool,
 ) -> bool {
-    if !policy::dns(cfg, uid, gid, port, || net::lookup_v4(&DNS_V4, netns, dst).is_some()) {
+    if !policy::dns(cfg, uid, gid, port, || net::lookup_v4(&DNS_V4, cfg, netns, dst).is_some()) {
         return false;
     }
     if !tcp {
@@ -60,8 +60,8 @@ pub fn redirect_v6(
     tcp: bool,
 ) -> bool {
     let server = || match mapped {
-        Some(v4) => net::lookup_v4(&DNS_V4, netns, v4).is_some(),
-        None => net::lookup_v6(&DNS_V6, netns, dst).is_some(),
+        Some(v4) => net::lookup_v4(&DNS_V4, cfg, netns, v4).is_some(),
+        None => net::lookup_v6(&DNS_V6, cfg, netns, dst).is_some(),
     };
     if !policy::dns(cfg, uid, gid, port, server) {
         return false;

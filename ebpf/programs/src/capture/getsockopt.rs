@@ -1,9 +1,17 @@
 //! `cgroup/getsockopt`: answer `SO_ORIGINAL_DST` (SOL_IP) and `IP6T_SO_ORIGINAL_DST`
 //! (SOL_IPV6) on Envoy's accepted socket with the destination the app connected to,
 //! so Envoy's `original_dst` listener filter works unchanged.
+//!
+//! The hook sits on a cgroup shared with sockets that are not the mesh's (a node's
+//! `kubepods.slice`: host-network pods, kube-proxy or Calico reading their iptables
+//! tables with buffers far over a page). Every other call must come back as the kernel
+//! made it, on every kernel: a buffer over a page gets `optlen = 0`, which the kernel's
+//! documentation prescribes for "not consumed" (the kernel's own answer is kept; before
+//! Linux 6.5, leaving optlen over a page fails the call with EFAULT, and clamping it to
+//! a page would cut the answer short).
 
 use aya_ebpf::{EbpfContext as _, macros::cgroup_sockopt, programs::SockoptContext};
-use weir_ebpf_common::capture::{PairKey, counter, flags};
+use weir_ebpf_common::capture::{PairKey, counter};
 
 use crate::{
     maps::{self, ORIG_BY_PAIR, POD_CONFIG},
@@ -20,17 +28,18 @@ const SOCKADDR_IN6: usize = 28;
 #[cgroup_sockopt(getsockopt)]
 pub fn weir_getsockopt(ctx: SockoptContext) -> i32 {
     let so = ctx.sockopt;
-    let netns = net::netns_cookie(ctx.as_ptr());
-    let Some(cfg) = (unsafe { POD_CONFIG.get(&netns) }) else { return 1 };
     unsafe {
-        // Before Linux 6.5 the kernel fails getsockopt calls with buffers over a page
-        // unless the program shrinks optlen.
-        if cfg.has(flags::CLAMP_OPTLEN) && (*so).optlen > PAGE {
-            (*so).optlen = PAGE;
+        // Before any early return: see the module's doc.
+        if (*so).optlen > PAGE {
+            (*so).optlen = 0;
         }
         if (*so).optname != SO_ORIGINAL_DST {
             return 1;
         }
+    }
+    let netns = net::netns_cookie(ctx.as_ptr());
+    let Some(cfg) = (unsafe { POD_CONFIG.get(&netns) }) else { return 1 };
+    unsafe {
         let level = (*so).level;
         let sk = (*so).__bindgen_anon_1.sk;
         if sk.is_null() {

@@ -13,6 +13,7 @@ mod dns;
 mod getsockopt;
 mod maps;
 mod net;
+mod release;
 mod skmsg;
 mod sockops;
 

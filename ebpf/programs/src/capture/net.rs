@@ -5,7 +5,7 @@ use aya_ebpf::{
     helpers::{bpf_get_current_uid_gid, bpf_get_netns_cookie, bpf_get_socket_cookie},
     maps::{LpmTrie, lpm_trie::Key},
 };
-use weir_ebpf_common::capture::{CidrV4, CidrV6, NETNS_PREFIX_BITS};
+use weir_ebpf_common::capture::{CidrV4, CidrV6, KEY_PREFIX_BITS, PodConfig};
 
 /// Loads one field of a kernel context or socket struct at its own offset. The
 /// verifier rejects derived pointers into these structs, which LLVM otherwise makes
@@ -88,16 +88,20 @@ pub fn mapped_v4(addr: &[u32; 4]) -> Option<u32> {
     (addr[0] == 0 && addr[1] == 0 && addr[2] == u32::from_ne_bytes([0, 0, 0xff, 0xff])).then_some(addr[3])
 }
 
-/// The value stored for `addr` in a per-pod IPv4 trie, if any prefix matches.
+/// The value stored for `addr` in a per-pod IPv4 trie (the entries of the generation
+/// the pod's config names), if any prefix matches.
 #[inline(always)]
-pub fn lookup_v4(trie: &LpmTrie<CidrV4, u8>, netns: u64, addr: u32) -> Option<u8> {
-    let key =
-        Key::new(NETNS_PREFIX_BITS + 32, CidrV4 { netns: netns.to_be_bytes(), addr: addr.to_ne_bytes() });
-    trie.get(&key).copied()
+pub fn lookup_v4(trie: &LpmTrie<CidrV4, u8>, cfg: &PodConfig, netns: u64, addr: u32) -> Option<u8> {
+    let data = CidrV4 {
+        netns: netns.to_be_bytes(),
+        generation: cfg.generation.to_be_bytes(),
+        addr: addr.to_ne_bytes(),
+    };
+    trie.get(&Key::new(KEY_PREFIX_BITS + 32, data)).copied()
 }
 
 #[inline(always)]
-pub fn lookup_v6(trie: &LpmTrie<CidrV6, u8>, netns: u64, addr: &[u32; 4]) -> Option<u8> {
+pub fn lookup_v6(trie: &LpmTrie<CidrV6, u8>, cfg: &PodConfig, netns: u64, addr: &[u32; 4]) -> Option<u8> {
     let mut bytes = [0u8; 16];
     let mut i = 0;
     while i < 4 {
@@ -108,8 +112,8 @@ pub fn lookup_v6(trie: &LpmTrie<CidrV6, u8>, netns: u64, addr: &[u32; 4]) -> Opt
         bytes[i * 4 + 3] = w[3];
         i += 1;
     }
-    let key = Key::new(NETNS_PREFIX_BITS + 128, CidrV6 { netns: netns.to_be_bytes(), addr: bytes });
-    trie.get(&key).copied()
+    let data = CidrV6 { netns: netns.to_be_bytes(), generation: cfg.generation.to_be_bytes(), addr: bytes };
+    trie.get(&Key::new(KEY_PREFIX_BITS + 128, data)).copied()
 }
 
 /// The value a trie holds for the pod's own addresses (as opposed to `-x` entries).

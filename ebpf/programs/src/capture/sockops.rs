@@ -1,6 +1,8 @@
 //! `sockops`: when a connection is established, move a redirected connection's
 //! original destination from its socket cookie to its 4-tuple (which is all Envoy's
-//! getsockopt can see), and register local socket pairs for sk_msg.
+//! getsockopt can see), and register local socket pairs for sk_msg. Envoy's ends of
+//! connections (accepted on its capture ports) are watched until they close, when the
+//! original destination Envoy did not ask for goes.
 
 use aya_ebpf::{EbpfContext as _, macros::sock_ops, programs::SockOpsContext};
 use weir_ebpf_common::capture::{PairKey, counter, flags};
@@ -12,6 +14,10 @@ use crate::{
 
 const ACTIVE_ESTABLISHED_CB: u32 = 4;
 const PASSIVE_ESTABLISHED_CB: u32 = 5;
+const STATE_CB: u32 = 10;
+/// BPF_SOCK_OPS_STATE_CB_FLAG: call back on this socket's state changes.
+const STATE_CB_FLAG: i32 = 1 << 2;
+const TCP_CLOSE: u32 = 7;
 /// BPF_NOEXIST
 const NO_EXIST: u64 = 1;
 
@@ -20,6 +26,12 @@ pub fn weir_sockops(ctx: SockOpsContext) -> u32 {
     let op = unsafe { field!(ctx.ops, op) };
     if op == ACTIVE_ESTABLISHED_CB || op == PASSIVE_ESTABLISHED_CB {
         established(&ctx, op == ACTIVE_ESTABLISHED_CB);
+    } else if op == STATE_CB && ctx.arg(1) == TCP_CLOSE {
+        // Envoy's end closed: the app's end's original destination is not needed.
+        let netns = net::netns_cookie(ctx.as_ptr());
+        if let Some(key) = pair(&ctx, netns) {
+            let _ = ORIG_BY_PAIR.remove(&key.peer());
+        }
     }
     0
 }
@@ -65,6 +77,9 @@ fn established(ctx: &SockOpsContext, active: bool) {
     let netns = net::netns_cookie(ctx.as_ptr());
     let Some(cfg) = (unsafe { POD_CONFIG.get(&netns) }) else { return };
     let Some(key) = pair(ctx, netns) else { return };
+    if !active && (key.local_port == cfg.outbound_port || key.local_port == cfg.inbound_port) {
+        let _ = ctx.set_cb_flags(STATE_CB_FLAG);
+    }
     if active {
         let cookie = net::socket_cookie(ctx.as_ptr());
         if let Some(orig) = unsafe { ORIG_BY_COOKIE.get(&cookie) } {

@@ -5,11 +5,23 @@
 //! `weir_inbound` serves every pod on a node (config by the frame's destination MAC
 //! and IP address); `weir_in_pod` is a copy for one interface with its own
 //! `INBOUND_CONFIG`.
+//!
+//! Capture fails closed. For a packet to a pod address with inbound capture:
+//! - a SYN to a captured port that cannot be assigned (nothing listens on 15006, or
+//!   the kernel refuses the assignment) is dropped, where Istio's REDIRECT would
+//!   refuse it: the client retries its SYN and connects once Envoy listens;
+//! - a packet that is, or may be, TCP but cannot be read is dropped: IPv4 and IPv6
+//!   fragments (reassembly happens after this hook, where nothing would send the
+//!   connection to Envoy), IPv6 extension headers beyond [`MAX_EXT_HEADERS`], a TCP
+//!   header cut short, and IPsec (ESP, AH in IPv4, IPComp), whose inner packet the
+//!   stack sees only after this hook.
+//! Every other packet (other hosts' addresses, UDP, ICMP, later TCP segments, which
+//! find their socket) passes.
 #![no_std]
 #![no_main]
 
 use aya_ebpf::{
-    bindings::{TC_ACT_OK, bpf_sock_tuple},
+    bindings::{TC_ACT_OK, TC_ACT_SHOT, bpf_sock_tuple},
     helpers::{bpf_sk_assign, bpf_sk_release, bpf_skc_lookup_tcp},
     macros::{classifier, map},
     maps::{Array, HashMap, PerCpuArray, PerCpuHashMap},
@@ -33,10 +45,30 @@ static INBOUND_POD_COUNTERS: PerCpuHashMap<u64, InboundCounters> =
 const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
 const ETH_P_IPV6: u16 = 0x86dd;
-const IPPROTO_TCP: u8 = 6;
 const TCP_LISTEN: u32 = 10;
 /// BPF_F_CURRENT_NETNS
 const CURRENT_NETNS: u64 = u64::MAX;
+/// IPv6 extension headers walked before the packet counts as unreadable.
+const MAX_EXT_HEADERS: usize = 8;
+
+/// IP protocol numbers (IPv4's protocol, IPv6's next header).
+mod proto {
+    pub const HOPOPTS: u8 = 0;
+    pub const TCP: u8 = 6;
+    pub const ROUTING: u8 = 43;
+    pub const FRAGMENT: u8 = 44;
+    pub const ESP: u8 = 50;
+    pub const AH: u8 = 51;
+    pub const DSTOPTS: u8 = 60;
+    pub const IPCOMP: u8 = 108;
+}
+
+/// What the classifier does with a packet.
+enum Verdict {
+    Pass,
+    /// Dropped (and counted).
+    Refuse,
+}
 
 /// Counts a decision in the program's totals and, when the pod has them, its own slots.
 fn count(pod: Option<*mut InboundCounters>, slot: u32) {
@@ -54,70 +86,170 @@ fn count(pod: Option<*mut InboundCounters>, slot: u32) {
 /// by the pod's netns cookie.
 #[classifier]
 pub fn weir_inbound(ctx: TcContext) -> i32 {
-    let _ = try_inbound(&ctx, |key| {
+    classify(&ctx, |key| {
         // SAFETY: a hash lookup; the value is only read.
         let pod = unsafe { INBOUND_PODS.get(key) }?;
         Some((&pod.config, INBOUND_POD_COUNTERS.get_ptr_mut(&pod.netns)))
-    });
-    TC_ACT_OK
+    })
 }
 
 /// The copy for one interface: its own config (its totals are its one pod's).
 #[classifier]
 pub fn weir_in_pod(ctx: TcContext) -> i32 {
-    let _ = try_inbound(&ctx, |_| INBOUND_CONFIG.get(0).map(|c| (c, None)));
-    TC_ACT_OK
+    classify(&ctx, |_| INBOUND_CONFIG.get(0).map(|c| (c, None)))
+}
+
+#[inline(always)]
+fn classify<'a>(
+    ctx: &TcContext,
+    config: impl FnOnce(&InboundKey) -> Option<(&'a InboundConfig, Option<*mut InboundCounters>)>,
+) -> i32 {
+    match try_inbound(ctx, config) {
+        Some(Verdict::Refuse) => TC_ACT_SHOT,
+        _ => TC_ACT_OK,
+    }
+}
+
+/// Where the TCP header starts, or why there is none to read.
+enum Transport {
+    /// TCP at this offset.
+    Tcp(usize),
+    /// Not TCP: pass.
+    Other,
+    /// Possibly TCP, unreadable: refuse.
+    Unreadable,
+}
+
+/// An IPv4 packet's transport: TCP unless fragmented, nothing to read for IPsec.
+#[inline(always)]
+fn transport_v4(ctx: &TcContext) -> Transport {
+    let Ok(vihl) = ctx.load::<u8>(ETH_HLEN) else { return Transport::Unreadable };
+    let Ok(protocol) = ctx.load::<u8>(ETH_HLEN + 9) else { return Transport::Unreadable };
+    let Ok(frag) = ctx.load::<u16>(ETH_HLEN + 6) else { return Transport::Unreadable };
+    // More fragments (0x2000) or an offset (0x1fff): reassembled after this hook.
+    let fragment = u16::from_be(frag) & 0x3fff != 0;
+    let ihl = usize::from(vihl & 0x0f) * 4;
+    match protocol {
+        proto::TCP if fragment || ihl < 20 => Transport::Unreadable,
+        proto::TCP => Transport::Tcp(ETH_HLEN + ihl),
+        proto::ESP | proto::AH | proto::IPCOMP => Transport::Unreadable,
+        _ => Transport::Other,
+    }
+}
+
+/// An IPv6 packet's transport, after walking up to [`MAX_EXT_HEADERS`] extension
+/// headers.
+#[inline(always)]
+fn transport_v6(ctx: &TcContext) -> Transport {
+    let Ok(mut next) = ctx.load::<u8>(ETH_HLEN + 6) else { return Transport::Unreadable };
+    let mut off = ETH_HLEN + 40;
+    for _ in 0..MAX_EXT_HEADERS {
+        let len = match next {
+            proto::TCP => return Transport::Tcp(off),
+            proto::HOPOPTS | proto::ROUTING | proto::DSTOPTS => match ctx.load::<u8>(off + 1) {
+                Ok(n) => (usize::from(n) + 1) * 8,
+                Err(_) => return Transport::Unreadable,
+            },
+            proto::AH => match ctx.load::<u8>(off + 1) {
+                Ok(n) => (usize::from(n) + 2) * 4,
+                Err(_) => return Transport::Unreadable,
+            },
+            proto::FRAGMENT => {
+                let Ok(frag) = ctx.load::<u16>(off + 2) else { return Transport::Unreadable };
+                // Offset (upper 13 bits) or more fragments (bit 0): a real fragment.
+                // An atomic fragment (neither) is read through.
+                if u16::from_be(frag) & 0xfff9 != 0 {
+                    return match ctx.load::<u8>(off) {
+                        Ok(n) if !may_hide_tcp(n) => Transport::Other,
+                        _ => Transport::Unreadable,
+                    };
+                }
+                8
+            }
+            proto::ESP | proto::IPCOMP => return Transport::Unreadable,
+            _ => return Transport::Other,
+        };
+        let Ok(n) = ctx.load::<u8>(off) else { return Transport::Unreadable };
+        next = n;
+        off += len;
+    }
+    match next {
+        proto::TCP => Transport::Tcp(off),
+        n if may_hide_tcp(n) => Transport::Unreadable,
+        _ => Transport::Other,
+    }
+}
+
+/// Whether a next header is TCP or may lead to it (an extension header, IPsec).
+#[inline(always)]
+fn may_hide_tcp(next: u8) -> bool {
+    matches!(
+        next,
+        proto::TCP
+            | proto::HOPOPTS
+            | proto::ROUTING
+            | proto::DSTOPTS
+            | proto::AH
+            | proto::FRAGMENT
+            | proto::ESP
+            | proto::IPCOMP
+    )
+}
+
+/// The TCP flags and ports at `off`, if the header is there.
+#[inline(always)]
+fn tcp_header(ctx: &TcContext, off: usize) -> Option<(u8, u16, u16)> {
+    Some((ctx.load::<u8>(off + 13).ok()?, ctx.load::<u16>(off).ok()?, ctx.load::<u16>(off + 2).ok()?))
 }
 
 #[inline(always)]
 fn try_inbound<'a>(
     ctx: &TcContext,
     config: impl FnOnce(&InboundKey) -> Option<(&'a InboundConfig, Option<*mut InboundCounters>)>,
-) -> Option<()> {
-    let proto: u16 = u16::from_be(ctx.load(12).ok()?);
-    let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
-    let mut key = InboundKey { mac: ctx.load(0).ok()?, _pad: [0; 2], addr: [0; 16] };
-    let (tcp_off, size) = match proto {
-        ETH_P_IP => {
-            let vihl: u8 = ctx.load(ETH_HLEN).ok()?;
-            if ctx.load::<u8>(ETH_HLEN + 9).ok()? != IPPROTO_TCP {
-                return None;
-            }
-            let t = unsafe { &mut tuple.__bindgen_anon_1.ipv4 };
-            t.saddr = ctx.load(ETH_HLEN + 12).ok()?;
-            t.daddr = ctx.load(ETH_HLEN + 16).ok()?;
-            let daddr: [u8; 4] = ctx.load(ETH_HLEN + 16).ok()?;
-            (key.addr[0], key.addr[1], key.addr[2], key.addr[3]) = (daddr[0], daddr[1], daddr[2], daddr[3]);
-            (ETH_HLEN + usize::from(vihl & 0x0f) * 4, core::mem::size_of_val(t))
-        }
-        ETH_P_IPV6 => {
-            // Extension headers are not followed: TCP must be the next header.
-            if ctx.load::<u8>(ETH_HLEN + 6).ok()? != IPPROTO_TCP {
-                return None;
-            }
-            let t = unsafe { &mut tuple.__bindgen_anon_1.ipv6 };
-            t.saddr = ctx.load(ETH_HLEN + 8).ok()?;
-            t.daddr = ctx.load(ETH_HLEN + 24).ok()?;
-            key.addr = ctx.load(ETH_HLEN + 24).ok()?;
-            (ETH_HLEN + 40, core::mem::size_of_val(t))
-        }
+) -> Option<Verdict> {
+    let ethertype: u16 = u16::from_be(ctx.load(12).ok()?);
+    let transport = match ethertype {
+        ETH_P_IP => transport_v4(ctx),
+        ETH_P_IPV6 => transport_v6(ctx),
         _ => return None,
     };
-    let flags: u8 = ctx.load(tcp_off + 13).ok()?;
-    // SYN without ACK: a new connection. Later segments find the accepted socket.
-    if flags & 0x12 != 0x02 {
-        return None;
-    }
-    let sport: u16 = ctx.load(tcp_off).ok()?;
-    let dport: u16 = ctx.load(tcp_off + 2).ok()?;
+    // The fast path, before any map lookup: not TCP, or a segment of a connection
+    // (not a SYN), which finds its socket.
+    let tcp = match transport {
+        Transport::Other => return None,
+        Transport::Tcp(off) => match tcp_header(ctx, off) {
+            Some((flags, _, _)) if flags & 0x12 != 0x02 => return None,
+            header => header,
+        },
+        Transport::Unreadable => None,
+    };
+    // A SYN, or a packet that cannot be read: what the destination pod asks for.
+    let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
+    let mut key = InboundKey { mac: ctx.load(0).ok()?, _pad: [0; 2], addr: [0; 16] };
+    let size = if ethertype == ETH_P_IP {
+        let t = unsafe { &mut tuple.__bindgen_anon_1.ipv4 };
+        t.saddr = ctx.load(ETH_HLEN + 12).ok()?;
+        t.daddr = ctx.load(ETH_HLEN + 16).ok()?;
+        let daddr: [u8; 4] = ctx.load(ETH_HLEN + 16).ok()?;
+        (key.addr[0], key.addr[1], key.addr[2], key.addr[3]) = (daddr[0], daddr[1], daddr[2], daddr[3]);
+        core::mem::size_of_val(t)
+    } else {
+        let t = unsafe { &mut tuple.__bindgen_anon_1.ipv6 };
+        t.saddr = ctx.load(ETH_HLEN + 8).ok()?;
+        t.daddr = ctx.load(ETH_HLEN + 24).ok()?;
+        key.addr = ctx.load(ETH_HLEN + 24).ok()?;
+        core::mem::size_of_val(t)
+    };
     let (cfg, pod) = config(&key)?;
+    // SYN without ACK (checked above): a new connection.
+    let Some((_, sport, dport)) = tcp else { return Some(refuse(pod, counter::UNPARSEABLE)) };
     if !cfg.captures(u16::from_be(dport)) {
         count(pod, counter::NOT_CAPTURED);
-        return None;
+        return Some(Verdict::Pass);
     }
     let listen_port = cfg.capture_port.to_be();
     unsafe {
-        if proto == ETH_P_IP {
+        if ethertype == ETH_P_IP {
             tuple.__bindgen_anon_1.ipv4.sport = sport;
             tuple.__bindgen_anon_1.ipv4.dport = listen_port;
         } else {
@@ -126,19 +258,26 @@ fn try_inbound<'a>(
         }
         let sk = bpf_skc_lookup_tcp(ctx.skb.skb.cast(), &mut tuple, size as u32, CURRENT_NETNS, 0);
         if sk.is_null() {
-            count(pod, counter::NO_LISTENER);
-            return None;
+            return Some(refuse(pod, counter::NO_LISTENER));
         }
         if (*sk).state != TCP_LISTEN {
             bpf_sk_release(sk.cast());
-            count(pod, counter::NO_LISTENER);
-            return None;
+            return Some(refuse(pod, counter::NO_LISTENER));
         }
         let ret = bpf_sk_assign(ctx.skb.skb.cast(), sk.cast(), 0);
         bpf_sk_release(sk.cast());
-        count(pod, if ret == 0 { counter::ASSIGNED } else { counter::ASSIGN_FAILED });
+        if ret != 0 {
+            return Some(refuse(pod, counter::ASSIGN_FAILED));
+        }
     }
-    Some(())
+    count(pod, counter::ASSIGNED);
+    Some(Verdict::Pass)
+}
+
+#[inline(always)]
+fn refuse(pod: Option<*mut InboundCounters>, slot: u32) -> Verdict {
+    count(pod, slot);
+    Verdict::Refuse
 }
 
 #[cfg(not(test))]

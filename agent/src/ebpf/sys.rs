@@ -1,0 +1,155 @@
+//! The few `bpf(2)` commands Weir makes itself, by raw system call: open and make pins,
+//! read a program's, link's or map's info, and delete or walk map keys as raw bytes.
+//! Raw keys let any Weir build remove what another build registered in its program
+//! set (whose key layout it may not know), and count a map's entries without its
+//! value type. aya covers everything else.
+
+use std::{
+    ffi::CString,
+    os::fd::{AsRawFd as _, BorrowedFd, FromRawFd as _, OwnedFd},
+    path::Path,
+};
+
+const BPF_MAP_DELETE_ELEM: libc::c_long = 3;
+const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
+const BPF_OBJ_PIN: libc::c_long = 6;
+const BPF_OBJ_GET: libc::c_long = 7;
+const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+
+/// UAPI `enum bpf_link_type` values Weir reads.
+pub mod link_type {
+    pub const CGROUP: u32 = 3;
+    pub const TCX: u32 = 11;
+}
+
+pub(crate) fn bpf(cmd: libc::c_long, attr: &mut [u64; 16]) -> std::io::Result<i64> {
+    // SAFETY: `attr` is a zero-initialised union bpf_attr large enough for the command.
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr.as_mut_ptr(), std::mem::size_of_val(attr)) };
+    if rc < 0 { Err(std::io::Error::last_os_error()) } else { Ok(rc) }
+}
+
+fn c_path(path: &Path) -> std::io::Result<CString> {
+    CString::new(path.as_os_str().as_encoded_bytes()).map_err(std::io::Error::other)
+}
+
+/// Opens the object pinned at `path` (a program, map or link).
+pub fn obj_get(path: &Path) -> std::io::Result<OwnedFd> {
+    let c = c_path(path)?;
+    let mut attr = [0u64; 16];
+    // obj_get: pathname (u64 pointer), bpf_fd (u32), file_flags (u32).
+    attr[0] = c.as_ptr() as u64;
+    let fd = bpf(BPF_OBJ_GET, &mut attr)?;
+    // SAFETY: the kernel returned a new descriptor that we now own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// Pins the object open as `fd` at `path` (on bpffs).
+pub fn pin_fd(fd: BorrowedFd<'_>, path: &Path) -> std::io::Result<()> {
+    let c = c_path(path)?;
+    let mut attr = [0u64; 16];
+    // obj_pin: pathname (u64 pointer), bpf_fd (u32), file_flags (u32).
+    attr[0] = c.as_ptr() as u64;
+    attr[1] = u64::from(fd.as_raw_fd() as u32);
+    bpf(BPF_OBJ_PIN, &mut attr).map(drop)
+}
+
+/// The first words of an object's info struct (`bpf_prog_info`, `bpf_link_info`,
+/// `bpf_map_info` all start with type and id).
+fn info<const N: usize>(fd: BorrowedFd<'_>) -> std::io::Result<[u32; N]> {
+    let mut info = [0u32; N];
+    let mut attr = [0u64; 16];
+    // info: bpf_fd (u32), info_len (u32), info (u64 pointer).
+    attr[0] = u64::from(fd.as_raw_fd() as u32) | ((std::mem::size_of_val(&info) as u64) << 32);
+    attr[1] = info.as_mut_ptr() as u64;
+    bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)?;
+    Ok(info)
+}
+
+/// The kernel's id of a loaded program.
+pub fn prog_id(program: BorrowedFd<'_>) -> std::io::Result<u32> {
+    Ok(info::<2>(program)?[1])
+}
+
+/// What the kernel says of a link: `bpf_link_info`'s type, program, and target (a
+/// cgroup link's cgroup id, 0 once the link was detached or its cgroup removed; a TCX
+/// link's interface index, 0 once detached).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinkInfo {
+    pub link_type: u32,
+    pub prog_id: u32,
+    pub target: u64,
+}
+
+pub fn link_info(link: BorrowedFd<'_>) -> std::io::Result<LinkInfo> {
+    // type, id, prog_id, padding, then the union (8-aligned): cgroup_id (u64) or
+    // tcx's ifindex (u32).
+    let w = info::<8>(link)?;
+    let target = match w[0] {
+        link_type::CGROUP => u64::from(w[4]) | (u64::from(w[5]) << 32),
+        _ => u64::from(w[4]),
+    };
+    Ok(LinkInfo { link_type: w[0], prog_id: w[2], target })
+}
+
+/// The id of the program a link attaches.
+pub fn link_prog_id(link: BorrowedFd<'_>) -> std::io::Result<u32> {
+    Ok(link_info(link)?.prog_id)
+}
+
+/// A map's shape: `bpf_map_info`'s type, key size, value size and capacity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MapInfo {
+    pub map_type: u32,
+    pub key_size: u32,
+    pub value_size: u32,
+    pub max_entries: u32,
+}
+
+pub fn map_info(map: BorrowedFd<'_>) -> std::io::Result<MapInfo> {
+    let w = info::<6>(map)?;
+    Ok(MapInfo { map_type: w[0], key_size: w[2], value_size: w[3], max_entries: w[4] })
+}
+
+/// Deletes `key` (its raw bytes) from the map; `Ok(false)` when it was not there.
+pub fn delete_raw(map: BorrowedFd<'_>, key: &[u8]) -> std::io::Result<bool> {
+    let mut attr = [0u64; 16];
+    // map_elem: map_fd (u32, padded), key (u64 pointer).
+    attr[0] = u64::from(map.as_raw_fd() as u32);
+    attr[1] = key.as_ptr() as u64;
+    match bpf(BPF_MAP_DELETE_ELEM, &mut attr) {
+        Ok(_) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Every key of a map whose keys are `key_size` bytes, as raw bytes (a walk with
+/// BPF_MAP_GET_NEXT_KEY; a map changing meanwhile may skip or repeat an entry).
+pub fn keys_raw(map: BorrowedFd<'_>, key_size: u32) -> std::io::Result<Vec<Vec<u8>>> {
+    let mut keys: Vec<Vec<u8>> = Vec::new();
+    let mut next = vec![0u8; key_size as usize];
+    loop {
+        let mut attr = [0u64; 16];
+        attr[0] = u64::from(map.as_raw_fd() as u32);
+        // The first call passes no key (NULL): the first key.
+        attr[1] = keys.last().map_or(0, |k| k.as_ptr() as u64);
+        attr[2] = next.as_mut_ptr() as u64;
+        match bpf(BPF_MAP_GET_NEXT_KEY, &mut attr) {
+            Ok(_) => keys.push(next.clone()),
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(keys),
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// UAPI `enum bpf_map_type` values whose entries always all exist.
+pub mod map_type {
+    pub const ARRAY: u32 = 2;
+    pub const PERCPU_ARRAY: u32 = 6;
+}
+
+/// How many entries a map holds (see [`keys_raw`]).
+pub fn count_entries(map: BorrowedFd<'_>) -> std::io::Result<u32> {
+    let info = map_info(map)?;
+    Ok(keys_raw(map, info.key_size)?.len() as u32)
+}

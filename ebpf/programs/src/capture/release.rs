@@ -1,0 +1,22 @@
+//! `cgroup/sock_release`: a socket's connection-tracking entries keyed by its cookie go
+//! with it. A connect that never completed (nothing listening on 15001 yet, the app
+//! giving up) leaves its original destination under its cookie, and a UDP socket that
+//! sent DNS to the agent leaves the server it addressed; without this, those entries
+//! would stay until the node-wide LRU maps evicted them, and one pod's connect storm
+//! would evict other pods' connections in flight. (The entries keyed by a connection's
+//! 4-tuple go when Envoy asks for them, or when Envoy's end closes: `sockops`.)
+
+use aya_ebpf::{EbpfContext as _, macros::cgroup_sock, programs::SockContext};
+
+use crate::{
+    maps::{DNS_BY_COOKIE, ORIG_BY_COOKIE},
+    net::{self, ALLOW},
+};
+
+#[cgroup_sock(sock_release)]
+pub fn weir_sock_release(ctx: SockContext) -> i32 {
+    let cookie = net::socket_cookie(ctx.as_ptr());
+    let _ = ORIG_BY_COOKIE.remove(&cookie);
+    let _ = DNS_BY_COOKIE.remove(&cookie);
+    ALLOW
+}
