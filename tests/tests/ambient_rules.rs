@@ -404,3 +404,62 @@ fn iptables_host_probe_without_its_ipset_changes_nothing() {
         Verdict::Clean
     );
 }
+
+/// All or nothing: when IPv6's restore fails after IPv4's went in, IPv4's rules are
+/// taken out again and the error says the namespace was restored.
+#[test]
+fn a_failure_part_way_leaves_the_namespace_as_it_was() {
+    require_root!();
+    let mesh = Mesh::new(&test_name!()).expect("mesh");
+    let pod = mesh.pod("pod").expect("pod");
+    // An empty chain of ours in ip6 nat: no rule (the namespace still looks clean), but
+    // IPv6's `-N ISTIO_OUTPUT` will fail.
+    in_pod(&pod, "ip6tables", &["-t", "nat", "-N", "ISTIO_OUTPUT"]);
+    let before = rules_of(&pod);
+    let cfg = AmbientConfig { enable_ipv6: true, ..Default::default() }.for_pod(PodOverrides::default());
+    let err = apply_inpod(pod.netns().path(), &cfg).unwrap_err();
+    let text = format!("{err:?}");
+    assert!(text.contains("RolledBack"), "{text}");
+    // iptables-nft-restore commits table by table: IPv6's mangle went in before its nat
+    // failed, and is taken out with IPv4's rules.
+    let after = rules_of(&pod);
+    assert!(!after.contains("-A "), "no rule of either family is left:\n{after}\n(before:\n{before})");
+    assert_eq!(policy_route(&pod), [false; 4], "no route was set");
+
+    // The policy route fails part-way (IPv6's local route needs `lo` up): the rules of
+    // both families and IPv4's rule and route, already in, are taken out again.
+    for (i, backend) in [AmbientBackend::Iptables, AmbientBackend::Nftables].into_iter().enumerate() {
+        let pod = mesh.pod(&format!("lo-down{i}")).expect("pod");
+        ip(&pod, &["link", "set", "lo", "down"]);
+        let cfg = InpodConfig { ambient: AmbientConfig { backend, ..cfg.ambient.clone() }, ..cfg.clone() };
+        let err = apply_inpod(pod.netns().path(), &cfg).unwrap_err();
+        let text = format!("{err:?}");
+        assert!(text.contains("RolledBack") && text.contains("local default dev lo"), "{text}");
+        let after = rules_of(&pod);
+        assert!(
+            !after.contains("-A ") && !after.contains("istio-ambient"),
+            "{backend:?}: rules left:\n{after}"
+        );
+        assert_eq!(policy_route(&pod), [false; 4], "{backend:?}: IPv4's rule and route were taken out again");
+    }
+}
+
+/// A missing policy route is drift, and an apply puts it back without touching rules.
+#[test]
+fn a_missing_policy_route_is_drift_and_comes_back() {
+    require_root!();
+    let mesh = Mesh::new(&test_name!()).expect("mesh");
+    for (i, backend) in [AmbientBackend::Iptables, AmbientBackend::Nftables].into_iter().enumerate() {
+        let pod = mesh.pod(&format!("r{i}")).expect("pod");
+        let cfg = AmbientConfig { backend, ..Default::default() }.for_pod(PodOverrides::default());
+        apply(&pod, &cfg);
+        let rules = rules_of(&pod);
+        ip(&pod, &["-4", "rule", "del", "fwmark", "0x111/0xfff", "pref", "32764", "lookup", "100"]);
+        assert_eq!(policy_route(&pod), [false, true, false, false]);
+        assert_eq!(verify(&pod, &cfg), Verdict::Drifted, "{backend:?}");
+        assert_eq!(apply(&pod, &cfg), Action::AlreadyApplied, "{backend:?}: the rules were in place");
+        assert_eq!(policy_route(&pod), [true, true, false, false], "{backend:?}");
+        assert_eq!(verify(&pod, &cfg), Verdict::Applied);
+        assert_eq!(rules_of(&pod), rules);
+    }
+}

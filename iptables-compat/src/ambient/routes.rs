@@ -31,13 +31,35 @@ fn wants_route(family: Family) -> bool {
     family == Family::V4 || !lo_ipv6_disabled()
 }
 
-/// Sets the rule and route for each family; idempotent.
+/// Sets the rule and route for each family; idempotent. If one fails, those this call
+/// added are taken out again before the error is returned.
 pub(crate) async fn configure(nl: &Netlink, ipv6: bool) -> Result<(), NetlinkError> {
-    for family in families(ipv6) {
-        if wants_route(*family) {
-            nl.ensure_local_default_route(*family, ROUTE_TABLE_INBOUND).await?;
+    let mut added = Removed::default();
+    let result = add_missing(nl, ipv6, &mut added).await;
+    if result.is_err() {
+        for (family, (rule, route)) in [(Family::V4, added.v4), (Family::V6, added.v6)] {
+            if rule {
+                let _ = nl.delete_mark_rule(family, INPOD_ROUTE_RULE).await;
+            }
+            if route {
+                let _ = nl.delete_local_default_route(family, ROUTE_TABLE_INBOUND).await;
+            }
         }
-        nl.ensure_mark_rule(*family, INPOD_ROUTE_RULE).await?;
+    }
+    result
+}
+
+async fn add_missing(nl: &Netlink, ipv6: bool, added: &mut Removed) -> Result<(), NetlinkError> {
+    for family in families(ipv6) {
+        let slot = if *family == Family::V4 { &mut added.v4 } else { &mut added.v6 };
+        if wants_route(*family) && !nl.has_local_default_route(*family, ROUTE_TABLE_INBOUND).await? {
+            nl.ensure_local_default_route(*family, ROUTE_TABLE_INBOUND).await?;
+            slot.1 = true;
+        }
+        if !nl.has_mark_rule(*family, INPOD_ROUTE_RULE).await? {
+            nl.ensure_mark_rule(*family, INPOD_ROUTE_RULE).await?;
+            slot.0 = true;
+        }
     }
     Ok(())
 }
@@ -67,7 +89,7 @@ pub(crate) async fn any_present(nl: &Netlink) -> Result<bool, NetlinkError> {
     Ok(false)
 }
 
-/// What [`remove`] took away, per family: (rule, route).
+/// What [`remove`] took away (or [`configure`] added), per family: (rule, route).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct Removed {
     v4: (bool, bool),
