@@ -114,9 +114,22 @@ pub(crate) fn program_iptables_from(
     cfg: &CaptureConfig,
     opts: &RunOptions,
     x: &mut dyn Xtables,
-    (save4, save6): (Option<String>, Option<String>),
+    saves: (Option<String>, Option<String>),
 ) -> Result<Report, CaptureError> {
-    let plan = plan::plan(cfg);
+    program_plan_from(&plan::plan(cfg), opts, x, saves, true)
+}
+
+/// [`program_iptables_from`] for any plan (the ambient node agent's too): verify,
+/// reconcile or refuse, apply, roll back on failure. `log_final_state` reads each
+/// programmed family's state afterwards, as istio-iptables logs it (the ambient node
+/// agent does not).
+pub(crate) fn program_plan_from(
+    plan: &plan::RulePlan,
+    opts: &RunOptions,
+    x: &mut dyn Xtables,
+    (save4, save6): (Option<String>, Option<String>),
+    log_final_state: bool,
+) -> Result<Report, CaptureError> {
     let restore4 = render::restore(&plan.v4);
     let restore6 = render::restore(&plan.v6);
     let checks4 = render::checks(&plan.v4);
@@ -181,7 +194,8 @@ pub(crate) fn program_iptables_from(
 
     // Istio logs the final state of each family it programmed.
     for (family, name) in [(Family::V4, "IPv4"), (Family::V6, "IPv6")] {
-        if (family == Family::V4 || plan.ipv6)
+        if log_final_state
+            && (family == Family::V4 || plan.ipv6)
             && let Some(state) = x.save(family)
         {
             tracing::info!("Final iptables state ({name}):\n{state}");

@@ -156,8 +156,11 @@ pub fn apply(plan: &RulePlan, probe: &Probe, lock: Lock) -> Result<Applied, crat
             continue;
         }
         if let Err(e) = x.restore(family, text, true) {
-            // Nothing was there before: the snapshot of each applied family is empty.
-            let snapshots: Vec<_> = applied.iter().map(|f| (*f, Some(String::new()))).collect();
+            // Nothing was there before: the snapshot of each applied family is empty. The
+            // failing family too: iptables-nft-restore commits table by table, so the
+            // tables before the one that failed are in.
+            let snapshots: Vec<_> =
+                applied.iter().chain([&family]).map(|f| (*f, Some(String::new()))).collect();
             return Err(crate::apply::rollback_iptables(&mut x, e.into(), &snapshots));
         }
         applied.push(family);

@@ -5,6 +5,7 @@
 //! ([`apply`]) in one transaction per family. TPROXY's policy routes go over netlink
 //! ([`routes`], [`netlink`]). [`flags`] is istio-iptables' command line.
 
+pub mod ambient;
 pub mod apply;
 pub mod config;
 pub mod decisions;

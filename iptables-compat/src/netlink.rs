@@ -396,3 +396,96 @@ fn is_local_default_via(route: &RouteMessage, lo: u32) -> bool {
         && route.header.destination_prefix_length == 0
         && route.attributes.contains(&RouteAttribute::Oif(lo))
 }
+
+/// A policy routing rule `fwmark <mark>/<mask> pref <priority> lookup <table>` (the
+/// ambient in-pod rule; the TPROXY one above has neither mask nor priority).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MarkRule {
+    pub mark: u32,
+    pub mask: u32,
+    pub priority: u32,
+    pub table: u32,
+}
+
+impl std::fmt::Display for MarkRule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "fwmark {:#x}/{:#x} pref {} lookup {}", self.mark, self.mask, self.priority, self.table)
+    }
+}
+
+impl Netlink {
+    /// The rules of `family` that are `rule` (mark, mask, priority and table all equal).
+    async fn mark_rules(
+        &self,
+        family: Family,
+        rule: MarkRule,
+    ) -> Result<Vec<netlink_packet_route::rule::RuleMessage>> {
+        let version = match family {
+            Family::V4 => IpVersion::V4,
+            Family::V6 => IpVersion::V6,
+        };
+        let mut found = Vec::new();
+        let mut rules = self.handle.rule().get(version).execute();
+        while let Some(msg) = rules.try_next().await.map_err(op(format!("ip {} rule show", family.flag())))? {
+            let attr = |want: RuleAttribute| msg.attributes.contains(&want);
+            let table = msg
+                .attributes
+                .iter()
+                .find_map(|a| match a {
+                    RuleAttribute::Table(t) => Some(*t),
+                    _ => None,
+                })
+                .unwrap_or(u32::from(msg.header.table));
+            if attr(RuleAttribute::FwMark(rule.mark))
+                && attr(RuleAttribute::FwMask(rule.mask))
+                && attr(RuleAttribute::Priority(rule.priority))
+                && table == rule.table
+                && msg.header.action == RuleAction::ToTable
+            {
+                found.push(msg);
+            }
+        }
+        Ok(found)
+    }
+
+    /// Whether `ip rule` has `rule` for `family`.
+    pub async fn has_mark_rule(&self, family: Family, rule: MarkRule) -> Result<bool> {
+        Ok(!self.mark_rules(family, rule).await?.is_empty())
+    }
+
+    /// `ip rule add <rule>`, unless it is already there.
+    pub async fn ensure_mark_rule(&self, family: Family, rule: MarkRule) -> Result<()> {
+        if self.has_mark_rule(family, rule).await? {
+            return Ok(());
+        }
+        let mut req = self
+            .handle
+            .rule()
+            .add()
+            .fw_mark(rule.mark)
+            .priority(rule.priority)
+            .table_id(rule.table)
+            .action(RuleAction::ToTable);
+        req.message_mut().attributes.push(RuleAttribute::FwMask(rule.mask));
+        let what = format!("ip {} rule add {rule}", family.flag());
+        match family {
+            Family::V4 => req.v4().execute().await.map_err(op(what)),
+            Family::V6 => req.v6().execute().await.map_err(op(what)),
+        }
+    }
+
+    /// `ip rule del <rule>`, every copy present; says whether there was one.
+    pub async fn delete_mark_rule(&self, family: Family, rule: MarkRule) -> Result<bool> {
+        let doomed = self.mark_rules(family, rule).await?;
+        let found = !doomed.is_empty();
+        for msg in doomed {
+            self.handle
+                .rule()
+                .del(msg)
+                .execute()
+                .await
+                .map_err(op(format!("ip {} rule del {rule}", family.flag())))?;
+        }
+        Ok(found)
+    }
+}

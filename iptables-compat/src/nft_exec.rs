@@ -57,7 +57,7 @@ impl Nft for NftRecorder {
 #[derive(Debug, Default)]
 pub struct SystemNft;
 
-fn nft(args: &[&str], stdin: Option<&str>) -> Result<String, NftError> {
+pub(crate) fn nft(args: &[&str], stdin: Option<&str>) -> Result<String, NftError> {
     let mut cmd = Command::new("nft");
     cmd.args(args)
         .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
@@ -79,7 +79,7 @@ fn nft(args: &[&str], stdin: Option<&str>) -> Result<String, NftError> {
 
 /// The inet tables present: read in process (no nft run), or from `nft list tables`
 /// if that probe fails.
-fn inet_tables() -> Result<Vec<String>, NftError> {
+pub(crate) fn inet_tables() -> Result<Vec<String>, NftError> {
     match crate::nf_probe::tables() {
         Ok(t) => Ok(t.nft_in(crate::nf_probe::NFPROTO_INET).map(|t| t.table.clone()).collect()),
         Err(e) => {
@@ -100,14 +100,35 @@ pub fn istio_tables_present() -> Result<bool, NftError> {
 
 /// Lists the Istio tables present, counters zeroed, in a fixed order.
 fn list_istio_tables() -> Result<String, NftError> {
+    list_tables(&NftTable::ALL.map(NftTable::name))
+}
+
+/// Lists those of the inet tables `names` that are present, counters zeroed, in the
+/// order given; empty when there are none.
+pub fn list_tables(names: &[&str]) -> Result<String, NftError> {
     let present = inet_tables()?;
     let mut out = String::new();
-    for table in NftTable::ALL {
-        if present.iter().any(|p| p == table.name()) {
-            out.push_str(&zero_counters(&nft(&["list", "table", "inet", table.name()], None)?));
+    for name in names {
+        if present.iter().any(|p| p == name) {
+            out.push_str(&zero_counters(&nft(&["list", "table", "inet", name], None)?));
         }
     }
     Ok(out)
+}
+
+/// Runs `f` on a thread of its own in a fresh, empty network namespace (it and the
+/// namespace end when `f` returns): what a transaction produces, seen without
+/// touching the namespace it is meant for.
+pub fn in_scratch_netns<T: Send>(f: impl FnOnce() -> Result<T, NftError> + Send) -> Result<T, NftError> {
+    std::thread::scope(|s| {
+        s.spawn(move || {
+            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET)
+                .map_err(|e| NftError::Scratch(e.into()))?;
+            f()
+        })
+        .join()
+        .unwrap_or_else(|_| Err(NftError::Scratch(std::io::Error::other("scratch thread panicked"))))
+    })
 }
 
 /// `counter packets 12 bytes 720` → `counter`.
@@ -137,18 +158,9 @@ impl Nft for SystemNft {
     }
 
     fn expected(&mut self, tx: &str) -> Result<String, NftError> {
-        let tx = tx.to_string();
-        std::thread::scope(|s| {
-            s.spawn(move || {
-                // This thread alone moves to a fresh, empty namespace; it (and the
-                // namespace) end when the scope returns.
-                nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET)
-                    .map_err(|e| NftError::Scratch(e.into()))?;
-                nft(&["-f", "-"], Some(&tx))?;
-                list_istio_tables()
-            })
-            .join()
-            .unwrap_or_else(|_| Err(NftError::Scratch(std::io::Error::other("scratch thread panicked"))))
+        in_scratch_netns(|| {
+            nft(&["-f", "-"], Some(tx))?;
+            list_istio_tables()
         })
     }
 

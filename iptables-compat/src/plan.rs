@@ -101,8 +101,8 @@ impl RulePlan {
 }
 
 /// Builds rules the way Istio's IptablesRuleBuilder does (v6 only when enabled).
-struct Builder {
-    plan: RulePlan,
+pub(crate) struct Builder {
+    pub(crate) plan: RulePlan,
 }
 
 fn args(items: &[&str]) -> Vec<String> {
@@ -115,34 +115,41 @@ impl Builder {
         all.extend(params.iter().map(|s| s.to_string()));
         rules.push(Rule { table, chain: chain.to_string(), params: all });
     }
-    fn append_v4(&mut self, chain: &str, table: Table, params: &[&str]) {
+    pub(crate) fn append_v4(&mut self, chain: &str, table: Table, params: &[&str]) {
         Self::push(&mut self.plan.v4, table, chain, args(&["-A", chain]), params);
     }
-    fn append_v6(&mut self, chain: &str, table: Table, params: &[&str]) {
+    pub(crate) fn append_v6(&mut self, chain: &str, table: Table, params: &[&str]) {
         if self.plan.ipv6 {
             Self::push(&mut self.plan.v6, table, chain, args(&["-A", chain]), params);
         }
     }
-    fn append(&mut self, chain: &str, table: Table, params: &[&str]) {
+    pub(crate) fn append(&mut self, chain: &str, table: Table, params: &[&str]) {
         self.append_v4(chain, table, params);
         self.append_v6(chain, table, params);
     }
-    fn insert_v4(&mut self, chain: &str, table: Table, pos: usize, params: &[&str]) {
+    pub(crate) fn insert_v4(&mut self, chain: &str, table: Table, pos: usize, params: &[&str]) {
         let head = vec!["-I".into(), chain.into(), pos.to_string()];
         Self::push(&mut self.plan.v4, table, chain, head, params);
     }
-    fn insert_v6(&mut self, chain: &str, table: Table, pos: usize, params: &[&str]) {
+    pub(crate) fn insert_v6(&mut self, chain: &str, table: Table, pos: usize, params: &[&str]) {
         if self.plan.ipv6 {
             let head = vec!["-I".into(), chain.into(), pos.to_string()];
             Self::push(&mut self.plan.v6, table, chain, head, params);
         }
     }
-    fn insert(&mut self, chain: &str, table: Table, pos: usize, params: &[&str]) {
+    pub(crate) fn insert(&mut self, chain: &str, table: Table, pos: usize, params: &[&str]) {
         self.insert_v4(chain, table, pos, params);
         self.insert_v6(chain, table, pos, params);
     }
     /// A rule with a family-specific address: `SPECIFIC` in `params` becomes `v4`/`v6`.
-    fn append_versioned(&mut self, v4: &str, v6: &str, chain: &str, table: Table, params: &[&str]) {
+    pub(crate) fn append_versioned(
+        &mut self,
+        v4: &str,
+        v6: &str,
+        chain: &str,
+        table: Table,
+        params: &[&str],
+    ) {
         fn swap<'a>(params: &[&'a str], with: &'a str) -> Vec<&'a str> {
             params.iter().map(|p| if *p == SPECIFIC { with } else { p }).collect()
         }
@@ -151,7 +158,7 @@ impl Builder {
     }
 }
 
-const SPECIFIC: &str = "\u{0}family-specific";
+pub(crate) const SPECIFIC: &str = "\u{0}family-specific";
 
 /// Generates Istio's iptables rules for `cfg`, in Istio's order.
 pub fn plan(cfg: &CaptureConfig) -> RulePlan {
