@@ -82,6 +82,8 @@ pub struct CniRuntime<'a> {
     pub node: &'a NetNs,
     /// Searched in order for each plugin's `type`: Weir's link dir, then the reference plugins.
     pub path: Vec<PathBuf>,
+    /// Variables every plugin gets besides the spec's (e.g. another build's program set).
+    pub env: Vec<(String, String)>,
     bin: Dir,
 }
 
@@ -93,7 +95,12 @@ impl<'a> CniRuntime<'a> {
         for name in ["istio-cni", "weir-cni"] {
             std::os::unix::fs::symlink(tools::weir(), bin.path().join(name))?;
         }
-        Ok(Self { node, path: vec![bin.path().to_path_buf(), REFERENCE_PLUGINS.into()], bin })
+        Ok(Self {
+            node,
+            path: vec![bin.path().to_path_buf(), REFERENCE_PLUGINS.into()],
+            env: Vec::new(),
+            bin,
+        })
     }
 
     pub fn bin_dir(&self) -> &Path {
@@ -133,6 +140,7 @@ impl<'a> CniRuntime<'a> {
             .env("CNI_ARGS", &a.args)
             .env("CNI_PATH", path)
             .env("PATH", std::env::var("PATH").unwrap_or_default())
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());

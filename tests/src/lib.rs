@@ -35,6 +35,7 @@ pub mod prototext;
 pub mod request_log;
 pub mod sidecar;
 pub mod spire;
+pub mod synprobe;
 pub mod tools;
 
 pub use weir_agent::{

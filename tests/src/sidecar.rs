@@ -194,6 +194,15 @@ impl AgentProcess {
         }
     }
 
+    /// SIGKILL (no drain, no cleanup: as the kernel's OOM killer ends it), and reaps it.
+    pub fn kill(&mut self) -> anyhow::Result<ExitStatus> {
+        self.child.signal(libc::SIGKILL)?;
+        match self.child.wait_timeout(Duration::from_secs(10))? {
+            Some(status) => Ok(status),
+            None => bail!("weir proxy survived SIGKILL for 10 s"),
+        }
+    }
+
     /// SIGTERM, then waits up to 10 s for it to exit.
     pub fn terminate(&mut self) -> anyhow::Result<ExitStatus> {
         self.child.signal(libc::SIGTERM)?;

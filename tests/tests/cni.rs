@@ -332,9 +332,25 @@ impl NodeAgent {
     }
 
     fn run(&self, verb: &str, once: &[&str]) -> std::process::Output {
+        self.command(verb, once).output().unwrap()
+    }
+
+    /// `weir cni install` as the DaemonSet runs it (watching), as the build whose
+    /// program set is `set` (the key's suffix: another build), until it is stopped.
+    fn start(&self, set: &str) -> std::process::Child {
+        let log = std::fs::File::create(self.host.path().join("agent.log")).unwrap();
+        self.command("install", &["--interval", "200ms"])
+            .env(weir_agent::ebpf::set::SET_ENV, set)
+            .stdout(std::process::Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap()
+    }
+
+    fn command(&self, verb: &str, once: &[&str]) -> Command {
         let dir = |d: &str| self.host.path().join(d);
-        tools::weir_command()
-            .args(["cni", verb])
+        let mut cmd = tools::weir_command();
+        cmd.args(["cni", verb])
             .args(once)
             .args(["--ebpf-cgroup", &self.cgroup, "--ebpf-name", &self.name])
             .arg("--cni-net-dir")
@@ -344,9 +360,8 @@ impl NodeAgent {
             .arg("--run-dir")
             .arg(dir("run"))
             .arg("--kubeconfig")
-            .arg(&self.kubeconfig)
-            .output()
-            .unwrap()
+            .arg(&self.kubeconfig);
+        cmd
     }
 
     /// The chain as install left it.
@@ -396,6 +411,26 @@ fn ask_through_capture(
     let out = run_in(&node.ns, None, tools::testkit_command(), &["ask", &format!("{ip}:8080")]);
     let (local, orig) = captured(&out).unwrap_or_else(|| panic!("inbound not captured: {out}"));
     (local, orig, [outbound, inbound])
+}
+
+/// Ends a node agent as the kubelet would (`signal`), and what it logged.
+fn stop(agent: &NodeAgent, mut running: std::process::Child, signal: nix::sys::signal::Signal) -> String {
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(running.id() as i32), signal).unwrap();
+    let status = running.wait().unwrap();
+    let log = std::fs::read_to_string(agent.host.path().join("agent.log")).unwrap_or_default();
+    if signal == nix::sys::signal::Signal::SIGTERM {
+        assert!(status.success(), "the agent did not stop cleanly: {log}");
+    }
+    log
+}
+
+/// Waits until the node capture `name` runs the program set whose key ends in `set`.
+fn wait_node_capture(name: &str, set: &str) -> weir_agent::ebpf::record::PinRecord {
+    weir_tests::control_plane::eventually(std::time::Duration::from_secs(20), || {
+        weir_agent::ebpf::record::PinRecord::load(name)
+            .filter(|r| r.programs.as_deref().is_some_and(|k| k.ends_with(set)))
+    })
+    .unwrap_or_else(|| panic!("the node capture {name} never ran set {set}"))
 }
 
 /// `weir capture status --json`: one object per pinned capture.
@@ -506,6 +541,195 @@ fn listed_pod(name: &str, sidecar: bool, node: &str, ip: &str) -> Value {
     object["spec"]["nodeName"] = json!(node);
     object["status"] = json!({"podIP": ip});
     object
+}
+
+/// The node agent stopped (SIGTERM), killed (SIGKILL), rolled to a build with another
+/// program set and rolled back, with pods registered: no pod ever loses its capture.
+/// Before, SIGTERM uninstalled: it detached the node capture and unregistered every
+/// pod; and the new build refused the old build's node capture (OtherVersion).
+#[test]
+fn capture_outlives_the_node_agent_through_restarts_and_rollouts() {
+    use nix::sys::signal::Signal;
+    require_root!();
+    let _bpffs = weir_tests::BpffsUse::acquire().unwrap();
+    let node = Node::new(&test_name!(), false);
+    let cgroup = test_cgroup(&test_name!());
+    let name = unique_name("cni-node");
+    let _guard = NodeCapture(name.clone());
+    let (old, new) = (unique_name("old").replace('-', "_"), unique_name("new").replace('-', "_"));
+    let _sets = [SetGuard(old.clone()), SetGuard(new.clone())];
+    let agent = NodeAgent::new(&node, cgroup.path(), &name);
+    let mut rt = CniRuntime::new(&node.ns).unwrap();
+    rt.env = vec![(weir_agent::ebpf::set::SET_ENV.into(), old.clone())];
+
+    let running = agent.start(&old);
+    let old_key = wait_node_capture(&name, &old).programs.unwrap();
+    node.api.set_pod(pod_object("shop", "web-1", true, &[], &[]));
+    let web1 = pod_netns(&rt, "web-1");
+    let (list, a, result, ip1) = add_auto(&node, &rt, &web1, &name);
+    let captured = |pod: &NetNs, ip: &str, when: &str| {
+        let (local, _, _stand_ins) = ask_through_capture(&node, pod, Some(&cgroup), ip, when);
+        assert_eq!(local, format!("{ip}:8080"), "{when}: inbound");
+    };
+    captured(&web1, &ip1, "installed");
+
+    let log = stop(&agent, running, Signal::SIGTERM);
+    assert!(log.contains("every pod stays captured"), "{log}");
+    captured(&web1, &ip1, "after SIGTERM");
+    assert_eq!(agent.installed()["plugins"][1]["type"], "weir-cni", "still chained after SIGTERM");
+    stop(&agent, agent.start(&old), Signal::SIGKILL);
+    captured(&web1, &ip1, "after SIGKILL");
+
+    // Rolled to another build: the old build's set stays attached for web-1; new pods
+    // go to the new build's set.
+    let running = agent.start(&new);
+    let new_key = wait_node_capture(&name, &new).programs.unwrap();
+    let retired = weir_agent::cni::ebpf::retired_name(&name, &old_key);
+    let kept = weir_agent::ebpf::record::PinRecord::load(&retired).expect("the old set is kept for its pods");
+    assert_eq!(kept.programs.as_deref(), Some(old_key.as_str()));
+    captured(&web1, &ip1, "after the rollout");
+    rt.env = vec![(weir_agent::ebpf::set::SET_ENV.into(), new.clone())];
+    node.api.set_pod(pod_object("shop", "web-2", true, &[], &[]));
+    let web2 = pod_netns(&rt, "web-2");
+    let b = Attachment::pod("c-web-2", web2.path(), "shop", "web-2");
+    let result2 = rt.add(&list, &b).unwrap_or_else(|e| panic!("ADD with the new build: {e}"));
+    let ip2 = pod_ip(&result2);
+    captured(&web2, &ip2, "a pod of the new build");
+    captured(&web1, &ip1, "the old build's pod beside it");
+    let out = std::process::Command::new(tools::weir()).args(["capture", "status"]).output().unwrap();
+    assert!(out.status.success(), "status after the rollout: {}", String::from_utf8_lossy(&out.stdout));
+
+    // Rolled back: the old build's set becomes the node capture again (never attached
+    // twice), the new build's is kept for web-2, and goes with it.
+    stop(&agent, running, Signal::SIGTERM);
+    let running = agent.start(&old);
+    weir_tests::control_plane::eventually(std::time::Duration::from_secs(20), || {
+        weir_agent::ebpf::record::PinRecord::load(&retired).is_none().then_some(())
+    })
+    .expect("the old set taken up again");
+    wait_node_capture(&name, &old);
+    let kept_new = weir_agent::cni::ebpf::retired_name(&name, &new_key);
+    assert!(
+        weir_agent::ebpf::record::PinRecord::load(&kept_new).is_some(),
+        "the new build's set kept for web-2"
+    );
+    let hooks = weir_tests::capture::cgroup_programs(cgroup.path());
+    assert_eq!(
+        hooks.iter().filter(|l| l.split_whitespace().last() == Some("weir_connect4")).count(),
+        2,
+        "one connect4 per set: {hooks:?}"
+    );
+    captured(&web1, &ip1, "after the rollback");
+    captured(&web2, &ip2, "the new build's pod after the rollback");
+    rt.del(&list, &b, Some(&result2)).unwrap_or_else(|e| panic!("DEL web-2: {e}"));
+    assert!(
+        weir_agent::ebpf::record::PinRecord::load(&kept_new).is_none(),
+        "the new build's set went with its last pod"
+    );
+    assert!(!weir_agent::ebpf::set::set_dir(&new_key).exists(), "and its programs");
+    stop(&agent, running, Signal::SIGTERM);
+    rt.env = vec![(weir_agent::ebpf::set::SET_ENV.into(), old.clone())];
+    rt.del(&list, &a, Some(&result)).unwrap_or_else(|e| panic!("DEL web-1: {e}"));
+    let out = agent.run("uninstall", &[]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// What a crafted SYN from `client` to the server (`mac`, `dst`:`port`) drew.
+fn syn_probe(client: &NetNs, mac: [u8; 6], src: &str, dst: &str, port: u16, shape: &str) -> String {
+    let mac = mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":");
+    let args = ["syn-probe", "eth0", &mac, src, dst, &port.to_string(), shape];
+    run_in(client, None, tools::testkit_command(), &args)
+}
+
+/// Inbound capture fails closed, through the node classifier. A SYN to a captured port
+/// while nothing listens on 15006 (Envoy starting, restarting, gone) is refused: before,
+/// it reached the app in plain text. SYNs the classifier cannot read (IPv4 and IPv6
+/// fragments) never reach the app: before, they went straight to it, as did IPv6 SYNs
+/// behind extension headers, which it now walks and captures like any SYN.
+#[test]
+fn inbound_capture_refuses_what_it_cannot_hand_to_envoy() {
+    require_root!();
+    let _bpffs = weir_tests::BpffsUse::acquire().unwrap();
+    let node = Node::new(&test_name!(), false);
+    node.api.set_pod(pod_object("shop", "web-1", true, &[], &[]));
+    let cgroup = test_cgroup(&test_name!());
+    let name = unique_name("cni-node");
+    let _guard = NodeCapture(name.clone());
+    weir_agent::cni::ebpf::attach_node(&name, cgroup.path()).unwrap();
+    let rt = CniRuntime::new(&node.ns).unwrap();
+    let server = pod_netns(&rt, "web-1");
+    let client = pod_netns(&rt, "client");
+    let mut plain_chain = node.conflist(json!({}));
+    plain_chain["plugins"].as_array_mut().unwrap().pop();
+    let client_ip =
+        pod_ip(&rt.add(&plain_chain, &Attachment::pod("c-client", client.path(), "x", "client")).unwrap());
+    let (list, a, result, ip) = add_auto(&node, &rt, &server, &name);
+    // IPv6 addresses too, then the runtime's ADD again: registered again in place.
+    for (ns, v6) in [(&server, "fd00:77::10"), (&client, "fd00:77::20")] {
+        run_in(
+            ns,
+            None,
+            Command::new("ip"),
+            &["-6", "addr", "add", &format!("{v6}/64"), "dev", "eth0", "nodad"],
+        );
+    }
+    let weir = CniRuntime::plugin_config(&list, &list["plugins"][1], Some(&result));
+    rt.exec("istio-cni", "ADD", &a, weir.to_string().as_bytes()).unwrap_or_else(|e| panic!("ADD again: {e}"));
+    let mac = weir_agent::ebpf::netns::interface_mac(server.path(), "eth0").unwrap();
+    let in_pod = |uid: u32| placed(&server, Some(&cgroup), uid);
+
+    // The app listens; Envoy does not yet.
+    let app = start_placed(in_pod(1000), &["serve-hello", "0.0.0.0:8080", "app"]).unwrap();
+    assert_eq!(
+        syn_probe(&client, mac, &client_ip, &ip, 8080, "plain"),
+        "nothing",
+        "no listener on 15006: dropped"
+    );
+    let out = try_run_placed(
+        placed(&client, None, 1000),
+        tools::testkit_command(),
+        &["ask", &format!("{ip}:8080")],
+    );
+    assert!(out.is_err(), "the app answered around its sidecar: {out:?}");
+    drop(app);
+
+    // Envoy listens, the app does not: what is captured gets a SYN-ACK from 15006, what
+    // bypassed capture would get a RST from the app's closed port, and what is dropped
+    // gets nothing.
+    let _envoy = ["0.0.0.0:15006", "[::]:15006"].map(|at| start_placed(in_pod(1337), &["capture-listener", at]).unwrap());
+    for (src, dst, shape, expected) in [
+        (client_ip.as_str(), ip.as_str(), "plain", "syn-ack"),
+        (&client_ip, &ip, "fragments", "nothing"),
+        ("fd00:77::20", "fd00:77::10", "plain", "syn-ack"),
+        ("fd00:77::20", "fd00:77::10", "hbh", "syn-ack"),
+        ("fd00:77::20", "fd00:77::10", "dstopts", "syn-ack"),
+        ("fd00:77::20", "fd00:77::10", "fragments", "nothing"),
+    ] {
+        assert_eq!(syn_probe(&client, mac, src, dst, 8080, shape), expected, "{shape} SYN to {dst}");
+    }
+    let status = capture_status();
+    let web1 = status
+        .iter()
+        .find(|p| p["netns"].as_str().is_some_and(|n| Path::new(n) == server.path()))
+        .unwrap_or_else(|| panic!("web-1 in capture status: {status:?}"));
+    // Each fragment of the two fragmented SYNs.
+    assert_eq!(web1["counters"]["inbound_unparseable"], 4, "{web1}");
+    assert_eq!(web1["counters"]["inbound_assigned"], 4, "{web1}");
+    assert!(web1["counters"]["inbound_no_listener"].as_u64() >= Some(2), "{web1}");
+    rt.del(&list, &a, Some(&result)).unwrap_or_else(|e| panic!("DEL: {e}"));
+}
+
+/// Removes every program set whose key ends in the suffix, whatever a test reached.
+struct SetGuard(String);
+
+impl Drop for SetGuard {
+    fn drop(&mut self) {
+        for key in weir_agent::ebpf::set::pinned_keys().into_iter().filter(|k| k.ends_with(&self.0)) {
+            if let Ok(Some(set)) = weir_agent::ebpf::set::LockedSet::open(&key) {
+                let _ = set.release();
+            }
+        }
+    }
 }
 
 #[test]

@@ -490,6 +490,29 @@ fn a_root_agent_gives_a_tproxy_envoy_only_cap_net_admin() {
     assert_eq!(exit.code(), Some(0), "log:\n{}", rig.agent.log());
 }
 
+/// An agent killed outright (SIGKILL: the OOM killer, a kubelet kill) takes its Envoy
+/// with it, also when it runs Envoy as another user (the credential change used to
+/// clear the parent-death signal, and Envoy lived on, serving with nobody rotating its
+/// certificates).
+#[test]
+fn a_killed_root_agent_takes_its_envoy_with_it() {
+    require_root!();
+    let mut rig = Rig::new(&test_name!(), AgentUser::Root, "", &[]);
+    rig.wait_ready();
+    let envoy = rig.envoy_pid();
+    assert_eq!(proc_status(envoy, "Uid"), PROXY_UID.to_string(), "Envoy runs as the proxy user");
+    rig.agent.kill().unwrap();
+    // Gone, or dead and not yet reaped by whoever inherited it.
+    let state = || {
+        std::fs::read_to_string(format!("/proc/{envoy}/stat"))
+            .ok()
+            .and_then(|s| s.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next()))
+    };
+    let gone =
+        eventually(Duration::from_secs(10), || matches!(state(), None | Some('Z' | 'X')).then_some(()));
+    assert!(gone.is_some(), "Envoy {envoy} outlived its SIGKILLed agent (state {:?})", state());
+}
+
 #[test]
 fn exit_on_zero_active_connections_waits_for_the_last_connection() {
     require_root!();

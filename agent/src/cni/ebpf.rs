@@ -356,7 +356,10 @@ pub fn register(
 pub fn unregister(node: &str, container_id: &str) -> Result<(), CniEbpfError> {
     let Some(record) = PinRecord::load(&pod_record_name(node, container_id)) else { return Ok(()) };
     record.remove()?;
-    if record.programs.as_deref() != Some(set::version_key().as_str()) {
+    // The pod's set kept attached for its pods (another build's) goes with the last.
+    if let Some(key) = &record.programs
+        && PinRecord::load(&retired_name(node, key)).is_some()
+    {
         collect_retired(node)?;
     }
     Ok(())

@@ -240,17 +240,22 @@ impl EnvoyProcess {
         cmd.args(args).stdin(Stdio::null()).kill_on_drop(true);
         // Computed before fork: the child may only make raw system calls.
         let drop_to = run_as.map(|r| (r, CapabilityMask::of(r.capabilities)));
+        let parent = std::process::id() as libc::pid_t;
         // SAFETY: the closure runs between fork and exec and only makes
-        // async-signal-safe system calls (prctl, setgroups, setgid, setuid, capset).
+        // async-signal-safe system calls (prctl, setgroups, setgid, setuid, capset,
+        // getppid, _exit).
         unsafe {
             cmd.pre_exec(move || {
-                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                    return Err(std::io::Error::last_os_error());
+                if let Some((r, mask)) = drop_to {
+                    become_user(r.uid, r.gid, mask)?;
                 }
-                match drop_to {
-                    Some((r, mask)) => become_user(r.uid, r.gid, mask),
-                    None => Ok(()),
+                // Envoy dies with the agent, however the agent ends (SIGKILL too): set
+                // after the credential change, which clears it; an agent that died
+                // before it was set means now.
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 || libc::getppid() != parent {
+                    libc::_exit(137);
                 }
+                Ok(())
             });
         }
         let child = cmd.spawn().map_err(|source| EnvoyError::Spawn { binary: s.binary.clone(), source })?;

@@ -250,6 +250,8 @@ pub fn spawn(cmd: &mut Command, placement: Placement<'_>) -> Result<PodChild, Sa
     };
     let user = placement.user;
     let die_with_parent = placement.die_with_parent;
+    // SAFETY: getpid(2) cannot fail.
+    let parent = unsafe { libc::getpid() };
     let resolv = placement.resolv_conf.map(|path| Mount::Bind {
         source: path.to_path_buf(),
         target: PathBuf::from("/etc/resolv.conf"),
@@ -299,15 +301,19 @@ pub fn spawn(cmd: &mut Command, placement: Placement<'_>) -> Result<PodChild, Sa
             {
                 return Err(io::Error::last_os_error());
             }
-            if die_with_parent && libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                return Err(io::Error::last_os_error());
-            }
             if let Some((uid, gid)) = user
                 && (libc::setgroups(groups.len(), groups.as_ptr()) != 0
                     || libc::setgid(gid) != 0
                     || libc::setuid(uid) != 0)
             {
                 return Err(io::Error::last_os_error());
+            }
+            // After the credential change, which clears the parent-death signal; and
+            // a parent that died before it was set means now.
+            if die_with_parent
+                && (libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 || libc::getppid() != parent)
+            {
+                libc::_exit(137);
             }
             Ok(())
         });

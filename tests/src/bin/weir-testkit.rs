@@ -26,6 +26,9 @@
 //!                                       --connected, connect()s first (as glibc does)
 //!   datapath-serve <addr> [--cpu N]     the data-path benchmark's acceptor (see
 //!                                       weir_tests::datapath)
+//!   syn-probe <iface> <dst-mac> <src-ip> <dst-ip> <dport> <plain|hbh|dstopts|fragments>
+//!                                       sends one crafted SYN as raw frames, prints what
+//!                                       came back: syn-ack, rst or nothing (1 s)
 //!   datapath-load <kind> <to> <expect|none> <count> <secs> <inflight> [<cgroup>] [--cpu N]
 //!                                       one load run (connect, rr or bulk); prints its
 //!                                       measurements as JSON
@@ -121,6 +124,7 @@ fn main() -> ExitCode {
                 pin_flag(&args)?;
                 datapath_load(&args)
             }
+            "syn-probe" => syn_probe(&args),
             other => Err(format!("unknown command {other:?}")),
         }
     })();
@@ -451,5 +455,35 @@ fn datapath_load(args: &[String]) -> Result<(), String> {
     };
     let result = run(&spec);
     println!("{}", serde_json::to_string(&result).map_err(|e| e.to_string())?);
+    Ok(())
+}
+
+/// `syn-probe`: see `weir_tests::synprobe`.
+fn syn_probe(args: &[String]) -> Result<(), String> {
+    let arg = |i: usize| args.get(i).cloned().ok_or_else(|| format!("syn-probe: argument {i} missing"));
+    let interface = arg(1)?;
+    let mac = |text: &str| -> Result<[u8; 6], String> {
+        let parts: Vec<u8> = text
+            .split(':')
+            .map(|p| u8::from_str_radix(p, 16))
+            .collect::<Result<_, _>>()
+            .map_err(|e| format!("mac {text}: {e}"))?;
+        parts.try_into().map_err(|_| format!("mac {text}: expected 6 bytes"))
+    };
+    let src_mac =
+        weir_agent::ebpf::netns::interface_mac(std::path::Path::new("/proc/self/ns/net"), &interface)
+            .map_err(|e| format!("read the MAC of {interface}: {e}"))?;
+    let probe = weir_tests::synprobe::Probe {
+        interface,
+        src_mac,
+        dst_mac: mac(&arg(2)?)?,
+        src: arg(3)?.parse().map_err(|e| format!("src: {e}"))?,
+        dst: arg(4)?.parse().map_err(|e| format!("dst: {e}"))?,
+        sport: 40000 + (std::process::id() % 20000) as u16,
+        dport: arg(5)?.parse().map_err(|e| format!("dport: {e}"))?,
+        shape: arg(6)?.parse()?,
+    };
+    let answer = probe.run(Duration::from_secs(1)).map_err(|e| format!("syn-probe: {e}"))?;
+    println!("{answer}");
     Ok(())
 }
