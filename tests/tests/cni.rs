@@ -696,7 +696,8 @@ fn inbound_capture_refuses_what_it_cannot_hand_to_envoy() {
     // Envoy listens, the app does not: what is captured gets a SYN-ACK from 15006, what
     // bypassed capture would get a RST from the app's closed port, and what is dropped
     // gets nothing.
-    let _envoy = ["0.0.0.0:15006", "[::]:15006"].map(|at| start_placed(in_pod(1337), &["capture-listener", at]).unwrap());
+    let _envoy = ["0.0.0.0:15006", "[::]:15006"]
+        .map(|at| start_placed(in_pod(1337), &["capture-listener", at]).unwrap());
     for (src, dst, shape, expected) in [
         (client_ip.as_str(), ip.as_str(), "plain", "syn-ack"),
         (&client_ip, &ip, "fragments", "nothing"),
@@ -717,6 +718,171 @@ fn inbound_capture_refuses_what_it_cannot_hand_to_envoy() {
     assert_eq!(web1["counters"]["inbound_assigned"], 4, "{web1}");
     assert!(web1["counters"]["inbound_no_listener"].as_u64() >= Some(2), "{web1}");
     rt.del(&list, &a, Some(&result)).unwrap_or_else(|e| panic!("DEL: {e}"));
+}
+
+/// Entries in one of a program set's pinned maps.
+fn map_entries(key: &str, map: &str) -> u32 {
+    weir_agent::ebpf::metrics::map_fill()
+        .into_iter()
+        .find(|f| f.program_set == key && f.map == map)
+        .unwrap_or_else(|| panic!("no map {map} in program set {key}"))
+        .entries
+}
+
+/// One pod's annotation cannot fill the node's lists for the others: a pod asking to
+/// exclude 20 000 ranges is refused with an error naming the annotation and the limit,
+/// before anything is written; the next pods are captured as usual. Before, it filled
+/// the node-wide tries (16 384 entries), the failed registration stayed, and every
+/// later meshed pod on the node failed ADD.
+#[test]
+fn one_pods_annotation_cannot_fill_the_node_for_the_others() {
+    require_root!();
+    let _bpffs = weir_tests::BpffsUse::acquire().unwrap();
+    let node = Node::new(&test_name!(), false);
+    let cgroup = test_cgroup(&test_name!());
+    let name = unique_name("cni-node");
+    let _guard = NodeCapture(name.clone());
+    let set = unique_name("tenancy").replace('-', "_");
+    let _set = SetGuard(set.clone());
+    let agent = NodeAgent::new(&node, cgroup.path(), &name);
+    let out =
+        agent.command("install", &["--once"]).env(weir_agent::ebpf::set::SET_ENV, &set).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let key = wait_node_capture(&name, &set).programs.unwrap();
+    let mut rt = CniRuntime::new(&node.ns).unwrap();
+    rt.env = vec![(weir_agent::ebpf::set::SET_ENV.into(), set.clone())];
+    let list = node.conflist(json!({"capture_mode": "auto", "ebpf_node_capture": name}));
+
+    let ranges: Vec<String> = (0..20_000u32).map(|i| format!("11.{}.{}.0/24", i / 256, i % 256)).collect();
+    let annotation = "traffic.sidecar.istio.io/excludeOutboundIPRanges";
+    node.api.set_pod(pod_object("shop", "greedy", true, &[(annotation, &ranges.join(","))], &[]));
+    let greedy = pod_netns(&rt, "greedy");
+    let g = Attachment::pod("c-greedy", greedy.path(), "shop", "greedy");
+    let e = rt.add(&list, &g).unwrap_err();
+    assert_eq!(e.error()["code"], 102, "{e}");
+    let details = e.error()["details"].as_str().unwrap_or_default().to_string();
+    assert!(
+        details.contains(annotation) && details.contains("256"),
+        "names the annotation and the limit: {e}"
+    );
+    assert_eq!(map_entries(&key, "EXCLUDE_V4"), 0, "nothing written");
+    assert_eq!(map_entries(&key, "POD_CONFIG"), 0, "nothing registered");
+    rt.del(&list, &g, None).unwrap_or_else(|e| panic!("DEL of the refused pod: {e}"));
+
+    for i in 0..3 {
+        let pod = format!("web-{i}");
+        node.api.set_pod(pod_object("shop", &pod, true, &[(annotation, "10.10.0.0/16")], &[]));
+        let ns = pod_netns(&rt, &pod);
+        let a = Attachment::pod(&format!("c-{pod}"), ns.path(), "shop", &pod);
+        let result = rt.add(&list, &a).unwrap_or_else(|e| panic!("ADD {pod} after the refused one: {e}"));
+        let (local, _, _stand_ins) = ask_through_capture(&node, &ns, Some(&cgroup), &pod_ip(&result), "");
+        assert_eq!(local, format!("{}:8080", pod_ip(&result)));
+        rt.del(&list, &a, Some(&result)).unwrap();
+    }
+    let out = agent.command("uninstall", &[]).env(weir_agent::ebpf::set::SET_ENV, &set).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// A pod registered again (the runtime retrying ADD, an update) is never without its
+/// capture for a moment: while it is registered again 60 times, none of its app's
+/// connections to an excluded address is redirected, and no connection the node makes
+/// to its port reaches the port around Envoy. Before, its lists and inbound keys were
+/// removed before the new ones were written.
+#[test]
+fn registering_a_pod_again_leaves_no_window() {
+    require_root!();
+    let _bpffs = weir_tests::BpffsUse::acquire().unwrap();
+    let node = Node::new(&test_name!(), false);
+    let annotation = ("traffic.sidecar.istio.io/excludeOutboundIPRanges", format!("{GATEWAY}/32"));
+    node.api.set_pod(pod_object("shop", "web-1", true, &[(annotation.0, &annotation.1)], &[]));
+    let cgroup = test_cgroup(&test_name!());
+    let name = unique_name("cni-node");
+    let _guard = NodeCapture(name.clone());
+    weir_agent::cni::ebpf::attach_node(&name, cgroup.path()).unwrap();
+    let rt = CniRuntime::new(&node.ns).unwrap();
+    let pod = pod_netns(&rt, "web-1");
+    let (list, a, result, ip) = add_auto(&node, &rt, &pod, &name);
+    let _envoy =
+        start_placed(placed(&pod, Some(&cgroup), 1337), &["capture-listener", "0.0.0.0:15006"]).unwrap();
+    let _outbound =
+        start_placed(placed(&pod, Some(&cgroup), 1337), &["capture-listener", "0.0.0.0:15001"]).unwrap();
+    let counters = || {
+        let status = capture_status();
+        status.into_iter().find(|p| p["netns"].as_str().is_some_and(|n| Path::new(n) == pod.path())).unwrap()
+            ["counters"]
+            .clone()
+    };
+    let before = counters();
+
+    let weir = CniRuntime::plugin_config(&list, &list["plugins"][1], Some(&result));
+    let (storms, added) = std::thread::scope(|s| {
+        let outbound = s.spawn(|| {
+            run_placed(
+                placed(&pod, Some(&cgroup), 1000),
+                tools::testkit_command(),
+                &["connect-storm", &format!("{GATEWAY}:9"), "4000"],
+            )
+        });
+        let inbound = s.spawn(|| {
+            run_in(
+                &node.ns,
+                None,
+                tools::testkit_command(),
+                &["connect-storm", &format!("{ip}:8080"), "2000"],
+            )
+        });
+        let mut added = 0;
+        while !(outbound.is_finished() && inbound.is_finished()) || added < 60 {
+            rt.exec("istio-cni", "ADD", &a, weir.to_string().as_bytes())
+                .unwrap_or_else(|e| panic!("ADD again: {e}"));
+            added += 1;
+        }
+        ((outbound.join().unwrap(), inbound.join().unwrap()), added)
+    });
+    let after = counters();
+    let delta = |k: &str| after[k].as_u64().unwrap() - before[k].as_u64().unwrap();
+    assert!(added >= 60, "registered again {added} times");
+    assert_eq!(
+        delta("redirected"),
+        0,
+        "an excluded destination was redirected during a registration: {storms:?} {after}"
+    );
+    assert!(delta("bypass_excluded_cidr") >= 4000, "{after}");
+    // Nothing listens on the app's port: a SYN that slipped past capture would be
+    // refused there. (A SYN the stand-in's full accept queue drops just times out.)
+    let inbound: Vec<u64> = storms.1.split_whitespace().filter_map(|w| w.parse().ok()).collect();
+    assert_eq!(inbound[1], 0, "inbound connections reached the app's port around Envoy: {}", storms.1);
+    assert!(delta("inbound_assigned") >= inbound[0] && inbound[0] > 1000, "{} {after}", storms.1);
+    rt.del(&list, &a, Some(&result)).unwrap();
+}
+
+/// Connects that fail (nothing on 15001 yet) leave nothing behind: one pod's storm of
+/// 5 000 of them does not fill the node-wide table of connections in flight, where it
+/// would evict other pods' original destinations. Before, each left its entry until
+/// the LRU map evicted it.
+#[test]
+fn a_connect_storm_leaves_no_tracking_entries_behind() {
+    require_root!();
+    let _bpffs = weir_tests::BpffsUse::acquire().unwrap();
+    let node = Node::new(&test_name!(), false);
+    node.api.set_pod(pod_object("shop", "web-1", true, &[], &[]));
+    let cgroup = test_cgroup(&test_name!());
+    let name = unique_name("cni-node");
+    let _guard = NodeCapture(name.clone());
+    weir_agent::cni::ebpf::attach_node(&name, cgroup.path()).unwrap();
+    let key = weir_agent::ebpf::record::PinRecord::load(&name).unwrap().programs.unwrap();
+    let rt = CniRuntime::new(&node.ns).unwrap();
+    let pod = pod_netns(&rt, "web-1");
+    let (list, a, result, _) = add_auto(&node, &rt, &pod, &name);
+    let out = run_placed(
+        placed(&pod, Some(&cgroup), 1000),
+        tools::testkit_command(),
+        &["connect-storm", &format!("{GATEWAY}:80"), "5000"],
+    );
+    assert!(out.starts_with("connected 0 refused 5000"), "every connect redirected to an empty 15001: {out}");
+    let left = map_entries(&key, "ORIG_BY_COOKIE");
+    assert!(left < 100, "{left} connection-tracking entries left behind by 5000 failed connects");
+    rt.del(&list, &a, Some(&result)).unwrap();
 }
 
 /// Removes every program set whose key ends in the suffix, whatever a test reached.

@@ -119,6 +119,15 @@ pub fn capture(
                 tracing::warn!(pod = %who, reason = %e, "not captured with eBPF: netfilter instead");
                 opts.native_nftables = conf.native_nftables;
             }
+            Err(super::ebpf::CniEbpfError::Config(e)) => {
+                // A limit of eBPF capture, named after the pod's annotation.
+                let annotation = pod::annotation_for_flag(e.input).unwrap_or(e.input);
+                return Err(CniError::new(
+                    code::INVALID_POD,
+                    format!("pod {who} cannot be captured with eBPF"),
+                    format!("pod annotation {annotation} (istio-iptables {}): {}", e.input, e.problem),
+                ));
+            }
             Err(e) => {
                 return Err(
                     ebpf_error(format!("cannot capture pod {who} with eBPF in {}", netns.display()))(e),

@@ -207,6 +207,23 @@ fn parse_bool(v: &str) -> Option<bool> {
     weir_iptables::flags::parse_bool(v)
 }
 
+/// The pod annotation that sets what an istio-iptables flag sets (`-x/--...` as
+/// errors name flags), for errors about a pod's capture.
+pub fn annotation_for_flag(input: &str) -> Option<&'static str> {
+    let flag = input.split('/').next().unwrap_or(input);
+    Some(match flag {
+        "-x" => EXCLUDE_OUTBOUND_IP_RANGES,
+        "-i" => INCLUDE_OUTBOUND_IP_RANGES,
+        "-o" => EXCLUDE_OUTBOUND_PORTS,
+        "-q" => INCLUDE_OUTBOUND_PORTS,
+        "-d" => EXCLUDE_INBOUND_PORTS,
+        "-b" => INCLUDE_INBOUND_PORTS,
+        "-c" => EXCLUDE_INTERFACES,
+        "-k" => REROUTE_VIRTUAL_INTERFACES,
+        _ => return None,
+    })
+}
+
 /// Whether to capture, per istio-cni's rules (namespace exclusion is the caller's).
 pub fn skip_reason(pod: &PodInfo) -> Option<Skip> {
     if pod.containers.contains(ISTIO_INIT) {

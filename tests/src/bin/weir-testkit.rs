@@ -26,6 +26,9 @@
 //!                                       --connected, connect()s first (as glibc does)
 //!   datapath-serve <addr> [--cpu N]     the data-path benchmark's acceptor (see
 //!                                       weir_tests::datapath)
+//!   connect-storm <addr> <count>       `count` connects as fast as they fail or succeed
+//!                                       (100 ms timeout each); prints `connected N
+//!                                       refused N other N`
 //!   syn-probe <iface> <dst-mac> <src-ip> <dst-ip> <dport> <plain|hbh|dstopts|fragments>
 //!                                       sends one crafted SYN as raw frames, prints what
 //!                                       came back: syn-ack, rst or nothing (1 s)
@@ -125,6 +128,9 @@ fn main() -> ExitCode {
                 datapath_load(&args)
             }
             "syn-probe" => syn_probe(&args),
+            "connect-storm" => {
+                connect_storm(addr(arg(1)?)?, arg(2)?.parse().map_err(|e| format!("count: {e}"))?)
+            }
             other => Err(format!("unknown command {other:?}")),
         }
     })();
@@ -485,5 +491,19 @@ fn syn_probe(args: &[String]) -> Result<(), String> {
     };
     let answer = probe.run(Duration::from_secs(1)).map_err(|e| format!("syn-probe: {e}"))?;
     println!("{answer}");
+    Ok(())
+}
+
+/// `connect-storm`: connects `count` times, closing each socket at once.
+fn connect_storm(to: SocketAddr, count: u32) -> Result<(), String> {
+    let (mut connected, mut refused, mut other) = (0u32, 0u32, 0u32);
+    for _ in 0..count {
+        match TcpStream::connect_timeout(&to, Duration::from_millis(100)) {
+            Ok(_) => connected += 1,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => refused += 1,
+            Err(_) => other += 1,
+        }
+    }
+    println!("connected {connected} refused {refused} other {other}");
     Ok(())
 }
