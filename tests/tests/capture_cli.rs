@@ -539,6 +539,58 @@ impl Drop for PrivateMounts {
     }
 }
 
+/// Init-container mode has nothing that unregisters a pod when it goes: the next
+/// capture on the node collects the captures of pods whose namespace or cgroup is gone,
+/// and `weir capture clean --gone` does too (with the program set, once unused).
+/// Before, their registrations, pins and records stayed until the node's maps filled.
+#[test]
+fn captures_of_pods_that_are_gone_are_collected() {
+    require_root!();
+    let test = test_name!();
+    let mesh = weir_tests::Mesh::new(&test).unwrap();
+    let mounts = PrivateMounts::new();
+    let mut pods: Vec<(weir_tests::Cgroup, weir_tests::Pod)> =
+        (0..3).map(|i| (test_cgroup(&format!("{test}-{i}")), mesh.pod(&format!("p{i}")).unwrap())).collect();
+    let name = |c: &weir_tests::Cgroup| c.path().file_name().unwrap().to_string_lossy().into_owned();
+    let capture = |(cgroup, pod): &(weir_tests::Cgroup, weir_tests::Pod)| {
+        let (cg, netns) = (cgroup.path().to_str().unwrap(), pod.netns().path().to_str().unwrap());
+        ok(&mounts.weir(&attach_args(cg, netns)), "weir capture ebpf");
+    };
+    let listed = || {
+        let out = mounts.weir(&["capture", "status", "--json"]);
+        let all: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        all.as_array().unwrap().iter().map(|p| p["pod"].as_str().unwrap().to_string()).collect::<Vec<_>>()
+    };
+    capture(&pods[0]);
+    capture(&pods[1]);
+    let first = name(&pods[0].0);
+    let second = name(&pods[1].0);
+    // Pod 0 goes: its namespace and cgroup are removed, nothing unregisters it.
+    let (cgroup, pod) = pods.remove(0);
+    drop(pod);
+    cgroup.remove().unwrap();
+    let (exit0, mine) = mounts.status(&first);
+    assert!(!exit0 && mine["faults"].to_string().contains("network namespace is gone"), "{mine}");
+    // The next capture on the node (pod 2's) collects it.
+    capture(&pods[1]);
+    assert!(!listed().contains(&first), "pod 0's capture collected: {:?}", listed());
+    assert!(listed().contains(&second) && listed().len() == 2, "{:?}", listed());
+    // `clean --gone` collects the rest once they go, and the set nothing uses then.
+    let gone: Vec<String> = pods.iter().map(|(c, _)| name(c)).collect();
+    for (cgroup, pod) in pods {
+        drop(pod);
+        cgroup.remove().unwrap();
+    }
+    let out = mounts.weir(&["capture", "clean", "--gone"]);
+    let said = ok(&out, "clean --gone") + &String::from_utf8_lossy(&out.stderr);
+    for pod in &gone {
+        assert!(said.contains(&format!("removed the eBPF capture of {pod}: the pod is gone")), "{said}");
+    }
+    assert!(listed().is_empty(), "{:?}", listed());
+    let sets = mounts.run("sh", &["-c", "ls /sys/fs/bpf/weir/programs 2>/dev/null | wc -l"]);
+    assert_eq!(String::from_utf8_lossy(&sets.stdout).trim(), "0", "the program set went with its last pod");
+}
+
 #[test]
 fn removed_pins_and_an_unmounted_bpffs_are_reported_and_capture_apply_repairs_them() {
     require_root!();
@@ -610,6 +662,37 @@ fn removed_pins_and_an_unmounted_bpffs_are_reported_and_capture_apply_repairs_th
     live("after the repair of an unmounted bpffs");
     let classifiers = weir_tests::capture::inbound_programs(&s.client);
     assert_eq!(classifiers, ["weir_inbound"], "one inbound classifier, not the old one besides");
+
+    // 3. A link detached behind Weir's back (`bpftool link detach`): still pinned, but
+    // the hook no longer runs. Before, status said live: it looked at pins only.
+    let connect4 = format!("/sys/fs/bpf/weir/{pod}/links/weir_connect4");
+    ok(&mounts.run("bpftool", &["link", "detach", "pinned", &connect4]), "bpftool link detach");
+    assert!(!outbound_captured(), "the fault is real: a detached connect4 captures nothing");
+    let (exit0, mine) = mounts.status(&pod);
+    assert!(!exit0, "{mine}");
+    assert!(
+        mine["faults"].to_string().contains("pinned but detached from the cgroup: weir_connect4"),
+        "{mine}"
+    );
+    let out = mounts.weir(&with(&["capture", "apply"]));
+    let said = ok(&out, "weir capture apply repairs") + &String::from_utf8_lossy(&out.stderr);
+    assert!(said.contains("was broken"), "{said}");
+    assert!(outbound_captured() && inbound_captured(), "repaired");
+    live("after the repair of a detached link");
+
+    // 4. The inbound filter deleted from the pod's interface.
+    weir_tests::cni::run_in(
+        s.client.netns(),
+        None,
+        Command::new("tc"),
+        &["filter", "del", "dev", "eth0", "ingress"],
+    );
+    let (exit0, mine) = mounts.status(&pod);
+    assert!(!exit0, "{mine}");
+    assert!(mine["faults"].to_string().contains("no Weir inbound filter on eth0"), "{mine}");
+    ok(&mounts.weir(&with(&["capture", "apply"])), "weir capture apply repairs the filter");
+    assert!(outbound_captured() && inbound_captured(), "repaired");
+    live("after the repair of a deleted filter");
 
     // Clean removes the repaired capture completely.
     ok(&mounts.weir(&["capture", "clean", "--pod", &pod]), "clean");

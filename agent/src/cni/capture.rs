@@ -57,7 +57,7 @@ fn plan(
     pod: &PodInfo,
     netns: &Path,
 ) -> Result<(CaptureMode, CaptureConfig, RunOptions), CniError> {
-    let mode = CaptureMode::from_conf(conf)?;
+    let mode = for_user_namespace(conf, CaptureMode::from_conf(conf)?, pod, netns)?;
     let facts = weir_iptables::detect::SystemFacts { netns: Some(netns.into()) };
     let addresses = facts.addresses().map_err(|e| {
         CniError::new(
@@ -92,10 +92,51 @@ fn plan(
     Ok((mode, cfg, opts))
 }
 
+/// The backend for a pod whose network namespace belongs to a user namespace of its
+/// own (`hostUsers: false`). Neither eBPF nor iptables can capture it: eBPF programs
+/// see the node's user ids (Envoy's 1337 is another id there), and iptables' owner
+/// match refuses rules written from outside the pod's user namespace (EINVAL). Native
+/// nftables matches ids as the pod sees them: `auto` picks it, with the reason logged;
+/// an explicit `ebpf` or `iptables` is an error naming why.
+fn for_user_namespace(
+    conf: &NetConf,
+    mode: CaptureMode,
+    pod: &PodInfo,
+    netns: &Path,
+) -> Result<CaptureMode, CniError> {
+    if mode == CaptureMode::Nftables {
+        return Ok(mode);
+    }
+    let own = !crate::ebpf::netns::owned_by_this_user_namespace(netns).map_err(|e| {
+        CniError::new(
+            code::IO_FAILURE,
+            format!("cannot read the owner of {}", netns.display()),
+            e.to_string(),
+        )
+    })?;
+    if !own {
+        return Ok(mode);
+    }
+    let who = format!("{}/{}", pod.namespace, pod.name);
+    let why = "its network namespace belongs to a user namespace of its own (hostUsers: false)";
+    match conf.capture_mode.as_deref().unwrap_or("auto") {
+        "auto" => {
+            tracing::warn!(pod = %who, reason = why, backend = "nftables", "captured with native nftables: neither eBPF nor iptables can capture such a pod");
+            Ok(CaptureMode::Nftables)
+        }
+        chosen => Err(CniError::new(
+            code::INVALID_POD,
+            format!("pod {who} cannot be captured with capture_mode {chosen}"),
+            format!(
+                "{why}: eBPF programs see the node's user ids, and iptables' owner match refuses rules written \
+                 from outside the pod's user namespace; capture_mode nftables (or auto) captures it"
+            ),
+        )),
+    }
+}
+
 /// Captures `pod` inside `netns` with the configured backend (ADD, and repair for
-/// pods that started before the plugin was installed). In `auto` mode a pod eBPF
-/// cannot capture correctly (a user namespace of its own) gets netfilter, with the
-/// reason logged; with `capture_mode: ebpf` that is an error.
+/// pods that started before the plugin was installed).
 pub fn capture(
     conf: &NetConf,
     pod: &PodInfo,
@@ -103,7 +144,7 @@ pub fn capture(
     container_id: &str,
     ifname: &str,
 ) -> Result<(), CniError> {
-    let (mode, cfg, mut opts) = plan(conf, pod, netns)?;
+    let (mode, cfg, opts) = plan(conf, pod, netns)?;
     let who = format!("{}/{}", pod.namespace, pod.name);
     if mode == CaptureMode::Ebpf {
         let node = node_capture(conf);
@@ -112,12 +153,6 @@ pub fn capture(
             Ok(cookie) => {
                 tracing::info!(pod = %who, netns = %netns.display(), backend = "ebpf", node_capture = node, netns_cookie = cookie, "pod captured");
                 return Ok(());
-            }
-            Err(e @ super::ebpf::CniEbpfError::UserNamespace { .. })
-                if conf.capture_mode.as_deref().unwrap_or("auto") == "auto" =>
-            {
-                tracing::warn!(pod = %who, reason = %e, "not captured with eBPF: netfilter instead");
-                opts.native_nftables = conf.native_nftables;
             }
             Err(super::ebpf::CniEbpfError::Config(e)) => {
                 // A limit of eBPF capture, named after the pod's annotation.
@@ -161,7 +196,7 @@ pub fn missing_capture(
     netns: &Path,
     container_id: &str,
 ) -> Result<Option<String>, CniError> {
-    let (mode, cfg, mut opts) = plan(conf, pod, netns)?;
+    let (mode, cfg, opts) = plan(conf, pod, netns)?;
     if mode == CaptureMode::Ebpf {
         let node = node_capture(conf);
         let what = format!("cannot check the eBPF capture in {}", netns.display());
@@ -172,18 +207,7 @@ pub fn missing_capture(
         if registered {
             return Ok(None);
         }
-        let own_user_namespace = !crate::ebpf::netns::owned_by_this_user_namespace(netns).map_err(|e| {
-            CniError::new(
-                code::IO_FAILURE,
-                format!("cannot read the owner of {}", netns.display()),
-                e.to_string(),
-            )
-        })?;
-        if !(own_user_namespace && conf.capture_mode.as_deref().unwrap_or("auto") == "auto") {
-            return Ok(Some(format!("not registered with the eBPF node capture {node}")));
-        }
-        // Captured with netfilter (see `capture`).
-        opts.native_nftables = conf.native_nftables;
+        return Ok((!registered).then(|| format!("not registered with the eBPF node capture {node}")));
     }
     let verdict = weir_iptables::apply::verify(&cfg, &opts).map_err(|e| {
         CniError::new(
