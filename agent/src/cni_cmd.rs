@@ -221,7 +221,7 @@ impl InstallArgs {
     }
 }
 
-/// A node whose kernel cannot run eBPF capture (before 5.14, a cgroup v1 host) still
+/// A node whose kernel cannot run eBPF capture (before 5.15, a cgroup v1 host) still
 /// gets the plugin: its pods are captured with netfilter (`auto` finds no node capture),
 /// and the log says why. Only `--capture-mode ebpf` makes that an error.
 fn node_capture_or_fallback(s: &mut InstallSettings, capture_mode: &str) -> anyhow::Result<()> {

@@ -30,9 +30,11 @@ pub fn expected_capture() -> ExpectedCapture {
         .unwrap_or_else(|| panic!("cannot read a version from the kernel release {release:?}"))
 }
 
-/// eBPF capture needs a cgroup v2 mount (it attaches to the pod's cgroup) and
-/// SO_NETNS_COOKIE (Linux 5.14); without either, `auto` falls back to nftables (this
-/// rig always has nft). `None` when `release` has no major.minor.
+/// eBPF capture needs a cgroup v2 mount (it attaches to the pod's cgroup),
+/// SO_NETNS_COOKIE (Linux 5.14) and `bpf_get_netns_cookie` in sockops and sk_msg
+/// programs (Linux 5.15); without them, `auto` falls back to nftables (this rig always
+/// has nft), naming the missing socket option before 5.14 and the verifier's refusal
+/// on 5.14. `None` when `release` has no major.minor.
 pub fn expected_for(release: &str, cgroup2: bool) -> Option<ExpectedCapture> {
     let mut numbers = release.split(|c: char| !c.is_ascii_digit()).map(str::parse::<u32>);
     let (major, minor) = (numbers.next()?.ok()?, numbers.next()?.ok()?);
@@ -40,6 +42,8 @@ pub fn expected_for(release: &str, cgroup2: bool) -> Option<ExpectedCapture> {
         Some("no cgroup v2 mount")
     } else if (major, minor) < (5, 14) {
         Some("SO_NETNS_COOKIE")
+    } else if (major, minor) < (5, 15) {
+        Some("the kernel rejected the capture programs")
     } else {
         None
     };
@@ -105,7 +109,8 @@ mod tests {
         let e = |r, c| expected_for(r, c).unwrap();
         assert_eq!(e("5.10.0-32-amd64", true).because, Some("SO_NETNS_COOKIE"));
         assert_eq!(e("5.13.19", true).backend, "nftables");
-        assert!(e("5.14.0", true).ebpf());
+        assert_eq!(e("5.14.0", true).because, Some("the kernel rejected the capture programs"));
+        assert!(e("5.15.0", true).ebpf());
         assert!(e("6.12.95+deb12-amd64", true).ebpf());
         assert!(e("6.18.0", true).ebpf());
         assert_eq!(e("6.12.95+deb12-amd64", false).because, Some("no cgroup v2 mount"));

@@ -225,6 +225,12 @@ pub fn missing_capture(
     })
 }
 
+/// The container id `pod` in `netns` is registered under with the eBPF node capture,
+/// if it is (ADD's, or repair's).
+pub fn registered_container(conf: &NetConf, pod: &PodInfo, netns: &Path) -> Option<String> {
+    super::ebpf::pod_record(node_capture(conf), &pod.uid, netns).ok().flatten().and_then(|r| r.container)
+}
+
 /// The container id repair registers under (eBPF records are keyed by it).
 pub fn repair_container_id(pod: &PodInfo) -> String {
     if pod.uid.is_empty() {

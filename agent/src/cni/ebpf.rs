@@ -214,6 +214,7 @@ pub fn attach_node(name: &str, cgroup: &Path) -> Result<bool, CniEbpfError> {
         registration: None,
         k8s_pod: None,
         pod_uid: None,
+        container: None,
     };
     set.attach_cgroup(cgroup, &record.pin_dir())?;
     if let Err(e) = record.save() {
@@ -327,6 +328,7 @@ pub fn register(
         registration: None,
         k8s_pod: (!who.name.is_empty()).then(|| who.name.clone()),
         pod_uid: (!who.uid.is_empty()).then(|| who.uid.clone()),
+        container: Some(container_id.to_string()),
     };
     let previous = match PinRecord::load(&name) {
         Some(old) if old.netns_cookie == cookie && old.programs == record.programs => old.registration,
@@ -365,17 +367,26 @@ pub fn unregister(node: &str, container_id: &str) -> Result<(), CniEbpfError> {
     Ok(())
 }
 
-/// The pod with UID `uid` as registered through node capture `node` (ADD's record, or
-/// repair's), if its registration is live in namespace `netns`.
-pub fn registered_pod(node: &str, uid: &str, netns: &Path) -> Result<Option<PinRecord>, CniEbpfError> {
+/// The pod with UID `uid` as registered through node capture `node` for namespace
+/// `netns` (ADD's record, or repair's), whether or not its capture is whole.
+pub fn pod_record(node: &str, uid: &str, netns: &Path) -> Result<Option<PinRecord>, CniEbpfError> {
+    if uid.is_empty() {
+        return Ok(None);
+    }
     let cookie = netns_cookie(Some(netns))
         .map_err(io(format!("read the network namespace cookie of {}", netns.display())))?;
-    for record in pod_records(node).into_iter().filter(|r| r.pod_uid.as_deref() == Some(uid)) {
-        if record.netns_cookie == cookie && is_registered(&record)? {
-            return Ok(Some(record));
+    Ok(pod_records(node).into_iter().find(|r| r.pod_uid.as_deref() == Some(uid) && r.netns_cookie == cookie))
+}
+
+/// The pod with UID `uid` as registered through node capture `node`, if its capture in
+/// namespace `netns` is whole (registered, links attached, inbound filter in place).
+pub fn registered_pod(node: &str, uid: &str, netns: &Path) -> Result<Option<PinRecord>, CniEbpfError> {
+    match pod_record(node, uid, netns)? {
+        Some(record) if is_registered(&record)? && health::faults(&record, &PinRecord::load_all()).is_empty() => {
+            Ok(Some(record))
         }
+        _ => Ok(None),
     }
-    Ok(None)
 }
 
 /// Whether a record's namespace is registered in its set's maps.

@@ -64,7 +64,9 @@ pub fn ebpf_prerequisites() -> Option<String> {
         return Some("no cgroup v2 mount (eBPF capture attaches to a pod's cgroup v2 directory)".into());
     }
     if let Err(e) = netns_cookie(None) {
-        return Some(format!("the kernel has no SO_NETNS_COOKIE (Linux 5.14+ needed): {e}"));
+        return Some(format!(
+            "the kernel has no SO_NETNS_COOKIE (Linux 5.14+; the capture programs need 5.15+): {e}"
+        ));
     }
     if super::objects::IS_STUB {
         return Some("this binary was built without eBPF objects (WEIR_EBPF_STUB=1)".into());

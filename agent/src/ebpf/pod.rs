@@ -60,6 +60,7 @@ pub fn capture_in_set(
         registration: None,
         k8s_pod: None,
         pod_uid: None,
+        container: None,
     };
     let dir = pin_dir(&target.name);
     let netns = target.netns_path();

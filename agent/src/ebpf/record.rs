@@ -37,6 +37,9 @@ pub struct PinRecord {
     pub k8s_pod: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod_uid: Option<String>,
+    /// The container (sandbox) id it was registered for (CNI mode).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub container: Option<String>,
 }
 
 /// Where pin records live (a tmpfs, like the pins themselves).
