@@ -16,6 +16,7 @@
 //! }
 //! ```
 
+pub mod busynode;
 pub mod capture;
 pub mod cni;
 pub mod control_plane;
@@ -28,6 +29,7 @@ pub mod http_server;
 pub mod inject;
 pub mod istiod_ca;
 pub mod kernel;
+pub mod meshtraffic;
 pub mod mtls_pair;
 pub mod oci;
 pub mod privilege;

@@ -558,9 +558,10 @@ fn capture_outlives_the_node_agent_through_restarts_and_rollouts() {
     let node = Node::new(&test_name!(), false);
     let cgroup = test_cgroup(&test_name!());
     let name = unique_name("cni-node");
-    let _guard = NodeCapture(name.clone());
     let (old, new) = (unique_name("old").replace('-', "_"), unique_name("new").replace('-', "_"));
+    // Dropped after the node capture is detached, so the sets are unused by then.
     let _sets = [SetGuard(old.clone()), SetGuard(new.clone())];
+    let _guard = NodeCapture(name.clone());
     let agent = NodeAgent::new(&node, cgroup.path(), &name);
     let mut rt = CniRuntime::new(&node.ns).unwrap();
     rt.env = vec![(weir_agent::ebpf::set::SET_ENV.into(), old.clone())];
@@ -744,9 +745,9 @@ fn one_pods_annotation_cannot_fill_the_node_for_the_others() {
     let node = Node::new(&test_name!(), false);
     let cgroup = test_cgroup(&test_name!());
     let name = unique_name("cni-node");
-    let _guard = NodeCapture(name.clone());
     let set = unique_name("tenancy").replace('-', "_");
     let _set = SetGuard(set.clone());
+    let _guard = NodeCapture(name.clone());
     let agent = NodeAgent::new(&node, cgroup.path(), &name);
     let out =
         agent.command("install", &["--once"]).env(weir_agent::ebpf::set::SET_ENV, &set).output().unwrap();

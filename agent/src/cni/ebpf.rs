@@ -170,14 +170,10 @@ pub fn attach_node(name: &str, cgroup: &Path) -> Result<bool, CniEbpfError> {
             if links_live(&record) {
                 return Ok(false);
             }
-            tracing::warn!(
-                node_capture = name,
-                "the node capture's links are detached: attaching them again"
-            );
-            bpffs::unpin(&record.pin_dir().join("links"))?;
             let set = NodePrograms::open_existing(&this)?
                 .ok_or_else(|| CniEbpfError::NoNodeCapture { name: name.into() })?;
-            set.attach_cgroup(cgroup, &record.pin_dir())?;
+            let hooks = set.reattach_cgroup(cgroup, &record.pin_dir())?;
+            tracing::warn!(node_capture = name, hooks = %hooks.join(","), "the node capture's links were detached or gone: attached again");
             return Ok(true);
         }
         let key = record.programs.clone().unwrap_or_default();
@@ -195,10 +191,9 @@ pub fn attach_node(name: &str, cgroup: &Path) -> Result<bool, CniEbpfError> {
         // capture again, never attached twice.
         let record = rename_capture(&retired, name)?;
         if !links_live(&record) {
-            bpffs::unpin(&record.pin_dir().join("links"))?;
             let set = NodePrograms::open_existing(&this)?
                 .ok_or_else(|| CniEbpfError::NoNodeCapture { name: name.into() })?;
-            set.attach_cgroup(cgroup, &record.pin_dir())?;
+            set.reattach_cgroup(cgroup, &record.pin_dir())?;
         }
         tracing::info!(node_capture = name, program_set = %this, "this build's node capture taken up again");
         return Ok(true);
@@ -382,7 +377,9 @@ pub fn pod_record(node: &str, uid: &str, netns: &Path) -> Result<Option<PinRecor
 /// namespace `netns` is whole (registered, links attached, inbound filter in place).
 pub fn registered_pod(node: &str, uid: &str, netns: &Path) -> Result<Option<PinRecord>, CniEbpfError> {
     match pod_record(node, uid, netns)? {
-        Some(record) if is_registered(&record)? && health::faults(&record, &PinRecord::load_all()).is_empty() => {
+        Some(record)
+            if is_registered(&record)? && health::faults(&record, &PinRecord::load_all()).is_empty() =>
+        {
             Ok(Some(record))
         }
         _ => Ok(None),

@@ -74,7 +74,8 @@ pub fn repair(conf: &NetConf, pods: Vec<PodInfo>, proc_root: &Path) -> RepairRep
         };
         // A pod registered already (by ADD, or an earlier pass) is captured again under
         // its own record: one registration per pod, whatever broke.
-        let id = capture::registered_container(conf, &pod, &netns).unwrap_or_else(|| repair_container_id(&pod));
+        let id =
+            capture::registered_container(conf, &pod, &netns).unwrap_or_else(|| repair_container_id(&pod));
         let outcome = capture::missing_capture(conf, &pod, &netns, &id).and_then(|missing| match missing {
             None => Ok(false),
             Some(_) => capture::capture(conf, &pod, &netns, &id, "eth0").map(|()| true),

@@ -365,6 +365,38 @@ impl NodePrograms {
         Ok(())
     }
 
+    /// Attaches again, in place, the hooks whose links under `dir/links` are gone or no
+    /// longer attached to `cgroup` (`bpftool link detach`, ...), leaving live ones
+    /// alone: hooks that still run never stop. Returns the hooks attached again.
+    pub fn reattach_cgroup(&self, cgroup: &Path, dir: &Path) -> Result<Vec<&'static str>, EbpfError> {
+        let target = super::open_cgroup2(cgroup)?;
+        let id = link::cgroup_id(cgroup)
+            .map_err(|e| EbpfError::OpenCgroup { path: cgroup.to_path_buf(), source: e })?;
+        create_dir(&dir.join("links"))?;
+        let mut attached = Vec::new();
+        for (name, kind) in cgroup_hooks() {
+            let path = dir.join("links").join(name);
+            if matches!(link::attached_to(&path, id), Ok(true)) {
+                continue;
+            }
+            // A dead link (or none): nothing it held acts any more.
+            match std::fs::remove_file(&path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(pin_error(&path)(e)),
+                _ => {}
+            }
+            let program = self.programs.get(name).expect("every hook is in the set");
+            let link =
+                CgroupLink::create(program.as_fd(), target.as_fd(), kind).map_err(|e| EbpfError::Attach {
+                    program: name,
+                    path: cgroup.to_path_buf(),
+                    source: aya::programs::ProgramError::IOError(e),
+                })?;
+            link.pin(&path).map_err(pin_error(&path))?;
+            attached.push(name);
+        }
+        Ok(attached)
+    }
+
     /// Registers (or replaces) a pod in one switch: its lists and, for the node
     /// classifier, its inbound config keyed by `inbound`'s interface MAC (in its
     /// namespace) and each of its addresses are written first, then its config is

@@ -26,6 +26,12 @@
 //!                                       --connected, connect()s first (as glibc does)
 //!   datapath-serve <addr> [--cpu N]     the data-path benchmark's acceptor (see
 //!                                       weir_tests::datapath)
+//!   sidecar                             a stand-in Envoy on 15001/15006 (see
+//!                                       weir_tests::meshtraffic), as the proxy user
+//!   mesh-app <addr> <log>               a meshed pod's app, logging each connection's
+//!                                       verdict (ok, bypass-inbound, bypass-outbound)
+//!   mesh-client <me> <meshed|plain> <interval-ms> <log> <targets...>
+//!                                       connects to the targets in turn, forever
 //!   connect-storm <addr> <count>       `count` connects as fast as they fail or succeed
 //!                                       (100 ms timeout each); prints `connected N
 //!                                       refused N other N`
@@ -128,6 +134,20 @@ fn main() -> ExitCode {
                 datapath_load(&args)
             }
             "syn-probe" => syn_probe(&args),
+            "sidecar" => weir_tests::meshtraffic::sidecar(),
+            "mesh-app" => weir_tests::meshtraffic::app(addr(arg(1)?)?, std::path::Path::new(arg(2)?)),
+            "mesh-client" => {
+                let interval = Duration::from_millis(arg(3)?.parse().map_err(|e| format!("interval: {e}"))?);
+                let targets: Vec<SocketAddr> =
+                    args.iter().skip(5).map(|t| addr(t)).collect::<Result<_, _>>()?;
+                weir_tests::meshtraffic::client(
+                    arg(1)?,
+                    arg(2)?,
+                    interval,
+                    std::path::Path::new(arg(4)?),
+                    &targets,
+                )
+            }
             "connect-storm" => {
                 connect_storm(addr(arg(1)?)?, arg(2)?.parse().map_err(|e| format!("count: {e}"))?)
             }
