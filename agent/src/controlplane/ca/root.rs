@@ -99,7 +99,7 @@ impl MeshCa {
     /// (key 0600). Agents sharing `dir` share the CA; a lock file makes concurrent first
     /// starts agree on one root.
     pub fn load_or_create(org: &str, dir: &Path) -> Result<Self, CaError> {
-        use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
+        use std::os::unix::fs::OpenOptionsExt as _;
         let io = |what, path: &Path| {
             let path = path.to_path_buf();
             move |source| CaError::Io { what, path, source }
@@ -119,15 +119,15 @@ impl MeshCa {
             return Self::load(dir);
         }
         let ca = Self::generate(org)?;
+        // The key's file is 0600 from its creation, never a leftover someone holds.
         for (name, text, mode) in
             [(ROOT_KEY_FILE, &ca.root.key_pem, 0o600), (ROOT_CERT_FILE, &ca.root.pem, 0o644)]
         {
-            let path = dir.join(name);
-            let tmp = dir.join(format!(".{name}.tmp"));
-            std::fs::write(&tmp, text).map_err(io("write", &tmp))?;
-            std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode))
-                .map_err(io("chmod", &tmp))?;
-            std::fs::rename(&tmp, &path).map_err(io("rename into place", &path))?;
+            crate::atomic_file::write(&dir.join(name), text.as_bytes(), mode).map_err(|e| CaError::Io {
+                what: e.what,
+                path: e.path,
+                source: e.source,
+            })?;
         }
         Ok(ca)
     }
@@ -241,6 +241,27 @@ mod tests {
         assert!(status.message().contains("sa/admin") && status.message().contains(OWN), "{status:?}");
         let e = ca.sign("not a CSR", 600, &policy(3600)).unwrap_err();
         assert_eq!(e.to_status().code(), tonic::Code::InvalidArgument);
+    }
+
+    /// The root key never passes through a file that was already there (a leftover
+    /// temporary file someone holds open, under this or an earlier name).
+    #[test]
+    fn the_root_key_is_written_to_a_file_of_its_own() {
+        use std::io::Read as _;
+        let dir = tempfile::tempdir().unwrap();
+        let mut held = Vec::new();
+        for name in [".root-key.pem.tmp", ".root-key.pem.weir-tmp"] {
+            let leftover = dir.path().join(name);
+            std::fs::write(&leftover, b"").unwrap();
+            held.push(std::fs::File::open(&leftover).unwrap());
+        }
+        let ca = MeshCa::load_or_create("mesh", dir.path()).unwrap();
+        for mut file in held {
+            let mut seen = String::new();
+            file.read_to_string(&mut seen).unwrap();
+            assert_eq!(seen, "", "the root key went through a file opened before it was written");
+        }
+        assert_eq!(std::fs::read_to_string(dir.path().join(ROOT_KEY_FILE)).unwrap(), ca.root.key_pem);
     }
 
     #[test]
