@@ -2,7 +2,7 @@
 //! `/healthz/ready` (Envoy configured and live, DNS table loaded when DNS capture is
 //! on; 503 once draining), `/stats/prometheus` and `/metrics` (merged: `merge`),
 //! `/app-health/...` (rewritten probes: `probes`), `POST /quitquitquit` and
-//! `POST /drain` (localhost only), and `/debug/ndsz`.
+//! `POST /drain`, and `/debug/ndsz` (these three from localhost only).
 
 pub mod merge;
 pub mod probes;
@@ -92,7 +92,8 @@ impl StatusServer {
                 let body = self.merge.scrape(req.uri().query(), req.headers()).await;
                 respond(StatusCode::OK, PROMETHEUS_TEXT, body)
             }
-            "/quitquitquit" | "/drain" if !peer.ip().is_loopback() => {
+            // The pod's whole DNS name table is for its own debugging, as Istio's.
+            "/quitquitquit" | "/drain" | "/debug/ndsz" if !peer.ip().is_loopback() => {
                 text(StatusCode::FORBIDDEN, "Only requests from localhost are allowed\n".into())
             }
             "/quitquitquit" | "/drain" if method != hyper::Method::POST => {

@@ -674,7 +674,9 @@ fn status_server_merges_metrics_rewrites_probes_and_quits_on_request() {
     assert_eq!(probe("/app-health/grpcdown/livez").0, 500);
     assert_eq!(probe("/app-health/nobody/livez").0, 400);
 
-    // /quitquitquit and /drain: POST from localhost only.
+    // The DNS name table, /quitquitquit and /drain: from localhost only.
+    assert_eq!(rig.remote("GET", "/debug/ndsz"), (403, "Only requests from localhost are allowed\n".into()));
+    assert_ne!(rig.local_get(15020, "/debug/ndsz").0, 403);
     assert_eq!(rig.remote("POST", "/quitquitquit").0, 403);
     assert_eq!(rig.remote("POST", "/drain").0, 403);
     assert_eq!(rig.local_get(15020, "/quitquitquit").0, 405);
