@@ -382,7 +382,6 @@ impl Agent {
             let checker = crate::health::WorkloadHealthChecker::new(
                 settings,
                 c.status.probe_destination,
-                c.status.port,
                 supervisor.is_some().then(|| readiness.clone()),
             );
             let relay = self.xds.clone();
@@ -483,7 +482,7 @@ impl Agent {
             envoy: envoy.then(|| SocketAddr::from(([127, 0, 0, 1], c.status.prometheus_port))),
             apps: Arc::new(c.status.app_metrics.clone()),
         };
-        let probes = AppProber::new(c.status.app_probers.clone(), c.status.probe_destination, c.status.port);
+        let probes = AppProber::new(c.status.app_probers.clone(), c.status.probe_destination);
         StatusServer::new(self.dns.clone(), readiness.clone(), lifecycle.clone(), merge, probes)
     }
 
