@@ -477,11 +477,12 @@ impl Agent {
         envoy: bool,
     ) -> StatusServer {
         let c = &self.config;
-        let merge = MetricsMerge {
-            metrics: self.metrics.clone(),
-            envoy: envoy.then(|| SocketAddr::from(([127, 0, 0, 1], c.status.prometheus_port))),
-            apps: Arc::new(c.status.app_metrics.clone()),
-        };
+        let merge = MetricsMerge::new(
+            self.metrics.clone(),
+            (envoy && c.status.merge_envoy_stats)
+                .then(|| SocketAddr::from(([127, 0, 0, 1], c.status.prometheus_port))),
+            c.status.app_metrics.clone(),
+        );
         let probes = AppProber::new(c.status.app_probers.clone(), c.status.probe_destination);
         StatusServer::new(self.dns.clone(), readiness.clone(), lifecycle.clone(), merge, probes)
     }

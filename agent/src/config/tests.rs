@@ -377,3 +377,13 @@ fn header_values_are_never_printed() {
         assert!(!shown.contains("xds-secret-token") && !shown.contains("ca-secret-key"), "{shown}");
     }
 }
+
+#[test]
+fn merging_envoy_stats_can_be_turned_off_as_in_istio_1_31() {
+    let c = resolve(&["sidecar"], &[], &[ROOT]).unwrap();
+    assert!(c.status.merge_envoy_stats);
+    let c = resolve(&["sidecar"], &[("PILOT_AGENT_MERGE_ENVOY_STATS", "false")], &[ROOT]).unwrap();
+    assert!(!c.status.merge_envoy_stats);
+    let e = resolve(&["sidecar"], &[("PILOT_AGENT_MERGE_ENVOY_STATS", "sometimes")], &[ROOT]).unwrap_err();
+    assert!(e.to_string().contains("PILOT_AGENT_MERGE_ENVOY_STATS"), "{e}");
+}
