@@ -107,6 +107,8 @@ pub struct Agent {
     pub xds: XdsProxy,
     pub secrets: SecretManager,
     pub wasm_cache: Arc<crate::wasm::ModuleCache>,
+    /// Standalone: what the embedded control plane asks of its callers.
+    embedded_token: Option<String>,
 }
 
 impl Agent {
@@ -135,17 +137,19 @@ impl Agent {
         if let Some(dns) = &dns {
             handlers.insert(weir_proto::type_url::NAME_TABLE.into(), dns.nds_handler());
         }
-        // Standalone: the embedded control plane asks for no token.
-        let standalone = config.standalone.is_some();
-        let without_token = |mut up: crate::xds::UpstreamConfig| {
-            if standalone {
+        // Standalone: the embedded control plane answers only this agent, which presents
+        // a token made now and held in memory (no token file).
+        let embedded_token = config.standalone.as_ref().map(|_| crate::standalone::new_token());
+        let embedded_credential = |mut up: crate::xds::UpstreamConfig| {
+            if let Some(token) = &embedded_token {
                 up.token_path = None;
+                up.headers.push(crate::standalone::credential(token));
             }
             up
         };
         let wasm_cache = Arc::new(crate::wasm::ModuleCache::new(config.wasm.clone(), metrics.clone()));
         let xds = XdsProxy::new(
-            without_token(config.xds.upstream(&config.pod.cluster_id)),
+            embedded_credential(config.xds.upstream(&config.pod.cluster_id)),
             handlers,
             metrics.clone(),
         )
@@ -155,7 +159,7 @@ impl Agent {
             (Some(files), _) => WorkloadSource::Files(files.clone()),
             (None, Some(ca)) => WorkloadSource::Ca {
                 client: CaClient::new(
-                    without_token(ca.upstream(&id.token_path, &id.cluster_id)),
+                    embedded_credential(ca.upstream(&id.token_path, &id.cluster_id)),
                     id.secret_ttl,
                     ca.cert_signer.clone(),
                     metrics.clone(),
@@ -167,7 +171,7 @@ impl Agent {
         };
         let secrets =
             SecretManager::new(source, id.rotation, id.output_dir.clone(), id.file_debounce, metrics.clone());
-        Ok(Self { config, metrics, dns, xds, secrets, wasm_cache })
+        Ok(Self { config, metrics, dns, xds, secrets, wasm_cache, embedded_token })
     }
 
     /// Binds every port and socket (all or nothing: a port in use fails start-up
@@ -229,7 +233,9 @@ impl Agent {
                 let ip = c.pod.ip();
                 let signing =
                     crate::controlplane::SigningPolicy::new(&c.identity.identity, c.identity.secret_ttl);
-                let cp = crate::standalone::start(settings, ip, signing, embedded_stop.clone()).await?;
+                let token = self.embedded_token.clone().unwrap_or_else(crate::standalone::new_token);
+                let cp =
+                    crate::standalone::start(settings, ip, signing, token, embedded_stop.clone()).await?;
                 Some((cp, embedded_stop))
             }
             None => None,
@@ -382,7 +388,6 @@ impl Agent {
             let checker = crate::health::WorkloadHealthChecker::new(
                 settings,
                 c.status.probe_destination,
-                c.status.port,
                 supervisor.is_some().then(|| readiness.clone()),
             );
             let relay = self.xds.clone();
@@ -478,12 +483,13 @@ impl Agent {
         envoy: bool,
     ) -> StatusServer {
         let c = &self.config;
-        let merge = MetricsMerge {
-            metrics: self.metrics.clone(),
-            envoy: envoy.then(|| SocketAddr::from(([127, 0, 0, 1], c.status.prometheus_port))),
-            apps: Arc::new(c.status.app_metrics.clone()),
-        };
-        let probes = AppProber::new(c.status.app_probers.clone(), c.status.probe_destination, c.status.port);
+        let merge = MetricsMerge::new(
+            self.metrics.clone(),
+            (envoy && c.status.merge_envoy_stats)
+                .then(|| SocketAddr::from(([127, 0, 0, 1], c.status.prometheus_port))),
+            c.status.app_metrics.clone(),
+        );
+        let probes = AppProber::new(c.status.app_probers.clone(), c.status.probe_destination);
         StatusServer::new(self.dns.clone(), readiness.clone(), lifecycle.clone(), merge, probes)
     }
 

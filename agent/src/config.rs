@@ -47,7 +47,7 @@ pub use node::NodeSettings;
 pub use pod::PodIdentity;
 pub use proxy_config::{ControlPlaneAuthPolicy, ProxyConfig};
 pub use status::StatusSettings;
-pub use xds::XdsSettings;
+pub use xds::{RedactedHeaders, XdsSettings};
 
 use crate::envoy::EnvoySettings;
 

@@ -6,7 +6,8 @@
 //! address in a loop and Envoy carries it over mutual TLS. It prints each step, live
 //! rates and latencies, and a summary proven from Envoy's own stats; on Ctrl-C or
 //! `--duration` it drains the sidecars and removes every namespace, cgroup, rule and
-//! pin it made.
+//! pin it made. Its files live in a fresh directory only root and the proxy's group can
+//! enter (`workdir`), never through a path another user could have prepared.
 
 use std::{
     net::SocketAddr,
@@ -34,6 +35,8 @@ use crate::{
 
 const APP_PORT: u16 = 8080;
 const APP_UID: u32 = 1000;
+/// Envoy's user (and group), as the injector's.
+const PROXY_UID: u32 = 1337;
 const CLIENT_SA: &str = "client";
 const SERVER_SA: &str = "server";
 
@@ -159,8 +162,7 @@ impl Demo {
         let mesh = Mesh::new("demo")?;
         let client = mesh.pod("client")?;
         let server = mesh.pod("server")?;
-        let dir = std::env::temp_dir().join(unique_name("demo"));
-        std::fs::create_dir_all(&dir)?;
+        let dir = workdir()?;
         let cgroup = Cgroup::create(&unique_name("demo"))?;
         Ok(Self {
             sidecars: Vec::new(),
@@ -179,9 +181,9 @@ impl Demo {
     fn mesh(&self) -> anyhow::Result<Services> {
         let server = SocketAddr::new(self.server.ipv4().into(), APP_PORT);
         let file = self.dir.join("mesh.yaml");
-        std::fs::write(
+        write_new(
             &file,
-            format!(
+            &format!(
                 "# The demo mesh: one HTTP service.\nservices:\n- name: server\n  namespace: default\n  serviceAccount: {SERVER_SA}\n  \
                  address: {ip}\n  port: {APP_PORT}\n  protocol: http\n  endpoints: [\"{server}\"]\n  timeout: 5s\n  retries: 2\n",
                 ip = self.server.ipv4()
@@ -395,15 +397,14 @@ fn start_sidecar(
     services: &Path,
     dir: &Path,
 ) -> anyhow::Result<Sidecar> {
-    use std::os::unix::fs::PermissionsExt as _;
     let root = dir.join(name);
+    // The pod's tree as pilot-agent makes it: 0750, the proxy user's, so its sockets
+    // (xDS, and SDS with the workload's key) are the proxy's and root's alone.
     for d in ["etc/istio/proxy", "var/run/secrets/workload-spiffe-uds"] {
-        std::fs::create_dir_all(root.join(d))?;
-        std::os::unix::fs::chown(root.join(d), Some(1337), Some(1337))?;
+        crate::envoy::access::create_dir(&root.join(d), Some((PROXY_UID, PROXY_UID)))?;
     }
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))?;
     let exe = std::env::current_exe()?;
-    let log = std::fs::File::create(root.join("agent.log"))?;
+    let log = create_new(&root.join("agent.log"))?;
     let mut cmd = Command::new(&exe);
     cmd.args(["proxy", "sidecar", "--discovery-address", "embedded", "--mesh-services"])
         .arg(services)
@@ -435,6 +436,36 @@ fn start_sidecar(
         .process_group(0);
     let agent = pod.spawn_placed(&mut cmd, Placement { cgroup: Some(cgroup), ..Placement::default() })?;
     Ok(Sidecar { name, root, agent })
+}
+
+/// The demo's directory: made fresh under the temporary directory with a name no one
+/// can guess (`mkdtemp`, 0700), then opened to the proxy's group only (0750), which
+/// Envoy needs to walk to its pod's files. The mesh CA's directory inside stays the
+/// agents' own (0700); the apps (uid 1000) can enter none of it.
+fn workdir() -> anyhow::Result<PathBuf> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let template = std::env::temp_dir().join(format!("weir-{}-demo-XXXXXX", std::process::id()));
+    let dir = nix::unistd::mkdtemp(&template).with_context(|| format!("make {}", template.display()))?;
+    std::os::unix::fs::chown(&dir, None, Some(PROXY_UID))?;
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o750))?;
+    Ok(dir)
+}
+
+/// A new file (never one that is there already, nor through a symlink).
+fn create_new(path: &Path) -> anyhow::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .mode(0o640)
+        .open(path)
+        .with_context(|| format!("create {}", path.display()))
+}
+
+fn write_new(path: &Path, text: &str) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    create_new(path)?.write_all(text.as_bytes()).with_context(|| format!("write {}", path.display()))
 }
 
 fn wait_ready(pod: &Pod, s: &mut Sidecar) -> anyhow::Result<()> {

@@ -149,12 +149,7 @@ const PROBE_PATH: &str = "/app-health/workload/readyz";
 impl WorkloadHealthChecker {
     /// `destination`: where app probes go (the pod IP, as Istio's default host);
     /// `envoy`: Envoy's readiness when the agent runs Envoy.
-    pub fn new(
-        settings: HealthCheckSettings,
-        destination: IpAddr,
-        status_port: u16,
-        envoy: Option<Arc<Readiness>>,
-    ) -> Self {
+    pub fn new(settings: HealthCheckSettings, destination: IpAddr, envoy: Option<Arc<Readiness>>) -> Self {
         let p = &settings.probe;
         let prober = Prober {
             http_get: p.http_get.clone().map(|mut h| {
@@ -168,7 +163,7 @@ impl WorkloadHealthChecker {
             timeout_seconds: settings.timeout.as_secs() as u32,
         };
         let probers = AppProbers([(PROBE_PATH.to_string(), prober)].into());
-        Self { prober: AppProber::new(probers, destination, status_port), settings, envoy }
+        Self { prober: AppProber::new(probers, destination), settings, envoy }
     }
 
     /// One probe: Envoy first (when there is one), then the application.

@@ -92,10 +92,13 @@ where
 /// handled as `crate::accept` says (a pause when out of descriptors); it returns only
 /// when the listener is broken (logged there). A peer reached over a dual-stack socket
 /// is named as it connected: `127.0.0.1`, not `::ffff:127.0.0.1`.
-pub async fn serve<F, Fut>(listener: tokio::net::TcpListener, handle: F)
+pub async fn serve<F, Fut, B>(listener: tokio::net::TcpListener, handle: F)
 where
     F: Fn(Request<hyper::body::Incoming>, std::net::SocketAddr) -> Fut + Clone + Send + Sync + 'static,
-    Fut: std::future::Future<Output = Response<http_body_util::Full<bytes::Bytes>>> + Send + 'static,
+    Fut: std::future::Future<Output = Response<B>> + Send + 'static,
+    B: hyper::body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let name = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
     loop {

@@ -4,6 +4,7 @@
 
 pub mod caclient;
 pub mod chain;
+pub mod files;
 pub mod keys;
 pub mod manager;
 pub mod names;

@@ -4,6 +4,7 @@
 
 pub mod accept;
 pub mod app;
+pub mod atomic_file;
 pub mod build_info;
 pub mod capture_cmd;
 pub mod capture_explain;

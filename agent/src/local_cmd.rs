@@ -143,15 +143,16 @@ fn split_url(url: &str) -> Result<(std::net::SocketAddr, String), LocalCmdError>
     Ok((std::net::SocketAddr::new(ip, port), path))
 }
 
-/// Polls until ready or `timeout`.
+/// Polls until ready or `timeout`. A timeout too far away to be a point in time
+/// (`--timeoutSeconds 18446744073709551615`) means no deadline.
 pub async fn wait(w: &WaitArgs) -> Result<(), LocalCmdError> {
     let (address, path) = split_url(&w.url)?;
     tracing::info!(timeout_seconds = w.timeout.as_secs(), "Waiting for Envoy proxy to be ready");
-    let deadline = Instant::now() + w.timeout;
+    let deadline = Instant::now().checked_add(w.timeout);
     let mut last = String::from("none");
     loop {
         tokio::time::sleep(w.period).await;
-        if Instant::now() > deadline {
+        if deadline.is_some_and(|d| Instant::now() > d) {
             return Err(LocalCmdError::Timeout(last));
         }
         match request(address, Method::GET, &path, None, w.request_timeout).await {
@@ -259,5 +260,36 @@ mod tests {
             LocalCmdError::Port { port: 22 }
         );
         assert!(matches!(parse_request(&s(&["GET"])), Err(LocalCmdError::Usage(_))));
+    }
+
+    /// A server answering every connection with one `200 OK`.
+    async fn ready_server() -> std::net::SocketAddr {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                let mut buf = [0u8; 1024];
+                let _ = s.read(&mut buf).await;
+                let _ = s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n").await;
+            }
+        });
+        address
+    }
+
+    #[tokio::test]
+    async fn a_timeout_past_any_instant_waits_without_a_deadline() {
+        let address = ready_server().await;
+        let w = parse_wait(&s(&[
+            "--timeoutSeconds",
+            "18446744073709551615",
+            "--periodMillis=1",
+            "--requestTimeoutMillis=18446744073709551615",
+            &format!("--url=http://{address}/healthz/ready"),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!(w.timeout, Duration::from_secs(u64::MAX));
+        wait(&w).await.expect("ready at the first poll, with no deadline to overflow");
     }
 }

@@ -179,6 +179,12 @@ impl Metrics {
         self.cert_expiries.lock().expect("metrics lock").insert(resource.into(), not_after);
     }
 
+    /// Stops reporting `resource`'s expiry (a file resource no stream asks for).
+    pub fn clear_cert_expiry(&self, resource: &str) {
+        self.cert_expiries.lock().expect("metrics lock").remove(resource);
+        self.cert_expiry_seconds.remove(&ResourceName { resource_name: resource.into() });
+    }
+
     /// The metrics in Prometheus text format.
     pub fn encode(&self) -> String {
         let now = SystemTime::now();

@@ -4,9 +4,12 @@
 //! plaintext, as istiod's in-cluster port), and the agent's own relay and CA client
 //! talk to it, so the relay, SDS and Envoy paths are exactly the istiod ones. What it
 //! serves comes from a small YAML file of services (`mesh`); the mesh CA is created on
-//! first start and kept in a state directory shared by every workload of the mesh, and
-//! signs only this workload's identity for at most its TTL (`SigningPolicy`): anything
-//! else in the pod can reach the port.
+//! first start and kept in a state directory only its owner may enter (0700: give the
+//! agent one of its own, never a directory the workloads mount), and signs only this
+//! workload's identity for at most its TTL (`SigningPolicy`). Anything on the host or
+//! in the pod can reach 127.0.0.1:15010, so both xDS and the CA answer only callers
+//! presenting a token the agent makes at start and keeps in memory: its own relay and
+//! CA client.
 
 pub mod mesh;
 
@@ -46,19 +49,32 @@ pub struct EmbeddedControlPlane {
     pub task: tokio::task::JoinHandle<()>,
 }
 
+/// A fresh credential for the embedded control plane: 128 random bits, hex.
+pub fn new_token() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}
+
+/// The metadata the agent's own relay and CA client present (`authorization`).
+pub fn credential(token: &str) -> (String, String) {
+    ("authorization".into(), format!("Bearer {token}"))
+}
+
 /// Binds and starts serving this workload's view of the mesh (`workload_ip`), and
-/// keeps it current when the services file changes (polled every 2 s). The CA signs
-/// what `signing` allows: the workload's own identity, for at most its TTL.
+/// keeps it current when the services file changes (polled every 2 s), to callers
+/// presenting `token` (see `credential`). The CA signs what `signing` allows: the
+/// workload's own identity, for at most its TTL.
 pub async fn start(
     settings: &StandaloneSettings,
     workload_ip: Option<std::net::IpAddr>,
     signing: SigningPolicy,
+    token: String,
     shutdown: tokio_util::sync::CancellationToken,
 ) -> Result<EmbeddedControlPlane, StandaloneError> {
     let file = mesh::MeshFile::load(&settings.services)?;
     let snapshot = file.snapshot(workload_ip, "1");
-    let ca = WorkloadCa::new(MeshCa::load_or_create(CA_ORG, &settings.state_dir)?, signing);
-    let ads = AdsServer::new(snapshot, AuthPolicy::default());
+    let ca = WorkloadCa::new(MeshCa::load_or_create(CA_ORG, &settings.state_dir)?, signing)
+        .with_token(token.clone());
+    let ads = AdsServer::new(snapshot, AuthPolicy { token: Some(token), cluster_id: None });
     let address: SocketAddr = EMBEDDED_ADDRESS.parse().expect("a socket address");
     let listener = tokio::net::TcpListener::bind(address).await.map_err(StandaloneError::Bind)?;
     tracing::info!(

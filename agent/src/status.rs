@@ -2,7 +2,7 @@
 //! `/healthz/ready` (Envoy configured and live, DNS table loaded when DNS capture is
 //! on; 503 once draining), `/stats/prometheus` and `/metrics` (merged: `merge`),
 //! `/app-health/...` (rewritten probes: `probes`), `POST /quitquitquit` and
-//! `POST /drain` (localhost only), and `/debug/ndsz`.
+//! `POST /drain`, and `/debug/ndsz` (these three from localhost only).
 
 pub mod merge;
 pub mod probes;
@@ -16,7 +16,7 @@ use std::{
 };
 
 use bytes::Bytes;
-use http_body_util::Full;
+use http_body_util::{BodyExt as _, Full};
 use hyper::{Request, Response, StatusCode, body::Incoming};
 use tokio::net::TcpListener;
 
@@ -24,7 +24,7 @@ use crate::{
     dns::DnsProxy,
     envoy::{LifecycleControl, Readiness},
 };
-pub use merge::MetricsMerge;
+pub use merge::{MergedBody, MetricsMerge};
 pub use probes::{AppProber, AppProbers};
 
 /// What the status server reads from and acts on.
@@ -83,16 +83,26 @@ impl StatusServer {
         .await
     }
 
-    async fn route(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<Full<Bytes>> {
+    async fn route(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<MergedBody> {
         let path = req.uri().path().to_string();
         let method = req.method().clone();
         match path.as_str() {
             "/healthz/ready" => self.ready().await,
-            "/stats/prometheus" | "/metrics" => {
-                let body = self.merge.scrape(req.uri().query(), req.headers()).await;
-                respond(StatusCode::OK, PROMETHEUS_TEXT, body)
-            }
-            "/quitquitquit" | "/drain" if !peer.ip().is_loopback() => {
+            "/stats/prometheus" | "/metrics" => match self.merge.scrape(req.uri().query(), req.headers()) {
+                Some(body) => Response::builder()
+                    .status(StatusCode::OK)
+                    .header("content-type", PROMETHEUS_TEXT)
+                    .body(body)
+                    .expect("static response parts are valid"),
+                None => {
+                    let mut busy =
+                        text(StatusCode::SERVICE_UNAVAILABLE, "too many metrics scrapes at once\n".into());
+                    busy.headers_mut().insert("retry-after", hyper::header::HeaderValue::from_static("1"));
+                    busy
+                }
+            },
+            // The pod's whole DNS name table is for its own debugging, as Istio's.
+            "/quitquitquit" | "/drain" | "/debug/ndsz" if !peer.ip().is_loopback() => {
                 text(StatusCode::FORBIDDEN, "Only requests from localhost are allowed\n".into())
             }
             "/quitquitquit" | "/drain" if method != hyper::Method::POST => {
@@ -120,7 +130,7 @@ impl StatusServer {
     }
 
     /// 200 when ready; else 503 with the reason (and a log line on each change).
-    async fn ready(&self) -> Response<Full<Bytes>> {
+    async fn ready(&self) -> Response<MergedBody> {
         let mut verdict = self.readiness.check().await;
         if verdict.is_ok() && self.dns.as_ref().is_some_and(|d| d.name_table().is_none()) {
             verdict = Err("DNS name table not received from XDS server (NDS) yet".into());
@@ -140,7 +150,7 @@ impl StatusServer {
         }
     }
 
-    fn ndsz(&self) -> Response<Full<Bytes>> {
+    fn ndsz(&self) -> Response<MergedBody> {
         match self.dns.as_ref().map(|d| d.name_table()) {
             None => text(StatusCode::NOT_FOUND, "DNS proxy is off\n".into()),
             Some(None) => respond(StatusCode::OK, "application/json", Bytes::from_static(b"{}\n")),
@@ -168,15 +178,15 @@ impl StatusServer {
     }
 }
 
-fn text(status: StatusCode, body: String) -> Response<Full<Bytes>> {
+fn text(status: StatusCode, body: String) -> Response<MergedBody> {
     respond(status, "text/plain; charset=utf-8", Bytes::from(body))
 }
 
-fn respond(status: StatusCode, content_type: &str, body: Bytes) -> Response<Full<Bytes>> {
+fn respond(status: StatusCode, content_type: &str, body: Bytes) -> Response<MergedBody> {
     Response::builder()
         .status(status)
         .header("content-type", content_type)
-        .body(Full::new(body))
+        .body(Full::new(body).boxed_unsync())
         .expect("static response parts are valid")
 }
 
@@ -203,6 +213,91 @@ mod tests {
         let mut answer = String::new();
         stream.read_to_string(&mut answer).await.unwrap();
         answer.rsplit("\r\n\r\n").next().unwrap().to_string()
+    }
+
+    /// An app whose metrics start (one line) and never end.
+    async fn stalled_app() -> u16 {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((mut conn, _)) = listener.accept().await {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 1024];
+                while !head.ends_with(b"\r\n\r\n") {
+                    match conn.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let first = "app_metric_total 1\n";
+                let answer = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ntransfer-encoding: chunked\r\n\r\n{:x}\r\n{first}\r\n",
+                    first.len()
+                );
+                let _ = conn.write_all(answer.as_bytes()).await;
+                held.push(conn);
+            }
+        });
+        port
+    }
+
+    fn merging(app_port: u16) -> MetricsMerge {
+        let app = merge::ScrapeTarget { port: app_port, path: "/metrics".into() };
+        MetricsMerge::new(Arc::new(crate::metrics::Metrics::new()), None, vec![app])
+    }
+
+    async fn status_server(merge: MetricsMerge) -> SocketAddr {
+        let server = StatusServer::new(
+            None,
+            Arc::new(Readiness::new(None)),
+            LifecycleControl::new(None, false),
+            merge,
+            AppProber::new(AppProbers::default(), std::net::Ipv4Addr::LOCALHOST.into()),
+        );
+        let listener = StatusServer::bind(0).await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        tokio::spawn(server.serve(listener));
+        SocketAddr::from(([127, 0, 0, 1], port))
+    }
+
+    /// A scrape asking for an hour's deadline; what arrived once `needle` did.
+    async fn scrape_until(to: SocketAddr, needle: &str) -> (tokio::net::TcpStream, String) {
+        let mut stream = tokio::net::TcpStream::connect(to).await.unwrap();
+        let request = "GET /stats/prometheus HTTP/1.1\r\nHost: status\r\nX-Prometheus-Scrape-Timeout-Seconds: 3600\r\n\r\n";
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut seen = Vec::new();
+        let read = async {
+            let mut buf = [0u8; 4096];
+            while !String::from_utf8_lossy(&seen).contains(needle) {
+                let n = stream.read(&mut buf).await.unwrap();
+                assert!(n > 0, "closed before {needle:?}: {}", String::from_utf8_lossy(&seen));
+                seen.extend_from_slice(&buf[..n]);
+            }
+        };
+        let arrived = tokio::time::timeout(std::time::Duration::from_secs(10), read).await;
+        let seen = String::from_utf8_lossy(&seen).into_owned();
+        assert!(arrived.is_ok(), "no {needle:?} within 10 s, only {seen:?}");
+        (stream, seen)
+    }
+
+    /// The merged metrics are streamed: what the agent has and the app's first line
+    /// arrive while the app is still sending. Scrapes at once are bounded: past
+    /// `MAX_CONCURRENT_SCRAPES` the answer is 503 at once, never a queue.
+    #[tokio::test]
+    async fn merged_metrics_stream_and_scrapes_at_once_are_bounded() {
+        let status = status_server(merging(stalled_app().await)).await;
+        let mut held = Vec::new();
+        for _ in 0..merge::MAX_CONCURRENT_SCRAPES {
+            let (conn, seen) = scrape_until(status, "app_metric_total 1").await;
+            assert!(seen.starts_with("HTTP/1.1 200") && seen.contains("istio_agent_scrapes_total"), "{seen}");
+            held.push(conn);
+        }
+        let (_, refused) = scrape_until(status, "\r\n\r\n").await;
+        assert!(refused.starts_with("HTTP/1.1 503"), "{refused}");
+        drop(held);
+        let (_, again) = scrape_until(status, "app_metric_total 1").await;
+        assert!(again.starts_with("HTTP/1.1 200"), "a permit is back once a scrape ends: {again}");
     }
 
     /// kubelet probes an IPv6-only pod on its IPv6 address and an IPv4 one on IPv4: the

@@ -525,3 +525,186 @@ async fn a_full_disk_under_output_certs_costs_envoy_nothing_and_leaves_no_partia
     assert_eq!(std::fs::read_to_string(out.join("key.pem")).unwrap(), key);
     assert_eq!(std::fs::read_to_string(out.join("cert-chain.pem")).unwrap(), chain);
 }
+
+/// The agent's shape for the file tests: mounted workload certificates, the manager,
+/// its SDS server and a status server on a runtime of two workers as the agent's, apart
+/// from the test's (a worker the agent loses to a blocking read shows as a timeout
+/// here, not as a hung test).
+struct TwoWorkers {
+    runtime: Option<tokio::runtime::Runtime>,
+    socket: std::path::PathBuf,
+    status: std::net::SocketAddr,
+    metrics: Arc<Metrics>,
+    mount: tempfile::TempDir,
+    _dir: tempfile::TempDir,
+    stop: CancellationToken,
+}
+
+impl TwoWorkers {
+    fn start() -> Self {
+        use weir_agent::{
+            envoy::{LifecycleControl, Readiness},
+            status::{AppProber, AppProbers, MetricsMerge, StatusServer},
+        };
+        let mount = tempfile::tempdir().unwrap();
+        let (cert, key) = self_signed("mounted");
+        kube_publish(
+            mount.path(),
+            1,
+            &[("cert-chain.pem", &cert), ("key.pem", &key), ("root-cert.pem", &cert)],
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let runtime =
+            tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let (metrics, stop) = (Arc::new(Metrics::new()), CancellationToken::new());
+        let socket = dir.path().join("sds").join("socket");
+        let files = CertFiles::in_dir(mount.path());
+        let manager = SecretManager::new(
+            WorkloadSource::Files(files),
+            RotationPolicy::default(),
+            None,
+            Duration::from_millis(50),
+            metrics.clone(),
+        );
+        let merge = MetricsMerge::new(metrics.clone(), None, Vec::new());
+        let status = StatusServer::new(
+            None,
+            Arc::new(Readiness::new(None)),
+            LifecycleControl::new(None, false),
+            merge,
+            AppProber::new(AppProbers::default(), std::net::Ipv4Addr::LOCALHOST.into()),
+        );
+        // Set up on the agent's runtime (the test's own is the caller's: no block_on).
+        let (ready, port) = std::sync::mpsc::channel();
+        let (sds, shutdown) = (socket.clone(), stop.clone());
+        runtime.spawn(async move {
+            tokio::spawn(manager.clone().run(shutdown.clone()));
+            let listener = weir_agent::xds::uds::bind(&sds, None).unwrap();
+            tokio::spawn(SdsServer::new(manager).serve(listener, shutdown.cancelled_owned()));
+            let listener = StatusServer::bind(0).await.unwrap();
+            let _ = ready.send(listener.local_addr().unwrap().port());
+            status.serve(listener).await;
+        });
+        let port = port.recv().unwrap();
+        let status = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+        Self { runtime: Some(runtime), socket, status, metrics, mount, _dir: dir, stop }
+    }
+
+    /// `default` is still served and the status port still answers.
+    async fn still_answers(&self) {
+        let check = async {
+            let mut d = Stream::open(&self.socket, &["default"]).await;
+            assert_eq!(secrets(&d.next().await.unwrap())[0].name, "default");
+            let (status, metrics) = weir_tests::http::get(self.status, "/stats/prometheus").await.unwrap();
+            assert!(status == 200 && metrics.contains("istio_agent_"), "{status} {metrics}");
+        };
+        tokio::time::timeout(WAIT, check).await.expect("the agent answers SDS and status in time");
+    }
+
+    /// The status a stream for `name` ends with.
+    async fn refused(&self, name: &str) -> tonic::Status {
+        let refused = async {
+            match Stream::open(&self.socket, &[name]).await.next().await {
+                Ok(served) => panic!("{name} was served ({} resources)", served.resources.len()),
+                Err(status) => status,
+            }
+        };
+        tokio::time::timeout(WAIT, refused).await.unwrap_or_else(|_| panic!("no answer for {name} in time"))
+    }
+}
+
+impl Drop for TwoWorkers {
+    fn drop(&mut self) {
+        self.stop.cancel();
+        // A worker blocked for good (by a file read on it) would hang the runtime's drop.
+        std::mem::forget(self.runtime.take());
+    }
+}
+
+/// Reading `/dev/zero` would never end; a runaway allocation in this test's process is
+/// capped (4 GiB of address space) so a failure here cannot take the machine's memory.
+fn cap_memory() {
+    let limit = libc::rlimit { rlim_cur: 4 << 30, rlim_max: libc::RLIM_INFINITY };
+    // SAFETY: setrlimit on this process with a valid struct.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_AS, &limit) }, 0);
+}
+
+fn assert_named(status: &tonic::Status, path: &str, says: &str) {
+    assert_eq!(status.code(), tonic::Code::FailedPrecondition, "{status:?}");
+    assert!(status.message().contains(path) && status.message().contains(says), "{status:?}");
+}
+
+#[tokio::test]
+async fn a_fifo_is_refused_by_name_and_blocks_nothing() {
+    let agent = TwoWorkers::start();
+    // Two of them: one per worker of the agent's runtime.
+    for name in ["one.fifo", "two.fifo"] {
+        let fifo = agent.mount.path().join(name);
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        let status = agent.refused(&format!("file-root:{}", fifo.display())).await;
+        assert_named(&status, &fifo.display().to_string(), "a FIFO, not a regular file");
+    }
+    agent.still_answers().await;
+}
+
+#[tokio::test]
+async fn dev_zero_is_refused_by_name() {
+    cap_memory();
+    let agent = TwoWorkers::start();
+    let status = agent.refused("file-root:/dev/zero").await;
+    assert_named(&status, "/dev/zero", "a device, not a regular file");
+    let key = agent.mount.path().join("key.pem");
+    let status = agent.refused(&format!("file-cert:/dev/zero~{}", key.display())).await;
+    assert_named(&status, "/dev/zero", "a device");
+    agent.still_answers().await;
+}
+
+#[tokio::test]
+async fn an_oversized_file_is_refused_by_name() {
+    let agent = TwoWorkers::start();
+    let big = agent.mount.path().join("big.pem");
+    let (cert, _) = self_signed("big");
+    std::fs::write(&big, cert.repeat((2 << 20) / cert.len() + 1)).unwrap();
+    let status = agent.refused(&format!("file-root:{}", big.display())).await;
+    assert_named(&status, &big.display().to_string(), "larger than 1048576 bytes");
+    agent.still_answers().await;
+}
+
+/// A watched file that turns into something else (here a symlink to `/dev/zero`, as a
+/// mounted volume could) is checked by its metadata and refused, not read forever.
+#[tokio::test]
+async fn a_watched_file_that_becomes_a_device_is_refused_on_the_next_push() {
+    cap_memory();
+    let agent = TwoWorkers::start();
+    let (cert, _) = self_signed("watched");
+    let root = agent.mount.path().join("extra-root.pem");
+    std::fs::write(&root, &cert).unwrap();
+    let name = format!("file-root:{}", root.display());
+    let mut stream = Stream::open(&agent.socket, &[&name]).await;
+    let first = stream.next().await.unwrap();
+    stream.ack(&[&name], &first).await;
+    std::fs::remove_file(&root).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", &root).unwrap();
+    let status = match tokio::time::timeout(WAIT, stream.next()).await.expect("a push in time") {
+        Ok(served) => panic!("{name} was served again ({} resources)", served.resources.len()),
+        Err(status) => status,
+    };
+    assert_named(&status, &root.display().to_string(), "a device");
+    agent.still_answers().await;
+}
+
+/// Names come from istiod (any DestinationRule): the watch list holds only the names a
+/// stream still asks for, so it cannot grow without bound.
+#[tokio::test]
+async fn a_file_resource_no_stream_asks_for_is_no_longer_watched() {
+    let agent = TwoWorkers::start();
+    let dir = agent.mount.path();
+    let name =
+        format!("file-cert:{}~{}", dir.join("cert-chain.pem").display(), dir.join("key.pem").display());
+    let gauge = format!("istio_agent_cert_expiry_seconds{{resource_name=\"{name}\"}}");
+    let mut stream = Stream::open(&agent.socket, &[&name]).await;
+    stream.next().await.unwrap();
+    assert!(agent.metrics.encode().contains(&gauge), "served and reported");
+    drop(stream);
+    eventually("the resource to be dropped", || !agent.metrics.encode().contains(&gauge)).await;
+}

@@ -647,8 +647,9 @@ const PROBERS: &str = r#"{
   "/app-health/web/readyz": {"httpGet": {"path": "/status/503", "port": 8080}},
   "/app-health/web/startupz": {"httpGet": {"path": "/redirect/same", "port": 8080}},
   "/app-health/away/livez": {"httpGet": {"path": "/redirect/away", "port": 8080}},
-  "/app-health/peer/livez": {"httpGet": {"path": "/peer", "port": 8080}},
-  "/app-health/headers/livez": {"httpGet": {"path": "/headers", "port": 8080, "httpHeaders": [{"name": "X-Probe", "value": "yes"}]}},
+  "/app-health/peer/livez": {"httpGet": {"path": "/require/peer/127.0.0.6", "port": 8080}},
+  "/app-health/headers/livez": {"httpGet": {"path": "/require/header/x-probe/yes", "port": 8080, "httpHeaders": [{"name": "X-Probe", "value": "yes"}]}},
+  "/app-health/host/livez": {"httpGet": {"path": "/require/header/host/web.internal", "port": 8080, "httpHeaders": [{"name": "Host", "value": "web.internal"}]}},
   "/app-health/tcp/livez": {"tcpSocket": {"port": 8080}},
   "/app-health/tcpdown/livez": {"tcpSocket": {"port": 8089}},
   "/app-health/grpc/livez": {"grpc": {"port": 9090}},
@@ -680,24 +681,25 @@ fn status_server_merges_metrics_rewrites_probes_and_quits_on_request() {
     assert!(metrics.contains("app_requests_total 7"), "no app metrics");
     assert!(!metrics.contains("# EOF"), "an OpenMetrics EOF in the middle of the merge");
 
-    // Rewritten probes, as kubelet sends them (to the pod IP, from off the pod).
+    // Rewritten probes, as kubelet sends them (to the pod IP, from off the pod): the
+    // app's status comes back, never its body.
     let probe = |path: &str| rig.remote("GET", path);
-    assert_eq!(probe("/app-health/web/livez"), (200, "ok\n".into()));
-    assert_eq!(probe("/app-health/web/readyz"), (503, "status 503\n".into()));
-    assert_eq!(probe("/app-health/web/startupz"), (200, "ok\n".into()), "same-host redirect followed");
+    assert_eq!(probe("/app-health/web/livez"), (200, String::new()));
+    assert_eq!(probe("/app-health/web/readyz"), (503, String::new()));
+    assert_eq!(probe("/app-health/web/startupz"), (200, String::new()), "same-host redirect followed");
     assert_eq!(probe("/app-health/away/livez").0, 200, "a redirect elsewhere counts as success");
-    let (_, peer) = probe("/app-health/peer/livez");
-    assert!(peer.starts_with("127.0.0.6:"), "probes come from 127.0.0.6, got {peer}");
-    let (_, headers) = probe("/app-health/headers/livez");
-    assert!(headers.to_ascii_lowercase().contains("x-probe: yes"), "{headers}");
-    assert!(!headers.to_ascii_lowercase().contains("content-length"), "{headers}");
+    assert_eq!(probe("/app-health/peer/livez").0, 200, "probes come from 127.0.0.6");
+    assert_eq!(probe("/app-health/headers/livez").0, 200, "the probe's header, once, and no content-length");
+    assert_eq!(probe("/app-health/host/livez").0, 200, "the probe's own Host");
     assert_eq!(probe("/app-health/tcp/livez").0, 200);
     assert_eq!(probe("/app-health/tcpdown/livez").0, 500);
     assert_eq!(probe("/app-health/grpc/livez").0, 200);
     assert_eq!(probe("/app-health/grpcdown/livez").0, 500);
     assert_eq!(probe("/app-health/nobody/livez").0, 400);
 
-    // /quitquitquit and /drain: POST from localhost only.
+    // The DNS name table, /quitquitquit and /drain: from localhost only.
+    assert_eq!(rig.remote("GET", "/debug/ndsz"), (403, "Only requests from localhost are allowed\n".into()));
+    assert_ne!(rig.local_get(15020, "/debug/ndsz").0, 403);
     assert_eq!(rig.remote("POST", "/quitquitquit").0, 403);
     assert_eq!(rig.remote("POST", "/drain").0, 403);
     assert_eq!(rig.local_get(15020, "/quitquitquit").0, 405);

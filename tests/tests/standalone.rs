@@ -1,9 +1,10 @@
 //! Standalone mode's embedded control plane, in a pod: it serves the services file's
 //! view for its workload, follows edits to the file (keeping the last good one when an
 //! edit is broken), and keeps its mesh CA across restarts in the state directory. Its
-//! CA, which anything in the pod can reach, signs only the workload's own identity for
-//! at most its TTL. The whole path with real Envoys and traffic is the demo's test
-//! (tests/demo.rs).
+//! xDS and CA answer only the agent itself (a token it makes and keeps): anything else
+//! on 127.0.0.1:15010 is refused, and even the agent's CA signs only the workload's own
+//! identity for at most its TTL. The whole path with real Envoys and traffic is the
+//! demo's test (tests/demo.rs).
 
 use std::time::{Duration, Instant};
 
@@ -15,6 +16,9 @@ use weir_agent::{
     standalone::{EMBEDDED_ADDRESS, StandaloneSettings, start},
 };
 use weir_proto::{
+    envoy::service::discovery::v3::{
+        DiscoveryRequest, aggregated_discovery_service_client::AggregatedDiscoveryServiceClient,
+    },
     istio::v1::auth::{
         IstioCertificateRequest, istio_certificate_service_client::IstioCertificateServiceClient,
     },
@@ -39,13 +43,13 @@ fn file(services: &[(&str, &str)]) -> String {
     out
 }
 
-fn signing() -> SigningPolicy {
+fn signing(ttl: Duration) -> SigningPolicy {
     let app = WorkloadIdentity {
         trust_domain: "cluster.local".into(),
         namespace: "default".into(),
         service_account: "app".into(),
     };
-    SigningPolicy::new(&app, Duration::from_secs(24 * 3600))
+    SigningPolicy::new(&app, ttl)
 }
 
 #[test]
@@ -60,7 +64,15 @@ fn the_embedded_control_plane_follows_its_file_and_keeps_its_ca() {
     std::fs::write(&settings.services, file(&[("server", &ip.to_string())])).unwrap();
     pod.run(|| async {
         let stop = CancellationToken::new();
-        let cp = start(&settings, Some(ip.into()), signing(), stop.clone()).await.unwrap();
+        let cp = start(
+            &settings,
+            Some(ip.into()),
+            signing(Duration::from_secs(24 * 3600)),
+            "t".into(),
+            stop.clone(),
+        )
+        .await
+        .unwrap();
         let root = cp.ca.root_pem();
         let snapshot = cp.ads.snapshot();
         let listeners: Vec<&String> = snapshot.get(type_url::LISTENER).unwrap().resources.keys().collect();
@@ -92,7 +104,15 @@ fn the_embedded_control_plane_follows_its_file_and_keeps_its_ca() {
         // A restart keeps the mesh CA (and the port is free again).
         std::fs::write(&settings.services, file(&[("server", &ip.to_string())])).unwrap();
         let stop = CancellationToken::new();
-        let again = start(&settings, Some(ip.into()), signing(), stop.clone()).await.unwrap();
+        let again = start(
+            &settings,
+            Some(ip.into()),
+            signing(Duration::from_secs(24 * 3600)),
+            "t".into(),
+            stop.clone(),
+        )
+        .await
+        .unwrap();
         assert_eq!(again.ca.root_pem(), root, "the mesh CA lives in the state directory");
         stop.cancel();
         let _ = again.task.await;
@@ -108,12 +128,12 @@ fn csr(uri: &str) -> String {
     params.serialize_request(&key).unwrap().pem().unwrap()
 }
 
-/// The real agent in standalone mode (`--discovery-address embedded`, SECRET_TTL 1h)
-/// for `default/app`; another process in its pod asks the embedded CA on
-/// 127.0.0.1:15010 for certificates. Another identity is refused by name; its own for
-/// ten years is signed for the TTL.
+/// The real agent in standalone mode (`--discovery-address embedded`) for
+/// `default/app` gets its certificate from its own CA; another process in its pod
+/// (or any local user) asking 127.0.0.1:15010 for a certificate or for xDS is refused:
+/// it does not hold the agent's credential.
 #[test]
-fn the_embedded_ca_signs_only_the_workloads_own_identity_for_at_most_its_ttl() {
+fn the_embedded_control_plane_answers_only_its_own_agent() {
     require_root!();
     let mesh = Mesh::new(&test_name!()).unwrap();
     let pod = mesh.pod("app").unwrap();
@@ -143,24 +163,76 @@ fn the_embedded_ca_signs_only_the_workloads_own_identity_for_at_most_its_ttl() {
     ];
     let mut agent =
         AgentProcess::launch(&pod, &root, tools::weir_command(), &args, &env, None, None).unwrap();
-    // The agent's own CSR passes the policy.
     let issued = eventually(Duration::from_secs(20), || {
         agent.log().contains("generated new workload certificate").then_some(())
     });
     assert!(issued.is_some(), "the agent got no certificate from its own CA:\n{}", agent.log());
 
     let own = "spiffe://cluster.local/ns/default/sa/app";
+    let (certificate, xds) = pod
+        .run(|| async move {
+            let channel = Endpoint::from_shared(format!("http://{EMBEDDED_ADDRESS}"))?.connect().await?;
+            let request = IstioCertificateRequest { csr: csr(own), validity_duration: 600, metadata: None };
+            let certificate = IstioCertificateServiceClient::new(channel.clone())
+                .create_certificate(request)
+                .await
+                .map(|r| r.into_inner().cert_chain);
+            let lds = DiscoveryRequest { type_url: type_url::LISTENER.into(), ..Default::default() };
+            let xds = match AggregatedDiscoveryServiceClient::new(channel)
+                .stream_aggregated_resources(tokio_stream::iter(vec![lds]))
+                .await
+            {
+                Err(status) => Err(status),
+                Ok(stream) => stream.into_inner().message().await.map(|m| m.map(|r| r.resources.len())),
+            };
+            anyhow::Ok((certificate, xds))
+        })
+        .unwrap()
+        .unwrap();
+    let refused = certificate.expect_err("a certificate for a caller without the agent's credential");
+    assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
+    let refused = xds.expect_err("xDS for a caller without the agent's credential");
+    assert_eq!(refused.code(), tonic::Code::Unauthenticated, "{refused:?}");
+    assert!(agent.log().contains("CSR refused"), "the refusal is logged:\n{}", agent.log());
+    assert!(agent.terminate().unwrap().success(), "{}", agent.log());
+}
+
+/// The CA, for a caller with the credential: another identity is refused by name; its
+/// own for ten years is signed for the TTL.
+#[test]
+fn the_embedded_ca_signs_only_the_workloads_own_identity_for_at_most_its_ttl() {
+    require_root!();
+    let mesh = Mesh::new(&test_name!()).unwrap();
+    let pod = mesh.pod("app").unwrap();
+    let dir = Dir::new("standalone-policy").unwrap();
+    let settings =
+        StandaloneSettings { services: dir.path().join("mesh.yaml"), state_dir: dir.path().join("ca") };
+    std::fs::write(&settings.services, file(&[("server", "10.66.0.99")])).unwrap();
+    let own = "spiffe://cluster.local/ns/default/sa/app";
     let other = "spiffe://cluster.local/ns/default/sa/payments";
     let answers = pod
-        .run(|| async move {
+        .run(|| async {
+            let stop = CancellationToken::new();
+            let token = weir_agent::standalone::new_token();
+            let cp = start(&settings, None, signing(Duration::from_secs(3600)), token.clone(), stop.clone())
+                .await?;
             let channel = Endpoint::from_shared(format!("http://{EMBEDDED_ADDRESS}"))?.connect().await?;
             let mut ca = IstioCertificateServiceClient::new(channel);
             let mut out = Vec::new();
             for (uri, seconds) in [(other, 600), (own, 10 * 365 * 86_400)] {
-                let request =
-                    IstioCertificateRequest { csr: csr(uri), validity_duration: seconds, metadata: None };
+                let mut request = tonic::Request::new(IstioCertificateRequest {
+                    csr: csr(uri),
+                    validity_duration: seconds,
+                    metadata: None,
+                });
+                let (name, value) = weir_agent::standalone::credential(&token);
+                request
+                    .metadata_mut()
+                    .insert(tonic::metadata::MetadataKey::from_bytes(name.as_bytes())?, value.parse()?);
                 out.push(ca.create_certificate(request).await.map(|r| r.into_inner().cert_chain));
             }
+            stop.cancel();
+            let _ = cp.task.await;
             anyhow::Ok(out)
         })
         .unwrap()
@@ -173,9 +245,10 @@ fn the_embedded_ca_signs_only_the_workloads_own_identity_for_at_most_its_ttl() {
     let (_, pem) = x509_parser::pem::parse_x509_pem(chain[0].as_bytes()).unwrap();
     let leaf = pem.parse_x509().unwrap();
     let lifetime = leaf.validity().not_after.timestamp() - leaf.validity().not_before.timestamp();
-    assert_eq!(lifetime, 3600 + 60, "ten years asked, SECRET_TTL given (plus a minute of back-dating)");
+    assert_eq!(
+        lifetime,
+        3600 + 60,
+        "ten years asked, a TTL of one hour given (plus a minute of back-dating)"
+    );
     assert!(format!("{:?}", leaf.subject_alternative_name().unwrap().unwrap().value).contains(own));
-    let log = agent.log();
-    assert!(log.contains("CSR refused") && log.contains(other), "the refusal is logged by name:\n{log}");
-    assert!(agent.terminate().unwrap().success(), "{}", agent.log());
 }

@@ -68,20 +68,26 @@ fn sha256_hex(bytes: &[u8]) -> String {
 }
 
 fn snapshot(wasm: prost_types::Any, version: &str) -> Snapshot {
+    snapshot_with(wasm, version, &[])
+}
+
+/// `snapshot`, with more plain HTTP listeners (name, address) on the same routes.
+fn snapshot_with(wasm: prost_types::Any, version: &str, more: &[(&str, &str)]) -> Snapshot {
     let mut s = Snapshot::new();
-    s.set(
-        type_url::LISTENER,
-        version,
-        [(
+    let mut listeners = vec![(
+        "http".to_string(),
+        resources::http_listener_with_ecds(
             "http",
-            resources::http_listener_with_ecds(
-                "http",
-                LISTENER.parse().unwrap(),
-                "routes",
-                &[(FILTER, weir_agent::wasm::rewrite::HTTP_WASM)],
-            ),
-        )],
-    );
+            LISTENER.parse().unwrap(),
+            "routes",
+            &[(FILTER, weir_agent::wasm::rewrite::HTTP_WASM)],
+        ),
+    )];
+    for (name, address) in more {
+        listeners
+            .push((name.to_string(), resources::http_listener(name, address.parse().unwrap(), "routes")));
+    }
+    s.set(type_url::LISTENER, version, listeners);
     s.set(
         type_url::ROUTE,
         version,
@@ -368,4 +374,87 @@ fn a_full_disk_under_the_wasm_cache_is_nacked_leaves_no_partial_file_and_recover
     });
     assert!(served.is_some(), "the module never ran once there was room: {:?}\n{}", rig.get(), rig.logs());
     assert_eq!(std::fs::read(&file).unwrap(), oci_wat(), "stored whole under its sha256");
+}
+
+/// A module server that reads each request and answers only when released: a fetch
+/// from it stalls for as long as the test wants.
+struct StalledModules {
+    addr: SocketAddr,
+    requests: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    release: std::sync::mpsc::Sender<Vec<u8>>,
+}
+
+impl StalledModules {
+    fn start(pod: &Pod) -> Self {
+        use std::io::{Read as _, Write as _};
+        let addr = SocketAddr::new(pod.ipv4().into(), 8081);
+        let listener = pod.run(|| async move { std::net::TcpListener::bind(addr) }).unwrap().unwrap();
+        let requests = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (release, released) = std::sync::mpsc::channel::<Vec<u8>>();
+        let seen = requests.clone();
+        std::thread::spawn(move || {
+            // One connection (the agent's one attempt): held until released.
+            let Ok((mut conn, _)) = listener.accept() else { return };
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") && conn.read(&mut byte).unwrap_or(0) == 1 {
+                head.push(byte[0]);
+            }
+            seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let Ok(module) = released.recv() else { return };
+            let head = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/wasm\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                module.len()
+            );
+            let _ = conn.write_all(head.as_bytes()).and_then(|()| conn.write_all(&module));
+        });
+        Self { addr, requests, release }
+    }
+}
+
+/// A module server that takes its time holds only its own ECDS response: a listener
+/// pushed while the fetch stalls reaches Envoy and serves, and once the module comes,
+/// the ECDS response is converted, forwarded and ACKed in its turn.
+#[test]
+fn a_stalled_module_fetch_holds_back_no_other_xds_type() {
+    require_root!();
+    let rig = Rig::new(&test_name!(), weir_wat());
+    assert!(eventually(CONVERGE, || (rig.get().0 == 418).then_some(())).is_some(), "{}", rig.logs());
+    let stalled = StalledModules::start(&rig._module_pod);
+    let module = oci_wat();
+    let url = format!("http://{}/stalled.wasm", stalled.addr);
+    // The WasmPlugin's own timeout: longer than the test.
+    let wasm = resources::remote_wasm_filter_with_timeout(
+        FILTER,
+        &url,
+        &sha256_hex(&module),
+        Duration::from_secs(3600),
+    );
+    rig.cp.ads.push(snapshot(wasm.clone(), "2"));
+    let fetching = eventually(CONVERGE, || {
+        (stalled.requests.load(std::sync::atomic::Ordering::SeqCst) == 1).then_some(())
+    });
+    assert!(fetching.is_some(), "the agent never asked the module server\n{}", rig.logs());
+
+    // A new listener while the module is on its way: it serves.
+    let extra = "127.0.0.1:18001";
+    rig.cp.ads.push(snapshot_with(wasm, "3", &[("extra", extra)]));
+    let served = eventually(CONVERGE, || {
+        rig.app
+            .run(|| async { http::get(extra.parse().unwrap(), "/").await })
+            .unwrap()
+            .ok()
+            .filter(|(status, _)| *status == 200)
+    });
+    assert_eq!(served, Some((200, "no wasm".to_string())), "LDS waited for a Wasm fetch\n{}", rig.logs());
+    assert_eq!(rig.get(), (418, "served by wasm".into()), "Envoy keeps its module meanwhile");
+
+    // The module arrives: both ECDS responses reach Envoy in order and are ACKed.
+    stalled.release.send(module).unwrap();
+    assert!(rig.cp.wait_for_ack(type_url::EXTENSION_CONFIG, "3", CONVERGE), "{}", rig.logs());
+    let converted = eventually(CONVERGE, || {
+        let (status, body) = rig.get();
+        (status == 418 && body == "served by oci!").then_some(())
+    });
+    assert!(converted.is_some(), "the released module never ran: {:?}\n{}", rig.get(), rig.logs());
 }

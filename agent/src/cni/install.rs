@@ -158,14 +158,14 @@ pub fn primary_config(net_dir: &Path, conf_name: Option<&str>) -> Result<PathBuf
         .ok_or_else(|| InstallError::NoPrimary { dir: net_dir.into() })
 }
 
-/// Writes `text` to `path` atomically with `mode`.
+/// Writes `text` to `path` atomically, created with `mode` (the kubeconfig 0600 from
+/// its first byte).
 fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), InstallError> {
-    use std::os::unix::fs::PermissionsExt as _;
-    let tmp =
-        path.with_file_name(format!(".{}.weir-tmp", path.file_name().unwrap_or_default().to_string_lossy()));
-    std::fs::write(&tmp, bytes).map_err(io("write", &tmp))?;
-    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode)).map_err(io("chmod", &tmp))?;
-    std::fs::rename(&tmp, path).map_err(io("rename into place", path))
+    crate::atomic_file::write(path, bytes, mode).map_err(|e| InstallError::Io {
+        what: e.what,
+        path: e.path,
+        source: e.source,
+    })
 }
 
 /// The kubeconfig text for the plugin.
@@ -364,6 +364,25 @@ pub fn tidy_node_capture(name: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The kubeconfig holds the node agent's token: it never passes through a file
+    /// that was already there (which someone may hold open), and lands 0600.
+    #[test]
+    fn the_kubeconfig_is_written_to_a_file_of_its_own() {
+        use std::{io::Read as _, os::unix::fs::PermissionsExt as _};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(super::super::plugin::KUBECONFIG_NAME);
+        let leftover = dir.path().join(format!(".{}.weir-tmp", super::super::plugin::KUBECONFIG_NAME));
+        std::fs::write(&leftover, b"").unwrap();
+        std::fs::set_permissions(&leftover, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let mut held = std::fs::File::open(&leftover).unwrap();
+        write_atomic(&path, b"token: node-agent-secret", 0o600).unwrap();
+        let mut seen = String::new();
+        held.read_to_string(&mut seen).unwrap();
+        assert_eq!(seen, "", "the token went through a file opened before it was written");
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!((std::fs::read(&path).unwrap(), mode), (b"token: node-agent-secret".to_vec(), 0o600));
+    }
 
     fn entry() -> Value {
         json!({"type": "weir-cni", "cni_agent_run_dir": "/var/run/istio-cni", "capture_mode": "auto"})

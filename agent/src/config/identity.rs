@@ -3,7 +3,6 @@
 //! rotates and where it is served and written.
 
 use std::{
-    collections::BTreeMap,
     path::{Path, PathBuf},
     time::Duration,
 };
@@ -12,6 +11,7 @@ use serde::Serialize;
 
 use super::{
     ConfigError, PodIdentity, ProxyConfig, Sources, env::format_duration, paths, serialize_duration, vars,
+    xds::RedactedHeaders,
 };
 use crate::{
     identity::{CertFiles, KeyAlgorithm, KeyOptions, RotationPolicy, WorkloadIdentity},
@@ -33,8 +33,8 @@ pub struct CaSettings {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub san: Option<String>,
     /// `CA_HEADER_<name>` → `<name>`.
-    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
-    pub headers: BTreeMap<String, String>,
+    #[serde(skip_serializing_if = "RedactedHeaders::is_empty")]
+    pub headers: RedactedHeaders,
     /// `ISTIO_META_CERT_SIGNER`, sent as `CertSigner` metadata.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cert_signer: Option<String>,
@@ -168,7 +168,7 @@ impl CaSettings {
             plaintext,
             root_ca,
             san: if ca_addr.is_none() { vars::ISTIOD_SAN.value(env) } else { None },
-            headers: vars::CA_HEADER.members(env).into_iter().collect(),
+            headers: RedactedHeaders(vars::CA_HEADER.members(env).into_iter().collect()),
             cert_signer: vars::ISTIO_META_CERT_SIGNER.value(env),
         };
         settings
@@ -193,7 +193,7 @@ impl CaSettings {
             san: self.san.clone(),
             token_path: Some(token_path.into()),
             cluster_id: cluster_id.into(),
-            headers: self.headers.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            headers: self.headers.pairs(),
             connect_timeout: crate::xds::upstream::CONNECT_TIMEOUT,
         }
     }

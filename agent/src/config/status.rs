@@ -22,6 +22,8 @@ pub struct StatusSettings {
     pub probe_destination: std::net::IpAddr,
     /// `ISTIO_PROMETHEUS_ANNOTATIONS`: app metrics merged into `/stats/prometheus`.
     pub app_metrics: Vec<crate::status::merge::ScrapeTarget>,
+    /// `PILOT_AGENT_MERGE_ENVOY_STATS`: Envoy's metrics merged too (Istio 1.31).
+    pub merge_envoy_stats: bool,
 }
 
 impl StatusSettings {
@@ -53,6 +55,7 @@ impl StatusSettings {
             app_probers,
             probe_destination,
             app_metrics,
+            merge_envoy_stats: vars::PILOT_AGENT_MERGE_ENVOY_STATS.bool(env)?,
         })
     }
 }

@@ -356,3 +356,34 @@ fn an_ipv6_only_pod_gets_an_ipv6_envoy_and_its_interfaces_follow_the_pod_ip() {
     assert_eq!(c.envoy.local_address_ip_version, "v6");
     assert_eq!(c.node.metadata["INSTANCE_IPS"], "fd00::5,fd00::6");
 }
+
+#[test]
+fn header_values_are_never_printed() {
+    let c = resolve(
+        &["sidecar"],
+        &[
+            ("XDS_HEADER_Authorization", "Bearer xds-secret-token"),
+            ("CA_HEADER_X-Api-Key", "ca-secret-key"),
+            ("POD_NAMESPACE", "app"),
+        ],
+        &[ROOT],
+    )
+    .unwrap();
+    assert_eq!(c.xds.headers.get("Authorization").unwrap(), "Bearer xds-secret-token", "still sent");
+    let ca = c.identity.ca.as_ref().unwrap();
+    assert_eq!(ca.headers.get("X-Api-Key").unwrap(), "ca-secret-key", "still sent");
+    for shown in [c.to_yaml(), format!("{c:?}")] {
+        assert!(shown.contains("Authorization") && shown.contains("X-Api-Key"), "names kept: {shown}");
+        assert!(!shown.contains("xds-secret-token") && !shown.contains("ca-secret-key"), "{shown}");
+    }
+}
+
+#[test]
+fn merging_envoy_stats_can_be_turned_off_as_in_istio_1_31() {
+    let c = resolve(&["sidecar"], &[], &[ROOT]).unwrap();
+    assert!(c.status.merge_envoy_stats);
+    let c = resolve(&["sidecar"], &[("PILOT_AGENT_MERGE_ENVOY_STATS", "false")], &[ROOT]).unwrap();
+    assert!(!c.status.merge_envoy_stats);
+    let e = resolve(&["sidecar"], &[("PILOT_AGENT_MERGE_ENVOY_STATS", "sometimes")], &[ROOT]).unwrap_err();
+    assert!(e.to_string().contains("PILOT_AGENT_MERGE_ENVOY_STATS"), "{e}");
+}

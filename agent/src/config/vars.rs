@@ -190,6 +190,7 @@ vars! {
     ISTIO_KUBE_APP_PROBERS: Text, "", "the app probes rewritten to the status port (JSON)", "pilot/cmd/pilot-agent/status/server.go";
     ISTIO_PROMETHEUS_ANNOTATIONS: Text, "", "the app's metrics merged into /stats/prometheus (JSON)", "pilot/cmd/pilot-agent/status/server.go";
     REWRITE_PROBE_LEGACY_LOCALHOST_DESTINATION: Bool, "false", "probes go to localhost, not the pod IP", "pilot/cmd/pilot-agent/status/server.go";
+    PILOT_AGENT_MERGE_ENVOY_STATS: Bool, "true", "Envoy's metrics merged into /stats/prometheus", "pilot/pkg/features/telemetry.go";
     // Wasm.
     WEIR_WASM_CACHE_DIR: Text, "/var/lib/istio/data", "where remote Wasm modules are kept", "Weir";
     WASM_MODULE_EXPIRY: Duration, "24h", "how long a module fetched without a checksum is reused", "pilot/cmd/pilot-agent/options/options.go";

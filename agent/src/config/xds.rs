@@ -31,8 +31,46 @@ pub struct XdsSettings {
     pub client_key: Option<PathBuf>,
     pub token_path: PathBuf,
     /// `XDS_HEADER_<name>` → `<name>`.
-    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
-    pub headers: BTreeMap<String, String>,
+    #[serde(skip_serializing_if = "RedactedHeaders::is_empty")]
+    pub headers: RedactedHeaders,
+}
+
+/// Headers sent to istiod or the CA (`XDS_HEADER_*`, `CA_HEADER_*`): their values are
+/// often bearer tokens, so the configuration printed (`weir config`) and logged at
+/// start shows only the names, as pilot-agent never logs them.
+#[derive(Clone, Default, PartialEq)]
+pub struct RedactedHeaders(pub BTreeMap<String, String>);
+
+impl RedactedHeaders {
+    const SHOWN: &str = "<redacted>";
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The headers, values included, for the connection.
+    pub fn pairs(&self) -> Vec<(String, String)> {
+        self.0.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+    }
+}
+
+impl std::ops::Deref for RedactedHeaders {
+    type Target = BTreeMap<String, String>;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for RedactedHeaders {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_map().entries(self.0.keys().map(|k| (k, Self::SHOWN))).finish()
+    }
+}
+
+impl Serialize for RedactedHeaders {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_map(self.0.keys().map(|k| (k, Self::SHOWN)))
+    }
 }
 
 impl XdsSettings {
@@ -55,7 +93,7 @@ impl XdsSettings {
             client_cert: client.as_ref().map(|c| c.cert.clone()),
             client_key: client.map(|c| c.key),
             token_path: paths::TOKEN.into(),
-            headers: vars::XDS_HEADER.members(src.env).into_iter().collect(),
+            headers: RedactedHeaders(vars::XDS_HEADER.members(src.env).into_iter().collect()),
         };
         xds.upstream(&pod.cluster_id)
             .validate()
@@ -82,7 +120,7 @@ impl XdsSettings {
             san: self.istiod_san.clone(),
             token_path: Some(self.token_path.clone()),
             cluster_id: cluster_id.into(),
-            headers: self.headers.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            headers: self.headers.pairs(),
             connect_timeout: crate::xds::upstream::CONNECT_TIMEOUT,
         }
     }

@@ -1,7 +1,8 @@
 //! The control plane's certificate authority as standalone mode serves it, for one
 //! workload: `istio.v1.auth.IstioCertificateService/CreateCertificate`, answering with
 //! the leaf the mesh root (`root`) signs and the root, as istiod's CA answers workloads.
-//! Anyone in the pod can reach it (127.0.0.1, no token), so every CSR goes through the
+//! With a token (standalone mode's, see `crate::standalone`) only callers presenting
+//! it are answered (UNAUTHENTICATED otherwise); every CSR then goes through the
 //! workload's `SigningPolicy` (`policy`): its own SPIFFE ID only, for at most its TTL.
 //! A refusal is PERMISSION_DENIED (another identity) or INVALID_ARGUMENT (no identity,
 //! not a CSR) naming what was asked and what is allowed. Nothing about a request is
@@ -24,11 +25,34 @@ pub use root::{CaError, MeshCa, ROOT_CERT_FILE, ROOT_KEY_FILE, SignError, Signed
 pub struct WorkloadCa {
     ca: MeshCa,
     policy: SigningPolicy,
+    /// The bearer token callers must present (`None`: anyone).
+    token: Option<String>,
 }
 
 impl WorkloadCa {
     pub fn new(ca: MeshCa, policy: SigningPolicy) -> Self {
-        Self { ca, policy }
+        Self { ca, policy, token: None }
+    }
+
+    /// Answers only callers presenting `authorization: Bearer <token>`.
+    pub fn with_token(mut self, token: String) -> Self {
+        self.token = Some(token);
+        self
+    }
+
+    fn admit<T>(&self, request: &Request<T>) -> Result<(), Status> {
+        let Some(token) = &self.token else { return Ok(()) };
+        let presented = request
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|a| a.strip_prefix("Bearer "));
+        if presented == Some(token.as_str()) {
+            return Ok(());
+        }
+        let why = if presented.is_some() { "the bearer token is not valid" } else { "no bearer token" };
+        tracing::warn!(reason = why, "CSR refused: the caller is not this agent");
+        Err(Status::unauthenticated(format!("authentication failure: {why}")))
     }
 
     /// What it signs.
@@ -47,6 +71,7 @@ impl IstioCertificateService for WorkloadCa {
         &self,
         request: Request<IstioCertificateRequest>,
     ) -> Result<Response<IstioCertificateResponse>, Status> {
+        self.admit(&request)?;
         let body = request.into_inner();
         let signed = self.ca.sign(&body.csr, body.validity_duration, &self.policy).map_err(|e| {
             tracing::warn!(error = %crate::error_chain(&e), allowed = self.policy.identity(), "CSR refused");

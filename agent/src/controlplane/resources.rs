@@ -544,6 +544,11 @@ pub fn passthrough_cluster(name: &str, connect_timeout: Duration) -> Any {
 /// An ECDS resource for an HTTP Wasm filter (V8) whose code is fetched from `uri`
 /// (`sha256` hex, or empty), as istiod writes it for a WasmPlugin.
 pub fn remote_wasm_filter(name: &str, uri: &str, sha256: &str) -> Any {
+    remote_wasm_filter_with_timeout(name, uri, sha256, Duration::from_secs(10))
+}
+
+/// As `remote_wasm_filter`, with the fetch's own `timeout` (a WasmPlugin's).
+pub fn remote_wasm_filter_with_timeout(name: &str, uri: &str, sha256: &str, timeout: Duration) -> Any {
     use weir_proto::envoy::{
         config::core::v3::{
             AsyncDataSource, HttpUri, RemoteDataSource, TypedExtensionConfig, async_data_source,
@@ -568,7 +573,7 @@ pub fn remote_wasm_filter(name: &str, uri: &str, sha256: &str) -> Any {
                                     uri.into(),
                                 ),
                             ),
-                            timeout: Some(duration(Duration::from_secs(10))),
+                            timeout: Some(duration(timeout)),
                         }),
                         sha256: sha256.into(),
                     })),

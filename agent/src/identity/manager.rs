@@ -2,13 +2,14 @@
 //! says when one changes. With a CA it issues the workload certificate at start (one
 //! CSR at a time, so concurrent SDS requests share it), rotates it at
 //! `lifetime × SECRET_GRACE_PERIOD_RATIO` (± jitter) and, when the CA fails, keeps the
-//! still-valid certificate and retries with backoff. With mounted files it reads them
-//! and polls them for changes (Kubernetes' `..data` symlink swaps included).
+//! still-valid certificate and retries with backoff. With mounted files, and for
+//! `file-cert:`/`file-root:` resources, it reads them (bounded, off the runtime:
+//! `files`) and polls the ones some SDS stream asks for (Kubernetes' `..data` symlink
+//! swaps included).
 
 use std::{
-    collections::BTreeMap,
     path::{Path, PathBuf},
-    sync::{Arc, Mutex},
+    sync::Arc,
     time::{Duration, SystemTime},
 };
 
@@ -18,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 use super::{
     caclient::{CaClient, CaClientError},
     chain::{self, ChainError, LeafInfo},
+    files::{self, WatchList, Watched},
     keys::{self, KeyAndCsr, KeyError, KeyOptions, WorkloadIdentity},
     names::{self, SecretName},
 };
@@ -152,13 +154,8 @@ pub enum IssueError {
 /// expires).
 pub const RETRY_MIN: Duration = Duration::from_millis(200);
 pub const RETRY_MAX: Duration = Duration::from_secs(30);
-/// How often mounted files are checked.
+/// How often the files of watched resources are checked (a `stat` each).
 pub const FILE_POLL: Duration = Duration::from_millis(500);
-
-struct WatchedFiles {
-    paths: Vec<PathBuf>,
-    digest: u64,
-}
 
 struct Inner {
     source: WorkloadSource,
@@ -167,7 +164,7 @@ struct Inner {
     file_debounce: Duration,
     current: watch::Sender<Option<Arc<WorkloadSecret>>>,
     updates: broadcast::Sender<SecretName>,
-    watched: Mutex<BTreeMap<SecretName, WatchedFiles>>,
+    watched: WatchList<SecretName>,
     metrics: Arc<Metrics>,
 }
 
@@ -193,7 +190,7 @@ impl SecretManager {
                 file_debounce,
                 current: watch::Sender::new(None),
                 updates: broadcast::Sender::new(64),
-                watched: Mutex::default(),
+                watched: WatchList::default(),
                 metrics,
             }),
         }
@@ -202,6 +199,26 @@ impl SecretManager {
     /// Changed secrets, by name (a lagging receiver should re-send everything it holds).
     pub fn subscribe(&self) -> broadcast::Receiver<SecretName> {
         self.inner.updates.subscribe()
+    }
+
+    /// An SDS stream asks for `name`: its files are watched while some stream does.
+    pub fn hold(&self, name: &SecretName) {
+        self.inner.watched.hold(name);
+    }
+
+    /// An SDS stream no longer asks for `name`; once none does, its files are no
+    /// longer watched (and a file resource's expiry no longer reported).
+    pub fn release(&self, name: &SecretName) {
+        if self.inner.watched.release(name)
+            && matches!(name, SecretName::FileCert { .. } | SecretName::FileRoot(_))
+        {
+            self.inner.metrics.clear_cert_expiry(&name.to_string());
+        }
+    }
+
+    /// How many resources have their files watched.
+    pub fn watched(&self) -> usize {
+        self.inner.watched.len()
     }
 
     /// The workload certificate now held, if any.
@@ -229,47 +246,47 @@ impl SecretManager {
                 Err(SecretError::External(resource))
             }
             (SecretName::Workload, WorkloadSource::Files(files)) => {
-                self.key_cert_from_files(name, &files.cert_chain, &files.key)
+                self.key_cert_from_files(name, &files.cert_chain, &files.key).await
             }
-            (SecretName::RootCa, WorkloadSource::Files(files)) => self.root_from_file(name, &files.root),
-            (SecretName::FileCert { cert, key }, _) => self.key_cert_from_files(name, cert, key),
-            (SecretName::FileRoot(path), _) => self.root_from_file(name, path),
+            (SecretName::RootCa, WorkloadSource::Files(files)) => {
+                self.root_from_file(name, &files.root).await
+            }
+            (SecretName::FileCert { cert, key }, _) => self.key_cert_from_files(name, cert, key).await,
+            (SecretName::FileRoot(path), _) => self.root_from_file(name, path).await,
         }
     }
 
-    fn key_cert_from_files(
+    /// A key and chain from files. Whatever was read is recorded for the watch list
+    /// (a file that cannot be served is watched too: its fix is pushed).
+    async fn key_cert_from_files(
         &self,
         name: &SecretName,
         cert: &Path,
         key: &Path,
     ) -> Result<SecretData, SecretError> {
         let resource = name.to_string();
-        let chain_pem = read(&resource, cert)?;
+        let (chain_read, key_read) = (files::read_async(cert).await, files::read_async(key).await);
+        self.inner.watched.record(name, vec![Watched::new(cert, &chain_read), Watched::new(key, &key_read)]);
+        let chain_pem = text(&resource, cert, chain_read)?;
         let leaf = chain::check_bundle(&cert.display().to_string(), &chain_pem, SystemTime::now()).map_err(
             |source| SecretError::BadFile { resource: resource.clone(), path: cert.into(), source },
         )?;
-        let key_pem = read(&resource, key)?;
+        let key_pem = text(&resource, key, key_read)?;
         if !key_pem.contains("PRIVATE KEY-----") {
             return Err(SecretError::BadKey { resource, path: key.into() });
         }
         self.inner.metrics.set_cert_expiry(&resource, leaf.not_after);
-        self.watch(name, &[cert, key]);
         Ok(SecretData::KeyCert { chain_pem, key_pem })
     }
 
-    fn root_from_file(&self, name: &SecretName, path: &Path) -> Result<SecretData, SecretError> {
+    async fn root_from_file(&self, name: &SecretName, path: &Path) -> Result<SecretData, SecretError> {
         let resource = name.to_string();
-        let pem = read(&resource, path)?;
+        let read = files::read_async(path).await;
+        self.inner.watched.record(name, vec![Watched::new(path, &read)]);
+        let pem = text(&resource, path, read)?;
         chain::check_bundle(&path.display().to_string(), &pem, SystemTime::now())
             .map_err(|source| SecretError::BadFile { resource, path: path.into(), source })?;
-        self.watch(name, &[path]);
         Ok(SecretData::Root { pem })
-    }
-
-    fn watch(&self, name: &SecretName, paths: &[&Path]) {
-        let paths: Vec<PathBuf> = paths.iter().map(|p| p.to_path_buf()).collect();
-        let digest = digest(&paths);
-        self.inner.watched.lock().expect("watch lock").insert(name.clone(), WatchedFiles { paths, digest });
     }
 
     /// Runs issuance and rotation (with a CA) and the file poller until `shutdown`.
@@ -389,45 +406,42 @@ impl SecretManager {
         }
     }
 
+    /// Every `FILE_POLL`, the watched files' stamps (re-read only where one moved), on
+    /// a blocking thread; a change is pushed once `FILE_DEBOUNCE_DURATION` has let a
+    /// multi-file update (key and chain, a symlink swap) finish.
     async fn poll_files(&self) {
         loop {
             tokio::time::sleep(FILE_POLL).await;
-            let changed: Vec<SecretName> = {
-                let watched = self.inner.watched.lock().expect("watch lock");
-                watched.iter().filter(|(_, w)| digest(&w.paths) != w.digest).map(|(n, _)| n.clone()).collect()
-            };
+            let changed = self.check_files(false).await;
             if changed.is_empty() {
                 continue;
             }
-            // Let a multi-file update (key and chain, a symlink swap) finish.
             tokio::time::sleep(self.inner.file_debounce).await;
+            self.check_files(true).await;
             for name in changed {
-                if let Some(w) = self.inner.watched.lock().expect("watch lock").get_mut(&name) {
-                    w.digest = digest(&w.paths);
-                }
-                tracing::info!(resource = %name, "mounted certificate files changed; pushing");
+                tracing::info!(resource = %name, "certificate files changed; pushing");
                 let _ = self.inner.updates.send(name);
             }
         }
     }
+
+    async fn check_files(&self, update: bool) -> Vec<SecretName> {
+        let inner = self.inner.clone();
+        tokio::task::spawn_blocking(move || inner.watched.changed(update)).await.unwrap_or_default()
+    }
 }
 
-fn read(resource: &str, path: &Path) -> Result<String, SecretError> {
-    std::fs::read_to_string(path).map_err(|source| SecretError::Read {
+/// The text `files::read` gave, or the error naming the resource and the path.
+fn text(
+    resource: &str,
+    path: &Path,
+    read: std::io::Result<(String, files::Stamp)>,
+) -> Result<String, SecretError> {
+    read.map(|(text, _)| text).map_err(|source| SecretError::Read {
         resource: resource.into(),
         path: path.into(),
         source,
     })
-}
-
-/// A digest of the files' contents (a missing file hashes as missing).
-fn digest(paths: &[PathBuf]) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    for p in paths {
-        std::fs::read(p).ok().hash(&mut h);
-    }
-    h.finish()
 }
 
 /// `OUTPUT_CERTS`: the key (0600), chain and root. All three are written to temporary

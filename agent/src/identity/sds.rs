@@ -3,7 +3,8 @@
 //! per new subscription and per change, each with its own version and nonce; ACKs
 //! and stale nonces answered with silence, NACKs logged. An unknown name or an
 //! unreadable file ends that stream with a status naming it, as Istio's does (Envoy
-//! opens one SDS stream per secret, so the others are untouched). `DeltaSecrets` and
+//! opens one SDS stream per secret, so the others are untouched). The names a stream
+//! asks for are held in the manager's watch list until it stops asking or ends. `DeltaSecrets` and
 //! `FetchSecrets` are Unimplemented, as in Istio.
 
 use std::{
@@ -102,7 +103,7 @@ impl SdsServer {
         tx: &mpsc::Sender<Result<DiscoveryResponse, Status>>,
     ) -> Result<(), Status> {
         let mut updates = self.manager.subscribe();
-        let mut watched: BTreeSet<SecretName> = BTreeSet::new();
+        let mut watched = Interest { manager: self.manager.clone(), names: BTreeSet::new() };
         let mut last_nonce = String::new();
         loop {
             let names: Vec<SecretName> = tokio::select! {
@@ -129,18 +130,18 @@ impl SdsServer {
                             tracing::error!(stream = id, error = %e, "SDS request for an unknown resource");
                             Status::invalid_argument(e.to_string())
                         })?;
-                    if !request.response_nonce.is_empty() && requested == watched {
+                    if !request.response_nonce.is_empty() && requested == watched.names {
                         continue; // ACK
                     }
-                    let added = requested.difference(&watched).cloned().collect();
-                    watched = requested;
-                    tracing::debug!(stream = id, resources = ?watched, "SDS subscription");
+                    let added = requested.difference(&watched.names).cloned().collect();
+                    watched.set(requested);
+                    tracing::debug!(stream = id, resources = ?watched.names, "SDS subscription");
                     added
                 }
                 update = updates.recv() => match update {
-                    Ok(name) if watched.contains(&name) => vec![name],
+                    Ok(name) if watched.names.contains(&name) => vec![name],
                     Ok(_) => continue,
-                    Err(broadcast::error::RecvError::Lagged(_)) => watched.iter().cloned().collect(),
+                    Err(broadcast::error::RecvError::Lagged(_)) => watched.names.iter().cloned().collect(),
                     Err(broadcast::error::RecvError::Closed) => return Ok(()),
                 },
             };
@@ -153,6 +154,33 @@ impl SdsServer {
             if tx.send(Ok(response)).await.is_err() {
                 return Ok(());
             }
+        }
+    }
+}
+
+/// The names one stream asks for, held in the manager's watch list while it does (and
+/// released when the stream ends, however it ends).
+struct Interest {
+    manager: SecretManager,
+    names: BTreeSet<SecretName>,
+}
+
+impl Interest {
+    fn set(&mut self, names: BTreeSet<SecretName>) {
+        for added in names.difference(&self.names) {
+            self.manager.hold(added);
+        }
+        for dropped in self.names.difference(&names) {
+            self.manager.release(dropped);
+        }
+        self.names = names;
+    }
+}
+
+impl Drop for Interest {
+    fn drop(&mut self) {
+        for name in &self.names {
+            self.manager.release(name);
         }
     }
 }

@@ -1,8 +1,11 @@
 //! The merged `/stats/prometheus`: the agent's metrics, Envoy's (from its 15090
 //! listener) and the app's (`ISTIO_PROMETHEUS_ANNOTATIONS`, from the pod's
-//! `prometheus.io/*` annotations), concatenated as pilot-agent does. A failing source
-//! is left out and counted (`istio_agent_scrape_failures_total{type}`), never fails the
-//! whole scrape; each source has a deadline and a size cap.
+//! `prometheus.io/*` or `prometheus.istio.io/scrape-targets` annotations),
+//! concatenated as pilot-agent does and streamed as it does: a few frames in memory,
+//! whatever the sources send. A failing source is left out and counted
+//! (`istio_agent_scrape_failures_total{type}`), never fails the whole scrape; the scrape
+//! has one deadline (the caller's, at most `MAX_SCRAPE_TIMEOUT`), each source a size
+//! cap, and at most `MAX_CONCURRENT_SCRAPES` run at once.
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
@@ -10,13 +13,21 @@ use bytes::{Bytes, BytesMut};
 use http_body_util::BodyExt as _;
 use hyper::{HeaderMap, Method, StatusCode};
 use serde::{Deserialize, Serialize};
+use tokio::sync::{Semaphore, mpsc};
 
-use crate::metrics::{Metrics, SCRAPE_APP, SCRAPE_ENVOY};
+use crate::metrics::{Metrics, SCRAPE_APP, SCRAPE_ENVOY, ScrapeType};
 
 /// What one source may send (Istio's cap for app metrics).
 pub const MAX_SCRAPE_BYTES: usize = 10 * 1024 * 1024;
-/// Deadline per source when Prometheus does not send `X-Prometheus-Scrape-Timeout-Seconds`.
+/// The whole scrape's deadline when Prometheus does not send
+/// `X-Prometheus-Scrape-Timeout-Seconds`.
 pub const DEFAULT_SCRAPE_TIMEOUT: Duration = Duration::from_secs(5);
+/// The longest deadline a caller may ask for: the header is anyone's to send, and a
+/// scrape holds connections to Envoy and the apps until then.
+pub const MAX_SCRAPE_TIMEOUT: Duration = Duration::from_secs(30);
+/// Merged scrapes served at once (Prometheus and a replica, an operator's curl); one
+/// more is answered 503 at once rather than queued.
+pub const MAX_CONCURRENT_SCRAPES: usize = 4;
 
 /// Ports the data plane owns: scraping them as "the app" would recurse or double count.
 const RESERVED_PORTS: [(u16, &str); 9] = [
@@ -110,108 +121,198 @@ pub fn parse_scrape_config(
 #[derive(Clone)]
 pub struct MetricsMerge {
     pub metrics: Arc<Metrics>,
-    /// Envoy's Prometheus listener (`None` without Envoy).
+    /// Envoy's Prometheus listener (`None` without Envoy, or with
+    /// `PILOT_AGENT_MERGE_ENVOY_STATS=false`).
     pub envoy: Option<SocketAddr>,
     pub apps: Arc<Vec<ScrapeTarget>>,
+    /// One per merged scrape in progress.
+    permits: Arc<Semaphore>,
 }
 
+/// The merged exposition as it is produced.
+pub type MergedBody = http_body_util::combinators::UnsyncBoxBody<Bytes, std::convert::Infallible>;
+
 impl MetricsMerge {
-    /// Agent, then Envoy, then the apps (an OpenMetrics `# EOF` must come last, so
-    /// every part's is dropped). `query` is passed on to Envoy (e.g. `usedonly`).
-    pub async fn scrape(&self, query: Option<&str>, headers: &HeaderMap) -> Bytes {
+    pub fn new(metrics: Arc<Metrics>, envoy: Option<SocketAddr>, apps: Vec<ScrapeTarget>) -> Self {
+        Self {
+            metrics,
+            envoy,
+            apps: Arc::new(apps),
+            permits: Arc::new(Semaphore::new(MAX_CONCURRENT_SCRAPES)),
+        }
+    }
+
+    /// Starts a merged scrape and returns its body, streamed as the parts arrive: the
+    /// agent's metrics, then Envoy's, then the apps' (an OpenMetrics `# EOF` must come
+    /// last, so every part's is dropped); `query` is passed on to Envoy (e.g.
+    /// `usedonly`). Memory stays a few frames, whatever a source sends. `None` when
+    /// `MAX_CONCURRENT_SCRAPES` are already running (the caller answers 503).
+    pub fn scrape(&self, query: Option<&str>, headers: &HeaderMap) -> Option<MergedBody> {
+        let Ok(permit) = self.permits.clone().try_acquire_owned() else {
+            tracing::warn!(limit = MAX_CONCURRENT_SCRAPES, "merged metrics scrape refused: too many at once");
+            return None;
+        };
         self.metrics.scrapes.inc();
-        let timeout = scrape_timeout(headers);
+        let deadline = tokio::time::Instant::now() + scrape_timeout(headers);
+        let (tx, rx) = mpsc::channel::<Bytes>(4);
+        let me = self.clone();
+        let query = query.filter(|q| !q.is_empty()).map(String::from);
+        tokio::spawn(async move {
+            let _permit = permit;
+            // A caller that goes away ends the scrape (and frees its permit) at once.
+            let gone = tx.clone();
+            tokio::select! {
+                _ = gone.closed() => {}
+                _ = tokio::time::timeout_at(deadline, me.produce(query, deadline, tx)) => {}
+            }
+        });
+        let frames = tokio_stream::StreamExt::map(tokio_stream::wrappers::ReceiverStream::new(rx), |chunk| {
+            Ok(hyper::body::Frame::data(chunk))
+        });
+        Some(http_body_util::StreamBody::new(frames).boxed_unsync())
+    }
+
+    /// Connects to every source at once, then copies each part in order into `tx`.
+    async fn produce(self, query: Option<String>, deadline: tokio::time::Instant, tx: mpsc::Sender<Bytes>) {
         let envoy = async {
             let address = self.envoy?;
-            let path = match query {
-                Some(q) if !q.is_empty() => format!("/stats/prometheus?{q}"),
-                _ => "/stats/prometheus".into(),
+            let path = match &query {
+                Some(q) => format!("/stats/prometheus?{q}"),
+                None => "/stats/prometheus".into(),
             };
-            match fetch(address, &path, timeout).await {
-                Ok(body) => Some(body),
-                Err(e) => {
-                    tracing::warn!(error = %e, "failed scraping Envoy metrics");
-                    self.metrics.scrape_failures.get_or_create(&SCRAPE_ENVOY).inc();
-                    None
-                }
-            }
+            self.open(address, path, deadline, &SCRAPE_ENVOY).await
         };
-        let apps = futures::future::join_all(self.apps.iter().map(|t| async move {
-            let address = SocketAddr::from(([127, 0, 0, 1], t.port));
-            match fetch(address, &t.path, timeout).await {
-                Ok(body) => Some(body),
-                Err(e) => {
-                    tracing::warn!(port = t.port, path = %t.path, error = %e, "failed scraping application metrics");
-                    self.metrics.scrape_failures.get_or_create(&SCRAPE_APP).inc();
-                    None
-                }
-            }
+        let apps = futures::future::join_all(self.apps.iter().map(|t| {
+            self.open(SocketAddr::from(([127, 0, 0, 1], t.port)), t.path.clone(), deadline, &SCRAPE_APP)
         }));
         let (envoy, apps) = tokio::join!(envoy, apps);
-        let mut out = BytesMut::new();
-        push_part(&mut out, self.metrics.encode().as_bytes());
-        for part in envoy.into_iter().chain(apps.into_iter().flatten()) {
-            push_part(&mut out, &part);
+        let mut agent = LineFilter::default();
+        let mut own = agent.push(self.metrics.encode().as_bytes());
+        own.extend_from_slice(&agent.finish());
+        if tx.send(own.freeze()).await.is_err() {
+            return;
         }
-        out.freeze()
+        for source in envoy.into_iter().chain(apps.into_iter().flatten()) {
+            if !self.copy(source, &tx).await {
+                return;
+            }
+        }
+    }
+
+    /// A source's answer, headers received (its body still to read), or `None` (logged
+    /// and counted).
+    async fn open(
+        &self,
+        address: SocketAddr,
+        path: String,
+        deadline: tokio::time::Instant,
+        kind: &'static ScrapeType,
+    ) -> Option<Source> {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let failed = |error: String| {
+            tracing::warn!(source = kind.r#type, url = %format!("http://{address}{path}"), error = %error, "failed scraping metrics");
+            self.metrics.scrape_failures.get_or_create(kind).inc();
+            None
+        };
+        match crate::envoy::admin::request_stream(address, Method::GET, &path, left).await {
+            Ok((StatusCode::OK, body)) => Some(Source { address, path, kind, body }),
+            Ok((status, _)) => failed(format!("HTTP {status}")),
+            Err(e) => failed(crate::error_chain(&e)),
+        }
+    }
+
+    /// Copies `source`'s body into `tx` without its `# EOF` lines, whole lines only,
+    /// up to `MAX_SCRAPE_BYTES`. False when the caller went away.
+    async fn copy(&self, mut source: Source, tx: &mpsc::Sender<Bytes>) -> bool {
+        let mut lines = LineFilter::default();
+        let mut read = 0usize;
+        let mut failure = None;
+        while let Some(frame) = source.body.frame().await {
+            let data = match frame.map(hyper::body::Frame::into_data) {
+                Ok(Ok(data)) => data,
+                Ok(Err(_)) => continue,
+                Err(e) => {
+                    failure = Some(e.to_string());
+                    break;
+                }
+            };
+            read += data.len();
+            if read > MAX_SCRAPE_BYTES {
+                failure = Some(format!("more than {MAX_SCRAPE_BYTES} bytes; the rest is left out"));
+                break;
+            }
+            let out = lines.push(&data);
+            if !out.is_empty() && tx.send(out.freeze()).await.is_err() {
+                return false;
+            }
+        }
+        if let Some(error) = failure {
+            let url = format!("http://{}{}", source.address, source.path);
+            tracing::warn!(source = source.kind.r#type, url = %url, error = %error, "failed scraping metrics");
+            self.metrics.scrape_failures.get_or_create(source.kind).inc();
+        }
+        let rest = lines.finish();
+        rest.is_empty() || tx.send(rest.freeze()).await.is_ok()
+    }
+}
+
+/// One source being read.
+struct Source {
+    address: SocketAddr,
+    path: String,
+    kind: &'static ScrapeType,
+    body: hyper::body::Incoming,
+}
+
+/// Passes whole lines through, except OpenMetrics' `# EOF`; a line split across frames
+/// waits for its end.
+#[derive(Default)]
+struct LineFilter {
+    partial: BytesMut,
+}
+
+impl LineFilter {
+    fn push(&mut self, data: &[u8]) -> BytesMut {
+        let mut out = BytesMut::new();
+        self.partial.extend_from_slice(data);
+        let Some(last) = self.partial.iter().rposition(|b| *b == b'\n') else { return out };
+        let complete = self.partial.split_to(last + 1);
+        for line in complete.split_inclusive(|b| *b == b'\n') {
+            if line.trim_ascii() != b"# EOF" {
+                out.extend_from_slice(line);
+            }
+        }
+        out
+    }
+
+    /// The last line, ended with a newline (unless it is `# EOF` or there is none).
+    fn finish(&mut self) -> BytesMut {
+        let mut rest = std::mem::take(&mut self.partial);
+        if rest.trim_ascii() == b"# EOF" || rest.is_empty() {
+            return BytesMut::new();
+        }
+        rest.extend_from_slice(b"\n");
+        rest
     }
 }
 
 /// Appends one exposition without its `# EOF`, ending in a newline.
 pub fn push_part(out: &mut BytesMut, part: &[u8]) {
-    for line in part.split_inclusive(|b| *b == b'\n') {
-        if line.trim_ascii() == b"# EOF" {
-            continue;
-        }
-        out.extend_from_slice(line);
-    }
-    if !out.is_empty() && !out.ends_with(b"\n") {
-        out.extend_from_slice(b"\n");
-    }
+    let mut lines = LineFilter::default();
+    out.extend_from_slice(&lines.push(part));
+    out.extend_from_slice(&lines.finish());
 }
 
-#[derive(Debug, thiserror::Error)]
-enum FetchError {
-    #[error(transparent)]
-    Request(#[from] crate::envoy::admin::AdminError),
-    #[error("http://{address}{path}: HTTP {status}")]
-    Status { address: SocketAddr, path: String, status: StatusCode },
-    #[error("http://{address}{path}: more than {MAX_SCRAPE_BYTES} bytes")]
-    TooLarge { address: SocketAddr, path: String },
-    #[error("http://{address}{path}: {source}")]
-    Body { address: SocketAddr, path: String, source: Box<dyn std::error::Error + Send + Sync> },
-}
-
-/// GET with a deadline, reading at most `MAX_SCRAPE_BYTES`.
-async fn fetch(address: SocketAddr, path: &str, timeout: Duration) -> Result<Bytes, FetchError> {
-    let (status, body) = crate::envoy::admin::request_stream(address, Method::GET, path, timeout).await?;
-    if status != StatusCode::OK {
-        return Err(FetchError::Status { address, path: path.into(), status });
-    }
-    let limited = http_body_util::Limited::new(body, MAX_SCRAPE_BYTES);
-    match tokio::time::timeout(timeout, limited.collect()).await {
-        Ok(Ok(collected)) => Ok(collected.to_bytes()),
-        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
-            Err(FetchError::TooLarge { address, path: path.into() })
-        }
-        Ok(Err(source)) => Err(FetchError::Body { address, path: path.into(), source }),
-        Err(_) => Err(FetchError::Body {
-            address,
-            path: path.into(),
-            source: "body not read within the deadline".into(),
-        }),
-    }
-}
-
-/// Prometheus's `X-Prometheus-Scrape-Timeout-Seconds`, else the default; a value no
-/// duration can hold (any client can send one) is the default too, not a panic.
+/// Prometheus's `X-Prometheus-Scrape-Timeout-Seconds`, else the default; at most
+/// `MAX_SCRAPE_TIMEOUT` (any client can send a larger one), and a value no duration
+/// can hold is the default too, not a panic.
 fn scrape_timeout(headers: &HeaderMap) -> Duration {
     headers
         .get("x-prometheus-scrape-timeout-seconds")
         .and_then(|v| v.to_str().ok()?.trim().parse::<f64>().ok())
         .filter(|s| *s > 0.0)
         .and_then(|s| Duration::try_from_secs_f64(s).ok())
-        .unwrap_or(DEFAULT_SCRAPE_TIMEOUT)
+        .map_or(DEFAULT_SCRAPE_TIMEOUT, |t| t.min(MAX_SCRAPE_TIMEOUT))
 }
 
 #[cfg(test)]
@@ -230,6 +331,17 @@ mod tests {
             assert_eq!(with(odd), DEFAULT_SCRAPE_TIMEOUT, "{odd}");
         }
         assert_eq!(scrape_timeout(&HeaderMap::new()), DEFAULT_SCRAPE_TIMEOUT);
+    }
+
+    /// The header is anyone's to send: a scrape never waits on its sources longer
+    /// than 30 s.
+    #[test]
+    fn a_callers_scrape_timeout_is_capped() {
+        let mut headers = HeaderMap::new();
+        headers.insert("x-prometheus-scrape-timeout-seconds", "3600".parse().unwrap());
+        assert_eq!(scrape_timeout(&headers), Duration::from_secs(30));
+        headers.insert("x-prometheus-scrape-timeout-seconds", "12".parse().unwrap());
+        assert_eq!(scrape_timeout(&headers), Duration::from_secs(12));
     }
 
     #[test]

@@ -1,8 +1,9 @@
 //! Kubernetes probes rewritten by the injector (`ISTIO_KUBE_APP_PROBERS`): kubelet asks
 //! `/app-health/<container>/livez|readyz|startupz` on the status port, and the agent
 //! probes the app the way kubelet would have — HTTP GET (kubelet's redirect rules,
-//! TLS unverified), a TCP connect, or the gRPC health protocol — from 127.0.0.6 (or
-//! ::6), which the capture rules let through to the app without Envoy.
+//! TLS unverified, the Host kubelet would send), a TCP connect, or the gRPC health
+//! protocol — from 127.0.0.6 (or ::6), which the capture rules let through to the app
+//! without Envoy. Only the status goes back: the status port answers anyone.
 
 use std::{
     collections::BTreeMap,
@@ -12,7 +13,7 @@ use std::{
 };
 
 use bytes::Bytes;
-use http_body_util::{BodyExt as _, Empty};
+use http_body_util::Empty;
 use hyper::{HeaderMap, Request, StatusCode, Uri};
 use hyper_util::rt::TokioIo;
 use serde::{Deserialize, Serialize};
@@ -22,8 +23,6 @@ use tokio::net::{TcpSocket, TcpStream};
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(1);
 /// kubelet follows at most this many redirects to the same host.
 const MAX_REDIRECTS: usize = 10;
-/// How much of the app's answer is passed back (kubelet reads 10 KiB).
-const MAX_BODY: usize = 10 * 1024;
 
 /// A port given as a number (Istio rejects named ports here: the injector resolves
 /// them before writing the env).
@@ -158,7 +157,8 @@ pub enum CheckError {
     Failed(String),
 }
 
-/// The probe's answer for kubelet: a status and (for HTTP) the app's body.
+/// The probe's answer for kubelet: a status (and a reason of the agent's own when no
+/// prober is configured for the path; never the app's words).
 #[derive(Debug, PartialEq)]
 pub struct ProbeOutcome {
     pub status: StatusCode,
@@ -180,12 +180,11 @@ pub struct AppProber {
     /// Where probes come from: 127.0.0.6 (or ::6), which capture lets through to the
     /// app. Only usable toward a local address (the pod IP, loopback); decided once.
     source: Option<SocketAddr>,
-    status_port: u16,
     tls: tokio_rustls::TlsConnector,
 }
 
 impl AppProber {
-    pub fn new(probers: AppProbers, destination: IpAddr, status_port: u16) -> Self {
+    pub fn new(probers: AppProbers, destination: IpAddr) -> Self {
         let local =
             destination.is_loopback() || std::net::UdpSocket::bind(SocketAddr::new(destination, 0)).is_ok();
         let source = local.then(|| match destination {
@@ -195,7 +194,7 @@ impl AppProber {
         // kubelet does not verify an HTTPS probe's certificate; neither does the agent.
         let tls = crate::tls::http1_connector(crate::tls::ServerTrust::AnyCertificate)
             .expect("a configuration without client certificate or roots to load cannot fail");
-        Self { probers: Arc::new(probers), destination, source, status_port, tls }
+        Self { probers: Arc::new(probers), destination, source, tls }
     }
 
     async fn connect(&self, port: u16, timeout: Duration) -> std::io::Result<TcpStream> {
@@ -259,8 +258,9 @@ impl AppProber {
     }
 
     /// kubelet's HTTP probe: same-host redirects followed (10 at most), a redirect
-    /// elsewhere or one that cannot be followed counts as success; any status is
-    /// passed back with up to 10 KiB of body.
+    /// elsewhere or one that cannot be followed counts as success. Only the status
+    /// goes back: the status port answers anyone who reaches it, the app's body is
+    /// the app's (Istio has passed 10 KiB of it back since 1.21).
     async fn http_get(
         &self,
         action: &HttpGetAction,
@@ -270,44 +270,20 @@ impl AppProber {
         let https = action.scheme.as_deref().is_some_and(|s| s.eq_ignore_ascii_case("https"));
         let mut path =
             if action.path.starts_with('/') { action.path.clone() } else { format!("/{}", action.path) };
-        // kubelet's Host header: its own, with the status port swapped for the app's.
-        let mut host = headers
-            .get(hyper::header::HOST)
-            .and_then(|h| h.to_str().ok())
-            .map(|h| match h.rsplit_once(':') {
-                Some((name, port)) if port == self.status_port.to_string() => {
-                    format!("{name}:{}", action.port.0)
-                }
-                _ => h.to_string(),
-            })
-            .unwrap_or_else(|| SocketAddr::new(self.destination, action.port.0).to_string());
+        let mut host = self.probe_host(action);
         let original_host = host.split(':').next().unwrap_or_default().to_string();
         for _ in 0..=MAX_REDIRECTS {
             let stream = self.connect(action.port.0, timeout).await.map_err(|e| e.to_string())?;
-            let mut builder = Request::builder().method("GET").uri(path.as_str());
-            // kubelet's headers go on; those about this hop and its body do not.
-            for (name, value) in headers {
-                use hyper::header::{CONNECTION, CONTENT_LENGTH, HOST, TRANSFER_ENCODING};
-                if ![HOST, CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING].contains(name) {
-                    builder = builder.header(name, value);
-                }
-            }
-            for h in &action.http_headers {
-                builder = builder.header(h.name.as_str(), h.value.as_str());
-            }
-            builder =
-                builder.header(hyper::header::HOST, host.as_str()).header(hyper::header::CONNECTION, "close");
-            let request = builder.body(Empty::<Bytes>::new()).map_err(|e| e.to_string())?;
-            let response = if https {
+            let request = probe_request(&path, &host, headers, &action.http_headers)?;
+            let (status, location) = if https {
                 let server_name = rustls_name(&self.destination);
                 let tls = self.tls.connect(server_name, stream).await.map_err(|e| format!("TLS: {e}"))?;
                 send(TokioIo::new(tls), request).await?
             } else {
                 send(TokioIo::new(stream), request).await?
             };
-            let (status, location, body) = response;
             if !status.is_redirection() {
-                return Ok(ProbeOutcome { status, body });
+                return Ok(ProbeOutcome::status(status));
             }
             let Some(location) = location.and_then(|l| l.parse::<Uri>().ok()) else {
                 return Ok(ProbeOutcome::status(StatusCode::OK));
@@ -326,6 +302,19 @@ impl AppProber {
         Err(format!("stopped after {MAX_REDIRECTS} redirects"))
     }
 
+    /// The Host kubelet sends when it probes the app itself: the probe's `Host`
+    /// header, else the probe's host (the pod's address) and the app's port. The
+    /// caller's Host is never used: anyone can send one to the status port.
+    fn probe_host(&self, action: &HttpGetAction) -> String {
+        if let Some(h) = action.http_headers.iter().find(|h| h.name.eq_ignore_ascii_case("host")) {
+            return h.value.clone();
+        }
+        match action.host.as_deref().filter(|h| !h.is_empty()) {
+            Some(h) if h.contains(':') => format!("[{h}]:{}", action.port.0),
+            Some(h) => format!("{h}:{}", action.port.0),
+            None => SocketAddr::new(self.destination, action.port.0).to_string(),
+        }
+    }
     async fn grpc(&self, action: &GrpcAction, headers: &HeaderMap, timeout: Duration) -> Result<(), String> {
         use weir_proto::grpc::health::v1::{
             HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
@@ -368,31 +357,45 @@ impl AppProber {
     }
 }
 
-type Answer = (StatusCode, Option<String>, Bytes);
+/// One probe request: kubelet's headers (not those about this hop or its body), the
+/// probe's own `httpHeaders` in place of any the caller sent by those names, `host`.
+fn probe_request(
+    path: &str,
+    host: &str,
+    caller: &HeaderMap,
+    probe: &[HttpHeader],
+) -> Result<Request<Empty<Bytes>>, String> {
+    use hyper::header::{CONNECTION, CONTENT_LENGTH, HOST, HeaderName, HeaderValue, TRANSFER_ENCODING};
+    let mut headers = HeaderMap::new();
+    for (name, value) in caller {
+        if ![HOST, CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING].contains(name) {
+            headers.append(name, value.clone());
+        }
+    }
+    for h in probe.iter().filter(|h| !h.name.eq_ignore_ascii_case("host")) {
+        let name =
+            HeaderName::from_bytes(h.name.as_bytes()).map_err(|e| format!("header {:?}: {e}", h.name))?;
+        let value = HeaderValue::from_str(&h.value).map_err(|e| format!("header {:?}: {e}", h.name))?;
+        headers.insert(name, value);
+    }
+    let host = HeaderValue::from_str(host).map_err(|e| format!("Host {host:?}: {e}"))?;
+    headers.insert(HOST, host);
+    headers.insert(CONNECTION, HeaderValue::from_static("close"));
+    let mut request =
+        Request::builder().method("GET").uri(path).body(Empty::<Bytes>::new()).map_err(|e| e.to_string())?;
+    *request.headers_mut() = headers;
+    Ok(request)
+}
 
-async fn send<IO>(io: IO, request: Request<Empty<Bytes>>) -> Result<Answer, String>
+/// The answer's status and `Location`; its body is never read (the connection closes).
+async fn send<IO>(io: IO, request: Request<Empty<Bytes>>) -> Result<(StatusCode, Option<String>), String>
 where
     IO: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
 {
     let response = crate::http1::exchange(io, request).await.map_err(|e| e.to_string())?;
-    let status = response.status();
     let location =
         response.headers().get(hyper::header::LOCATION).and_then(|l| l.to_str().ok()).map(String::from);
-    // Up to MAX_BODY bytes are passed back; a longer body is cut, not an error.
-    let mut body = response.into_body();
-    let mut out = Vec::new();
-    while out.len() < MAX_BODY {
-        match body.frame().await {
-            Some(Ok(frame)) => {
-                if let Ok(data) = frame.into_data() {
-                    out.extend_from_slice(&data);
-                }
-            }
-            _ => break,
-        }
-    }
-    out.truncate(MAX_BODY);
-    Ok((status, location, Bytes::from(out)))
+    Ok((response.status(), location))
 }
 
 fn rustls_name(ip: &IpAddr) -> tokio_rustls::rustls::pki_types::ServerName<'static> {
@@ -418,6 +421,65 @@ mod tests {
         assert_eq!(p.get("/app-health/web/readyz").unwrap().timeout(), DEFAULT_TIMEOUT);
         assert_eq!(AppProbers::parse("{}").unwrap(), AppProbers::default());
         assert_eq!(AppProbers::parse("").unwrap(), AppProbers::default());
+    }
+
+    /// An app on loopback that records each request's head and answers 200 with a
+    /// body of its own.
+    async fn recording_app() -> (u16, Arc<std::sync::Mutex<Vec<String>>>) {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let heads = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let seen = heads.clone();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 1024];
+                while !head.ends_with(b"\r\n\r\n") {
+                    match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                seen.lock().unwrap().push(String::from_utf8_lossy(&head).to_ascii_lowercase());
+                let body = "app internals: db=up secret=hunter2\n";
+                let answer = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}", body.len());
+                let _ = s.write_all(answer.as_bytes()).await;
+            }
+        });
+        (port, heads)
+    }
+
+    /// Anyone who reaches the status port may ask for a probe: they get the app's
+    /// status and nothing it wrote, and the app sees the Host kubelet would have sent
+    /// (the probe's own, else the pod's address and the app's port), never the
+    /// caller's.
+    #[tokio::test]
+    async fn a_probe_answers_with_the_status_only_and_never_forwards_the_callers_host() {
+        let (port, heads) = recording_app().await;
+        let probers = AppProbers::parse(&format!(
+            r#"{{"/app-health/web/livez": {{"httpGet": {{"path": "/healthz", "port": {port}}}}},
+                "/app-health/web/readyz": {{"httpGet": {{"path": "/ready", "port": {port},
+                    "httpHeaders": [{{"name": "Host", "value": "web.internal"}}, {{"name": "X-Probe", "value": "yes"}}]}}}}}}"#
+        ))
+        .unwrap();
+        let prober = AppProber::new(probers, IpAddr::from([127, 0, 0, 1]));
+        let mut caller = HeaderMap::new();
+        caller.insert(hyper::header::HOST, "attacker.example:15020".parse().unwrap());
+        caller.insert(hyper::header::USER_AGENT, "kube-probe/1.31".parse().unwrap());
+        caller.insert("x-probe", "forged".parse().unwrap());
+
+        let live = prober.probe("/app-health/web/livez", &caller).await;
+        assert_eq!((live.status, live.body), (StatusCode::OK, Bytes::new()));
+        let ready = prober.probe("/app-health/web/readyz", &caller).await;
+        assert_eq!((ready.status, ready.body), (StatusCode::OK, Bytes::new()));
+
+        let heads = heads.lock().unwrap().clone();
+        assert!(heads[0].contains(&format!("\r\nhost: 127.0.0.1:{port}\r\n")), "{}", heads[0]);
+        assert!(heads[0].contains("user-agent: kube-probe/1.31"), "kubelet's headers go on: {}", heads[0]);
+        assert!(heads[1].contains("\r\nhost: web.internal\r\n"), "the probe's own Host: {}", heads[1]);
+        assert!(heads[1].contains("x-probe: yes") && !heads[1].contains("forged"), "{}", heads[1]);
+        assert!(heads.iter().all(|h| !h.contains("attacker")), "{heads:?}");
     }
 
     #[test]

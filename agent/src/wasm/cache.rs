@@ -60,6 +60,8 @@ impl Default for CacheOptions {
 
 #[derive(Debug, thiserror::Error)]
 pub enum FetchError {
+    #[error("the sha256 {sha256:?} given for Wasm module {uri} is not 64 lowercase hex digits")]
+    BadChecksum { uri: String, sha256: String },
     #[error("cannot fetch Wasm module {uri}: {message}")]
     Fetch { uri: String, message: String },
     #[error("module downloaded from {uri} has checksum {actual}, which does not match: {expected}")]
@@ -105,12 +107,18 @@ impl ModuleCache {
         }
     }
 
+    /// `sha256` is 64 lowercase hex digits (checked by `get`, or computed here).
     fn path_of(&self, sha256: &str) -> PathBuf {
         self.options.dir.join(format!("{sha256}.wasm"))
     }
 
     /// The local file holding `module`, fetched if need be.
     pub async fn get(&self, module: &RemoteModule) -> Result<PathBuf, FetchError> {
+        // The checksum names a file in the cache, so it is checked before any use (as
+        // Istio's API checks a WasmPlugin's `sha256`).
+        if !module.sha256.is_empty() && !is_sha256_hex(&module.sha256) {
+            return Err(FetchError::BadChecksum { uri: module.uri.clone(), sha256: module.sha256.clone() });
+        }
         let known = if module.sha256.is_empty() {
             let by_url = self.by_url.lock().expect("cache lock");
             by_url
@@ -277,6 +285,11 @@ impl ModuleCache {
     }
 }
 
+/// 64 lowercase hex digits: a SHA-256 as Istio's API and Envoy write it.
+fn is_sha256_hex(s: &str) -> bool {
+    s.len() == 64 && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -301,6 +314,31 @@ mod tests {
         assert!(err.contains("ftp://host/f.wasm") && err.contains("unsupported scheme"), "{err}");
         let err = cache.get(&module("oci://registry-without-repo")).await.unwrap_err().to_string();
         assert!(err.contains("expected oci://"), "{err}");
+    }
+
+    /// istiod's checksum names the cached file: `../x` must not load `x.wasm` from
+    /// outside the cache on a "hit".
+    #[tokio::test]
+    async fn a_checksum_that_is_not_a_sha256_is_refused_naming_it() {
+        let outside = tempfile::tempdir().unwrap();
+        let dir = outside.path().join("cache");
+        std::fs::create_dir(&dir).unwrap();
+        std::fs::write(outside.path().join("planted.wasm"), b"\0asm-not-from-this-cache").unwrap();
+        let options = CacheOptions { dir, max_retries: 0, ..Default::default() };
+        let cache = ModuleCache::new(options, Default::default());
+        for sha256 in ["../planted", "/etc/x", "ABCD", &"a".repeat(63), &"g".repeat(64), &"a".repeat(65)] {
+            let module = RemoteModule {
+                resource: "extenstions.istio.io/wasmplugin/app.plugin".into(),
+                uri: "http://127.0.0.1:9/m.wasm".into(),
+                sha256: sha256.to_string(),
+                timeout: None,
+            };
+            let e = match cache.get(&module).await {
+                Ok(path) => panic!("checksum {sha256:?} gave {}", path.display()),
+                Err(e) => e.to_string(),
+            };
+            assert!(e.contains(&format!("{sha256:?}")) && e.contains("64 lowercase hex"), "{e}");
+        }
     }
 
     #[test]

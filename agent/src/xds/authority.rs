@@ -11,7 +11,9 @@
 //! literals without indexing (so h2's dynamic table stays empty and cannot drift from
 //! ours), replacing an `:authority` that is not a valid URI authority with
 //! `localhost`. A block it cannot decode ends the connection, as h2 itself would with
-//! COMPRESSION_ERROR. The write side is untouched.
+//! COMPRESSION_ERROR, and so does one that decodes to a header list past h2's own
+//! limit or raises the dynamic table over HTTP/2's default: decoding is bounded before
+//! anything is kept. The write side is untouched.
 
 use std::{
     io,
@@ -35,6 +37,16 @@ const PRIORITY: u8 = 0x20;
 const MAX_FRAME: usize = 16_384;
 /// A header block larger than this ends the connection.
 const MAX_BLOCK: usize = 1 << 20;
+/// The largest header list a block may decode to (each field counted as its name, its
+/// value and 32 bytes, RFC 7540 §6.5.2). The h2 server behind advertises hyper's 16 KiB
+/// `SETTINGS_MAX_HEADER_LIST_SIZE` and ends the connection past four times that;
+/// decoding stops here at the same point, so a block of indexed references (one byte
+/// each, naming a 4 KB table entry) cannot expand a thousandfold in memory first.
+/// grpc-go's server allows 16 MiB; what is decoded here is handed to h2, not to it.
+const MAX_HEADER_LIST: usize = 4 * 16 * 1024;
+/// The dynamic table a client may use: HTTP/2's default `SETTINGS_HEADER_TABLE_SIZE`,
+/// which the server never raises.
+const MAX_TABLE: usize = 4096;
 /// What replaces an invalid authority: what grpc-go sends on a `unix:` channel.
 pub const REPLACEMENT: &str = "localhost";
 
@@ -67,12 +79,14 @@ pub struct AuthorityRepair<S> {
 
 impl<S> AuthorityRepair<S> {
     pub fn new(io: S) -> Self {
+        let mut decoder = loona_hpack::Decoder::new();
+        decoder.set_max_allowed_table_size(MAX_TABLE);
         Self {
             io,
             raw: BytesMut::with_capacity(MAX_FRAME),
             ready: BytesMut::new(),
             state: State::Preface,
-            decoder: loona_hpack::Decoder::new(),
+            decoder,
             pending: None,
             repaired: false,
         }
@@ -187,7 +201,7 @@ impl<S> AuthorityRepair<S> {
             return Ok(());
         }
         let block = self.pending.take().expect("set above");
-        let mut fields = self.decoder.decode(&block.fragment).map_err(|e| invalid(format!("HPACK: {e}")))?;
+        let mut fields = self.decode(&block.fragment)?;
         for (name, value) in &mut fields {
             if name.as_slice() == b":authority" && http::uri::Authority::try_from(value.as_slice()).is_err() {
                 if !self.repaired {
@@ -204,6 +218,29 @@ impl<S> AuthorityRepair<S> {
         let encoded = encode_literals(&fields);
         write_frames(&mut self.ready, block.stream, block.end_stream, &encoded);
         Ok(())
+    }
+}
+
+impl<S> AuthorityRepair<S> {
+    /// The block's fields, refused past `MAX_HEADER_LIST`: the rest of the block is
+    /// still decoded (the table must stay in step) but nothing more is kept.
+    fn decode(&mut self, block: &[u8]) -> io::Result<Vec<(Vec<u8>, Vec<u8>)>> {
+        let mut fields = Vec::new();
+        let mut size = 0usize;
+        self.decoder
+            .decode_with_cb(block, |name, value| {
+                size = size.saturating_add(name.len() + value.len() + 32);
+                if size <= MAX_HEADER_LIST {
+                    fields.push((name.into_owned(), value.into_owned()));
+                }
+            })
+            .map_err(|e| invalid(format!("HPACK: {e}")))?;
+        if size > MAX_HEADER_LIST {
+            return Err(invalid(format!(
+                "request header list decodes to {size} bytes (over {MAX_HEADER_LIST}, where h2 ends the connection)"
+            )));
+        }
+        Ok(fields)
     }
 }
 
@@ -472,6 +509,38 @@ mod tests {
             let err = repaired(input).await.unwrap_err();
             assert_eq!(err.kind(), io::ErrorKind::InvalidData, "{err}");
         }
+    }
+
+    /// HPACK lets a small block name a big dynamic-table entry over and over: 16,000
+    /// one-byte references to a 4 KB entry decode to 64 MB. Decoding stops at the
+    /// header list bound and the connection ends, naming why.
+    #[tokio::test]
+    async fn a_block_expanding_past_the_header_list_bound_ends_the_connection() {
+        let mut block = vec![0x40, 5];
+        block.extend_from_slice(b"x-big");
+        put_integer(&mut block, 7, 0x00, 4000);
+        block.extend(std::iter::repeat_n(b'v', 4000));
+        // Index 62: the first entry of the dynamic table, the one just added.
+        block.extend(std::iter::repeat_n(0x80 | 62, 16_000));
+        let mut input = PREFACE.to_vec();
+        input.extend(frame(HEADERS, 0, 1, &block[..MAX_FRAME]));
+        input.extend(frame(CONTINUATION, END_HEADERS, 1, &block[MAX_FRAME..]));
+        let err = repaired(input).await.unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData, "{err}");
+        assert!(err.to_string().contains("header list"), "{err}");
+    }
+
+    /// The dynamic table is bounded by what the server allows (4096 bytes, HTTP/2's
+    /// default): a client raising it is refused, as h2 would refuse it.
+    #[tokio::test]
+    async fn a_table_size_update_over_the_default_ends_the_connection() {
+        let mut block = Vec::new();
+        put_integer(&mut block, 5, 0x20, 1 << 20);
+        block.push(0x82);
+        let mut input = PREFACE.to_vec();
+        input.extend(frame(HEADERS, END_HEADERS, 1, &block));
+        let err = repaired(input).await.unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData, "{err}");
     }
 
     #[tokio::test]

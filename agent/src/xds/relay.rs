@@ -1,10 +1,12 @@
 //! The relay: serves ADS (SotW and Delta) to Envoy and, for each Envoy stream, opens a
-//! fresh stream to istiod. Three tasks per connection:
+//! fresh stream to istiod. Three tasks per connection (four with Wasm conversion):
 //! - the downstream reader queues Envoy's requests for istiod on an unbounded channel,
 //!   so it never waits on the response path (the deadlock of istio/istio#39209);
 //! - the upstream pump hands istiod's responses to Envoy one at a time (a channel of
 //!   one: Envoy's flow control reaches istiod), consuming agent-internal types (NDS)
 //!   itself and ACKing or NACKing them, and dropping anything that is not an Envoy type;
+//!   ECDS responses go to a fourth task that fetches their Wasm modules, in order, so
+//!   a slow module server never holds the other types back;
 //! - tonic's request body drains the unbounded channel into the upstream stream.
 //!
 //! An upstream error ends Envoy's stream with that status, so Envoy reconnects and
@@ -269,6 +271,13 @@ async fn pump_upstream<F: Flavor>(
     down_tx: mpsc::Sender<Result<F::Response, Status>>,
     stop: CancellationToken,
 ) {
+    let extensions = inner.wasm.clone().map(|wasm| {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let convert =
+            convert_extensions::<F>(inner.clone(), wasm, rx, req_tx.clone(), down_tx.clone(), stop.clone());
+        tokio::spawn(convert.in_current_span());
+        tx
+    });
     loop {
         let message = tokio::select! {
             _ = stop.cancelled() => break,
@@ -314,13 +323,11 @@ async fn pump_upstream<F: Flavor>(
                 continue;
             }
         }
-        let mut response = response;
+        // ECDS waits for its Wasm modules on its own task, in order; the rest flows on.
         if F::response_type(&response) == type_url::EXTENSION_CONFIG
-            && let Some(wasm) = &inner.wasm
-            && let Err(message) = wasm.convert(F::resources_mut(&mut response)).await
+            && let Some(extensions) = &extensions
         {
-            tracing::warn!(error = %message, "NACK: Wasm module unavailable; nothing forwarded to Envoy");
-            inner.send_upstream::<F>(&req_tx, F::ack(&response, Some(internal(message))));
+            let _ = extensions.send(response);
             continue;
         }
         let type_url = F::response_type(&response);
@@ -341,6 +348,45 @@ async fn pump_upstream<F: Flavor>(
     stop.cancel();
     inner.unregister(id);
     tracing::debug!("disconnected from upstream");
+}
+
+/// ECDS responses of one stream, one at a time in the order istiod sent them: remote
+/// Wasm modules fetched and rewritten to local files, then the response forwarded to
+/// Envoy, or NACKed to istiod with the reason (its ACK or NACK follows its own
+/// conversion). A slow module server holds only this task (pilot-agent converts in its
+/// own goroutine too); every other type keeps flowing through the pump.
+async fn convert_extensions<F: Flavor>(
+    inner: Arc<Inner>,
+    wasm: Arc<crate::wasm::WasmConverter>,
+    mut responses: mpsc::UnboundedReceiver<F::Response>,
+    req_tx: mpsc::UnboundedSender<F::Request>,
+    down_tx: mpsc::Sender<Result<F::Response, Status>>,
+    stop: CancellationToken,
+) {
+    loop {
+        let mut response = tokio::select! {
+            _ = stop.cancelled() => break,
+            r = responses.recv() => match r {
+                Some(r) => r,
+                None => break,
+            },
+        };
+        let converted = tokio::select! {
+            _ = stop.cancelled() => break,
+            c = wasm.convert(F::resources_mut(&mut response)) => c,
+        };
+        if let Err(message) = converted {
+            tracing::warn!(error = %message, "NACK: Wasm module unavailable; nothing forwarded to Envoy");
+            inner.send_upstream::<F>(&req_tx, F::ack(&response, Some(internal(message))));
+            continue;
+        }
+        tokio::select! {
+            _ = stop.cancelled() => break,
+            sent = down_tx.send(Ok(response)) => if sent.is_err() {
+                break;
+            }
+        }
+    }
 }
 
 #[tonic::async_trait]

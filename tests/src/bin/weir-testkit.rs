@@ -15,6 +15,8 @@
 //!                                       `/redirect/same` (→ /ok), `/redirect/away`
 //!                                       (→ another host), `/peer` (the client's
 //!                                       address), `/headers` (the request's headers),
+//!                                       `/require/peer/<ip>`, `/require/header/<n>/<v>`
+//!                                       (200 when so, else 412),
 //!                                       `/metrics` (Prometheus text), else 200 `ok`
 //!   serve-https <addr>                  serve-http over TLS, with a self-signed
 //!                                       certificate made at start
@@ -242,6 +244,7 @@ fn serve_http(stream: impl std::io::Read + std::io::Write, peer: String) {
             "/metrics" => {
                 (200, None, "# TYPE app_requests_total counter\napp_requests_total 7\n".to_string())
             }
+            p if p.starts_with("/require/") => require(&p["/require/".len()..], &peer, &head[1..]),
             p => match p.strip_prefix("/status/").and_then(|c| c.parse::<u16>().ok()) {
                 Some(code) => (code, None, format!("status {code}\n")),
                 None => (200, None, "ok\n".to_string()),
@@ -260,6 +263,31 @@ fn serve_http(stream: impl std::io::Read + std::io::Write, peer: String) {
         if out.write_all(response.as_bytes()).and_then(|()| out.flush()).is_err() || close {
             return;
         }
+    }
+}
+
+/// `/require/<what>`: 200 when the request is as asked, else 412 saying what it was;
+/// for callers that see only the status (rewritten probes). `peer/<ip>`: from that
+/// address; `header/<name>/<value>`: that header exactly once, with that value, and
+/// no `content-length`.
+fn require(what: &str, peer: &str, headers: &[String]) -> (u16, Option<String>, String) {
+    let field = |name: &str| -> Vec<String> {
+        headers
+            .iter()
+            .filter_map(|h| h.split_once(':'))
+            .filter(|(n, _)| n.trim().eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.trim().to_string())
+            .collect()
+    };
+    let ok = match what.split('/').collect::<Vec<_>>().as_slice() {
+        ["peer", ip] => peer.rsplit_once(':').is_some_and(|(host, _)| host.trim_matches(['[', ']']) == *ip),
+        ["header", name, value] => field(name) == [value.to_string()] && field("content-length").is_empty(),
+        _ => false,
+    };
+    if ok {
+        (200, None, "ok\n".into())
+    } else {
+        (412, None, format!("not {what}: peer {peer}, headers {headers:?}\n"))
     }
 }
 

@@ -1,5 +1,5 @@
 //! The mesh CA's root: an ECDSA P-256 self-signed certificate and its key, made fresh or
-//! kept in a state directory that every workload of the mesh shares, and the signing of
+//! kept in a state directory only its owner may enter (0700), and the signing of
 //! workload certificates with it, only as a `SigningPolicy` approves: the certificate
 //! carries the approved SPIFFE ID and lifetime and nothing else the CSR asked for.
 
@@ -24,6 +24,8 @@ pub enum CaError {
         #[source]
         source: rcgen::Error,
     },
+    #[error("the mesh CA directory {path} {problem}: it holds the root key, so only its owner may enter it")]
+    Exposed { path: std::path::PathBuf, problem: String },
     #[error("{what} {path}")]
     Io {
         what: &'static str,
@@ -96,15 +98,16 @@ impl MeshCa {
     }
 
     /// The mesh CA kept in `dir`: loaded when it is there, else generated and written
-    /// (key 0600). Agents sharing `dir` share the CA; a lock file makes concurrent first
-    /// starts agree on one root.
+    /// (key 0600) in a directory only its owner may enter (0700, see `private_dir`).
+    /// Agents of one user sharing `dir` share the CA; a lock file makes concurrent
+    /// first starts agree on one root.
     pub fn load_or_create(org: &str, dir: &Path) -> Result<Self, CaError> {
-        use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
+        use std::os::unix::fs::OpenOptionsExt as _;
         let io = |what, path: &Path| {
             let path = path.to_path_buf();
             move |source| CaError::Io { what, path, source }
         };
-        std::fs::create_dir_all(dir).map_err(io("create", dir))?;
+        private_dir(dir)?;
         let lock_path = dir.join(".lock");
         let lock = std::fs::OpenOptions::new()
             .create(true)
@@ -119,15 +122,15 @@ impl MeshCa {
             return Self::load(dir);
         }
         let ca = Self::generate(org)?;
+        // The key's file is 0600 from its creation, never a leftover someone holds.
         for (name, text, mode) in
             [(ROOT_KEY_FILE, &ca.root.key_pem, 0o600), (ROOT_CERT_FILE, &ca.root.pem, 0o644)]
         {
-            let path = dir.join(name);
-            let tmp = dir.join(format!(".{name}.tmp"));
-            std::fs::write(&tmp, text).map_err(io("write", &tmp))?;
-            std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode))
-                .map_err(io("chmod", &tmp))?;
-            std::fs::rename(&tmp, &path).map_err(io("rename into place", &path))?;
+            crate::atomic_file::write(&dir.join(name), text.as_bytes(), mode).map_err(|e| CaError::Io {
+                what: e.what,
+                path: e.path,
+                source: e.source,
+            })?;
         }
         Ok(ca)
     }
@@ -183,6 +186,41 @@ impl MeshCa {
         let cert = csr.signed_by(&self.root.issuer).map_err(SignError::Sign)?;
         Ok(Signed { leaf_pem: cert.pem(), approved })
     }
+}
+
+/// Makes `dir` 0700 (its parents as usual), or checks the one there: a directory (not
+/// a symlink) owned by this user. One this user owns but others may enter (made by an
+/// earlier Weir, 0755) is closed, with a warning; one owned by another user is refused.
+fn private_dir(dir: &Path) -> Result<(), CaError> {
+    use std::os::unix::fs::{DirBuilderExt as _, MetadataExt as _, PermissionsExt as _};
+    let io = |what, source| CaError::Io { what, path: dir.into(), source };
+    let exposed = |problem: String| CaError::Exposed { path: dir.into(), problem };
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(|source| CaError::Io {
+            what: "create",
+            path: parent.into(),
+            source,
+        })?;
+    }
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(io("create", e)),
+    }
+    let meta = std::fs::symlink_metadata(dir).map_err(|e| io("inspect", e))?;
+    if !meta.file_type().is_dir() {
+        return Err(exposed("is not a directory (a symlink or a file)".into()));
+    }
+    let me = nix::unistd::geteuid().as_raw();
+    if meta.uid() != me {
+        return Err(exposed(format!("is owned by uid {}, not by this agent's uid {me}", meta.uid())));
+    }
+    let mode = meta.permissions().mode() & 0o7777;
+    if mode & 0o077 != 0 {
+        tracing::warn!(path = %dir.display(), mode = format!("{mode:04o}"), "the mesh CA directory was open to others; closing it (0700)");
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(|e| io("chmod", e))?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -241,6 +279,57 @@ mod tests {
         assert!(status.message().contains("sa/admin") && status.message().contains(OWN), "{status:?}");
         let e = ca.sign("not a CSR", 600, &policy(3600)).unwrap_err();
         assert_eq!(e.to_status().code(), tonic::Code::InvalidArgument);
+    }
+
+    /// The root key never passes through a file that was already there (a leftover
+    /// temporary file someone holds open, under this or an earlier name).
+    #[test]
+    fn the_root_key_is_written_to_a_file_of_its_own() {
+        use std::io::Read as _;
+        let dir = tempfile::tempdir().unwrap();
+        let mut held = Vec::new();
+        for name in [".root-key.pem.tmp", ".root-key.pem.weir-tmp"] {
+            let leftover = dir.path().join(name);
+            std::fs::write(&leftover, b"").unwrap();
+            held.push(std::fs::File::open(&leftover).unwrap());
+        }
+        let ca = MeshCa::load_or_create("mesh", dir.path()).unwrap();
+        for mut file in held {
+            let mut seen = String::new();
+            file.read_to_string(&mut seen).unwrap();
+            assert_eq!(seen, "", "the root key went through a file opened before it was written");
+        }
+        assert_eq!(std::fs::read_to_string(dir.path().join(ROOT_KEY_FILE)).unwrap(), ca.root.key_pem);
+    }
+
+    /// The root key's directory is the CA's own: made 0700, an open one (an older
+    /// Weir's 0755) closed, another user's or a symlink refused, naming the path.
+    #[test]
+    fn the_state_directory_is_for_its_owner_only() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let mode = |p: &Path| std::fs::symlink_metadata(p).unwrap().permissions().mode() & 0o777;
+        let dir = tempfile::tempdir().unwrap();
+        let fresh = dir.path().join("state").join("ca");
+        MeshCa::load_or_create("mesh", &fresh).unwrap();
+        assert_eq!(mode(&fresh), 0o700);
+
+        let open = dir.path().join("open");
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o755)).unwrap();
+        MeshCa::load_or_create("mesh", &open).unwrap();
+        assert_eq!(mode(&open), 0o700);
+
+        let theirs = dir.path().join("theirs");
+        std::fs::create_dir(&theirs).unwrap();
+        std::os::unix::fs::chown(&theirs, Some(4242), Some(4242)).unwrap();
+        let e = MeshCa::load_or_create("mesh", &theirs).err().expect("another user's directory").to_string();
+        assert!(e.contains(&theirs.display().to_string()) && e.contains("uid 4242"), "{e}");
+        assert!(!theirs.join(ROOT_KEY_FILE).exists());
+
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&fresh, &link).unwrap();
+        let e = MeshCa::load_or_create("mesh", &link).err().expect("a symlink").to_string();
+        assert!(e.contains(&link.display().to_string()) && e.contains("symlink"), "{e}");
     }
 
     #[test]
