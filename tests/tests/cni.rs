@@ -339,14 +339,16 @@ impl NodeAgent {
     }
 
     /// `weir cni install` as the DaemonSet runs it (watching), as the build whose
-    /// program set is `set` (the key's suffix: another build), until it is stopped.
-    fn start(&self, set: &str) -> std::process::Child {
+    /// program set is `set` (the key's suffix: another build), until it is stopped
+    /// (killed on drop, pass or fail).
+    fn start(&self, set: &str) -> Running {
         let log = std::fs::File::create(self.host.path().join("agent.log")).unwrap();
         self.command("install", &["--interval", "200ms"])
             .env(weir_agent::ebpf::set::SET_ENV, set)
             .stdout(std::process::Stdio::null())
             .stderr(log)
             .spawn()
+            .map(Running)
             .unwrap()
     }
 
@@ -416,10 +418,20 @@ fn ask_through_capture(
     (local, orig, [outbound, inbound])
 }
 
+/// A running node agent; killed on drop.
+struct Running(std::process::Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// Ends a node agent as the kubelet would (`signal`), and what it logged.
-fn stop(agent: &NodeAgent, mut running: std::process::Child, signal: nix::sys::signal::Signal) -> String {
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(running.id() as i32), signal).unwrap();
-    let status = running.wait().unwrap();
+fn stop(agent: &NodeAgent, mut running: Running, signal: nix::sys::signal::Signal) -> String {
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(running.0.id() as i32), signal).unwrap();
+    let status = running.0.wait().unwrap();
     let log = std::fs::read_to_string(agent.host.path().join("agent.log")).unwrap_or_default();
     if signal == nix::sys::signal::Signal::SIGTERM {
         assert!(status.success(), "the agent did not stop cleanly: {log}");

@@ -1,8 +1,8 @@
 //! `weir capture explain --inbound`: what capture does with a connection arriving at
 //! the pod. eBPF: the tc classifier's own test (`InboundConfig::captures`) over the
 //! pod's registered inbound config, then whether Envoy's inbound port has a listener
-//! (the classifier assigns only to a listening socket; without one the connection
-//! reaches the app, the sidecar bypassed). Netfilter: the nat rules walked from
+//! (the classifier assigns only to a listening socket; without one the connection is
+//! refused: capture fails closed). Netfilter: the nat rules walked from
 //! PREROUTING; TPROXY inbound capture (mangle rules) is refused by name.
 
 use std::{
@@ -65,9 +65,12 @@ pub(super) fn ebpf(pod: &str, args: &ExplainArgs) -> anyhow::Result<Answer> {
     } else {
         Answer {
             backend: "eBPF",
-            outcome: format!("not captured: it reaches {} directly, bypassing the sidecar", args.destination),
+            outcome: format!(
+                "refused: the SYN is dropped, so it never reaches {} around the sidecar (the client retries, and connects once Envoy listens)",
+                args.destination
+            ),
             why: format!(
-                "{}, but nothing in the pod listens on port {} yet (Envoy not started or not ready)",
+                "{}, but nothing in the pod listens on port {} yet (Envoy not started, restarting or gone)",
                 captured_why(&cfg, port),
                 cfg.capture_port
             ),

@@ -26,6 +26,10 @@
 //!       CNI ADD latency (p50/p99) of bridge + host-local + weir-cni per backend
 //!       (iptables, nftables, eBPF) against the same chain without weir-cni.
 //!
+//!   weir-bench scaling [--runs N] [--markdown]
+//!       per-pod cost as the node fills: CNI ADD and eBPF registration p50/p99 with 1,
+//!       50, 100 and 250 pods captured, 20 ADDs at once, the node agent's peak RSS.
+//!
 //!   weir-bench rules [--runs N] [--markdown]
 //!       applying and removing the injector's rule set: iptables-restore, one nft
 //!       transaction, eBPF attach + register, against an empty iptables-restore.
@@ -49,6 +53,8 @@ mod datapath;
 mod report;
 #[path = "../bench/rules.rs"]
 mod rules;
+#[path = "../bench/scaling.rs"]
+mod scaling;
 #[path = "../bench/sds.rs"]
 mod sds;
 #[path = "../bench/sidecar.rs"]
@@ -83,7 +89,7 @@ fn all(opts: &report::Options) -> anyhow::Result<String> {
         opts.runs
     );
     type Bench = fn(&report::Options) -> anyhow::Result<Vec<report::Table>>;
-    let benches: [(&str, Bench); 7] = [
+    let benches: [(&str, Bench); 8] = [
         ("datapath", datapath::tables),
         ("capture", capture::tables),
         ("rules", rules::tables),
@@ -91,6 +97,7 @@ fn all(opts: &report::Options) -> anyhow::Result<String> {
         ("sds", sds::tables),
         ("sidecar", sidecar::tables),
         ("cni", cni::tables),
+        ("scaling", scaling::tables),
     ];
     let mut all = Vec::new();
     let mut details = String::new();
@@ -139,9 +146,10 @@ fn main() -> ExitCode {
         Some("sidecar") => sidecar::tables(&opts).map(|t| render(&t, opts.markdown)),
         Some("cni") => cni::tables(&opts).map(|t| render(&t, opts.markdown)),
         Some("rules") => rules::tables(&opts).map(|t| render(&t, opts.markdown)),
+        Some("scaling") => scaling::tables(&opts).map(|t| render(&t, opts.markdown)),
         Some("all") => all(&opts),
         _ => Err(anyhow::anyhow!(
-            "usage: weir-bench capture [--runs N] [--duration SECS] [--connections N] [--markdown]\n       weir-bench datapath [--runs N] [--markdown]\n       weir-bench xds [--runs N] [--markdown]\n       weir-bench sds [--runs N] [--markdown]\n       weir-bench sidecar [--runs N] [--duration SECS] [--markdown]\n       weir-bench cni [--runs N] [--markdown]\n       weir-bench rules [--runs N] [--markdown]\n       weir-bench all [--runs N] [--duration SECS] [--markdown]"
+            "usage: weir-bench capture [--runs N] [--duration SECS] [--connections N] [--markdown]\n       weir-bench datapath [--runs N] [--markdown]\n       weir-bench xds [--runs N] [--markdown]\n       weir-bench sds [--runs N] [--markdown]\n       weir-bench sidecar [--runs N] [--duration SECS] [--markdown]\n       weir-bench cni [--runs N] [--markdown]\n       weir-bench rules [--runs N] [--markdown]\n       weir-bench scaling [--runs N] [--markdown]\n       weir-bench all [--runs N] [--duration SECS] [--markdown]"
         )),
     };
     match result {
