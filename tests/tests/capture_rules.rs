@@ -207,6 +207,53 @@ fn bad_input_is_named_and_applies_nothing() {
     assert!(in_pod(&s.client, "iptables-save", &[]).lines().all(|l| !l.contains("ISTIO")));
 }
 
+/// Interface names reach the rules' text verbatim (`-i <name>` in a restore line, a
+/// bare word in an nft statement): one that is not a name is refused by the flag that
+/// carried it, for both backends, before anything is applied.
+#[test]
+fn interface_names_cannot_carry_rule_text() {
+    require_root!();
+    let s = CaptureScene::new(&test_name!(), Family::V4, false);
+    // A tab separates iptables-restore's words: this "name" adds `-s 1.2.3.4` to the
+    // exclusion rule (the old check refused only spaces, slashes and long names).
+    let injected = "lo\t-s\t1.2.3.4";
+    let cases: &[(&[&str], &str)] = &[
+        (&["-c", injected], "invalid -c/--istio-exclude-interfaces: \"lo\\t-s\\t1.2.3.4\": interface names"),
+        (&["-c", "eth0;"], "invalid -c/--istio-exclude-interfaces: \"eth0;\""),
+        (&["-c", "eth0#", "--native-nftables"], "invalid -c/--istio-exclude-interfaces: \"eth0#\""),
+        (&["-c", "eth0\"", "--native-nftables"], "invalid -c/--istio-exclude-interfaces: \"eth0\\\"\""),
+        (&["-k", "eth0{", "--native-nftables"], "invalid -k/--kube-virt-interfaces: \"eth0{\""),
+        (&["-k", "net1,eth1\n-F"], "invalid -k/--kube-virt-interfaces: \"eth1\\n-F\""),
+        (&["-k", ".."], "invalid -k/--kube-virt-interfaces: \"..\""),
+    ];
+    for (flags, want) in cases {
+        let mut args = vec!["-p", "15001", "-z", "15006", "-u", "1337", "-i", "*", "-b", "*"];
+        args.extend_from_slice(flags);
+        let out = istio_iptables(&s.client, &args, None);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{flags:?}: {err}");
+        assert!(err.contains(want), "{flags:?}: {err}");
+        assert!(err.contains("a letter followed by letters, digits, '_', '.' or '-'"), "{err}");
+        assert_eq!(capture_state(&s.client), "", "{flags:?}: nothing applied");
+    }
+    assert!(
+        !in_pod(&s.client, "iptables-save", &[]).contains("1.2.3.4"),
+        "no rule carries the injected match"
+    );
+    // Real names go in as they are.
+    let out =
+        istio_iptables(&s.client, &["-u", "1337", "-i", "*", "-c", "eth1,veth-a.1", "-k", "net1"], None);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let nat = in_pod(&s.client, "iptables-save", &["-t", "nat"]);
+    for rule in [
+        "-A PREROUTING -i net1 -j RETURN",
+        "-A PREROUTING -i eth1 -j RETURN",
+        "-A OUTPUT -o veth-a.1 -j RETURN",
+    ] {
+        assert!(nat.contains(rule), "{rule}:\n{nat}");
+    }
+}
+
 #[test]
 fn dry_run_writes_istios_transcript_and_changes_nothing() {
     require_root!();

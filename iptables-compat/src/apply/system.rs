@@ -25,6 +25,7 @@ use crate::{
 /// The whole run on the system: rules with the chosen backend, and routes. Runs in
 /// `opts.network_namespace` when set.
 pub fn program(cfg: &CaptureConfig, opts: &RunOptions) -> Result<Report, CaptureError> {
+    cfg.validate()?;
     match &opts.network_namespace {
         Some(path) => in_netns(path, || program_here(cfg, opts)),
         None => program_here(cfg, opts),
@@ -207,6 +208,7 @@ pub fn in_netns<T: Send>(
 /// Whether a plan's rules and routes are in place in the current namespace (for
 /// `CHECK`-style callers). `Ok(Verdict::Applied)` means complete.
 pub fn verify(cfg: &CaptureConfig, opts: &RunOptions) -> Result<Verdict, CaptureError> {
+    cfg.validate()?;
     let check = || -> Result<Verdict, CaptureError> {
         let rules = if opts.native_nftables {
             let mut n = SystemNft;
