@@ -89,12 +89,34 @@ pub enum Action {
     Cleaned,
 }
 
+/// How a run read the namespace's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ApplyPath {
+    /// The iptables fast path ([`crate::fast_path`]): the state probed in process, the
+    /// rules in (or out) with one restore per family.
+    Fast,
+    /// Istio's way: the binaries detected, the state saved and verified, then the
+    /// restore (or cleanup); every nftables run and dry run.
+    Full,
+}
+
+impl std::fmt::Display for ApplyPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ApplyPath::Fast => "fast",
+            ApplyPath::Full => "full",
+        })
+    }
+}
+
 /// The outcome of a run.
 #[derive(Debug, Clone)]
 pub struct Report {
     pub backend: Backend,
     pub verdict: Option<Verdict>,
     pub action: Action,
+    /// Which path the run took (logged as `path`).
+    pub path: ApplyPath,
     /// Dry run: what would have run (Istio's transcript, or the nft transaction).
     pub transcript: Option<String>,
 }
@@ -211,7 +233,13 @@ pub(crate) fn program_plan_from(
         (false, _, true) => Action::ForceApplied,
         (false, _, false) => Action::Applied,
     };
-    Ok(Report { backend: Backend::Iptables, verdict: Some(verdict), action, transcript: None })
+    Ok(Report {
+        backend: Backend::Iptables,
+        verdict: Some(verdict),
+        action,
+        path: ApplyPath::Full,
+        transcript: None,
+    })
 }
 
 /// Istio's plan-based cleanup, then whatever Istio chains or jumps are still in the
@@ -279,7 +307,13 @@ pub(crate) fn program_nft_from(
     n: &mut dyn Nft,
     current: &str,
 ) -> Result<Report, CaptureError> {
-    let report = |verdict, action| Report { backend: Backend::Nftables, verdict, action, transcript: None };
+    let report = |verdict, action| Report {
+        backend: Backend::Nftables,
+        verdict,
+        action,
+        path: ApplyPath::Full,
+        transcript: None,
+    };
     if opts.cleanup_only {
         if !current.is_empty() || !n.is_real() {
             n.apply(&nft::render_cleanup())?;
