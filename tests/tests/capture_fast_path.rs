@@ -1,9 +1,9 @@
 //! The iptables fast path (one restore into a namespace the in-process probe finds
 //! empty) must be taken where it can be, and say so (`Report::path`, the `path` log
 //! field); it must leave exactly what the full path (save, verify, restore) leaves,
-//! and must hand every namespace it cannot settle to the full path: rules of others
-//! kept, legacy rules keep the run on legacy, another plan's rules still removed
-//! whole.
+//! and must hand every namespace it cannot settle to the full path: rules and empty
+//! chains of others kept (also through a rollback), legacy rules keep the run on
+//! legacy, another plan's rules still removed whole.
 
 use weir_iptables::{
     Action, ApplyPath, CaptureConfig, CaptureError, RunOptions,
@@ -142,6 +142,39 @@ fn removal_with_another_plan_still_removes_every_istio_rule() {
     assert_eq!(capture_state(&scene.client), "", "no Istio chain or rule remains");
     assert!(ask(&scene.client, 1000, scene.addr(&scene.server, 8080)).starts_with("hello server "));
     assert_eq!(weir_iptables::apply::verify(&applied, &opts(&scene)).unwrap(), Verdict::Clean);
+}
+
+/// Someone else's empty chain (kube-proxy makes them; so does an operator's
+/// `iptables -N`) is not a clean namespace: the fast path declines it, and no rollback
+/// or removal of Istio's rules takes it with them. Rolled back here by a route that
+/// cannot be made: IPv6 is off on the pod's `lo`, where the plan puts `::6`.
+#[test]
+fn another_s_empty_chain_survives_apply_rollback_and_removal() {
+    require_root!();
+    let scene = CaptureScene::new(&test_name!(), Family::V4, false);
+    in_pod(&scene.client, "iptables-nft", &["-t", "nat", "-N", "FOREIGN"]);
+    in_pod(&scene.client, "ip6tables-nft", &["-t", "nat", "-N", "FOREIGN6"]);
+    let foreign = |s: &CaptureScene| {
+        let v4 = in_pod(&s.client, "iptables-nft-save", &["-t", "nat"]).contains(":FOREIGN - [0:0]");
+        let v6 = in_pod(&s.client, "ip6tables-nft-save", &["-t", "nat"]).contains(":FOREIGN6 - [0:0]");
+        (v4, v6)
+    };
+    in_pod(&scene.client, "sysctl", &["-q", "-w", "net.ipv6.conf.lo.disable_ipv6=1"]);
+    let cfg = CaptureConfig { enable_ipv6: true, ..config(InterceptionMode::Redirect) };
+    let failed = weir_iptables::program(&cfg, &opts(&scene)).unwrap_err();
+    assert!(matches!(failed, CaptureError::RolledBack { .. }), "{failed}");
+    assert_eq!(capture_state(&scene.client), "", "rolled back: nothing of Istio's remains");
+    assert_eq!(foreign(&scene), (true, true), "the rollback kept the other's empty chains");
+
+    in_pod(&scene.client, "sysctl", &["-q", "-w", "net.ipv6.conf.lo.disable_ipv6=0"]);
+    let report = weir_iptables::program(&cfg, &opts(&scene)).unwrap();
+    assert_eq!((report.action, report.path), (Action::Applied, ApplyPath::Full), "declined by the probe");
+    assert!(is_captured(&scene));
+    assert_eq!(foreign(&scene), (true, true));
+    let report = weir_iptables::program(&cfg, &cleanup(&scene)).unwrap();
+    assert_eq!(report.action, Action::Cleaned);
+    assert_eq!(capture_state(&scene.client), "");
+    assert_eq!(foreign(&scene), (true, true), "removal kept them too");
 }
 
 /// `weir istio-iptables` says which path it took, in its log line's `path` field.
