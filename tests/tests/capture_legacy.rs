@@ -1,10 +1,13 @@
-//! `weir istio-iptables` on nodes whose iptables is older than this host's, faked by
-//! wrappers around this host's binaries put first on PATH (each logs how it was run,
-//! which lock file it would take and how big the nsswitch.conf it sees is): an
-//! iptables-legacy older than 1.8.6 (it reports 1.8.5 and ignores
-//! `XTABLES_LOCKFILE`). A pod's commands never take the node's xtables lock (a
-//! private mount namespace for old versions), and every legacy write waits for its
-//! lock (`--wait`).
+//! `weir istio-iptables` on nodes whose iptables is older or odder than this host's,
+//! faked by wrappers around this host's binaries put first on PATH (each logs how it
+//! was run, which lock file it would take and how big the nsswitch.conf it sees is):
+//! an iptables-legacy older than 1.8.6 (it reports 1.8.5 and ignores
+//! `XTABLES_LOCKFILE`), a legacy without `iptable_nat`, a node without IPv6. Istio
+//! 1.29–1.30's sidecar-side answers: a pod's commands never take the node's xtables
+//! lock (a private mount namespace for old versions), every legacy write waits for its
+//! lock (`--wait`), detection falls back to iptables-nft when the nat table cannot be
+//! used, FORCE_IPTABLES_BINARY chooses, and a node without ip6tables is fine while
+//! IPv6 is off.
 
 use std::{
     fs,
@@ -15,7 +18,10 @@ use std::{
 
 use weir_agent::sandbox::process::Mount;
 use weir_tests::{
-    Mesh, Placement, Pod, capture::in_pod, envoy::tempfile_dir::Dir, require_root, test_name, tools,
+    Mesh, Placement, Pod,
+    capture::{capture_state, in_pod},
+    envoy::tempfile_dir::Dir,
+    require_root, test_name, tools,
 };
 
 /// Wrappers around the host's iptables binaries, a log of their runs, and a `run/`
@@ -61,6 +67,21 @@ impl FakeIptables {
                         "unset XTABLES_LOCKFILE\n[ \"$1\" = --version ] && {{ echo \"{name} v1.8.5 (legacy)\"; exit 0; }}\n\
                          exec {} \"$@\"",
                         real.display()
+                    ),
+                );
+            }
+        }
+    }
+
+    /// Every ip6tables binary failing as on a kernel booted without IPv6.
+    fn no_ipv6(&self) {
+        for base in ["ip6tables", "ip6tables-legacy", "ip6tables-nft"] {
+            for name in [base.to_string(), format!("{base}-save"), format!("{base}-restore")] {
+                self.wrap(
+                    &name,
+                    &format!(
+                        "echo \"{name} v1.8.9: can't initialize ip6tables table \\`filter': Address family not \
+                         supported by protocol\" >&2\nexit 3"
                     ),
                 );
             }
@@ -199,4 +220,104 @@ fn a_pods_rules_never_wait_on_the_nodes_lock_with_iptables_legacy_1_8_5() {
         assert!(!write.contains(&node), "a pod's write saw the node's lock: {write}");
         assert!(write.ends_with(" nss=0"), "nsswitch.conf hidden from a pod's command: {write}");
     }
+}
+
+/// FORCE_IPTABLES_BINARY chooses the flavour whatever the namespace holds (Istio
+/// 1.29, istio/istio#57976): `nft` here puts the rules in nf_tables beside another's
+/// legacy rule, which detection alone would follow.
+#[test]
+fn force_iptables_binary_overrides_detection() {
+    require_root!();
+    let mesh = Mesh::new(&test_name!()).unwrap();
+    let pod = mesh.pod("app").unwrap();
+    in_pod(
+        &pod,
+        "iptables-legacy",
+        &["-t", "filter", "-A", "INPUT", "-p", "tcp", "--dport", "9", "-j", "ACCEPT"],
+    );
+    let fake = FakeIptables::new("force-binary");
+    let out = fake.istio_iptables(&pod, &CNI_CAPTURE[3..], &[("FORCE_IPTABLES_BINARY", "nft")]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(in_pod(&pod, "iptables-nft-save", &["-t", "nat"]).contains("ISTIO_OUTPUT"));
+    assert!(!in_pod(&pod, "iptables-legacy-save", &[]).contains("ISTIO"), "nothing went to legacy");
+    let out = fake.istio_iptables(&pod, &CNI_CAPTURE[3..], &[("FORCE_IPTABLES_BINARY", "iptables")]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr(&out).contains("FORCE_IPTABLES_BINARY") && stderr(&out).contains("legacy or nft"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+/// A node whose iptables-legacy holds rules but whose kernel lacks `iptable_nat`:
+/// detection's test rule goes to nat, fails there, and the run moves on to
+/// iptables-nft (istio/istio#57385) instead of failing half-way in legacy.
+#[test]
+fn detection_falls_back_to_nft_without_iptable_nat() {
+    require_root!();
+    let mesh = Mesh::new(&test_name!()).unwrap();
+    let pod = mesh.pod("app").unwrap();
+    in_pod(
+        &pod,
+        "iptables-legacy",
+        &["-t", "filter", "-A", "INPUT", "-p", "tcp", "--dport", "9", "-j", "ACCEPT"],
+    );
+    let fake = FakeIptables::new("no-iptable-nat");
+    let real = host_binary("iptables-legacy");
+    fake.wrap(
+        "iptables-legacy",
+        &format!(
+            "case \" $* \" in *\" nat \"*) echo \"iptables v1.8.9 (legacy): can't initialize iptables table \
+             \\`nat': Table does not exist (do you need to insmod?)\" >&2; exit 3;; esac\nexec {} \"$@\"",
+            real.display()
+        ),
+    );
+    let out = fake.istio_iptables(&pod, &CNI_CAPTURE[3..], &[]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        fake.calls().iter().any(|c| c.starts_with("iptables-legacy -t nat -A INPUT -p 255")),
+        "legacy was tried"
+    );
+    assert!(
+        in_pod(&pod, "iptables-nft-save", &["-t", "nat"]).contains("ISTIO_OUTPUT"),
+        "the rules are in nf_tables"
+    );
+    let legacy = in_pod(&pod, "iptables-legacy-save", &[]);
+    assert!(!legacy.contains("ISTIO") && legacy.contains("--dport 9 -j ACCEPT"), "{legacy}");
+}
+
+/// A node booted without IPv6 has no working ip6tables: an IPv4 pod is captured (the
+/// fast path and Istio's detection both go on without it, as Istio's does while
+/// IPv6 is off); a dual-stack pod's run fails, naming it, and applies nothing.
+#[test]
+fn a_node_without_ipv6_captures_ipv4_pods() {
+    require_root!();
+    let mesh = Mesh::new(&test_name!()).unwrap();
+    let pod = mesh.pod("app").unwrap();
+    let fake = FakeIptables::new("no-ipv6");
+    fake.no_ipv6();
+    for path in ["fast", "full"] {
+        if path == "full" {
+            // Another's empty chain: the fast path declines, Istio's detection runs.
+            in_pod(&pod, "iptables-nft", &["-t", "filter", "-N", "OTHERS"]);
+        }
+        let out = fake.istio_iptables(&pod, &CNI_CAPTURE[3..], &[]);
+        assert!(out.status.success(), "{path}: {}", stderr(&out));
+        assert!(stderr(&out).contains(&format!("path={path}")), "{}", stderr(&out));
+        assert!(in_pod(&pod, "iptables-nft-save", &["-t", "nat"]).contains("ISTIO_OUTPUT"), "{path}");
+        if path == "full" {
+            assert!(stderr(&out).contains("continuing because IPv6 is disabled"), "{}", stderr(&out));
+        }
+        let mut cleanup = CNI_CAPTURE[3..].to_vec();
+        cleanup.push("--cleanup-only");
+        let out = fake.istio_iptables(&pod, &cleanup, &[]);
+        assert!(out.status.success(), "{path}: {}", stderr(&out));
+        assert_eq!(capture_state(&pod), "");
+    }
+    let mut dual = CNI_CAPTURE[3..].to_vec();
+    dual.push("--dual-stack");
+    let out = fake.istio_iptables(&pod, &dual, &[]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    assert!(stderr(&out).contains("ip6tables"), "{}", stderr(&out));
+    assert_eq!(capture_state(&pod), "", "nothing applied");
 }

@@ -106,6 +106,29 @@ matrix! {
     nft_tproxy_ipv6: Backend::Nft, "TPROXY", Family::V6;
 }
 
+/// Native nftables with TPROXY and no inbound ports (`-b ''`, an empty
+/// `includeInboundPorts`) goes in: Istio's failed on it until 1.29 (istio/istio#58135,
+/// an insert into an empty chain). Outbound is captured, inbound is not.
+#[test]
+fn nft_tproxy_without_inbound_ports() {
+    require_root!();
+    let s = CaptureScene::new(&test_name!(), Family::V4, true);
+    let args = ["-u", "1337", "-m", "TPROXY", "-i", "*", "-b", "", "--native-nftables"];
+    let out = istio_iptables(&s.client, &args, None);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        in_pod(&s.client, "nft", &["list", "table", "inet", "istio-proxy-mangle"]).contains("istio-inbound")
+    );
+    assert!(captured(&ask(&s.client, 1000, s.addr(&s.server, 8080))).is_some(), "outbound captured");
+    assert!(ask(&s.server, 0, s.addr(&s.client, 8080)).starts_with("hello app "), "inbound left alone");
+    let again = istio_iptables(&s.client, &args, None);
+    assert!(
+        again.status.success(),
+        "a second run finds its rules: {}",
+        String::from_utf8_lossy(&again.stderr)
+    );
+}
+
 /// `-c eth0`: nothing through the excluded interface is captured, either way.
 fn excluded_interface(test: &str, backend: Backend) {
     let s = CaptureScene::new(test, Family::V4, false);
