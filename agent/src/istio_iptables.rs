@@ -59,7 +59,7 @@ pub fn run(args: &IstioIptablesArgs) -> u8 {
                     Action::ForceApplied => "capture rules force-applied",
                     Action::Cleaned => "capture rules removed",
                 };
-                tracing::info!(backend = %report.backend, verdict = ?report.verdict, dry_run = opts.dry_run, "{what}");
+                tracing::info!(backend = %report.backend, path = %report.path, verdict = ?report.verdict, dry_run = opts.dry_run, "{what}");
             }
             Err(e) => {
                 eprintln!("istio-iptables: {e}");

@@ -52,6 +52,8 @@ pub enum CaptureError {
     },
     #[error("tokio runtime for netlink")]
     Runtime(#[source] std::io::Error),
+    #[error("{0} (nothing was changed)")]
+    Config(#[from] crate::config::ConfigError),
     #[error("{input} names {kind} {name:?}, which does not exist on this host (nothing was changed)")]
     UnknownName { input: &'static str, kind: &'static str, name: String },
 }
@@ -87,12 +89,34 @@ pub enum Action {
     Cleaned,
 }
 
+/// How a run read the namespace's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ApplyPath {
+    /// The iptables fast path ([`crate::fast_path`]): the state probed in process, the
+    /// rules in (or out) with one restore per family.
+    Fast,
+    /// Istio's way: the binaries detected, the state saved and verified, then the
+    /// restore (or cleanup); every nftables run and dry run.
+    Full,
+}
+
+impl std::fmt::Display for ApplyPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ApplyPath::Fast => "fast",
+            ApplyPath::Full => "full",
+        })
+    }
+}
+
 /// The outcome of a run.
 #[derive(Debug, Clone)]
 pub struct Report {
     pub backend: Backend,
     pub verdict: Option<Verdict>,
     pub action: Action,
+    /// Which path the run took (logged as `path`).
+    pub path: ApplyPath,
     /// Dry run: what would have run (Istio's transcript, or the nft transaction).
     pub transcript: Option<String>,
 }
@@ -209,7 +233,13 @@ pub(crate) fn program_plan_from(
         (false, _, true) => Action::ForceApplied,
         (false, _, false) => Action::Applied,
     };
-    Ok(Report { backend: Backend::Iptables, verdict: Some(verdict), action, transcript: None })
+    Ok(Report {
+        backend: Backend::Iptables,
+        verdict: Some(verdict),
+        action,
+        path: ApplyPath::Full,
+        transcript: None,
+    })
 }
 
 /// Istio's plan-based cleanup, then whatever Istio chains or jumps are still in the
@@ -226,8 +256,10 @@ fn cleanup_family(x: &mut dyn Xtables, family: Family, rules: &[plan::Rule], sav
     }
 }
 
-/// Puts each family back to its snapshot: the saved tables restored whole, and tables
-/// that did not exist before flushed and emptied of chains.
+/// Puts each family back to its snapshot: the saved tables restored whole; from tables
+/// the snapshot did not have, Istio's chains and the jumps into them removed, and
+/// nothing else (a chain or rule of another that appeared meanwhile stays: bare
+/// `-F`/`-X` would take it too).
 pub(crate) fn rollback_iptables(
     x: &mut dyn Xtables,
     cause: CaptureError,
@@ -237,22 +269,16 @@ pub(crate) fn rollback_iptables(
     for (family, snapshot) in snapshots {
         let Some(now) = x.save(*family) else { continue };
         let before = snapshot.as_deref().unwrap_or("");
-        if !before.trim().is_empty() {
-            if let Err(e) = x.restore(*family, before, false) {
-                failures.push(e.to_string());
-                continue;
-            }
-        } else {
-            for cmd in state::leftovers(&now).cleanup_commands() {
-                let _ = x.run(*family, &cmd);
-            }
+        if !before.trim().is_empty()
+            && let Err(e) = x.restore(*family, before, false)
+        {
+            failures.push(e.to_string());
+            continue;
         }
         let had = state::tables_in(before);
-        for table in state::tables_in(&now).difference(&had) {
-            for op in ["-F", "-X"] {
-                if let Err(e) = x.run(*family, &["-t".into(), table.clone(), op.into()]) {
-                    failures.push(e.to_string());
-                }
+        for cmd in state::leftovers(&now).outside(&had).cleanup_commands() {
+            if let Err(e) = x.run(*family, &cmd) {
+                failures.push(e.to_string());
             }
         }
     }
@@ -277,7 +303,13 @@ pub(crate) fn program_nft_from(
     n: &mut dyn Nft,
     current: &str,
 ) -> Result<Report, CaptureError> {
-    let report = |verdict, action| Report { backend: Backend::Nftables, verdict, action, transcript: None };
+    let report = |verdict, action| Report {
+        backend: Backend::Nftables,
+        verdict,
+        action,
+        path: ApplyPath::Full,
+        transcript: None,
+    };
     if opts.cleanup_only {
         if !current.is_empty() || !n.is_real() {
             n.apply(&nft::render_cleanup())?;
@@ -363,4 +395,66 @@ pub(crate) fn dry_run(cfg: &CaptureConfig, opts: &RunOptions) -> Result<Report, 
     let mut report = program_iptables(cfg, opts, &mut rec)?;
     report.transcript = Some(rec.transcript());
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An executor whose `save` answers with `now` and which records every change.
+    struct Saved {
+        now: String,
+        changes: Vec<String>,
+    }
+
+    impl Xtables for Saved {
+        fn save(&mut self, _family: Family) -> Option<String> {
+            Some(self.now.clone())
+        }
+        fn restore(&mut self, _family: Family, input: &str, noflush: bool) -> Result<(), XtablesError> {
+            self.changes.push(format!("restore noflush={noflush}: {}", input.trim()));
+            Ok(())
+        }
+        fn run(&mut self, _family: Family, args: &[String]) -> Result<(), XtablesError> {
+            self.changes.push(args.join(" "));
+            Ok(())
+        }
+        fn is_real(&self) -> bool {
+            true
+        }
+    }
+
+    const NOW: &str = "*nat\n:PREROUTING ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:FOREIGN - [0:0]\n\
+                       :ISTIO_OUTPUT - [0:0]\n-A OUTPUT -j ISTIO_OUTPUT\n-A ISTIO_OUTPUT -j RETURN\nCOMMIT\n\
+                       *filter\n:INPUT ACCEPT [0:0]\n:KEEP - [0:0]\n-A INPUT -j KEEP\nCOMMIT\n";
+
+    fn rolled_back(snapshot: &str) -> Vec<String> {
+        let mut x = Saved { now: NOW.into(), changes: Vec::new() };
+        let cause = CaptureError::Drift { backend: "iptables" };
+        let e = rollback_iptables(&mut x, cause, &[(Family::V4, Some(snapshot.into()))]);
+        assert!(matches!(e, CaptureError::RolledBack { .. }), "{e}");
+        x.changes
+    }
+
+    #[test]
+    fn a_rollback_removes_istios_chains_and_nobody_elses() {
+        // The fast path's snapshot: nothing was there (but a chain appeared meanwhile).
+        let changes = rolled_back("");
+        assert_eq!(
+            changes,
+            ["-t nat -D OUTPUT -j ISTIO_OUTPUT", "-t nat -F ISTIO_OUTPUT", "-t nat -X ISTIO_OUTPUT",]
+        );
+        // A snapshot of filter: restored whole; from nat, new since, only Istio's.
+        let filter = "*filter\n:INPUT ACCEPT [0:0]\n:KEEP - [0:0]\n-A INPUT -j KEEP\nCOMMIT\n";
+        let changes = rolled_back(filter);
+        assert_eq!(changes[0], format!("restore noflush=false: {}", filter.trim()));
+        assert_eq!(
+            changes[1..],
+            ["-t nat -D OUTPUT -j ISTIO_OUTPUT", "-t nat -F ISTIO_OUTPUT", "-t nat -X ISTIO_OUTPUT"]
+        );
+        for change in &changes {
+            assert!(!change.contains("FOREIGN") && !change.contains("KEEP -X"), "{change}");
+            assert!(change.split_whitespace().count() > 3, "a bare flush or delete of a table: {change}");
+        }
+    }
 }

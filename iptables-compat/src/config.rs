@@ -195,6 +195,56 @@ impl FromStr for Cidr {
     }
 }
 
+/// Linux's longest interface name, in bytes (`IFNAMSIZ` - 1).
+pub const MAX_INTERFACE_NAME: usize = 15;
+
+/// What an interface name may be, as Istio checks `excludeInterfaces`,
+/// `kubevirtInterfaces` and `reroute-virtual-interfaces` (istio/istio#58781, Istio
+/// 1.29): a letter, then letters, digits, `_`, `.` or `-`, at most 15 bytes. Such a
+/// name is one iptables argument and one nft word: it cannot end a statement, start
+/// a comment, open a set or carry another match. (So `veth+`, iptables' wildcard, is
+/// refused, as Istio's injector and CNI plugin refuse it.)
+pub const INTERFACE_NAME_FORM: &str = "interface names of at most 15 characters, each a letter followed by \
+                                       letters, digits, '_', '.' or '-' (comma-separated)";
+
+/// Checks one interface name against [`INTERFACE_NAME_FORM`]; `input` names where it
+/// came from (a flag, an env var, an annotation).
+pub fn check_interface_name(input: &str, name: &str) -> Result<(), ConfigError> {
+    let mut chars = name.chars();
+    let first_is_letter = chars.next().is_some_and(|c| c.is_ascii_alphabetic());
+    let rest_allowed = chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-'));
+    if name.len() > MAX_INTERFACE_NAME || !first_is_letter || !rest_allowed {
+        return Err(ConfigError::new(input, name, INTERFACE_NAME_FORM));
+    }
+    Ok(())
+}
+
+/// Parses a comma-separated interface list: each name trimmed of white space around
+/// it (as Istio trims), empty items dropped, every name checked.
+pub fn parse_interfaces(input: &str, value: &str) -> Result<Vec<String>, ConfigError> {
+    let names: Vec<String> =
+        value.split(',').map(str::trim).filter(|n| !n.is_empty()).map(String::from).collect();
+    for name in &names {
+        check_interface_name(input, name)?;
+    }
+    Ok(names)
+}
+
+/// Checks a user or group (a number or a name) that goes into rules verbatim: a name
+/// that could not be one argument of iptables or one word of nft is refused (the
+/// system's tools resolve the rest when the rules go in).
+pub fn check_owner(input: &str, owner: &str) -> Result<(), ConfigError> {
+    let unsafe_char = |c: char| c.is_whitespace() || c.is_control() || "\"'#;{}\\$`".contains(c);
+    if owner.is_empty() || owner.len() > 256 || owner.chars().any(unsafe_char) {
+        return Err(ConfigError::new(
+            input,
+            owner,
+            "a uid, gid or user/group name without white space, quotes or any of #;{}\\$`",
+        ));
+    }
+    Ok(())
+}
+
 /// Outbound destinations to capture (`-i`): all, or a list of prefixes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum IpRanges {
@@ -326,6 +376,31 @@ impl Default for CaptureConfig {
             dns_servers_v6: Vec::new(),
             host_ipv4_loopback_cidr: Cidr { addr: IpAddr::V4([127, 0, 0, 1].into()), bits: 32 },
         }
+    }
+}
+
+impl CaptureConfig {
+    /// Checks every value that goes into rule text verbatim (interface names, users
+    /// and groups), wherever the config came from: the command line and the CNI
+    /// plugin check them on the way in; this holds for any other caller too.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        for nic in &self.exclude_interfaces {
+            check_interface_name("excluded interface (-c/--istio-exclude-interfaces)", nic)?;
+        }
+        for nic in &self.reroute_virtual_interfaces {
+            check_interface_name("virtual interface (-k/--kube-virt-interfaces)", nic)?;
+        }
+        for uid in &self.proxy_uids {
+            check_owner("proxy uid (-u/--proxy-uid)", uid)?;
+        }
+        for gid in &self.proxy_gids {
+            check_owner("proxy gid (-g/--proxy-gid)", gid)?;
+        }
+        let (OwnerGroups::AllExcept(groups) | OwnerGroups::Only(groups)) = &self.owner_groups;
+        for group in groups {
+            check_owner("owner group (ISTIO_OUTBOUND_OWNER_GROUPS[_EXCLUDE])", group)?;
+        }
+        Ok(())
     }
 }
 
@@ -473,6 +548,74 @@ mod tests {
         );
         let many = (0..65).map(|i| i.to_string()).collect::<Vec<_>>().join(",");
         assert!(OwnerGroups::from_env(&many, "").is_err());
+    }
+
+    #[test]
+    fn interface_names_follow_istios_rule() {
+        const INPUT: &str = "-c/--istio-exclude-interfaces";
+        for good in ["eth0", "eth_0", "eth-0", "eth0.1", "br-docker0", "bond0.100", "a23456789012345", "lo"] {
+            check_interface_name(INPUT, good).unwrap_or_else(|e| panic!("{good}: {e}"));
+        }
+        // Each a way into iptables' arguments or nft's syntax, or not a name at all.
+        let bad = [
+            ("", "empty"),
+            ("eth0;", "ends an nft statement"),
+            ("eth0#", "starts an nft comment"),
+            ("eth0\"", "closes an nft string"),
+            ("eth0{", "opens an nft set"),
+            ("eth0}", "closes an nft set"),
+            ("eth0 -d 10.0.0.50", "a second iptables match"),
+            ("eth0\tx", "a tab"),
+            ("eth0\nx", "a newline: a second restore line"),
+            ("eth0\\", "an escape"),
+            ("eth0$PATH", "a shell expansion"),
+            ("eth0`id`", "a command substitution"),
+            ("eth0|cat", "a pipe"),
+            ("eth0/1", "a path separator"),
+            ("eth0:1", "an alias label"),
+            ("veth@if12", "an ip-link peer suffix"),
+            ("veth+", "iptables' wildcard, refused as Istio refuses it"),
+            ("-j", "an option"),
+            (".", "a directory"),
+            ("..", "a directory"),
+            ("0eth", "starts with a digit"),
+            ("_eth0", "starts with an underscore"),
+            ("1234567890123456", "16 bytes"),
+            ("eth\u{e9}", "not ASCII"),
+        ];
+        for (name, why) in bad {
+            let e = check_interface_name(INPUT, name).expect_err(why);
+            assert!(e.to_string().starts_with(&format!("invalid {INPUT}: {name:?}: interface names")), "{e}");
+        }
+    }
+
+    #[test]
+    fn interface_lists_are_trimmed_and_checked() {
+        assert_eq!(parse_interfaces("-k", " eth0 , eth1,").unwrap(), ["eth0", "eth1"]);
+        assert!(parse_interfaces("-k", "").unwrap().is_empty());
+        let e = parse_interfaces("-k/--kube-virt-interfaces", "eth0,eth1 -j ACCEPT").unwrap_err();
+        assert_eq!(e.input, "-k/--kube-virt-interfaces");
+        assert_eq!(e.value, "eth1 -j ACCEPT");
+    }
+
+    #[test]
+    fn a_config_made_in_code_is_checked_too() {
+        assert!(CaptureConfig::default().validate().is_ok());
+        let nic = CaptureConfig { exclude_interfaces: vec!["eth0\" accept #".into()], ..Default::default() };
+        assert!(nic.validate().unwrap_err().to_string().contains("-c/--istio-exclude-interfaces"));
+        let virt = CaptureConfig { reroute_virtual_interfaces: vec!["{".into()], ..Default::default() };
+        assert!(virt.validate().unwrap_err().to_string().contains("-k/--kube-virt-interfaces"));
+        let uid = CaptureConfig { proxy_uids: vec!["1337 -j ACCEPT".into()], ..Default::default() };
+        assert!(uid.validate().unwrap_err().to_string().contains("-u/--proxy-uid"));
+        let group =
+            CaptureConfig { owner_groups: OwnerGroups::Only(vec!["java;".into()]), ..Default::default() };
+        assert!(group.validate().unwrap_err().to_string().contains("ISTIO_OUTBOUND_OWNER_GROUPS"));
+        let names = CaptureConfig {
+            proxy_uids: vec!["istio-proxy".into()],
+            owner_groups: OwnerGroups::AllExcept(vec!["ftp".into(), "888".into()]),
+            ..Default::default()
+        };
+        assert!(names.validate().is_ok());
     }
 
     #[test]

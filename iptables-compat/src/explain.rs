@@ -613,8 +613,10 @@ mod tests {
         assert_eq!(e.decided_by.as_deref(), Some("-A ISTIO_INBOUND -p tcp --dport 15021 -j RETURN"));
         let e = explain_inbound(&save, &peer(15008)).unwrap();
         assert_eq!(e.decided_by.as_deref(), Some("-A ISTIO_INBOUND -p tcp --dport 15008 -j RETURN"));
-        // An excluded interface (-c) is named by its rule; others still captured.
-        let save = injector_save(&["-c", "veth+"]);
+        // An excluded interface (-c) is named by its rule; others still captured. Weir's
+        // flags take names only, as Istio's injector does; rules another tool made may
+        // use iptables' wildcard, and explain reads them too.
+        let save = injector_save(&["-c", "vethx"]).replace(" vethx ", " veth+ ");
         let on = |iface: &str| Connection { in_iface: Some(iface.into()), ..peer(8080) };
         let e = explain_inbound(&save, &on("veth7")).unwrap();
         assert_eq!(e.outcome, Outcome::NotCaptured, "{save}");

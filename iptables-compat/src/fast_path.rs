@@ -1,12 +1,13 @@
 //! The fast path: when the in-process probe ([`nf_probe`]) shows a namespace that
 //! Istio's reads would find empty, or holding exactly what the plan put there, a run
-//! skips what those reads would only confirm. A namespace with no rule in any ip/ip6
-//! table and no legacy rule is clean for Istio's verify and makes its binary detection
-//! choose iptables-nft; it is programmed with one `iptables-restore --noflush` per
-//! planned family, nothing else spawned. Removal is one restore per family of the
-//! plan's `-D`/`-F`/`-X`, done only where rules exist and checked by the probe
-//! afterwards. Whatever the probe cannot settle (it failed, legacy rules, other rules,
-//! a removal that did not match the plan) is [`Decline`]d to the full path.
+//! skips what those reads would only confirm. A namespace with no rule and no user
+//! chain in any ip/ip6 table and no legacy rule is clean for Istio's verify and makes
+//! its binary detection choose iptables-nft; it is programmed with one
+//! `iptables-restore --noflush` per planned family, nothing else spawned. Removal is
+//! one restore per family of the plan's `-D`/`-F`/`-X` (Istio's chains by name, never
+//! another's), done only where Istio's rules or chains exist and checked by the probe
+//! afterwards. Whatever the probe cannot settle (it failed, legacy rules, other rules
+//! or chains, a removal that did not match the plan) is [`Decline`]d to the full path.
 
 use std::path::PathBuf;
 
@@ -24,9 +25,12 @@ use crate::{
 pub struct Decline(pub String);
 
 /// What the probe read.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Probe {
     /// nf_tables rules of the ip and ip6 families (iptables-nft's tables).
     rules: Vec<nf_probe::Object>,
+    /// User chains (no hook) of the ip and ip6 families: Istio's, or anyone's.
+    user_chains: Vec<nf_probe::Object>,
     legacy_in_use: Vec<String>,
 }
 
@@ -35,13 +39,15 @@ impl Probe {
     /// "nothing there".
     pub fn read() -> Result<Self, Decline> {
         let tables = nf_probe::tables().map_err(|e| Decline(format!("netfilter probe failed: {e}")))?;
+        if tables.nft_in(NFPROTO_IPV4).next().is_none() && tables.nft_in(NFPROTO_IPV6).next().is_none() {
+            return Ok(Self { legacy_in_use: tables.legacy_in_use, ..Self::default() });
+        }
         let rules =
-            if tables.nft_in(NFPROTO_IPV4).next().is_none() && tables.nft_in(NFPROTO_IPV6).next().is_none() {
-                Vec::new()
-            } else {
-                xt_rules().map_err(|e| Decline(format!("nf_tables rule probe failed: {e}")))?
-            };
-        Ok(Self { rules, legacy_in_use: tables.legacy_in_use })
+            xt(nf_probe::rules()).map_err(|e| Decline(format!("nf_tables rule probe failed: {e}")))?;
+        let chains =
+            xt(nf_probe::chains()).map_err(|e| Decline(format!("nf_tables chain probe failed: {e}")))?;
+        let user_chains = chains.into_iter().filter(|c| !c.base_chain).collect();
+        Ok(Self { rules, user_chains, legacy_in_use: tables.legacy_in_use })
     }
 
     /// No legacy table holds a rule: Istio's detection would not pick legacy.
@@ -49,27 +55,50 @@ impl Probe {
         self.legacy_in_use.is_empty()
     }
 
-    /// Neither family has a rule: Istio's verify would find the namespace clean.
+    /// Neither family has a rule or a user chain: nothing there for Istio's verify to
+    /// read.
     pub fn no_rules(&self) -> bool {
-        self.legacy_unused() && !self.has_rules(Family::V4) && !self.has_rules(Family::V6)
+        self.legacy_unused()
+            && [Family::V4, Family::V6].iter().all(|f| !self.has_rules(*f) && !self.has_chains(*f))
     }
 
     fn has_rules(&self, family: Family) -> bool {
-        let nfproto = if family == Family::V4 { NFPROTO_IPV4 } else { NFPROTO_IPV6 };
-        self.rules.iter().any(|r| r.family == nfproto)
+        self.rules.iter().any(|r| r.family == nfproto(family))
+    }
+
+    /// `family` has a user chain (someone else's counts: an empty one is still there).
+    fn has_chains(&self, family: Family) -> bool {
+        self.user_chains.iter().any(|c| c.family == nfproto(family))
+    }
+
+    /// `family` has a rule or an Istio chain: something of Istio's to remove.
+    fn has_istio_state(&self, family: Family) -> bool {
+        self.has_rules(family)
+            || self
+                .user_chains
+                .iter()
+                .any(|c| c.family == nfproto(family) && c.name.starts_with(chain::PREFIX))
+    }
+
+    /// The user chains, as `<table> <chain>` (for a decline's reason).
+    fn chain_names(&self) -> String {
+        self.user_chains.iter().map(|c| format!("{} {}", c.table, c.name)).collect::<Vec<_>>().join(", ")
     }
 }
 
-/// Rules in the ip and ip6 nf_tables families.
-fn xt_rules() -> std::io::Result<Vec<nf_probe::Object>> {
-    Ok(nf_probe::rules()?
-        .into_iter()
-        .filter(|r| r.family == NFPROTO_IPV4 || r.family == NFPROTO_IPV6)
-        .collect())
+fn nfproto(family: Family) -> u8 {
+    if family == Family::V4 { NFPROTO_IPV4 } else { NFPROTO_IPV6 }
+}
+
+/// The objects of the ip and ip6 nf_tables families.
+fn xt(
+    objects: Result<Vec<nf_probe::Object>, nf_probe::ProbeError>,
+) -> Result<Vec<nf_probe::Object>, nf_probe::ProbeError> {
+    Ok(objects?.into_iter().filter(|o| o.family == NFPROTO_IPV4 || o.family == NFPROTO_IPV6).collect())
 }
 
 /// Istio chains left in the ip and ip6 nf_tables families.
-fn istio_chains() -> std::io::Result<Vec<String>> {
+fn istio_chains() -> Result<Vec<String>, nf_probe::ProbeError> {
     Ok(nf_probe::chains()?
         .into_iter()
         .filter(|c| {
@@ -144,6 +173,12 @@ pub fn apply(plan: &RulePlan, probe: &Probe, lock: Lock) -> Result<Applied, crat
     if probe.has_rules(Family::V4) || probe.has_rules(Family::V6) {
         return Ok(Applied::Declined(Decline("the namespace already has iptables rules".into())));
     }
+    if probe.has_chains(Family::V4) || probe.has_chains(Family::V6) {
+        let chains = probe.chain_names();
+        return Ok(Applied::Declined(Decline(format!(
+            "the namespace already has iptables chains: {chains}"
+        ))));
+    }
     let restore4 = render::restore(&plan.v4);
     let restore6 = if plan.ipv6 { render::restore(&plan.v6) } else { String::new() };
     let mut x = match nft_binaries(!restore6.is_empty(), lock) {
@@ -171,9 +206,9 @@ pub fn apply(plan: &RulePlan, probe: &Probe, lock: Lock) -> Result<Applied, crat
     Ok(Applied::Done(x))
 }
 
-/// Removes the plan from the namespace: nothing to do where the probe finds no rule;
-/// else one restore per family of the plan's removal, and the probe must then find no
-/// Istio chain. `Ok(Some(decline))` hands the run to the full path (a restore that
+/// Removes the plan from the namespace: nothing to do where the probe finds no rule
+/// and no Istio chain (another's chains are not Istio's to remove); else one restore
+/// per family of the plan's removal, and the probe must then find no Istio chain. `Ok(Some(decline))` hands the run to the full path (a restore that
 /// did not match changed nothing: restores are atomic).
 pub fn remove(
     plan: &RulePlan,
@@ -184,7 +219,7 @@ pub fn remove(
         return Ok(Some(Decline(format!("legacy table {table} holds rules"))));
     }
     let families: Vec<Family> =
-        [Family::V4, Family::V6].into_iter().filter(|f| probe.has_rules(*f)).collect();
+        [Family::V4, Family::V6].into_iter().filter(|f| probe.has_istio_state(*f)).collect();
     if families.is_empty() {
         return Ok(None);
     }
@@ -212,4 +247,40 @@ pub fn remove(
 /// Whether `cfg` needs any route or address work when applying.
 pub fn routes_needed(cfg: &CaptureConfig) -> bool {
     cfg.enable_ipv6 || crate::routes::tproxy_needed(cfg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::CaptureConfig;
+
+    fn chain(family: u8, table: &str, name: &str) -> nf_probe::Object {
+        nf_probe::Object { family, table: table.into(), name: name.into(), base_chain: false }
+    }
+
+    #[test]
+    fn another_s_empty_chain_is_not_a_clean_namespace() {
+        let probe = Probe { user_chains: vec![chain(NFPROTO_IPV4, "nat", "FOREIGN")], ..Probe::default() };
+        assert!(!probe.no_rules(), "an empty user chain is still there");
+        let plan = crate::plan::plan(&CaptureConfig::default());
+        match apply(&plan, &probe, Lock::Global).unwrap() {
+            Applied::Declined(Decline(why)) => assert!(why.contains("nat FOREIGN"), "{why}"),
+            Applied::Done(_) => panic!("the fast path took a namespace holding another's chain"),
+        }
+        // Nothing of Istio's is there to remove (and nothing runs).
+        assert_eq!(remove(&plan, &probe, Lock::Global).unwrap(), None);
+        assert!(Probe::default().no_rules());
+    }
+
+    #[test]
+    fn istio_chains_alone_are_istio_state_to_remove() {
+        let probe =
+            Probe { user_chains: vec![chain(NFPROTO_IPV6, "nat", "ISTIO_OUTPUT")], ..Probe::default() };
+        assert!(probe.has_istio_state(Family::V6));
+        assert!(!probe.has_istio_state(Family::V4));
+        let foreign =
+            Probe { user_chains: vec![chain(NFPROTO_IPV4, "filter", "KUBE-FW")], ..Probe::default() };
+        assert!(!foreign.has_istio_state(Family::V4));
+        assert!(foreign.has_chains(Family::V4));
+    }
 }

@@ -9,7 +9,7 @@ use clap::Args;
 use crate::{
     config::{
         CaptureConfig, ConfigError, InboundPorts, InterceptionMode, IpRanges, IptablesBackend, OwnerGroups,
-        RunOptions, parse_exclude_ranges, parse_loopback_cidr, parse_ports, split,
+        RunOptions, parse_exclude_ranges, parse_interfaces, parse_loopback_cidr, parse_ports, split,
     },
     detect::{self, HostFacts},
 };
@@ -246,17 +246,7 @@ impl IstioIptablesArgs {
         let outbound_ip_ranges_exclude = parse_exclude_ranges(&input, &v)?;
         let interfaces = |s: Source<'_>| -> Result<Vec<String>, ConfigError> {
             let (input, v) = text(s, "");
-            let names: Vec<String> = split(&v).into_iter().map(|n| n.trim().to_string()).collect();
-            for n in &names {
-                if n.is_empty() || n.len() > 15 || n.contains(['/', ' ']) {
-                    return Err(ConfigError::new(
-                        &input,
-                        n,
-                        "interface names (at most 15 characters, no spaces)",
-                    ));
-                }
-            }
-            Ok(names)
+            parse_interfaces(&input, &v)
         };
         let exclude_interfaces = interfaces(src!(
             exclude_interfaces,
@@ -592,6 +582,24 @@ mod tests {
             (&["-t", "x"], &[], "invalid -t/--istio-inbound-tproxy-mark"),
             (&["--force-iptables-binary", "iptables"], &[], "legacy or nft"),
             (&["--probe-timeout", "soon"], &[], "invalid --probe-timeout"),
+            (
+                &["-c", "eth0,eth1\" accept #"],
+                &[],
+                "invalid -c/--istio-exclude-interfaces: \"eth1\\\" accept #\": interface names",
+            ),
+            (&["-c", "eth0;"], &[], "invalid -c/--istio-exclude-interfaces: \"eth0;\""),
+            (&["-k", "veth{"], &[], "invalid -k/--kube-virt-interfaces: \"veth{\""),
+            (&["-k", "eth1\n-A OUTPUT"], &[], "invalid -k/--kube-virt-interfaces"),
+            (
+                &[],
+                &[("ISTIO_EXCLUDE_INTERFACES", "eth0 -d 10.0.0.50")],
+                "invalid -c/--istio-exclude-interfaces (env ISTIO_EXCLUDE_INTERFACES): \"eth0 -d 10.0.0.50\"",
+            ),
+            (
+                &[],
+                &[("KUBE_VIRT_INTERFACES", "a23456789012345x")],
+                "invalid -k/--kube-virt-interfaces (env KUBE_VIRT_INTERFACES)",
+            ),
             (
                 &[],
                 &[("REDIRECT_DNS", "yes")],

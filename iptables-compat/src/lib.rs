@@ -24,5 +24,5 @@ pub mod state;
 pub mod validation;
 pub mod xtables;
 
-pub use apply::{Action, Backend, CaptureError, Report, program};
+pub use apply::{Action, ApplyPath, Backend, CaptureError, Report, program};
 pub use config::{CaptureConfig, ConfigError, RunOptions};

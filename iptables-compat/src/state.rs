@@ -159,6 +159,14 @@ impl Leftovers {
         self.chains.is_empty() && self.jumps.is_empty()
     }
 
+    /// Only those in tables not in `tables`.
+    pub fn outside(self, tables: &BTreeSet<String>) -> Self {
+        Self {
+            chains: self.chains.into_iter().filter(|(t, _)| !tables.contains(t)).collect(),
+            jumps: self.jumps.into_iter().filter(|(t, _)| !tables.contains(t)).collect(),
+        }
+    }
+
     /// `iptables` commands removing them: jumps first, then flush and delete chains.
     pub fn cleanup_commands(&self) -> Vec<Vec<String>> {
         let mut out = Vec::new();

@@ -1,13 +1,17 @@
 //! Running iptables: choosing the binaries the way Istio does (legacy if it already
 //! holds rules, else nft, else plain `iptables`; or what FORCE_IPTABLES_BINARY says),
-//! the xtables lock, and an executor interface with two implementations: the system's
-//! binaries, and a recorder that writes Istio's dry-run transcript instead.
+//! the xtables lock ([`lock`]), and an executor interface with two implementations:
+//! the system's binaries, and a recorder that writes Istio's dry-run transcript
+//! instead.
+
+mod lock;
 
 use std::{
     io::Write as _,
-    path::PathBuf,
-    process::{Command, Stdio},
+    process::{Child, Command, Stdio},
 };
+
+pub use lock::{Confinement, LOCK_WAIT_SECS, LOCKFILE_ENV_VERSION, Lock, NODE_LOCK};
 
 use crate::{config::IptablesBackend, netlink::Family};
 
@@ -100,19 +104,6 @@ impl Binaries {
     }
 }
 
-/// How the xtables lock is taken.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Lock {
-    /// The host-wide /run/xtables.lock (init-container use).
-    Global,
-    /// A lock private to a pod namespace (CNI use): XTABLES_LOCKFILE points at this
-    /// file, so the node's lock is never taken for a pod.
-    PodScoped(PathBuf),
-}
-
-/// Seconds to wait for the xtables lock, as Istio.
-pub const LOCK_WAIT_SECS: u32 = 30;
-
 /// The system's iptables binaries.
 #[derive(Debug)]
 pub struct SystemXtables {
@@ -137,8 +128,8 @@ impl SystemXtables {
         lock: Lock,
         legacy_unused: bool,
     ) -> Result<Self, XtablesError> {
-        let v4 = detect_family(Family::V4, force, legacy_unused)?;
-        let v6 = match detect_family(Family::V6, force, legacy_unused) {
+        let v4 = detect_family(Family::V4, force, legacy_unused, &lock)?;
+        let v6 = match detect_family(Family::V6, force, legacy_unused, &lock) {
             Ok(b) => Some(b),
             Err(e) if need_v6 => return Err(e),
             Err(e) => {
@@ -159,31 +150,76 @@ impl SystemXtables {
         }
     }
 
-    fn command(&self, bin: &Binaries, program: &str, write: bool, args: &[String]) -> Command {
-        let mut cmd = Command::new(program);
-        cmd.args(args);
-        if write && bin.needs_lock() {
-            cmd.arg(format!("--wait={LOCK_WAIT_SECS}"));
-            if let Lock::PodScoped(path) = &self.lock {
-                cmd.env("XTABLES_LOCKFILE", path);
-            }
-        }
-        cmd
+    /// Runs `program args` for `bin`, confined as [`Lock`] says.
+    fn run_for(
+        &self,
+        bin: &Binaries,
+        program: &str,
+        write: bool,
+        args: &[String],
+        stdin: Option<&str>,
+    ) -> Result<String, XtablesError> {
+        run_confined(&Confinement::of(&self.lock, bin, write), program, args, stdin)
     }
 }
 
-fn exec(mut cmd: Command, stdin: Option<&str>) -> Result<String, XtablesError> {
-    let command = format!(
+/// `program args`, confined; when the private mount namespace of a pod's command
+/// cannot be made (a security policy refusing unshare or mount), the command runs in
+/// the node's, as Istio's sandbox falls back, and a warning says what that means.
+fn run_confined(
+    confinement: &Confinement,
+    program: &str,
+    args: &[String],
+    stdin: Option<&str>,
+) -> Result<String, XtablesError> {
+    let spawn_error = |source| XtablesError::Spawn { command: program.to_string(), source };
+    let mut cmd = confinement.command(program, args).map_err(spawn_error)?;
+    let child = match spawn(&mut cmd, stdin.is_some()) {
+        Ok(child) => child,
+        Err(e) if confinement.private_mounts && e.kind() != std::io::ErrorKind::NotFound => {
+            tracing::warn!(
+                command = program,
+                error = %e,
+                "cannot run iptables in a private mount namespace; running it in the node's \
+                 (/etc/nsswitch.conf is read, and an iptables-legacy older than 1.8.6 takes the node's {NODE_LOCK})"
+            );
+            let plain = Confinement { private_mounts: false, lock_mount: None, ..confinement.clone() };
+            cmd = plain.command(program, args).map_err(spawn_error)?;
+            spawn(&mut cmd, stdin.is_some())
+                .map_err(|source| XtablesError::Spawn { command: describe(&cmd), source })?
+        }
+        Err(source) => return Err(XtablesError::Spawn { command: describe(&cmd), source }),
+    };
+    finish(describe(&cmd), child, stdin)
+}
+
+/// The command line, for errors.
+fn describe(cmd: &Command) -> String {
+    format!(
         "{} {}",
         cmd.get_program().to_string_lossy(),
         cmd.get_args().map(|a| a.to_string_lossy()).collect::<Vec<_>>().join(" ")
     )
     .trim()
-    .to_string();
-    cmd.stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+    .to_string()
+}
+
+fn spawn(cmd: &mut Command, piped_stdin: bool) -> std::io::Result<Child> {
+    cmd.stdin(if piped_stdin { Stdio::piped() } else { Stdio::null() })
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let mut child = cmd.spawn().map_err(|source| XtablesError::Spawn { command: command.clone(), source })?;
+        .stderr(Stdio::piped())
+        .spawn()
+}
+
+fn exec(mut cmd: Command, stdin: Option<&str>) -> Result<String, XtablesError> {
+    let command = describe(&cmd);
+    let child = spawn(&mut cmd, stdin.is_some())
+        .map_err(|source| XtablesError::Spawn { command: command.clone(), source })?;
+    finish(command, child, stdin)
+}
+
+/// Feeds `stdin`, waits, and reads the outcome with xtables' exit status named.
+fn finish(command: String, mut child: Child, stdin: Option<&str>) -> Result<String, XtablesError> {
     if let Some(input) = stdin {
         let mut pipe = child.stdin.take().expect("piped stdin");
         pipe.write_all(input.as_bytes())
@@ -210,19 +246,20 @@ fn exec(mut cmd: Command, stdin: Option<&str>) -> Result<String, XtablesError> {
 impl Xtables for SystemXtables {
     fn save(&mut self, family: Family) -> Option<String> {
         let bin = self.binaries(family).ok()?.clone();
-        let cmd = self.command(&bin, &bin.save, false, &[]);
-        exec(cmd, None).map_err(|e| tracing::debug!(error = %e, "iptables-save failed")).ok()
+        self.run_for(&bin, &bin.save, false, &[], None)
+            .map_err(|e| tracing::debug!(error = %e, "iptables-save failed"))
+            .ok()
     }
     fn restore(&mut self, family: Family, input: &str, noflush: bool) -> Result<(), XtablesError> {
         let bin = self.binaries(family)?.clone();
         let args: Vec<String> = if noflush { vec!["--noflush".into()] } else { Vec::new() };
         tracing::info!(binary = %bin.restore, noflush, "iptables-restore:\n{}", input.trim());
-        exec(self.command(&bin, &bin.restore, true, &args), Some(input)).map(drop)
+        self.run_for(&bin, &bin.restore, true, &args, Some(input)).map(drop)
     }
     fn run(&mut self, family: Family, args: &[String]) -> Result<(), XtablesError> {
         let bin = self.binaries(family)?.clone();
         tracing::debug!(binary = %bin.iptables, args = %args.join(" "), "iptables");
-        exec(self.command(&bin, &bin.iptables, true, args), None).map(drop)
+        self.run_for(&bin, &bin.iptables, true, args, None).map(drop)
     }
     fn is_real(&self) -> bool {
         true
@@ -257,8 +294,11 @@ pub fn has_rules(dump: &str) -> bool {
 }
 
 /// Istio's shouldUseBinaryForCurrentContext: the binary exists, reports a version, and
-/// can add (then delete) a harmless test rule in nat/INPUT.
-fn probe_binary(iptables: &str) -> Result<Binaries, String> {
+/// can add (then delete) a harmless test rule in nat/INPUT (so a kernel without
+/// `iptable_nat` fails it and detection moves on to iptables-nft, istio/istio#57385).
+/// The test rule is a write: it waits for the lock (istio/istio#58582), and a pod's
+/// never takes the node's ([`Lock`]).
+fn probe_binary(iptables: &str, lock: &Lock) -> Result<Binaries, String> {
     let save = format!("{iptables}-save");
     let restore = format!("{iptables}-restore");
     let dump = exec(Command::new(&save), None).map_err(|e| match e {
@@ -279,36 +319,24 @@ fn probe_binary(iptables: &str) -> Result<Binaries, String> {
         legacy,
         existing_rules: has_rules(&dump),
     };
-    let mut test: Vec<String> =
-        ["-t", "nat", "-A", "INPUT", "-p", "255", "-j", "RETURN"].map(String::from).to_vec();
-    if bin.needs_lock() {
-        test.push(format!("--wait={LOCK_WAIT_SECS}"));
-    }
-    exec(
-        {
-            let mut c = Command::new(iptables);
-            c.args(&test);
-            c
-        },
-        None,
-    )
-    .map_err(|e| format!("{iptables} has no loaded kernel support and cannot be used: {e}"))?;
+    let confinement = Confinement::of(lock, &bin, true);
+    let mut test: Vec<String> = TEST_RULE.map(String::from).to_vec();
+    run_confined(&confinement, iptables, &test, None)
+        .map_err(|e| format!("{iptables} has no loaded kernel support and cannot be used: {e}"))?;
     test[2] = "-D".into();
-    let _ = exec(
-        {
-            let mut c = Command::new(iptables);
-            c.args(&test);
-            c
-        },
-        None,
-    );
+    let _ = run_confined(&confinement, iptables, &test, None);
     Ok(bin)
 }
+
+/// Istio's capability probe rule: never matches (protocol 255), in the table capture
+/// needs.
+pub const TEST_RULE: [&str; 8] = ["-t", "nat", "-A", "INPUT", "-p", "255", "-j", "RETURN"];
 
 fn detect_family(
     family: Family,
     force: Option<IptablesBackend>,
     legacy_unused: bool,
+    lock: &Lock,
 ) -> Result<Binaries, XtablesError> {
     let base = if family == Family::V4 { "iptables" } else { "ip6tables" };
     let legacy = format!("{base}-legacy");
@@ -316,20 +344,20 @@ fn detect_family(
     let family_name = if family == Family::V4 { "iptables" } else { "ip6tables" };
     let not_found = |reason: String| XtablesError::NotFound { family: family_name, reason };
     match force {
-        Some(IptablesBackend::Legacy) => return probe_binary(&legacy).map_err(not_found),
-        Some(IptablesBackend::Nft) => return probe_binary(&nft).map_err(not_found),
+        Some(IptablesBackend::Legacy) => return probe_binary(&legacy, lock).map_err(not_found),
+        Some(IptablesBackend::Nft) => return probe_binary(&nft, lock).map_err(not_found),
         None => {}
     }
     if !legacy_unused
-        && let Ok(b) = probe_binary(&legacy)
+        && let Ok(b) = probe_binary(&legacy, lock)
         && b.existing_rules
     {
         return Ok(b);
     }
-    if let Ok(b) = probe_binary(&nft) {
+    if let Ok(b) = probe_binary(&nft, lock) {
         return Ok(b);
     }
-    probe_binary(base).map_err(|e| not_found(format!("tried {legacy}, {nft} and {base} (last: {e})")))
+    probe_binary(base, lock).map_err(|e| not_found(format!("tried {legacy}, {nft} and {base} (last: {e})")))
 }
 
 #[cfg(test)]

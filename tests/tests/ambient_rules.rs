@@ -412,9 +412,10 @@ fn a_failure_part_way_leaves_the_namespace_as_it_was() {
     require_root!();
     let mesh = Mesh::new(&test_name!()).expect("mesh");
     let pod = mesh.pod("pod").expect("pod");
-    // An empty chain of ours in ip6 nat: no rule (the namespace still looks clean), but
-    // IPv6's `-N ISTIO_OUTPUT` will fail.
-    in_pod(&pod, "ip6tables", &["-t", "nat", "-N", "ISTIO_OUTPUT"]);
+    // IPv6's nat table is owned by another process (nft's `flags owner`): it holds no
+    // chain and no rule, so the namespace still looks clean, but IPv6's restore is
+    // refused there (EPERM), after IPv4's and IPv6's mangle went in.
+    let _owner = own_table(&pod, "ip6 nat");
     let before = rules_of(&pod);
     let cfg = AmbientConfig { enable_ipv6: true, ..Default::default() }.for_pod(PodOverrides::default());
     let err = apply_inpod(pod.netns().path(), &cfg).unwrap_err();
@@ -442,6 +443,31 @@ fn a_failure_part_way_leaves_the_namespace_as_it_was() {
         );
         assert_eq!(policy_route(&pod), [false; 4], "{backend:?}: IPv4's rule and route were taken out again");
     }
+}
+
+/// A table owned by an `nft -i` process: nobody else may change it, and it goes when
+/// this is dropped (nft's input closes, then the process is reaped).
+struct OwnedTable {
+    _input: std::process::ChildStdin,
+    _owner: weir_tests::PodChild,
+}
+
+/// Makes `table` in `pod`, owned by an `nft -i` process (`flags owner`).
+fn own_table(pod: &Pod, table: &str) -> OwnedTable {
+    use std::io::Write as _;
+    let mut cmd = std::process::Command::new("nft");
+    cmd.arg("-i").stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::null());
+    let mut owner = pod.spawn(&mut cmd, 0).expect("spawn nft -i");
+    let mut input = owner.child_mut().stdin.take().expect("piped stdin");
+    writeln!(input, "add table {table} {{ flags owner; }}").expect("write to nft -i");
+    let listed = format!("table {table}");
+    for _ in 0..250 {
+        if in_pod(pod, "nft", &["list", "tables"]).lines().any(|l| l.trim() == listed) {
+            return OwnedTable { _input: input, _owner: owner };
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    panic!("nft -i did not make the owned table {table}");
 }
 
 /// A missing policy route is drift, and an apply puts it back without touching rules.

@@ -1,10 +1,12 @@
 //! The iptables fast path (one restore into a namespace the in-process probe finds
-//! empty) must leave exactly what the full path (save, verify, restore) leaves, and
-//! must hand every namespace it cannot settle to the full path: rules of others kept,
-//! legacy rules keep the run on legacy, another plan's rules still removed whole.
+//! empty) must be taken where it can be, and say so (`Report::path`, the `path` log
+//! field); it must leave exactly what the full path (save, verify, restore) leaves,
+//! and must hand every namespace it cannot settle to the full path: rules and empty
+//! chains of others kept (also through a rollback), legacy rules keep the run on
+//! legacy, another plan's rules still removed whole.
 
 use weir_iptables::{
-    Action, CaptureConfig, CaptureError, RunOptions,
+    Action, ApplyPath, CaptureConfig, CaptureError, RunOptions,
     config::{InboundPorts, InterceptionMode, IpRanges, parse_ports},
     nft_exec::zero_counters,
     state::Verdict,
@@ -69,8 +71,10 @@ fn an_empty_namespace_and_a_busy_one_end_with_the_same_rules() {
         assert_eq!(capture_state(&busy.client), "", "a refused run changes nothing");
         let report = weir_iptables::program(&cfg, &opts(&empty)).unwrap();
         assert_eq!(report.action, Action::Applied, "{mode:?}");
+        assert_eq!(report.path, ApplyPath::Fast, "{mode:?}: an empty namespace takes the fast path");
         let report = weir_iptables::program(&cfg, &reconcile(&busy)).unwrap();
         assert_eq!(report.action, Action::Reconciled, "{mode:?}");
+        assert_eq!(report.path, ApplyPath::Full, "{mode:?}: another's rule sends the run the full way");
         for scene in [&empty, &busy] {
             assert_eq!(weir_iptables::apply::verify(&cfg, &opts(scene)).unwrap(), Verdict::Applied);
             assert!(is_captured(scene), "{mode:?}: traffic captured");
@@ -87,6 +91,9 @@ fn an_empty_namespace_and_a_busy_one_end_with_the_same_rules() {
         for scene in [&empty, &busy] {
             let report = weir_iptables::program(&cfg, &cleanup(scene)).unwrap();
             assert_eq!(report.action, Action::Cleaned);
+            // The plan's removal names Istio's rules and chains only: the other rule
+            // does not stop it.
+            assert_eq!(report.path, ApplyPath::Fast, "{mode:?}: removal");
             assert_eq!(capture_state(&scene.client), "", "{mode:?}: nothing of Istio's remains");
             assert!(!in_pod(&scene.client, "ip", &["rule", "show"]).contains("lookup 133"));
         }
@@ -135,4 +142,60 @@ fn removal_with_another_plan_still_removes_every_istio_rule() {
     assert_eq!(capture_state(&scene.client), "", "no Istio chain or rule remains");
     assert!(ask(&scene.client, 1000, scene.addr(&scene.server, 8080)).starts_with("hello server "));
     assert_eq!(weir_iptables::apply::verify(&applied, &opts(&scene)).unwrap(), Verdict::Clean);
+}
+
+/// Someone else's empty chain (kube-proxy makes them; so does an operator's
+/// `iptables -N`) is not a clean namespace: the fast path declines it, and no rollback
+/// or removal of Istio's rules takes it with them. Rolled back here by a route that
+/// cannot be made: IPv6 is off on the pod's `lo`, where the plan puts `::6`.
+#[test]
+fn another_s_empty_chain_survives_apply_rollback_and_removal() {
+    require_root!();
+    let scene = CaptureScene::new(&test_name!(), Family::V4, false);
+    in_pod(&scene.client, "iptables-nft", &["-t", "nat", "-N", "FOREIGN"]);
+    in_pod(&scene.client, "ip6tables-nft", &["-t", "nat", "-N", "FOREIGN6"]);
+    let foreign = |s: &CaptureScene| {
+        let v4 = in_pod(&s.client, "iptables-nft-save", &["-t", "nat"]).contains(":FOREIGN - [0:0]");
+        let v6 = in_pod(&s.client, "ip6tables-nft-save", &["-t", "nat"]).contains(":FOREIGN6 - [0:0]");
+        (v4, v6)
+    };
+    in_pod(&scene.client, "sysctl", &["-q", "-w", "net.ipv6.conf.lo.disable_ipv6=1"]);
+    let cfg = CaptureConfig { enable_ipv6: true, ..config(InterceptionMode::Redirect) };
+    let failed = weir_iptables::program(&cfg, &opts(&scene)).unwrap_err();
+    assert!(matches!(failed, CaptureError::RolledBack { .. }), "{failed}");
+    assert_eq!(capture_state(&scene.client), "", "rolled back: nothing of Istio's remains");
+    assert_eq!(foreign(&scene), (true, true), "the rollback kept the other's empty chains");
+
+    in_pod(&scene.client, "sysctl", &["-q", "-w", "net.ipv6.conf.lo.disable_ipv6=0"]);
+    let report = weir_iptables::program(&cfg, &opts(&scene)).unwrap();
+    assert_eq!((report.action, report.path), (Action::Applied, ApplyPath::Full), "declined by the probe");
+    assert!(is_captured(&scene));
+    assert_eq!(foreign(&scene), (true, true));
+    let report = weir_iptables::program(&cfg, &cleanup(&scene)).unwrap();
+    assert_eq!(report.action, Action::Cleaned);
+    assert_eq!(capture_state(&scene.client), "");
+    assert_eq!(foreign(&scene), (true, true), "removal kept them too");
+}
+
+/// `weir istio-iptables` says which path it took, in its log line's `path` field.
+#[test]
+fn the_command_logs_the_path_it_took() {
+    require_root!();
+    let scene = CaptureScene::new(&test_name!(), Family::V4, false);
+    let run = |extra: &[&str]| {
+        let mut cmd = weir_tests::tools::weir_command();
+        cmd.args(["istio-iptables", "-u", "1337", "-i", "*", "-b", "*"]).args(extra).env("WEIR_LOG", "info");
+        cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+        let out = scene.client.spawn(&mut cmd, 0).unwrap().into_inner().wait_with_output().unwrap();
+        let log = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{log}");
+        log
+    };
+    let line = |log: &str, what: &str| log.lines().find(|l| l.contains(what)).unwrap_or_default().to_string();
+    let applied = line(&run(&[]), "capture rules applied");
+    assert!(applied.contains("path=fast"), "{applied}");
+    let again = line(&run(&[]), "capture rules already in place");
+    assert!(again.contains("path=full"), "a namespace with rules is read the full way: {again}");
+    let removed = line(&run(&["--cleanup-only"]), "capture rules removed");
+    assert!(removed.contains("path=fast"), "{removed}");
 }

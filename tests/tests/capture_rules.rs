@@ -106,6 +106,29 @@ matrix! {
     nft_tproxy_ipv6: Backend::Nft, "TPROXY", Family::V6;
 }
 
+/// Native nftables with TPROXY and no inbound ports (`-b ''`, an empty
+/// `includeInboundPorts`) goes in: Istio's failed on it until 1.29 (istio/istio#58135,
+/// an insert into an empty chain). Outbound is captured, inbound is not.
+#[test]
+fn nft_tproxy_without_inbound_ports() {
+    require_root!();
+    let s = CaptureScene::new(&test_name!(), Family::V4, true);
+    let args = ["-u", "1337", "-m", "TPROXY", "-i", "*", "-b", "", "--native-nftables"];
+    let out = istio_iptables(&s.client, &args, None);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        in_pod(&s.client, "nft", &["list", "table", "inet", "istio-proxy-mangle"]).contains("istio-inbound")
+    );
+    assert!(captured(&ask(&s.client, 1000, s.addr(&s.server, 8080))).is_some(), "outbound captured");
+    assert!(ask(&s.server, 0, s.addr(&s.client, 8080)).starts_with("hello app "), "inbound left alone");
+    let again = istio_iptables(&s.client, &args, None);
+    assert!(
+        again.status.success(),
+        "a second run finds its rules: {}",
+        String::from_utf8_lossy(&again.stderr)
+    );
+}
+
 /// `-c eth0`: nothing through the excluded interface is captured, either way.
 fn excluded_interface(test: &str, backend: Backend) {
     let s = CaptureScene::new(test, Family::V4, false);
@@ -205,6 +228,53 @@ fn bad_input_is_named_and_applies_nothing() {
     // The pod is untouched: traffic flows directly.
     assert!(ask(&s.client, 1000, s.addr(&s.server, 8080)).starts_with("hello server "));
     assert!(in_pod(&s.client, "iptables-save", &[]).lines().all(|l| !l.contains("ISTIO")));
+}
+
+/// Interface names reach the rules' text verbatim (`-i <name>` in a restore line, a
+/// bare word in an nft statement): one that is not a name is refused by the flag that
+/// carried it, for both backends, before anything is applied.
+#[test]
+fn interface_names_cannot_carry_rule_text() {
+    require_root!();
+    let s = CaptureScene::new(&test_name!(), Family::V4, false);
+    // A tab separates iptables-restore's words: this "name" adds `-s 1.2.3.4` to the
+    // exclusion rule (the old check refused only spaces, slashes and long names).
+    let injected = "lo\t-s\t1.2.3.4";
+    let cases: &[(&[&str], &str)] = &[
+        (&["-c", injected], "invalid -c/--istio-exclude-interfaces: \"lo\\t-s\\t1.2.3.4\": interface names"),
+        (&["-c", "eth0;"], "invalid -c/--istio-exclude-interfaces: \"eth0;\""),
+        (&["-c", "eth0#", "--native-nftables"], "invalid -c/--istio-exclude-interfaces: \"eth0#\""),
+        (&["-c", "eth0\"", "--native-nftables"], "invalid -c/--istio-exclude-interfaces: \"eth0\\\"\""),
+        (&["-k", "eth0{", "--native-nftables"], "invalid -k/--kube-virt-interfaces: \"eth0{\""),
+        (&["-k", "net1,eth1\n-F"], "invalid -k/--kube-virt-interfaces: \"eth1\\n-F\""),
+        (&["-k", ".."], "invalid -k/--kube-virt-interfaces: \"..\""),
+    ];
+    for (flags, want) in cases {
+        let mut args = vec!["-p", "15001", "-z", "15006", "-u", "1337", "-i", "*", "-b", "*"];
+        args.extend_from_slice(flags);
+        let out = istio_iptables(&s.client, &args, None);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{flags:?}: {err}");
+        assert!(err.contains(want), "{flags:?}: {err}");
+        assert!(err.contains("a letter followed by letters, digits, '_', '.' or '-'"), "{err}");
+        assert_eq!(capture_state(&s.client), "", "{flags:?}: nothing applied");
+    }
+    assert!(
+        !in_pod(&s.client, "iptables-save", &[]).contains("1.2.3.4"),
+        "no rule carries the injected match"
+    );
+    // Real names go in as they are.
+    let out =
+        istio_iptables(&s.client, &["-u", "1337", "-i", "*", "-c", "eth1,veth-a.1", "-k", "net1"], None);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let nat = in_pod(&s.client, "iptables-save", &["-t", "nat"]);
+    for rule in [
+        "-A PREROUTING -i net1 -j RETURN",
+        "-A PREROUTING -i eth1 -j RETURN",
+        "-A OUTPUT -o veth-a.1 -j RETURN",
+    ] {
+        assert!(nat.contains(rule), "{rule}:\n{nat}");
+    }
 }
 
 #[test]

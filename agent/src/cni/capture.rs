@@ -181,6 +181,7 @@ pub fn capture(
         pod = %who,
         netns = %netns.display(),
         backend = %report.backend,
+        path = %report.path,
         action = ?report.action,
         mode = %cfg.interception_mode,
         "pod captured"

@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::Deserialize;
 use weir_iptables::{
     CaptureConfig,
-    config::{InboundPorts, InterceptionMode, IpRanges, parse_exclude_ranges, parse_ports},
+    config::{InboundPorts, InterceptionMode, IpRanges, parse_exclude_ranges, parse_interfaces, parse_ports},
 };
 
 pub const ISTIO_PROXY: &str = "istio-proxy";
@@ -299,14 +299,13 @@ pub fn capture_config(pod: &PodInfo, enable_ipv6: bool) -> Result<CaptureConfig,
     let include_outbound = a(INCLUDE_OUTBOUND_PORTS, "");
     cfg.outbound_ports_include =
         parse_ports(include_outbound.0, &include_outbound.1).map_err(|e| err(&include_outbound, &e))?;
+    // Istio's rule for a name (a letter, then letters, digits, '_', '.', '-'; at most
+    // 15 bytes): nothing else reaches the rules' text.
     let interfaces = |key: &'static str| -> Result<Vec<String>, AnnotationError> {
         let v = a(key, "");
-        let names: Vec<String> =
-            v.1.split(',').map(str::trim).filter(|n| !n.is_empty()).map(String::from).collect();
-        match names.iter().find(|n| n.len() > 15 || n.contains('/') || n.chars().any(char::is_whitespace)) {
-            Some(bad) => Err(err(&v, &format!("{bad:?} is not a valid interface name"))),
-            None => Ok(names),
-        }
+        parse_interfaces(v.0, &v.1).map_err(|e| {
+            err(&v, &format!("{:?} is not a valid interface name: expected {}", e.value, e.expected))
+        })
     };
     cfg.exclude_interfaces = interfaces(EXCLUDE_INTERFACES)?;
     cfg.reroute_virtual_interfaces = if pod.annotations.contains_key(REROUTE_VIRTUAL_INTERFACES) {
@@ -420,6 +419,15 @@ mod tests {
             (INCLUDE_OUTBOUND_IP_RANGES, "10.0.0.0/33", "10.0.0.0/33"),
             (EXCLUDE_INBOUND_PORTS, "http", "http"),
             (EXCLUDE_INTERFACES, "this-name-is-far-too-long", "not a valid interface name"),
+            (
+                EXCLUDE_INTERFACES,
+                "eth0,net1\" accept #",
+                "\"net1\\\" accept #\" is not a valid interface name",
+            ),
+            (EXCLUDE_INTERFACES, "eth0;", "a letter followed by letters, digits"),
+            (EXCLUDE_INTERFACES, "eth0 -d 10.0.0.50 -p tcp", "not a valid interface name"),
+            (KUBEVIRT_INTERFACES, "veth{", "not a valid interface name"),
+            (REROUTE_VIRTUAL_INTERFACES, "net1\n-A OUTPUT -j ACCEPT", "not a valid interface name"),
         ] {
             p.annotations.insert(key.into(), value.into());
             let e = capture_config(&p, false).unwrap_err();

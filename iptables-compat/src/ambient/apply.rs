@@ -10,7 +10,9 @@ use std::path::Path;
 
 use crate::{
     ambient::{AmbientBackend, AmbientConfig, InpodConfig, nft as anft, plan, routes},
-    apply::{Action, Backend, CaptureError, Report, in_netns, program_plan_from, rollback_iptables},
+    apply::{
+        Action, ApplyPath, Backend, CaptureError, Report, in_netns, program_plan_from, rollback_iptables,
+    },
     config::{ConfigError, IptablesBackend, RunOptions},
     fast_path,
     netlink::{Family, Netlink, NetlinkError},
@@ -94,6 +96,7 @@ pub fn program_inpod_nft(cfg: &InpodConfig, n: &mut dyn Nft) -> Result<Report, C
         backend: Backend::Nftables,
         verdict: Some(verdict),
         action,
+        path: ApplyPath::Full,
         transcript: None,
     };
     if current.is_empty() {
@@ -196,14 +199,18 @@ fn apply_iptables_here(cfg: &InpodConfig, netns: &Path) -> Result<Report, Captur
                     return Err(rollback_iptables(&mut x, e, &empty));
                 }
                 let verdict = Some(Verdict::Clean);
+                tracing::info!(?verdict, path = %ApplyPath::Fast, "in-pod iptables state (probed in process)");
                 return Ok(Report {
                     backend: Backend::Iptables,
                     verdict,
                     action: Action::Applied,
+                    path: ApplyPath::Fast,
                     transcript: None,
                 });
             }
-            fast_path::Applied::Declined(d) => tracing::debug!(reason = %d.0, "iptables fast path declined"),
+            fast_path::Applied::Declined(d) => {
+                tracing::info!(reason = %d.0, path = %ApplyPath::Full, "iptables fast path declined")
+            }
         }
     }
     let mut x = detect(&cfg.ambient, lock, probe.as_ref())?;

@@ -146,24 +146,11 @@ pub struct PodOverrides {
     pub dns: PodDns,
 }
 
-/// Linux's limit on an interface name (IFNAMSIZ less the NUL).
-const MAX_INTERFACE_NAME: usize = 15;
-
 /// An interface name that can stand verbatim in an iptables-restore line and an nft
-/// rule: 1-15 of letters, digits, `-`, `_` and `.`.
+/// rule: the sidecar's rule, Istio's (a letter, then letters, digits, `_`, `.` or `-`;
+/// at most 15 bytes), so no name can read as an iptables option either.
 fn check_interface(input: &str, name: &str) -> Result<(), ConfigError> {
-    let ok = !name.is_empty()
-        && name.len() <= MAX_INTERFACE_NAME
-        && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
-    if ok {
-        Ok(())
-    } else {
-        Err(ConfigError::new(
-            input,
-            name,
-            "interface names of 1-15 letters, digits, '-', '_' or '.', separated by commas",
-        ))
-    }
+    crate::config::check_interface_name(input, name)
 }
 
 impl PodOverrides {
@@ -287,7 +274,9 @@ mod tests {
 
     #[test]
     fn interface_names_that_could_inject_rules_are_refused() {
-        for bad in ["eth0 -j ACCEPT", "eth0\n-A OUTPUT", "@set", "a-name-longer-than-15", "eth\"0"] {
+        for bad in
+            ["eth0 -j ACCEPT", "eth0\n-A OUTPUT", "@set", "a-name-longer-than-15", "eth\"0", "-j", "0eth"]
+        {
             let e =
                 PodOverrides::from_annotations([(ANNOTATION_REROUTE_VIRTUAL_INTERFACES, bad)]).unwrap_err();
             assert!(e.to_string().starts_with("invalid istio.io/reroute-virtual-interfaces"), "{e}");

@@ -15,7 +15,7 @@ use crate::{
         },
         nft as anft, plan,
     },
-    apply::{Action, Backend, CaptureError, Report, in_netns},
+    apply::{Action, ApplyPath, Backend, CaptureError, Report, in_netns},
     netlink::Family,
     nft_exec::{self, Nft as _, NftError},
     render,
@@ -48,8 +48,13 @@ pub fn program_host_iptables(cfg: &AmbientConfig, x: &mut dyn Xtables) -> Result
     let plan = plan::host_probe(cfg);
     let saves = (x.save(Family::V4), x.save(Family::V6));
     let verdict = iptables_verdict(&plan, x, owned_saves(saves.clone(), &OWNED));
-    let report =
-        |action| Report { backend: Backend::Iptables, verdict: Some(verdict), action, transcript: None };
+    let report = |action| Report {
+        backend: Backend::Iptables,
+        verdict: Some(verdict),
+        action,
+        path: ApplyPath::Full,
+        transcript: None,
+    };
     if verdict == Verdict::Applied {
         return Ok(report(Action::AlreadyApplied));
     }
@@ -71,7 +76,13 @@ pub fn program_host_nft(
     n: &mut dyn nft_exec::Nft,
 ) -> Result<Report, CaptureError> {
     n.apply(&anft::render(&anft::host_probe(cfg, kubelet_uid)))?;
-    Ok(Report { backend: Backend::Nftables, verdict: None, action: Action::Applied, transcript: None })
+    Ok(Report {
+        backend: Backend::Nftables,
+        verdict: None,
+        action: Action::Applied,
+        path: ApplyPath::Full,
+        transcript: None,
+    })
 }
 
 fn here_or_in<T: Send>(
@@ -107,6 +118,7 @@ pub fn apply_host_probe(
                     backend: Backend::Nftables,
                     verdict,
                     action: Action::AlreadyApplied,
+                    path: ApplyPath::Full,
                     transcript: None,
                 });
             }

@@ -7,8 +7,8 @@
 use std::path::Path;
 
 use super::{
-    Action, Backend, CaptureError, Report, check_names, dry_run, program_iptables, program_iptables_from,
-    program_nft_from, rollback_iptables,
+    Action, ApplyPath, Backend, CaptureError, Report, check_names, dry_run, program_iptables,
+    program_iptables_from, program_nft_from, rollback_iptables,
 };
 use crate::{
     config::{CaptureConfig, RunOptions},
@@ -25,6 +25,7 @@ use crate::{
 /// The whole run on the system: rules with the chosen backend, and routes. Runs in
 /// `opts.network_namespace` when set.
 pub fn program(cfg: &CaptureConfig, opts: &RunOptions) -> Result<Report, CaptureError> {
+    cfg.validate()?;
     match &opts.network_namespace {
         Some(path) => in_netns(path, || program_here(cfg, opts)),
         None => program_here(cfg, opts),
@@ -50,7 +51,7 @@ fn probe(opts: &RunOptions) -> Option<fast_path::Probe> {
     match fast_path::eligible(opts).and_then(|()| fast_path::Probe::read()) {
         Ok(p) => Some(p),
         Err(decline) => {
-            tracing::debug!(reason = %decline.0, "iptables fast path declined");
+            tracing::info!(reason = %decline.0, path = %ApplyPath::Full, "iptables fast path declined");
             None
         }
     }
@@ -75,7 +76,7 @@ fn apply_iptables(cfg: &CaptureConfig, opts: &RunOptions) -> Result<Report, Capt
     if let Some(p) = &probe {
         match fast_path::apply(&plan::plan(cfg), p, lock(opts))? {
             fast_path::Applied::Done(mut x) => {
-                tracing::info!(verdict = ?Verdict::Clean, "iptables state (probed in process)");
+                tracing::info!(verdict = ?Verdict::Clean, path = %ApplyPath::Fast, "iptables state (probed in process)");
                 if let Err(e) = add_routes(cfg) {
                     let empty = [(Family::V4, Some(String::new())), (Family::V6, Some(String::new()))];
                     return Err(rollback_iptables(&mut x, e, &empty));
@@ -84,11 +85,12 @@ fn apply_iptables(cfg: &CaptureConfig, opts: &RunOptions) -> Result<Report, Capt
                     backend: Backend::Iptables,
                     verdict: Some(Verdict::Clean),
                     action: Action::Applied,
+                    path: ApplyPath::Fast,
                     transcript: None,
                 });
             }
             fast_path::Applied::Declined(decline) => {
-                tracing::debug!(reason = %decline.0, "iptables fast path declined");
+                tracing::info!(reason = %decline.0, path = %ApplyPath::Full, "iptables fast path declined");
             }
         }
     }
@@ -136,7 +138,13 @@ fn remove_nft() -> Result<Report, CaptureError> {
     if crate::nft_exec::istio_tables_present()? {
         SystemNft.apply(&nft::render_cleanup())?;
     }
-    Ok(Report { backend: Backend::Nftables, verdict: None, action: Action::Cleaned, transcript: None })
+    Ok(Report {
+        backend: Backend::Nftables,
+        verdict: None,
+        action: Action::Cleaned,
+        path: ApplyPath::Full,
+        transcript: None,
+    })
 }
 
 fn remove_iptables(cfg: &CaptureConfig, opts: &RunOptions) -> Result<Report, CaptureError> {
@@ -144,14 +152,18 @@ fn remove_iptables(cfg: &CaptureConfig, opts: &RunOptions) -> Result<Report, Cap
     if let Some(p) = &probe {
         match fast_path::remove(&plan::plan(cfg), p, lock(opts))? {
             None => {
+                tracing::info!(path = %ApplyPath::Fast, "iptables rules removed (probed in process)");
                 return Ok(Report {
                     backend: Backend::Iptables,
                     verdict: None,
                     action: Action::Cleaned,
+                    path: ApplyPath::Fast,
                     transcript: None,
                 });
             }
-            Some(decline) => tracing::debug!(reason = %decline.0, "iptables fast removal declined"),
+            Some(decline) => {
+                tracing::info!(reason = %decline.0, path = %ApplyPath::Full, "iptables fast removal declined")
+            }
         }
     }
     let mut x = detect(cfg, opts, probe.as_ref())?;
@@ -207,6 +219,7 @@ pub fn in_netns<T: Send>(
 /// Whether a plan's rules and routes are in place in the current namespace (for
 /// `CHECK`-style callers). `Ok(Verdict::Applied)` means complete.
 pub fn verify(cfg: &CaptureConfig, opts: &RunOptions) -> Result<Verdict, CaptureError> {
+    cfg.validate()?;
     let check = || -> Result<Verdict, CaptureError> {
         let rules = if opts.native_nftables {
             let mut n = SystemNft;
