@@ -121,7 +121,11 @@ impl Seqpacket {
             let received = ready.try_io(|inner| receive(inner.as_raw_fd(), buf).map_err(io::Error::from));
             match received {
                 Ok(Ok(mut datagram)) => {
-                    datagram.eof = datagram.len == 0 && !datagram.truncated && closed;
+                    // A 0-byte read is EOF or an empty datagram: the peer is gone when
+                    // the reactor saw the read side closed, or when it is closed now.
+                    datagram.eof = datagram.len == 0
+                        && !datagram.truncated
+                        && (closed || read_side_closed(self.fd.as_raw_fd()));
                     return Ok(datagram);
                 }
                 Ok(Err(e)) => return Err(errno(e)),
@@ -166,6 +170,12 @@ fn register(fd: OwnedFd) -> io::Result<AsyncFd<OwnedFd>> {
     // SAFETY: the AsyncFd owns the descriptor, which stays open and the same for its
     // whole life.
     unsafe { AsyncFd::register(fd) }.map_err(|e| e.into_parts().1)
+}
+
+/// Whether the peer has closed: after EOF every read returns 0 bytes at once, while
+/// after an empty datagram the next one is not there yet (or has bytes).
+fn read_side_closed(fd: RawFd) -> bool {
+    matches!(socket::recv(fd, &mut [0u8; 1], MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT), Ok(0))
 }
 
 fn errno(e: io::Error) -> Errno {
@@ -267,4 +277,38 @@ fn remove_stale(path: &Path) -> Result<(), ZdsError> {
         path: path.into(),
         source,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsFd as _;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn an_empty_datagram_is_not_eof_and_a_close_is() {
+        let (a, b) = Seqpacket::pair().unwrap();
+        let mut buf = [0u8; 16];
+        b.send(&[], None).await.unwrap();
+        let empty = a.recv(&mut buf).await.unwrap();
+        assert_eq!((empty.len, empty.eof), (0, false));
+        drop(b);
+        let closed = a.recv(&mut buf).await.unwrap();
+        assert_eq!((closed.len, closed.eof), (0, true));
+    }
+
+    #[tokio::test]
+    async fn one_fd_travels_with_its_datagram_and_truncation_is_flagged() {
+        let (a, b) = Seqpacket::pair().unwrap();
+        let netns = fs::File::open("/proc/self/ns/net").unwrap();
+        b.send(b"add", Some(netns.as_fd())).await.unwrap();
+        let mut buf = [0u8; 16];
+        let got = a.recv(&mut buf).await.unwrap();
+        assert_eq!((&buf[..got.len], got.fds.len(), got.truncated), (&b"add"[..], 1, false));
+        let ino = |fd: BorrowedFd<'_>| nix::sys::stat::fstat(fd).unwrap().st_ino;
+        assert_eq!(ino(got.fds[0].as_fd()), ino(netns.as_fd()));
+        b.send(&[7; 32], None).await.unwrap();
+        let got = a.recv(&mut buf).await.unwrap();
+        assert!(got.truncated && got.len == 16);
+    }
 }
