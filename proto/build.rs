@@ -10,6 +10,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "envoy/extensions/transport_sockets/tls/v3/secret.proto",
         "istio/v1/auth/ca.proto",
         "istio/networking/nds/v1/nds.proto",
+        "istio/workload/zds/zds.proto",
         "envoy/config/listener/v3/listener.proto",
         "envoy/config/cluster/v3/cluster.proto",
         "envoy/config/endpoint/v3/endpoint.proto",

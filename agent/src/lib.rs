@@ -27,6 +27,7 @@ pub mod identity;
 pub mod istio_iptables;
 pub mod local_cmd;
 pub mod metrics;
+pub mod node;
 pub mod privileges;
 pub mod sandbox;
 pub mod services;

@@ -132,6 +132,12 @@ pub mod istio {
             }
         }
     }
+    /// ZDS, the node agent ⇄ ztunnel protocol (one message per SOCK_SEQPACKET datagram).
+    pub mod workload {
+        pub mod zds {
+            tonic::include_proto!("istio.workload.zds");
+        }
+    }
 }
 
 /// Type URLs of the resources Weir handles by name.

@@ -39,6 +39,7 @@ pub mod sidecar;
 pub mod spire;
 pub mod synprobe;
 pub mod tools;
+pub mod ztunnel;
 
 pub use weir_agent::{
     ebpf::bpffs::BpffsUse,
