@@ -590,8 +590,8 @@ fn capture_outlives_the_node_agent_through_restarts_and_rollouts() {
     captured(&web1, &ip1, "installed");
 
     let log = stop(&agent, running, Signal::SIGTERM);
-    assert!(log.contains("every pod stays captured"), "{log}");
     captured(&web1, &ip1, "after SIGTERM");
+    assert!(log.contains("every pod stays captured"), "{log}");
     assert_eq!(agent.installed()["plugins"][1]["type"], "weir-cni", "still chained after SIGTERM");
     stop(&agent, agent.start(&old), Signal::SIGKILL);
     captured(&web1, &ip1, "after SIGKILL");
