@@ -53,7 +53,7 @@ pub enum WeirCommand {
     /// environment variable the agent reads (`weir config env`).
     Config(PassThrough),
     /// The CNI plugin's node side: install, uninstall, repair.
-    Cni(Box<crate::cni_cmd::CniArgs>),
+    Cni(Box<crate::node::command::CniArgs>),
     /// Run Weir's main job on an embedded default: a demo pod with real Envoy and capture.
     Demo(DemoArgs),
     /// Remove sandboxes (namespaces, cgroups, processes) left by demos or tests that died.

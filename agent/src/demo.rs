@@ -26,9 +26,9 @@ use anyhow::{Context as _, bail};
 
 use crate::{
     cli::DemoArgs,
-    cni::pod::PodInfo,
     ebpf::detect::{self, Backend, CaptureMode},
     executable::Executable,
+    node::cni::pod::PodInfo,
     privileges::{self, Capability},
     sandbox::{Cgroup, Mesh, Placement, Pod, PodChild, unique_name},
 };
@@ -75,7 +75,7 @@ impl Drop for Demo {
         }
         self.apps.clear();
         if let Some(node) = &self.ebpf_node {
-            let _ = crate::cni::ebpf::detach_node(node);
+            let _ = crate::node::cni::ebpf::detach_node(node);
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
@@ -210,17 +210,19 @@ impl Demo {
 
     /// `[demo] capture`: both pods captured with `choice`'s backend.
     fn capture(&mut self, choice: &detect::Choice) -> anyhow::Result<()> {
-        let cfg =
-            crate::cni::pod::capture_config(&sidecar_pod(), false).expect("the default pod shape is valid");
+        let cfg = crate::node::cni::pod::capture_config(&sidecar_pod(), false)
+            .expect("the default pod shape is valid");
         match choice.backend {
             Backend::Ebpf => {
                 let node = unique_name("demo-node");
-                crate::cni::ebpf::attach_node(&node, self.cgroup.path())?;
+                crate::node::cni::ebpf::attach_node(&node, self.cgroup.path())?;
                 self.ebpf_node = Some(node.clone());
                 for (pod, name) in [(&self.client, "client"), (&self.server, "server")] {
-                    let who =
-                        crate::cni::ebpf::PodIdentity { name: format!("demo/{name}"), uid: String::new() };
-                    crate::cni::ebpf::register(&node, name, pod.netns().path(), "eth0", &cfg, &who)?;
+                    let who = crate::node::cni::ebpf::PodIdentity {
+                        name: format!("demo/{name}"),
+                        uid: String::new(),
+                    };
+                    crate::node::cni::ebpf::register(&node, name, pod.netns().path(), "eth0", &cfg, &who)?;
                 }
             }
             Backend::Nftables | Backend::Iptables => {

@@ -9,8 +9,6 @@ pub mod build_info;
 pub mod capture_cmd;
 pub mod capture_explain;
 pub mod cli;
-pub mod cni;
-pub mod cni_cmd;
 pub mod config;
 pub mod controlplane;
 pub mod demo;

@@ -25,7 +25,7 @@ fn main() -> ExitCode {
     let code = match personality {
         Personality::Weir => run_weir(WeirCli::parse_from(&argv)),
         Personality::PilotAgent => run_pilot_agent(PilotAgentCli::parse_from(&argv)),
-        Personality::Cni => weir_agent::cni::main(|level| init_tracing(&argv, level)),
+        Personality::Cni => weir_agent::node::cni::main(|level| init_tracing(&argv, level)),
     };
     ExitCode::from(code)
 }
@@ -98,7 +98,7 @@ fn run_weir(cli: WeirCli) -> u8 {
                 Err(code) => code,
             }
         }
-        WeirCommand::Cni(args) => edge(weir_agent::cni_cmd::run(*args)),
+        WeirCommand::Cni(args) => edge(weir_agent::node::command::run(*args)),
         WeirCommand::Demo(args) => edge(demo::run(&args)),
         WeirCommand::Sandbox(args) => edge(run_sandbox(args.command)),
         WeirCommand::Version(args) => version(&args),

@@ -6,7 +6,7 @@
 
 use std::{collections::BTreeMap, path::PathBuf};
 
-use weir_agent::cni::pod::{PodInfo, capture_config, skip_reason};
+use weir_agent::node::cni::pod::{PodInfo, capture_config, skip_reason};
 use weir_iptables::{RunOptions, apply::program_iptables, xtables::Recorder};
 
 /// (golden, annotations beyond sidecar.istio.io/status, istio-proxy env, runAsUser/Group)

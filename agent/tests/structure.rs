@@ -230,11 +230,28 @@ fn long_functions(source: &Source) -> (Vec<String>, usize) {
 fn the_modules_of_a_folder_import_each_other_without_circles() {
     let graphs = imports(&sources());
     assert!(
-        graphs.get(&vec!["cni".to_string()]).is_some_and(|cni| cni.contains_key("plugin")),
+        graphs
+            .get(&vec!["node".to_string(), "cni".to_string()])
+            .is_some_and(|cni| cni.contains_key("plugin")),
         "the cni folder's imports were not found"
     );
     let circles = circles(&graphs);
     assert!(circles.is_empty(), "modules importing each other in a circle:\n{}", circles.join("\n"));
+}
+
+/// The node's identity (`config/node.rs`) is settings: it must not reach into Envoy's
+/// bootstrap, which reads those settings (once an import circle, config/node →
+/// envoy/bootstrap → envoy/bootstrap/options → config/node).
+#[test]
+fn the_nodes_settings_do_not_import_envoys_bootstrap() {
+    let sources = sources();
+    let node = sources.iter().find(|s| s.module == ["config", "node"]).expect("config/node.rs");
+    let into_envoy: Vec<String> = references(node)
+        .into_iter()
+        .filter(|r| r.first().is_some_and(|m| m == "envoy"))
+        .map(|r| r.join("::"))
+        .collect();
+    assert!(into_envoy.is_empty(), "config/node.rs refers to {into_envoy:?}");
 }
 
 #[test]

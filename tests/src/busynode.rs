@@ -414,7 +414,7 @@ impl Drop for BusyNode {
         }
         // Processes first, then each pod's sandbox, cgroup and namespace.
         self.pods.clear();
-        let _ = weir_agent::cni::ebpf::detach_node(&self.capture);
+        let _ = weir_agent::node::cni::ebpf::detach_node(&self.capture);
         for key in weir_agent::ebpf::set::pinned_keys() {
             if self.sets.iter().any(|s| key.ends_with(s.as_str()))
                 && let Ok(Some(set)) = weir_agent::ebpf::set::LockedSet::open(&key)

@@ -136,7 +136,7 @@ fn events(node: &mut BusyNode, old: &str, new: &str, round: usize) {
         let t = targets(n, i);
         n.start_client(i, &t, Duration::from_millis(400)).unwrap();
     });
-    let record = weir_agent::cni::ebpf::pod_records(&node.capture)
+    let record = weir_agent::node::cni::ebpf::pod_records(&node.capture)
         .into_iter()
         .find(|r| r.k8s_pod.as_deref() == Some(&format!("busy/{newcomer}")))
         .expect("the newcomer's record");
@@ -291,7 +291,9 @@ fn capture_holds_on_a_busy_node() {
             weir_tests::cni::run_placed(placed, Command::new("iptables-legacy-save"), &["-t", "filter"]);
         assert_eq!(saved.lines().filter(|l| l.starts_with("-A INPUT")).count(), 400, "{}", p.name);
     }
-    let captured: BTreeSet<String> =
-        weir_agent::cni::ebpf::pod_records(&node.capture).into_iter().filter_map(|r| r.k8s_pod).collect();
+    let captured: BTreeSet<String> = weir_agent::node::cni::ebpf::pod_records(&node.capture)
+        .into_iter()
+        .filter_map(|r| r.k8s_pod)
+        .collect();
     assert!(captured.contains("busy/m0") && !captured.contains("busy/p0"), "meshed pods only: {captured:?}");
 }

@@ -461,7 +461,7 @@ struct NodeCapture(String);
 
 impl Drop for NodeCapture {
     fn drop(&mut self) {
-        let _ = weir_agent::cni::ebpf::detach_node(&self.0);
+        let _ = weir_agent::node::cni::ebpf::detach_node(&self.0);
     }
 }
 
@@ -600,7 +600,7 @@ fn capture_outlives_the_node_agent_through_restarts_and_rollouts() {
     // go to the new build's set.
     let running = agent.start(&new);
     let new_key = wait_node_capture(&name, &new).programs.unwrap();
-    let retired = weir_agent::cni::ebpf::retired_name(&name, &old_key);
+    let retired = weir_agent::node::cni::ebpf::retired_name(&name, &old_key);
     let kept = weir_agent::ebpf::record::PinRecord::load(&retired).expect("the old set is kept for its pods");
     assert_eq!(kept.programs.as_deref(), Some(old_key.as_str()));
     captured(&web1, &ip1, "after the rollout");
@@ -624,7 +624,7 @@ fn capture_outlives_the_node_agent_through_restarts_and_rollouts() {
     })
     .expect("the old set taken up again");
     wait_node_capture(&name, &old);
-    let kept_new = weir_agent::cni::ebpf::retired_name(&name, &new_key);
+    let kept_new = weir_agent::node::cni::ebpf::retired_name(&name, &new_key);
     assert!(
         weir_agent::ebpf::record::PinRecord::load(&kept_new).is_some(),
         "the new build's set kept for web-2"
@@ -671,7 +671,7 @@ fn inbound_capture_refuses_what_it_cannot_hand_to_envoy() {
     let cgroup = test_cgroup(&test_name!());
     let name = unique_name("cni-node");
     let _guard = NodeCapture(name.clone());
-    weir_agent::cni::ebpf::attach_node(&name, cgroup.path()).unwrap();
+    weir_agent::node::cni::ebpf::attach_node(&name, cgroup.path()).unwrap();
     let rt = CniRuntime::new(&node.ns).unwrap();
     let server = pod_netns(&rt, "web-1");
     let client = pod_netns(&rt, "client");
@@ -814,7 +814,7 @@ fn registering_a_pod_again_leaves_no_window() {
     let cgroup = test_cgroup(&test_name!());
     let name = unique_name("cni-node");
     let _guard = NodeCapture(name.clone());
-    weir_agent::cni::ebpf::attach_node(&name, cgroup.path()).unwrap();
+    weir_agent::node::cni::ebpf::attach_node(&name, cgroup.path()).unwrap();
     let rt = CniRuntime::new(&node.ns).unwrap();
     let pod = pod_netns(&rt, "web-1");
     let (list, a, result, ip) = add_auto(&node, &rt, &pod, &name);
@@ -885,7 +885,7 @@ fn a_connect_storm_leaves_no_tracking_entries_behind() {
     let cgroup = test_cgroup(&test_name!());
     let name = unique_name("cni-node");
     let _guard = NodeCapture(name.clone());
-    weir_agent::cni::ebpf::attach_node(&name, cgroup.path()).unwrap();
+    weir_agent::node::cni::ebpf::attach_node(&name, cgroup.path()).unwrap();
     let key = weir_agent::ebpf::record::PinRecord::load(&name).unwrap().programs.unwrap();
     let rt = CniRuntime::new(&node.ns).unwrap();
     let pod = pod_netns(&rt, "web-1");
@@ -965,7 +965,7 @@ fn pods_in_a_user_namespace_get_netfilter_and_a_named_refusal_for_ebpf() {
     let cgroup = test_cgroup(&test_name!());
     let name = unique_name("cni-node");
     let _guard = NodeCapture(name.clone());
-    weir_agent::cni::ebpf::attach_node(&name, cgroup.path()).unwrap();
+    weir_agent::node::cni::ebpf::attach_node(&name, cgroup.path()).unwrap();
     let rt = CniRuntime::new(&node.ns).unwrap();
     let pod = UsernsPod::new();
     let netns = pod.netns();
@@ -979,7 +979,7 @@ fn pods_in_a_user_namespace_get_netfilter_and_a_named_refusal_for_ebpf() {
 
     let list = node.conflist(json!({"capture_mode": "auto", "ebpf_node_capture": name}));
     let result = rt.add(&list, &a).unwrap_or_else(|e| panic!("ADD: {e}"));
-    assert!(weir_agent::cni::ebpf::pod_records(&name).is_empty(), "not registered with eBPF");
+    assert!(weir_agent::node::cni::ebpf::pod_records(&name).is_empty(), "not registered with eBPF");
     let rules = run_placed(
         Placement::default(),
         Command::new("nsenter"),
@@ -1043,7 +1043,7 @@ fn large_getsockopt_answers_come_back_whole_for_every_pod() {
     let cgroup = test_cgroup(&test_name!());
     let name = unique_name("cni-node");
     let _guard = NodeCapture(name.clone());
-    weir_agent::cni::ebpf::attach_node(&name, cgroup.path()).unwrap();
+    weir_agent::node::cni::ebpf::attach_node(&name, cgroup.path()).unwrap();
     let rt = CniRuntime::new(&node.ns).unwrap();
     let meshed = pod_netns(&rt, "web-1");
     let (list, a, result, _) = add_auto(&node, &rt, &meshed, &name);
@@ -1173,7 +1173,7 @@ fn repair_with_ebpf_registers_once_and_never_again() {
     let kubepods = test_cgroup(&test_name!());
     let name = unique_name("cni-node");
     let _guard = NodeCapture(name.clone());
-    weir_agent::cni::ebpf::attach_node(&name, kubepods.path()).unwrap();
+    weir_agent::node::cni::ebpf::attach_node(&name, kubepods.path()).unwrap();
     let kubeconfig = node.run_dir.path().join("istio-cni-kubeconfig").display().to_string();
     let repair = || {
         let args = [
@@ -1209,7 +1209,7 @@ fn repair_with_ebpf_registers_once_and_never_again() {
     node.api.set_pod(listed_pod("new-ebpf", true, "node-3", &pod_ip(&new_result)));
     let _new_sandbox = KubeletSandbox::start(&kubepods, "uid-new-ebpf", &new).unwrap();
     let records_of = |uid: &str| {
-        weir_agent::cni::ebpf::pod_records(&name)
+        weir_agent::node::cni::ebpf::pod_records(&name)
             .into_iter()
             .filter(|r| r.pod_uid.as_deref() == Some(uid))
             .count()
@@ -1223,7 +1223,9 @@ fn repair_with_ebpf_registers_once_and_never_again() {
     let out = repair();
     assert!(out.contains("repaired shop/old-ebpf"), "{out}");
     assert!(!out.contains("new-ebpf"), "ADD captured it: {out}");
-    assert!(weir_agent::cni::ebpf::registered_pod(&name, "uid-old-ebpf", old.path()).unwrap().is_some());
+    assert!(
+        weir_agent::node::cni::ebpf::registered_pod(&name, "uid-old-ebpf", old.path()).unwrap().is_some()
+    );
     for _ in 0..2 {
         let out = repair();
         assert!(!out.contains("repaired"), "{out}");
@@ -1234,7 +1236,7 @@ fn repair_with_ebpf_registers_once_and_never_again() {
     let conf = CniRuntime::plugin_config(&weir, &weir["plugins"][1], Some(&result));
     rt.exec("istio-cni", "DEL", &a, conf.to_string().as_bytes()).unwrap_or_else(|e| panic!("DEL: {e}"));
     assert!(
-        weir_agent::cni::ebpf::registered_pod(&name, "uid-old-ebpf", old.path()).unwrap().is_none(),
+        weir_agent::node::cni::ebpf::registered_pod(&name, "uid-old-ebpf", old.path()).unwrap().is_none(),
         "DEL left the repair registration"
     );
     rt.del(&weir, &b, Some(&new_result)).unwrap_or_else(|e| panic!("DEL: {e}"));

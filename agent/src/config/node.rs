@@ -74,7 +74,7 @@ impl NodeSettings {
             ProxyType::Router => "router",
         };
         let ip0 = ips.first().cloned().unwrap_or_default();
-        let id = crate::envoy::bootstrap::node_id(proxy_type, &ip0, &pod.name, &pod.namespace, &pod.domain);
+        let id = node_id(proxy_type, &ip0, &pod.name, &pod.namespace, &pod.domain);
         let pilot_san = match pc.control_plane_auth_policy {
             ControlPlaneAuthPolicy::MutualTls => vec![pilot_san(&pc.discovery_address)],
             ControlPlaneAuthPolicy::None => Vec::new(),
@@ -232,4 +232,9 @@ pub fn service_cluster(
         }
         Some(_) => or_default("istio-proxy"),
     }
+}
+
+/// Istio's node id: `<type>~<ip>~<pod>.<namespace>~<namespace>.svc.cluster.local`.
+pub fn node_id(proxy_type: &str, ip: &str, pod: &str, namespace: &str, domain: &str) -> String {
+    format!("{proxy_type}~{ip}~{pod}.{namespace}~{domain}")
 }

@@ -109,11 +109,6 @@ pub fn override_json(path: &Path, host_ip: Option<&str>) -> Result<String, Boots
     Ok(value.to_string())
 }
 
-/// Istio's node id: `<type>~<ip>~<pod>.<namespace>~<namespace>.svc.cluster.local`.
-pub fn node_id(proxy_type: &str, ip: &str, pod: &str, namespace: &str, domain: &str) -> String {
-    format!("{proxy_type}~{ip}~{pod}.{namespace}~{domain}")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -2,7 +2,7 @@
 //! invocation the plugin checks (one line per variable, `NAME=VALUE`).
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use weir_agent::cni::spec::{Command, Invocation, parse_args};
+use weir_agent::node::cni::spec::{Command, Invocation, parse_args};
 
 fuzz_target!(|data: &[u8]| {
     let Some(text) = weir_fuzz::text(data) else { return };

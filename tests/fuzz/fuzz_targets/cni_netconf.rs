@@ -2,7 +2,7 @@
 //! runtime hands it to the plugin: parse, then everything the plugin derives from it.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use weir_agent::cni::{plugin, spec::NetConf};
+use weir_agent::node::cni::{plugin, spec::NetConf};
 
 fuzz_target!(|data: &[u8]| {
     let Ok(conf) = NetConf::parse(data) else { return };

@@ -6,7 +6,7 @@
 use std::path::Path;
 
 use libfuzzer_sys::fuzz_target;
-use weir_agent::cni::kube::Kubeconfig;
+use weir_agent::node::cni::kube::Kubeconfig;
 
 fuzz_target!(|data: &[u8]| {
     let Some(text) = weir_fuzz::text(data) else { return };

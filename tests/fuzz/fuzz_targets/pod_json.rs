@@ -2,7 +2,7 @@
 //! repair loop: parse, decide whether to capture, and render what it would program.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use weir_agent::cni::pod::{PodInfo, capture_config, skip_reason};
+use weir_agent::node::cni::pod::{PodInfo, capture_config, skip_reason};
 
 fn check(pod: &PodInfo) {
     let _ = skip_reason(pod).map(|s| s.to_string());

@@ -54,7 +54,7 @@ fn run_once(chain: Chain) -> anyhow::Result<(f64, f64)> {
     match chain {
         Chain::Weir("ebpf") => {
             cgroup = Some(Cgroup::create(&unique_name("bench-cni"))?);
-            weir_agent::cni::ebpf::attach_node(&node_capture, cgroup.as_ref().expect("made").path())?;
+            weir_agent::node::cni::ebpf::attach_node(&node_capture, cgroup.as_ref().expect("made").path())?;
             weir["capture_mode"] = json!("ebpf");
             weir["ebpf_node_capture"] = json!(node_capture);
         }
@@ -82,7 +82,7 @@ fn run_once(chain: Chain) -> anyhow::Result<(f64, f64)> {
         Ok(())
     })();
     if matches!(chain, Chain::Weir("ebpf")) {
-        let _ = weir_agent::cni::ebpf::detach_node(&node_capture);
+        let _ = weir_agent::node::cni::ebpf::detach_node(&node_capture);
     }
     drop(cgroup);
     result?;

@@ -56,10 +56,10 @@ impl Backend {
 }
 
 fn injector_config() -> weir_iptables::CaptureConfig {
-    let mut pod = weir_agent::cni::pod::PodInfo::default();
+    let mut pod = weir_agent::node::cni::pod::PodInfo::default();
     pod.annotations.insert("sidecar.istio.io/status".into(), "{}".into());
     pod.containers.insert("istio-proxy".into());
-    weir_agent::cni::pod::capture_config(&pod, false).expect("the default pod shape is valid")
+    weir_agent::node::cni::pod::capture_config(&pod, false).expect("the default pod shape is valid")
 }
 
 /// Milliseconds to run `argv` with `stdin` in the pod's namespace (entered as

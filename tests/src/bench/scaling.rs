@@ -56,7 +56,7 @@ impl Node {
         let ipam = Dir::new("bench-scale-ipam")?;
         let cgroup = Cgroup::create(&unique_name("bench-scale"))?;
         let capture = unique_name("bench-scale-capture");
-        weir_agent::cni::ebpf::attach_node(&capture, cgroup.path())?;
+        weir_agent::node::cni::ebpf::attach_node(&capture, cgroup.path())?;
         let weir = json!({"cni_agent_run_dir": run_dir.path(), "capture_mode": "ebpf", "ebpf_node_capture": capture});
         let list = conflist("10.90.0.0/16", ipam.path(), weir);
         Ok(Self { api, _run_dir: run_dir, _ipam: ipam, cgroup, capture, list, pods: Vec::new() })
@@ -83,7 +83,7 @@ impl Node {
 
 impl Drop for Node {
     fn drop(&mut self) {
-        let _ = weir_agent::cni::ebpf::detach_node(&self.capture);
+        let _ = weir_agent::node::cni::ebpf::detach_node(&self.capture);
     }
 }
 
@@ -96,8 +96,8 @@ fn register_once(node: &Node, i: usize) -> anyhow::Result<f64> {
         Command::new("ip"),
         &["addr", "add", &format!("10.91.{}.{}/32", i / 250, 1 + i % 250), "dev", "lo"],
     );
-    let cfg = weir_agent::cni::pod::capture_config(
-        &weir_agent::cni::pod::PodInfo {
+    let cfg = weir_agent::node::cni::pod::capture_config(
+        &weir_agent::node::cni::pod::PodInfo {
             namespace: "bench".into(),
             name: format!("r{i}"),
             ..Default::default()
@@ -105,11 +105,11 @@ fn register_once(node: &Node, i: usize) -> anyhow::Result<f64> {
         false,
     )?;
     let id = format!("reg-{i}");
-    let who = weir_agent::cni::ebpf::PodIdentity { name: format!("bench/r{i}"), uid: String::new() };
+    let who = weir_agent::node::cni::ebpf::PodIdentity { name: format!("bench/r{i}"), uid: String::new() };
     let started = Instant::now();
-    weir_agent::cni::ebpf::register(&node.capture, &id, pod.path(), "lo", &cfg, &who)?;
+    weir_agent::node::cni::ebpf::register(&node.capture, &id, pod.path(), "lo", &cfg, &who)?;
     let ms = started.elapsed().as_secs_f64() * 1000.0;
-    weir_agent::cni::ebpf::unregister(&node.capture, &id)?;
+    weir_agent::node::cni::ebpf::unregister(&node.capture, &id)?;
     Ok(ms)
 }
 

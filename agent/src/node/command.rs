@@ -8,7 +8,7 @@ use clap::{Args, Subcommand};
 use serde_json::{Map, Value, json};
 
 use crate::{
-    cni::install::{self, InstallSettings, KubeconfigSource},
+    node::cni::install::{self, InstallSettings, KubeconfigSource},
     privileges::{self, Capability},
 };
 
@@ -55,7 +55,7 @@ pub struct RepairArgs {
 }
 
 fn repair(a: &RepairArgs) -> anyhow::Result<()> {
-    use crate::cni::{kube::KubeClient, repair, spec::NetConf};
+    use crate::node::cni::{kube::KubeClient, repair, spec::NetConf};
     let mut conf = a.plugin.fields()?;
     conf.insert("cniVersion".into(), json!("1.0.0"));
     conf.insert("name".into(), json!("weir-repair"));
@@ -106,7 +106,7 @@ pub struct InstallArgs {
     #[arg(long, env = "CNI_CONF_NAME")]
     pub cni_conf_name: Option<String>,
     /// Where the plugin's kubeconfig goes (the plugin's cni_agent_run_dir).
-    #[arg(long, env = "CNI_AGENT_RUN_DIR", default_value = crate::cni::plugin::DEFAULT_RUN_DIR)]
+    #[arg(long, env = "CNI_AGENT_RUN_DIR", default_value = crate::node::cni::plugin::DEFAULT_RUN_DIR)]
     pub run_dir: PathBuf,
     /// Copy this kubeconfig instead of building one from the pod's service account.
     #[arg(long, env = "WEIR_CNI_KUBECONFIG")]
@@ -160,7 +160,7 @@ pub struct PluginOptions {
     #[arg(long, env = "EXCLUDE_NAMESPACES", default_value = "kube-system")]
     pub exclude_namespaces: String,
     /// The eBPF node capture's name (its pins under /sys/fs/bpf/weir/).
-    #[arg(long, default_value = crate::cni::ebpf::DEFAULT_NODE_CAPTURE)]
+    #[arg(long, default_value = crate::node::cni::ebpf::DEFAULT_NODE_CAPTURE)]
     pub ebpf_name: String,
 }
 
@@ -226,7 +226,7 @@ impl InstallArgs {
 /// and the log says why. Only `--capture-mode ebpf` makes that an error.
 fn node_capture_or_fallback(s: &mut InstallSettings, capture_mode: &str) -> anyhow::Result<()> {
     let Some((name, cgroup)) = &s.ebpf else { return Ok(()) };
-    if crate::cni::ebpf::node_capture_present(name) {
+    if crate::node::cni::ebpf::node_capture_present(name) {
         return Ok(());
     }
     let Some(why) = crate::ebpf::detect::ebpf_unavailable() else { return Ok(()) };
