@@ -205,6 +205,18 @@ impl PodCapture {
         )?;
         within_limit("-i/--istio-service-cidr", include.iter().map(|c| &c.addr))?;
         within_limit("/etc/resolv.conf", dns_servers.iter())?;
+        let per_family = |v4: bool| own_addresses.iter().filter(|a| a.is_ipv4() == v4).count() as u32;
+        let most = per_family(true).max(per_family(false));
+        if inbound.is_some() && most > inbound::MAX_ADDRESSES_PER_POD {
+            return Err(err(
+                "the pod's addresses",
+                format!(
+                    "{most} addresses of one family on the pod's interfaces; eBPF inbound capture registers at most {} \
+                     per family (the node's classifier keys are shared by every pod)",
+                    inbound::MAX_ADDRESSES_PER_POD
+                ),
+            ));
+        }
         Ok(Self { config, exclude, own_addresses, include, dns_servers, inbound })
     }
 }
@@ -293,5 +305,10 @@ mod tests {
         assert!(PodCapture::new(&cfg, vec!["10.66.0.10".parse().unwrap()], OPTS).is_err());
         // IPv6 entries count apart from IPv4 ones.
         assert!(PodCapture::new(&cfg, vec!["fd00::10".parse().unwrap()], OPTS).is_ok());
+        // A pod with more addresses than the classifier registers per pod.
+        let many: Vec<IpAddr> = (1..=9).map(|i| format!("10.66.0.{i}").parse().unwrap()).collect();
+        let e = PodCapture::new(&injector(), many, OPTS).unwrap_err();
+        assert_eq!(e.input, "the pod's addresses");
+        assert!(e.problem.contains("9 addresses") && e.problem.contains('8'), "{e}");
     }
 }

@@ -25,8 +25,13 @@ pub const COUNTERS: &str = "INBOUND_COUNTERS";
 /// created when the pod registers and removed with it (the per-pod copy's
 /// [`COUNTERS`] are its one pod's already).
 pub const POD_COUNTERS: &str = "INBOUND_POD_COUNTERS";
-/// Entries in [`PODS`].
+/// Pods a classifier serves (its counters' capacity).
 pub const MAX_PODS: u32 = 4096;
+/// Addresses of one address family a pod may have registered (one [`PODS`] entry
+/// each); user space refuses a pod with more before writing anything.
+pub const MAX_ADDRESSES_PER_POD: u32 = 8;
+/// Entries in [`PODS`]: every pod at its limit in both families.
+pub const MAX_ADDRESS_ENTRIES: u32 = MAX_PODS * 2 * MAX_ADDRESSES_PER_POD;
 
 pub const MAX_PORTS: usize = 32;
 

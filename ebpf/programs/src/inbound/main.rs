@@ -27,13 +27,16 @@ use aya_ebpf::{
     maps::{Array, HashMap, PerCpuArray, PerCpuHashMap},
     programs::TcContext,
 };
-use weir_ebpf_common::inbound::{InboundConfig, InboundCounters, InboundKey, InboundPod, MAX_PODS, counter};
+use weir_ebpf_common::inbound::{
+    InboundConfig, InboundCounters, InboundKey, InboundPod, MAX_ADDRESS_ENTRIES, MAX_PODS, counter,
+};
 
 /// BPF_F_NO_PREALLOC: entries are allocated as pods register.
 const NO_PREALLOC: u32 = 1;
 
 #[map]
-static INBOUND_PODS: HashMap<InboundKey, InboundPod> = HashMap::with_max_entries(MAX_PODS, NO_PREALLOC);
+static INBOUND_PODS: HashMap<InboundKey, InboundPod> =
+    HashMap::with_max_entries(MAX_ADDRESS_ENTRIES, NO_PREALLOC);
 #[map]
 static INBOUND_CONFIG: Array<InboundConfig> = Array::with_max_entries(1, 0);
 #[map]
