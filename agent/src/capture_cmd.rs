@@ -334,7 +334,7 @@ fn repair(record: &PinRecord, netns: Option<&Path>, cookie: u64, faults: &[healt
         // Whatever could not be removed through its set goes by path.
         tracing::warn!(pod = %record.pod, error = %crate::error_chain(&e), "removing the broken capture's remains");
         if let Some(interface) = &record.interface {
-            inbound::detach_inbound(record.netns.as_deref(), interface);
+            inbound::detach_inbound(record.netns.as_deref(), interface, record.netns_cookie);
         }
         let _ = bpffs::unpin(&record.pin_dir());
         let _ = std::fs::remove_file(PinRecord::path(&record.pod));
@@ -510,7 +510,11 @@ fn print_status(pods: &[serde_json::Value]) {
 
 /// Removes the captures of pods that are gone, and orphaned list entries; logged.
 fn collect_gone() {
-    for (pod, result) in crate::ebpf::gc::collect_gone() {
+    let view = crate::ebpf::gc::node_view(Path::new("/proc"));
+    if let Err(e) = &view {
+        tracing::debug!(reason = %e, "gone pods judged on their namespace paths only");
+    }
+    for (pod, result) in crate::ebpf::gc::collect_gone(&view) {
         match result {
             Ok(()) => eprintln!("weir: removed the eBPF capture of {pod}: the pod is gone"),
             Err(e) => {

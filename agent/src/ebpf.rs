@@ -10,6 +10,7 @@ pub mod gc;
 pub mod health;
 pub mod inbound;
 pub mod link;
+pub mod live_netns;
 pub mod metrics;
 pub mod netns;
 pub mod objects;

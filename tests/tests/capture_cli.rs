@@ -591,6 +591,56 @@ fn captures_of_pods_that_are_gone_are_collected() {
     assert_eq!(String::from_utf8_lossy(&sets.stdout).trim(), "0", "the program set went with its last pod");
 }
 
+/// A pod is collected only on evidence that it is gone, never because its namespace
+/// path cannot be seen: with `/run/netns` hidden (a node agent's container without the
+/// host's), and with the namespace's bind mount gone while a process still runs in it,
+/// the pod stays registered and captured. When nothing holds its namespace any more it
+/// is collected. Before, both removed the capture of a running pod (its traffic then
+/// went around its sidecar).
+#[test]
+fn a_pod_is_collected_only_on_evidence_that_it_is_gone() {
+    require_root!();
+    let test = test_name!();
+    let mesh = weir_tests::Mesh::new(&test).unwrap();
+    let mounts = PrivateMounts::new();
+    let cgroup = test_cgroup(&test);
+    let pod = mesh.pod("p0").unwrap();
+    let name = cgroup.path().file_name().unwrap().to_string_lossy().into_owned();
+    let netns = pod.netns().path().to_path_buf();
+    let args = attach_args(cgroup.path().to_str().unwrap(), netns.to_str().unwrap());
+    ok(&mounts.weir(&args), "weir capture ebpf");
+    let listed = || {
+        let out = mounts.weir(&["capture", "status", "--json"]);
+        let all: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        all.as_array().unwrap().iter().any(|p| p["pod"] == name.as_str())
+    };
+    let clean_gone = || {
+        let o = mounts.weir(&["capture", "clean", "--gone"]);
+        eprintln!("{}", String::from_utf8_lossy(&o.stderr));
+        ok(&o, "clean --gone")
+    };
+
+    // 1. /run/netns hidden from the collector (only in its mount namespace).
+    ok(&mounts.run("mount", &["-t", "tmpfs", "hide-netns", "/run/netns"]), "hide /run/netns");
+    clean_gone();
+    assert!(listed(), "collected although its namespace was merely out of sight");
+    ok(&mounts.run("umount", &["/run/netns"]), "show /run/netns again");
+
+    // 2. The bind mount gone, a process still in the namespace: the pod lives on.
+    let sleeper = pod.spawn(std::process::Command::new("sleep").arg("600"), 0).unwrap();
+    weir_agent::sandbox::netns::remove(&netns).unwrap();
+    assert!(!netns.exists(), "the namespace's path is gone");
+    clean_gone();
+    assert!(listed(), "collected although a process still runs in its namespace");
+
+    // 3. Nothing holds the namespace any more: collected.
+    drop(sleeper);
+    drop(pod);
+    clean_gone();
+    assert!(!listed(), "the pod whose namespace is gone was not collected");
+    drop(cgroup);
+}
+
 #[test]
 fn removed_pins_and_an_unmounted_bpffs_are_reported_and_capture_apply_repairs_them() {
     require_root!();

@@ -2,41 +2,114 @@
 //! (init-container mode has nothing that unregisters a pod; a CNI DEL can fail or never
 //! come), and list entries no registration owns (a registration cut short by a crash).
 //! Run by the next `weir capture ebpf`, by `weir capture clean --gone`, and by the CNI
-//! node agent on every pass. A pod is gone only when the kernel says so: its namespace
-//! no longer exists under its cookie, or, for a pod registered from inside its own
-//! namespace (no path recorded), its cgroup is gone. Node captures are never collected.
+//! node agent. Removing a live pod's registration lets its traffic past its sidecar, so
+//! a pod is gone only on positive evidence, never because something cannot be seen:
+//! from the host's PID namespace, no process is in its network namespace and no mount
+//! holds it ([`LiveNamespaces`]); elsewhere, its recorded path now opens another
+//! namespace or no namespace, or (registered from inside, no path) its cgroup is gone
+//! and the kernel detached its links. Node captures are never collected.
 
 use std::path::Path;
 
-use super::{EbpfError, netns::netns_cookie, record::PinRecord, set};
+use super::{
+    EbpfError,
+    live_netns::{CannotTell, Existence, LiveNamespaces},
+    netns::netns_cookie,
+    record::PinRecord,
+    set,
+};
 
-/// Why a registered pod's capture is gone (or `None`: it is not).
-pub fn gone(record: &PinRecord) -> Option<String> {
+/// The node's namespaces as this process can see them, read once per collection.
+pub type NodeView = Result<LiveNamespaces, CannotTell>;
+
+/// Reads the node's namespaces from `proc` (the host's `/proc`, under `hostPID`).
+pub fn node_view(proc: &Path) -> NodeView {
+    LiveNamespaces::read(proc)
+}
+
+/// Why a registered pod's capture is gone (or `None`: it is not, or nothing here can
+/// show that it is).
+pub fn gone(record: &PinRecord, view: &NodeView) -> Option<String> {
     if record.netns_cookie == 0 {
         return None;
     }
-    match &record.netns {
-        Some(path) if path != Path::new("/proc/self/ns/net") => match netns_cookie(Some(path)) {
+    if let Ok(live) = view {
+        return match live.existence(record.netns_cookie, &record.cgroup) {
+            Existence::HeldBy(holder) => {
+                tracing::debug!(capture = %record.pod, holder = %holder.display(), "pod's namespace still exists");
+                None
+            }
+            Existence::CannotTell(why) => {
+                tracing::debug!(capture = %record.pod, reason = %why, "cannot tell whether the pod is gone");
+                None
+            }
+            Existence::Gone => Some(format!(
+                "no process is in its network namespace (cookie {}) and no mount holds it",
+                record.netns_cookie
+            )),
+        };
+    }
+    match recorded_path(record) {
+        // Another PID namespace's /proc names other processes: no evidence there.
+        Some(path) if path.starts_with("/proc") => None,
+        Some(path) => match netns_cookie(Some(path)) {
+            Ok(cookie) if cookie == record.netns_cookie => None,
+            Ok(cookie) => Some(format!("{} is another namespace now (cookie {cookie})", path.display())),
+            // The path stayed, its bind mount went.
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                Some(format!("{} is no namespace", path.display()))
+            }
+            // Not found may only mean not mounted here: no evidence.
+            Err(_) => None,
+        },
+        None => cgroup_gone(record),
+    }
+}
+
+/// What status reports (nothing is removed on it): the recorded namespace path is gone
+/// or names another namespace, or, registered from inside, the cgroup is gone.
+pub fn looks_gone(record: &PinRecord) -> Option<String> {
+    if record.netns_cookie == 0 {
+        return None;
+    }
+    match recorded_path(record) {
+        Some(path) => match netns_cookie(Some(path)) {
             Ok(cookie) if cookie == record.netns_cookie => None,
             Ok(cookie) => Some(format!("{} is another namespace now (cookie {cookie})", path.display())),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Some(format!("{} is gone", path.display())),
-            // A path that is no namespace any more (its bind mount went).
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
                 Some(format!("{} is no namespace", path.display()))
             }
             Err(_) => None,
         },
-        _ => (!record.cgroup.as_os_str().is_empty() && !record.cgroup.exists())
+        None => (!record.cgroup.as_os_str().is_empty() && !record.cgroup.exists())
             .then(|| format!("its cgroup {} is gone", record.cgroup.display())),
     }
 }
 
-/// Removes the captures of every pod that is gone; returns each capture's name and
-/// whether its removal worked.
-pub fn collect_gone() -> Vec<(String, Result<(), EbpfError>)> {
+fn recorded_path(record: &PinRecord) -> Option<&Path> {
+    record.netns.as_deref().filter(|p| *p != Path::new("/proc/self/ns/net"))
+}
+
+/// A pod registered from inside its namespace: its cgroup path is gone *and* the kernel
+/// detached its pinned links (which it does when their cgroup is destroyed), so the
+/// path is not merely another cgroup namespace's view.
+fn cgroup_gone(record: &PinRecord) -> Option<String> {
+    if record.cgroup.as_os_str().is_empty() || !matches!(record.cgroup.try_exists(), Ok(false)) {
+        return None;
+    }
+    let links = record.pin_dir().join("links");
+    let pins: Vec<_> = std::fs::read_dir(&links).ok()?.flatten().map(|e| e.path()).collect();
+    let all_detached = !pins.is_empty() && pins.iter().all(|p| matches!(super::link::attached(p), Ok(false)));
+    all_detached.then(|| format!("its cgroup {} is gone (its links detached)", record.cgroup.display()))
+}
+
+/// Removes the captures of every pod that is gone (judged on `view`); returns each
+/// capture's name and whether its removal worked.
+pub fn collect_gone(view: &NodeView) -> Vec<(String, Result<(), EbpfError>)> {
     let mut out = Vec::new();
     for record in PinRecord::load_all() {
-        let Some(why) = gone(&record) else { continue };
+        let Some(why) = gone(&record, view) else { continue };
         tracing::info!(capture = %record.pod, pod = %record.display_name(), reason = %why, "pod gone: removing its capture");
         out.push((record.pod.clone(), record.remove()));
     }

@@ -123,7 +123,7 @@ pub fn faults(record: &PinRecord, all: &[PinRecord]) -> Vec<CaptureFault> {
         return vec![CaptureFault::BpffsNotMounted];
     }
     let mut faults = link_faults(links_holder(record, all));
-    if let Some(why) = gc::gone(record) {
+    if let Some(why) = gc::looks_gone(record) {
         faults.push(CaptureFault::NetnsGone(why));
         return faults;
     }

@@ -494,10 +494,16 @@ pub fn inbound_programs(netns: &Path, interface: &str) -> std::io::Result<Vec<St
     })
 }
 
-/// Removes a legacy (netlink) inbound classifier from `interface` in `netns`; a pinned
-/// TCX link is removed with the pin directory.
-pub fn detach_inbound(netns: Option<&Path>, interface: &str) {
+/// Removes a legacy (netlink) inbound classifier from `interface` in `netns`, only when
+/// that namespace is still the pod's (cookie `cookie`): a recorded path may name another
+/// pod's namespace by now, whose filter is not ours to take. A pinned TCX link is
+/// removed with the pin directory.
+pub fn detach_inbound(netns: Option<&Path>, interface: &str, cookie: u64) {
     let detach = || {
+        if super::netns::netns_cookie(None)? != cookie {
+            tracing::warn!(interface, netns = ?netns, cookie, "inbound filter left alone: the namespace is another pod's now");
+            return Ok(());
+        }
         for name in inbound::PROGS {
             let _ = aya::programs::tc::qdisc_detach_program(interface, TcAttachType::Ingress, name);
         }

@@ -81,7 +81,7 @@ pub fn capture_in_set(
         let _ = set.unregister(cookie, record.registration.as_ref());
         let _ = unpin(&dir);
         if let Some(interface) = &record.interface {
-            super::inbound::detach_inbound(Some(&netns), interface);
+            super::inbound::detach_inbound(Some(&netns), interface, cookie);
         }
         let _ = set.release();
         return Err(e);

@@ -144,7 +144,7 @@ impl PinRecord {
     pub fn remove(&self) -> Result<(), EbpfError> {
         self.unregister()?;
         if let Some(interface) = &self.interface {
-            detach_inbound(self.netns.as_deref(), interface);
+            detach_inbound(self.netns.as_deref(), interface, self.netns_cookie);
         }
         unpin(&self.pin_dir())?;
         match std::fs::remove_file(Self::path(&self.pod)) {

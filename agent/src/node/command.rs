@@ -37,8 +37,8 @@ pub struct RepairArgs {
     /// This node's name (as in the pods' spec.nodeName).
     #[arg(long, env = "NODE_NAME")]
     pub node_name: String,
-    /// The node's /proc (mounted from the host in the DaemonSet): pods' namespaces are
-    /// found through their processes' kubelet cgroups.
+    /// The node's /proc (the DaemonSet runs with hostPID, so /proc is the host's): pods'
+    /// namespaces are found through their processes' kubelet cgroups.
     #[arg(long, env = "WEIR_HOST_PROC", default_value = "/proc")]
     pub proc_dir: PathBuf,
     /// The plugin's kubeconfig (as installed).

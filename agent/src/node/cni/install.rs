@@ -304,6 +304,7 @@ pub async fn watch(
 ) -> Result<(), InstallError> {
     tokio::pin!(stop);
     let mut first = true;
+    let mut last_gone_pass: Option<std::time::Instant> = None;
     loop {
         match ensure(s) {
             Ok(changes) if changes != Changes::default() => {
@@ -324,7 +325,11 @@ pub async fn watch(
             Err(e) => tracing::error!(error = %crate::error_chain(&e), "cannot keep weir-cni installed"),
         }
         if let Some((name, _)) = &s.ebpf {
-            tidy_node_capture(name);
+            let collect_gone = last_gone_pass.is_none_or(|t| t.elapsed() >= GONE_PODS_EVERY);
+            if collect_gone {
+                last_gone_pass = Some(std::time::Instant::now());
+            }
+            tidy_node_capture(name, collect_gone);
         }
         first = false;
         tokio::select! {
@@ -336,17 +341,15 @@ pub async fn watch(
     Ok(())
 }
 
+/// How often the node agent looks for pods that are gone (a walk of the host's /proc).
+pub const GONE_PODS_EVERY: Duration = Duration::from_secs(30);
+
 /// The node agent's housekeeping for its eBPF capture: registrations of pods that are
-/// gone (a DEL that never came), list entries no registration owns, other builds' sets
-/// whose last pod went. Logged, never fatal.
-pub fn tidy_node_capture(name: &str) {
-    for (pod, result) in crate::ebpf::gc::collect_gone() {
-        match result {
-            Ok(()) => tracing::info!(capture = %pod, "capture of a pod that is gone removed"),
-            Err(e) => {
-                tracing::warn!(capture = %pod, error = %crate::error_chain(&e), "capture of a pod that is gone not removed")
-            }
-        }
+/// gone (a DEL that never came; when `collect_gone`), list entries no registration
+/// owns, other builds' sets whose last pod went. Logged, never fatal.
+pub fn tidy_node_capture(name: &str, collect_gone: bool) {
+    if collect_gone {
+        collect_gone_pods();
     }
     match crate::ebpf::gc::collect_orphans() {
         Ok(0) => {}
@@ -359,6 +362,23 @@ pub fn tidy_node_capture(name: &str) {
         tracing::warn!(node_capture = name, error = %crate::error_chain(&e), "other builds' node captures not collected");
     }
     crate::ebpf::metrics::warn_on_full_maps();
+}
+
+/// Removes the registrations of pods that are gone, judged from the host's /proc (the
+/// DaemonSet runs with `hostPID`); without that view only positive path evidence counts.
+fn collect_gone_pods() {
+    let view = crate::ebpf::gc::node_view(std::path::Path::new("/proc"));
+    if let Err(e) = &view {
+        tracing::warn!(reason = %e, "pods that are gone are collected only when their namespace path names another namespace (run with hostPID to collect the rest)");
+    }
+    for (pod, result) in crate::ebpf::gc::collect_gone(&view) {
+        match result {
+            Ok(()) => tracing::info!(capture = %pod, "capture of a pod that is gone removed"),
+            Err(e) => {
+                tracing::warn!(capture = %pod, error = %crate::error_chain(&e), "capture of a pod that is gone not removed")
+            }
+        }
+    }
 }
 
 #[cfg(test)]
