@@ -1,7 +1,8 @@
 //! Crafted TCP SYNs, as a pod with CAP_NET_RAW can send them: a plain SYN, an IPv6 SYN
 //! behind a Hop-by-Hop or Destination Options header, and SYNs split into IP fragments
 //! (IPv4: a first fragment of 8 bytes, so the TCP flags are only in the second; IPv6:
-//! two fragments behind a Fragment header). Each is sent as a whole Ethernet frame on
+//! two fragments behind a Fragment header), and plain SYNs behind two or four VLAN
+//! priority tags (VID 0: QinQ the kernel strips one by one). Each is sent as a whole Ethernet frame on
 //! an interface (AF_PACKET), and the answer is read off the same interface: a SYN-ACK
 //! (something accepted the connection), a RST (nothing listens where it arrived), or
 //! nothing (dropped). `weir-testkit syn-probe` runs one from inside a pod.
@@ -22,6 +23,22 @@ pub enum Shape {
     DestOptions,
     /// Two IP fragments (IPv4: 8 bytes, then the rest; IPv6: behind a Fragment header).
     Fragments,
+    /// A plain SYN behind an 802.1ad and an 802.1Q tag, both VID 0.
+    QinQ,
+    /// A plain SYN behind four VLAN tags, all VID 0 (the kernel strips the first
+    /// before tc sees the frame).
+    FourTags,
+}
+
+impl Shape {
+    /// The VLAN tags (ethertypes, VID 0) in front of the IP header.
+    fn tags(self) -> &'static [u16] {
+        match self {
+            Shape::QinQ => &[0x88a8, 0x8100],
+            Shape::FourTags => &[0x88a8, 0x8100, 0x8100, 0x8100],
+            _ => &[],
+        }
+    }
 }
 
 impl std::str::FromStr for Shape {
@@ -32,7 +49,9 @@ impl std::str::FromStr for Shape {
             "hbh" => Ok(Self::HopByHop),
             "dstopts" => Ok(Self::DestOptions),
             "fragments" => Ok(Self::Fragments),
-            other => Err(format!("shape {other:?}: expected plain, hbh, dstopts or fragments")),
+            "qinq" => Ok(Self::QinQ),
+            "vlan4" => Ok(Self::FourTags),
+            other => Err(format!("shape {other:?}: expected plain, hbh, dstopts, fragments, qinq or vlan4")),
         }
     }
 }
@@ -157,7 +176,7 @@ impl Probe {
                 // Next header TCP, length 0 (8 bytes), PadN of 6.
                 let options = |next: u8| [next, 0, 1, 4, 0, 0, 0, 0];
                 match shape {
-                    Shape::Plain => vec![ipv6(s, d, 6, &tcp)],
+                    Shape::Plain | Shape::QinQ | Shape::FourTags => vec![ipv6(s, d, 6, &tcp)],
                     Shape::HopByHop => vec![ipv6(s, d, 0, &[&options(6)[..], &tcp].concat())],
                     Shape::DestOptions => vec![ipv6(s, d, 60, &[&options(6)[..], &tcp].concat())],
                     Shape::Fragments => {
@@ -178,9 +197,12 @@ impl Probe {
             _ => panic!("mixed address families"),
         };
         let ethertype: u16 = if self.src.is_ipv4() { 0x0800 } else { 0x86dd };
+        // Each tag: its ethertype, then a TCI of 0 (priority 0, VID 0).
+        let tags: Vec<u8> =
+            self.shape.tags().iter().flat_map(|t| [t.to_be_bytes(), [0, 0]].concat()).collect();
         packets
             .into_iter()
-            .map(|p| [&self.dst_mac[..], &self.src_mac[..], &ethertype.to_be_bytes()[..], &p].concat())
+            .map(|p| [&self.dst_mac[..], &self.src_mac[..], &tags, &ethertype.to_be_bytes()[..], &p].concat())
             .collect()
     }
 
@@ -317,6 +339,9 @@ mod tests {
         let frag = probe("fd00::1", "fd00::2", Shape::Fragments).frames();
         assert_eq!(frag.len(), 2);
         assert_eq!(frag[0][14 + 6], 44);
+        let qinq = probe("10.0.0.1", "10.0.0.2", Shape::QinQ).frames();
+        assert_eq!(&qinq[0][12..22], &[0x88, 0xa8, 0, 0, 0x81, 0, 0, 0, 0x08, 0], "two tags, then IPv4");
+        assert_eq!(probe("10.0.0.1", "10.0.0.2", Shape::FourTags).frames()[0].len(), plain[0].len() + 16);
     }
 
     #[test]

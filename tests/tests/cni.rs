@@ -660,8 +660,10 @@ fn syn_probe(client: &NetNs, mac: [u8; 6], src: &str, dst: &str, port: u16, shap
 /// Inbound capture fails closed, through the node classifier. A SYN to a captured port
 /// while nothing listens on 15006 (Envoy starting, restarting, gone) is refused: before,
 /// it reached the app in plain text. SYNs the classifier cannot read (IPv4 and IPv6
-/// fragments) never reach the app: before, they went straight to it, as did IPv6 SYNs
-/// behind extension headers, which it now walks and captures like any SYN.
+/// fragments, more VLAN tags than it reads) never reach the app: before, they went
+/// straight to it, as did IPv6 SYNs behind extension headers and SYNs behind two VLAN
+/// priority tags (the kernel strips the second after this hook), which it now reads
+/// through and captures like any SYN.
 #[test]
 fn inbound_capture_refuses_what_it_cannot_hand_to_envoy() {
     require_root!();
@@ -717,7 +719,10 @@ fn inbound_capture_refuses_what_it_cannot_hand_to_envoy() {
     for (src, dst, shape, expected) in [
         (client_ip.as_str(), ip.as_str(), "plain", "syn-ack"),
         (&client_ip, &ip, "fragments", "nothing"),
+        (&client_ip, &ip, "qinq", "syn-ack"),
+        (&client_ip, &ip, "vlan4", "nothing"),
         ("fd00:77::20", "fd00:77::10", "plain", "syn-ack"),
+        ("fd00:77::20", "fd00:77::10", "qinq", "syn-ack"),
         ("fd00:77::20", "fd00:77::10", "hbh", "syn-ack"),
         ("fd00:77::20", "fd00:77::10", "dstopts", "syn-ack"),
         ("fd00:77::20", "fd00:77::10", "fragments", "nothing"),
@@ -731,7 +736,8 @@ fn inbound_capture_refuses_what_it_cannot_hand_to_envoy() {
         .unwrap_or_else(|| panic!("web-1 in capture status: {status:?}"));
     // Each fragment of the two fragmented SYNs.
     assert_eq!(web1["counters"]["inbound_unparseable"], 4, "{web1}");
-    assert_eq!(web1["counters"]["inbound_assigned"], 4, "{web1}");
+    // Plain, QinQ (both families), Hop-by-Hop and Destination Options.
+    assert_eq!(web1["counters"]["inbound_assigned"], 6, "{web1}");
     assert!(web1["counters"]["inbound_no_listener"].as_u64() >= Some(2), "{web1}");
     rt.del(&list, &a, Some(&result)).unwrap_or_else(|e| panic!("DEL: {e}"));
 }

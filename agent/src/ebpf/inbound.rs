@@ -444,6 +444,20 @@ impl InboundProgram {
         Ok(Self { ebpf: Some(ebpf), netns: netns.to_path_buf(), link: Some(link) })
     }
 
+    /// The tc verdict this classifier gives `frame` (a whole Ethernet frame), run in
+    /// the caller's namespace and sent nowhere: `TC_ACT_OK` (0) passes, `TC_ACT_SHOT`
+    /// (2) drops.
+    pub fn verdict(&self, frame: &[u8]) -> Result<u32, EbpfError> {
+        let ebpf = self.ebpf.as_ref().expect("loaded until pinned");
+        let program: &SchedClassifier = ebpf
+            .program(inbound::PROG_POD)
+            .and_then(|p| p.try_into().ok())
+            .ok_or(EbpfError::MissingProgram { object: objects::INBOUND_NAME, program: inbound::PROG_POD })?;
+        let fd = program.fd().map_err(|source| EbpfError::Verify { program: inbound::PROG_POD, source })?;
+        super::sys::prog_test_run(fd.as_fd(), frame)
+            .map_err(|source| EbpfError::Io { what: "run the inbound classifier on a frame", source })
+    }
+
     /// This interface's inbound decisions so far (its one pod's).
     pub fn counters(&self) -> Result<Counters, EbpfError> {
         let ebpf = self.ebpf.as_ref().expect("loaded until pinned");

@@ -14,6 +14,7 @@ const BPF_MAP_DELETE_ELEM: libc::c_long = 3;
 const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
 const BPF_OBJ_PIN: libc::c_long = 6;
 const BPF_OBJ_GET: libc::c_long = 7;
+const BPF_PROG_TEST_RUN: libc::c_long = 10;
 const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
 
 /// UAPI `enum bpf_link_type` values Weir reads.
@@ -140,6 +141,21 @@ pub fn keys_raw(map: BorrowedFd<'_>, key_size: u32) -> std::io::Result<Vec<Vec<u
             Err(e) => return Err(e),
         }
     }
+}
+
+/// Runs `program` once on `data` (BPF_PROG_TEST_RUN; for a tc classifier, a whole
+/// Ethernet frame) in the caller's network namespace; returns its return value (a tc
+/// verdict). Nothing is sent: what the program would decide for that frame.
+pub fn prog_test_run(program: BorrowedFd<'_>, data: &[u8]) -> std::io::Result<u32> {
+    let mut attr = [0u64; 16];
+    // test: prog_fd, retval (out); data_size_in, data_size_out; data_in; data_out;
+    // repeat, duration.
+    attr[0] = u64::from(program.as_raw_fd() as u32);
+    attr[1] = data.len() as u64;
+    attr[2] = data.as_ptr() as u64;
+    attr[4] = 1;
+    bpf(BPF_PROG_TEST_RUN, &mut attr)?;
+    Ok((attr[0] >> 32) as u32)
 }
 
 /// UAPI `enum bpf_map_type` values whose entries always all exist.

@@ -13,8 +13,11 @@
 //! - a packet that is, or may be, TCP but cannot be read is dropped: IPv4 and IPv6
 //!   fragments (reassembly happens after this hook, where nothing would send the
 //!   connection to Envoy), IPv6 extension headers beyond [`MAX_EXT_HEADERS`], a TCP
-//!   header cut short, and IPsec (ESP, AH in IPv4, IPComp), whose inner packet the
-//!   stack sees only after this hook.
+//!   header cut short, IPsec (ESP, AH in IPv4, IPComp) and tunnels (IP in IP, IPv6
+//!   in IP, GRE), whose inner packet the stack sees only after this hook, on another
+//!   device;
+//! - frames with more than [`MAX_VLAN_TAGS`] VLAN tags are dropped; up to that many are
+//!   read through (a tag the kernel did not take off already).
 //! Every other packet (other hosts' addresses, UDP, ICMP, later TCP segments, which
 //! find their socket) passes.
 #![no_std]
@@ -45,9 +48,10 @@ static INBOUND_COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(counte
 static INBOUND_POD_COUNTERS: PerCpuHashMap<u64, InboundCounters> =
     PerCpuHashMap::with_max_entries(MAX_PODS, NO_PREALLOC);
 
-const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
 const ETH_P_IPV6: u16 = 0x86dd;
+/// VLAN tags read through before a frame counts as unreadable.
+const MAX_VLAN_TAGS: usize = 2;
 const TCP_LISTEN: u32 = 10;
 /// BPF_F_CURRENT_NETNS
 const CURRENT_NETNS: u64 = u64::MAX;
@@ -57,7 +61,10 @@ const MAX_EXT_HEADERS: usize = 8;
 /// IP protocol numbers (IPv4's protocol, IPv6's next header).
 mod proto {
     pub const HOPOPTS: u8 = 0;
+    pub const IPIP: u8 = 4;
     pub const TCP: u8 = 6;
+    pub const IPV6: u8 = 41;
+    pub const GRE: u8 = 47;
     pub const ROUTING: u8 = 43;
     pub const FRAGMENT: u8 = 44;
     pub const ESP: u8 = 50;
@@ -123,19 +130,44 @@ enum Transport {
     Unreadable,
 }
 
-/// An IPv4 packet's transport: TCP unless fragmented, nothing to read for IPsec.
+/// 802.1Q, 802.1ad (QinQ), and the older QinQ ethertype.
 #[inline(always)]
-fn transport_v4(ctx: &TcContext) -> Transport {
-    let Ok(vihl) = ctx.load::<u8>(ETH_HLEN) else { return Transport::Unreadable };
-    let Ok(protocol) = ctx.load::<u8>(ETH_HLEN + 9) else { return Transport::Unreadable };
-    let Ok(frag) = ctx.load::<u16>(ETH_HLEN + 6) else { return Transport::Unreadable };
+fn is_vlan(ethertype: u16) -> bool {
+    matches!(ethertype, 0x8100 | 0x88a8 | 0x9100)
+}
+
+/// Where the network header starts (after the Ethernet header and up to
+/// [`MAX_VLAN_TAGS`] tags) and its ethertype; `None`: more tags than that, or cut short.
+#[inline(always)]
+fn network_header(ctx: &TcContext) -> Option<(usize, u16)> {
+    let mut off = 12;
+    let mut ethertype = u16::from_be(ctx.load(off).ok()?);
+    for _ in 0..MAX_VLAN_TAGS {
+        if !is_vlan(ethertype) {
+            break;
+        }
+        off += 4;
+        ethertype = u16::from_be(ctx.load(off).ok()?);
+    }
+    (!is_vlan(ethertype)).then_some((off + 2, ethertype))
+}
+
+/// An IPv4 packet's transport: TCP unless fragmented, nothing to read for IPsec and
+/// tunnels.
+#[inline(always)]
+fn transport_v4(ctx: &TcContext, l3: usize) -> Transport {
+    let Ok(vihl) = ctx.load::<u8>(l3) else { return Transport::Unreadable };
+    let Ok(protocol) = ctx.load::<u8>(l3 + 9) else { return Transport::Unreadable };
+    let Ok(frag) = ctx.load::<u16>(l3 + 6) else { return Transport::Unreadable };
     // More fragments (0x2000) or an offset (0x1fff): reassembled after this hook.
     let fragment = u16::from_be(frag) & 0x3fff != 0;
     let ihl = usize::from(vihl & 0x0f) * 4;
     match protocol {
         proto::TCP if fragment || ihl < 20 => Transport::Unreadable,
-        proto::TCP => Transport::Tcp(ETH_HLEN + ihl),
-        proto::ESP | proto::AH | proto::IPCOMP => Transport::Unreadable,
+        proto::TCP => Transport::Tcp(l3 + ihl),
+        proto::ESP | proto::AH | proto::IPCOMP | proto::IPIP | proto::IPV6 | proto::GRE => {
+            Transport::Unreadable
+        }
         _ => Transport::Other,
     }
 }
@@ -143,9 +175,9 @@ fn transport_v4(ctx: &TcContext) -> Transport {
 /// An IPv6 packet's transport, after walking up to [`MAX_EXT_HEADERS`] extension
 /// headers.
 #[inline(always)]
-fn transport_v6(ctx: &TcContext) -> Transport {
-    let Ok(mut next) = ctx.load::<u8>(ETH_HLEN + 6) else { return Transport::Unreadable };
-    let mut off = ETH_HLEN + 40;
+fn transport_v6(ctx: &TcContext, l3: usize) -> Transport {
+    let Ok(mut next) = ctx.load::<u8>(l3 + 6) else { return Transport::Unreadable };
+    let mut off = l3 + 40;
     for _ in 0..MAX_EXT_HEADERS {
         let len = match next {
             proto::TCP => return Transport::Tcp(off),
@@ -169,7 +201,9 @@ fn transport_v6(ctx: &TcContext) -> Transport {
                 }
                 8
             }
-            proto::ESP | proto::IPCOMP => return Transport::Unreadable,
+            proto::ESP | proto::IPCOMP | proto::IPIP | proto::IPV6 | proto::GRE => {
+                return Transport::Unreadable;
+            }
             _ => return Transport::Other,
         };
         let Ok(n) = ctx.load::<u8>(off) else { return Transport::Unreadable };
@@ -183,7 +217,8 @@ fn transport_v6(ctx: &TcContext) -> Transport {
     }
 }
 
-/// Whether a next header is TCP or may lead to it (an extension header, IPsec).
+/// Whether a next header is TCP or may lead to it (an extension header, IPsec, a
+/// tunnel).
 #[inline(always)]
 fn may_hide_tcp(next: u8) -> bool {
     matches!(
@@ -196,6 +231,9 @@ fn may_hide_tcp(next: u8) -> bool {
             | proto::FRAGMENT
             | proto::ESP
             | proto::IPCOMP
+            | proto::IPIP
+            | proto::IPV6
+            | proto::GRE
     )
 }
 
@@ -210,10 +248,13 @@ fn try_inbound<'a>(
     ctx: &TcContext,
     config: impl FnOnce(&InboundKey) -> Option<(&'a InboundConfig, Option<*mut InboundCounters>)>,
 ) -> Option<Verdict> {
-    let ethertype: u16 = u16::from_be(ctx.load(12).ok()?);
+    let Some((l3, ethertype)) = network_header(ctx) else {
+        // Tags stacked deeper than we read: whatever is inside, it may be TCP to a pod.
+        return Some(refuse(None, counter::UNPARSEABLE));
+    };
     let transport = match ethertype {
-        ETH_P_IP => transport_v4(ctx),
-        ETH_P_IPV6 => transport_v6(ctx),
+        ETH_P_IP => transport_v4(ctx, l3),
+        ETH_P_IPV6 => transport_v6(ctx, l3),
         _ => return None,
     };
     // The fast path, before any map lookup: not TCP, or a segment of a connection
@@ -231,16 +272,16 @@ fn try_inbound<'a>(
     let mut key = InboundKey { mac: ctx.load(0).ok()?, _pad: [0; 2], addr: [0; 16] };
     let size = if ethertype == ETH_P_IP {
         let t = unsafe { &mut tuple.__bindgen_anon_1.ipv4 };
-        t.saddr = ctx.load(ETH_HLEN + 12).ok()?;
-        t.daddr = ctx.load(ETH_HLEN + 16).ok()?;
-        let daddr: [u8; 4] = ctx.load(ETH_HLEN + 16).ok()?;
+        t.saddr = ctx.load(l3 + 12).ok()?;
+        t.daddr = ctx.load(l3 + 16).ok()?;
+        let daddr: [u8; 4] = ctx.load(l3 + 16).ok()?;
         (key.addr[0], key.addr[1], key.addr[2], key.addr[3]) = (daddr[0], daddr[1], daddr[2], daddr[3]);
         core::mem::size_of_val(t)
     } else {
         let t = unsafe { &mut tuple.__bindgen_anon_1.ipv6 };
-        t.saddr = ctx.load(ETH_HLEN + 8).ok()?;
-        t.daddr = ctx.load(ETH_HLEN + 24).ok()?;
-        key.addr = ctx.load(ETH_HLEN + 24).ok()?;
+        t.saddr = ctx.load(l3 + 8).ok()?;
+        t.daddr = ctx.load(l3 + 24).ok()?;
+        key.addr = ctx.load(l3 + 24).ok()?;
         core::mem::size_of_val(t)
     };
     let (cfg, pod) = config(&key)?;
