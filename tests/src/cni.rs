@@ -488,7 +488,8 @@ pub fn try_run_placed(placement: Placement<'_>, mut cmd: Command, args: &[&str])
 
 /// A pod's sandbox as the kubelet makes it, for code that finds pods through the
 /// node's /proc: a process in the pod's network namespace and in a cgroup named after
-/// the pod's UID (`<parent>/pod<uid>`, the cgroupfs driver's shape). Both go on drop.
+/// the pod's UID (`<parent>/pod<uid>`, the cgroupfs driver's shape; `parent` plays
+/// `kubepods`, and its name must say so). Both go on drop.
 pub struct KubeletSandbox {
     _process: crate::PodChild,
     _cgroup: crate::Cgroup,

@@ -433,3 +433,26 @@ fn the_inbound_classifier_drops_tunnels_and_deep_vlan_stacks() {
         assert_eq!(classifier.verdict(&f).unwrap(), expected, "{what}");
     }
 }
+
+/// A raw key whose length is not the map's (a damaged pin record) is refused before the
+/// kernel reads the map's key size from it: before, a short key had the kernel read
+/// past it and delete whatever key those bytes made.
+#[test]
+fn a_raw_key_of_the_wrong_length_deletes_nothing() {
+    use std::os::fd::{AsFd as _, FromRawFd as _, OwnedFd};
+    require_root!();
+    // BPF_MAP_CREATE: a hash map with 8-byte keys and 1-byte values.
+    let mut attr = [0u32; 32];
+    (attr[0], attr[1], attr[2], attr[3]) = (1, 8, 1, 4);
+    // SAFETY: a zeroed bpf_attr for BPF_MAP_CREATE.
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, 0, attr.as_mut_ptr(), std::mem::size_of_val(&attr)) };
+    assert!(fd >= 0, "BPF_MAP_CREATE: {}", std::io::Error::last_os_error());
+    // SAFETY: a new descriptor we own.
+    let map = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let e = weir_agent::ebpf::sys::delete_raw(map.as_fd(), &[1, 2, 3, 4]).unwrap_err();
+    assert!(e.to_string().contains("a key of 4 bytes for a map whose keys are 8 bytes"), "{e}");
+    assert!(
+        !weir_agent::ebpf::sys::delete_raw(map.as_fd(), &[0; 8]).unwrap(),
+        "an absent key of the right length"
+    );
+}

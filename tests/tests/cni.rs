@@ -1107,7 +1107,7 @@ fn repair_captures_pods_that_started_before_the_plugin() {
     let _bpffs = weir_tests::BpffsUse::acquire().unwrap();
     let node = Node::new(&test_name!(), false);
     let rt = CniRuntime::new(&node.ns).unwrap();
-    let kubepods = test_cgroup(&test_name!());
+    let kubepods = test_cgroup(&format!("{}-kubepods", test_name!()));
     // The cluster's CNI without Weir: these pods start uncaptured, each with its
     // sandbox process in a kubelet-named cgroup.
     let mut before = conflist("10.79.0.0/24", node.ipam.path(), json!({}));
@@ -1176,7 +1176,7 @@ fn repair_with_ebpf_registers_once_and_never_again() {
     let _bpffs = weir_tests::BpffsUse::acquire().unwrap();
     let node = Node::new(&test_name!(), false);
     let rt = CniRuntime::new(&node.ns).unwrap();
-    let kubepods = test_cgroup(&test_name!());
+    let kubepods = test_cgroup(&format!("{}-kubepods", test_name!()));
     let name = unique_name("cni-node");
     let _guard = NodeCapture(name.clone());
     weir_agent::node::cni::ebpf::attach_node(&name, kubepods.path()).unwrap();

@@ -111,8 +111,17 @@ pub fn map_info(map: BorrowedFd<'_>) -> std::io::Result<MapInfo> {
     Ok(MapInfo { map_type: w[0], key_size: w[2], value_size: w[3], max_entries: w[4] })
 }
 
-/// Deletes `key` (its raw bytes) from the map; `Ok(false)` when it was not there.
+/// Deletes `key` (its raw bytes) from the map; `Ok(false)` when it was not there. A key
+/// of another length than the map's (a damaged record) is refused: the kernel would
+/// read the map's key size from it regardless.
 pub fn delete_raw(map: BorrowedFd<'_>, key: &[u8]) -> std::io::Result<bool> {
+    let key_size = map_info(map)?.key_size;
+    if key.len() != key_size as usize {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("a key of {} bytes for a map whose keys are {key_size} bytes", key.len()),
+        ));
+    }
     let mut attr = [0u64; 16];
     // map_elem: map_fd (u32, padded), key (u64 pointer).
     attr[0] = u64::from(map.as_raw_fd() as u32);

@@ -26,18 +26,30 @@ pub enum PodNetnsError {
 }
 
 /// Whether a cgroup path (a line of /proc/<pid>/cgroup) is pod `uid`'s: the kubelet's
-/// `pod<uid>` component, with '-' or (systemd) '_' between the UID's groups.
+/// pod-level component (`pod<uid>`, with '-' or (systemd) '_' between the UID's groups)
+/// right under the node's first `kubepods` component, or under its QoS class
+/// (`burstable`, `besteffort`). Only there: a pod that may make cgroups of its own could
+/// otherwise name a nested one after another pod and pass for it.
 pub fn names_pod(cgroup_line: &str, uid: &str) -> bool {
     if uid.is_empty() {
         return false;
     }
     let systemd = uid.replace('-', "_");
-    cgroup_line.split('/').any(|part| {
+    let is_pod = |part: &str| {
         let part = part.strip_suffix(".slice").unwrap_or(part);
         [uid, systemd.as_str()]
             .iter()
             .any(|u| part.strip_suffix(*u).is_some_and(|head| head == "pod" || head.ends_with("-pod")))
-    })
+    };
+    let path = cgroup_line.rsplit_once(':').map_or(cgroup_line, |(_, p)| p);
+    let parts: Vec<&str> = path.split('/').filter(|p| !p.is_empty()).collect();
+    let Some(root) = parts.iter().position(|p| p.contains("kubepods")) else { return false };
+    let qos = |p: &&str| p.contains("burstable") || p.contains("besteffort");
+    match (parts.get(root + 1), parts.get(root + 2)) {
+        (Some(pod), _) if is_pod(pod) => true,
+        (Some(class), Some(pod)) => qos(class) && is_pod(pod),
+        _ => false,
+    }
 }
 
 /// The network namespace of pod `uid`: a `<proc>/<pid>/ns/net` path of one of its
@@ -106,5 +118,11 @@ mod tests {
         assert!(!names_pod(cgroupfs, ""));
         // A UID that merely ends a longer component is not this pod.
         assert!(!names_pod("0::/kubepods/pod16f1e2d3c-aaaa-bbbb-cccc-0123456789ab", uid));
+        // Another pod's nested cgroup named after this pod is not this pod.
+        let nested = "0::/kubepods/besteffort/pod0000aaaa-1111-2222-3333-444455556666/c1/pod6f1e2d3c-aaaa-bbbb-cccc-0123456789ab";
+        assert!(!names_pod(nested, uid));
+        let nested_systemd = "0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod0000aaaa_1111.slice/cri-containerd-1.scope/kubepods-besteffort-pod6f1e2d3c_aaaa_bbbb_cccc_0123456789ab.slice";
+        assert!(!names_pod(nested_systemd, uid));
+        assert!(!names_pod("0::/pod6f1e2d3c-aaaa-bbbb-cccc-0123456789ab", uid), "no kubepods above it");
     }
 }

@@ -9,11 +9,13 @@ use weir_ebpf_common::capture::{
     control, flags,
 };
 
-/// BPF_F_NO_PREALLOC, required for LPM tries.
+/// BPF_F_NO_PREALLOC: required for LPM tries; for `POD_CONFIG`, an entry replaced or
+/// removed is freed only after every program reading it is done (a preallocated
+/// element is reused at once, and a reader could see another pod's config).
 const NO_PREALLOC: u32 = 1;
 
 #[map]
-pub static POD_CONFIG: HashMap<u64, PodConfig> = HashMap::with_max_entries(MAX_PODS, 0);
+pub static POD_CONFIG: HashMap<u64, PodConfig> = HashMap::with_max_entries(MAX_PODS, NO_PREALLOC);
 
 /// Destinations never captured (`-x`), and the pod's own addresses (value 2).
 #[map]

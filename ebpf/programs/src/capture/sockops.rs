@@ -78,7 +78,8 @@ fn established(ctx: &SockOpsContext, active: bool) {
     let Some(cfg) = (unsafe { POD_CONFIG.get(&netns) }) else { return };
     let Some(key) = pair(ctx, netns) else { return };
     if !active && (key.local_port == cfg.outbound_port || key.local_port == cfg.inbound_port) {
-        let _ = ctx.set_cb_flags(STATE_CB_FLAG);
+        // Keep whatever callbacks another sockops program on the socket asked for.
+        let _ = ctx.set_cb_flags(ctx.cb_flags() as i32 | STATE_CB_FLAG);
     }
     if active {
         let cookie = net::socket_cookie(ctx.as_ptr());
