@@ -92,6 +92,11 @@ pub enum EbpfError {
         #[source]
         source: aya::maps::MapError,
     },
+    #[error(
+        "address {address} on an interface with MAC address {mac} is registered for inbound capture by another \
+         pod (network namespace cookie {owner}): two pods on a node cannot share an address and a MAC address"
+    )]
+    AddressTaken { address: std::net::IpAddr, mac: String, owner: u64 },
 }
 
 /// Opens `path` for attaching cgroup programs, refusing anything that is not a cgroup v2

@@ -742,6 +742,103 @@ fn inbound_capture_refuses_what_it_cannot_hand_to_envoy() {
     rt.del(&list, &a, Some(&result)).unwrap_or_else(|e| panic!("DEL: {e}"));
 }
 
+/// A pod cannot take over another pod's inbound capture by registering with its address
+/// and MAC address (a pod that set both on its own interface, then had its capture
+/// registered again): the registration is refused, naming the address, and the other
+/// pod stays captured. A leftover of a pod that is no longer registered may be taken,
+/// and then removing the old pod leaves the new owner's entry alone. Before, the second
+/// registration replaced the first pod's entry with its own config (here: port 8080
+/// not captured), and the first pod's SYNs went around its sidecar.
+#[test]
+fn a_pod_cannot_take_another_pods_inbound_address() {
+    require_root!();
+    let _bpffs = weir_tests::BpffsUse::acquire().unwrap();
+    let node = Node::new(&test_name!(), false);
+    node.api.set_pod(pod_object("shop", "web-1", true, &[], &[]));
+    let exclude = [("traffic.sidecar.istio.io/excludeInboundPorts", "8080")];
+    node.api.set_pod(pod_object("shop", "thief", true, &exclude, &[]));
+    let cgroup = test_cgroup(&test_name!());
+    let name = unique_name("cni-node");
+    let _guard = NodeCapture(name.clone());
+    weir_agent::node::cni::ebpf::attach_node(&name, cgroup.path()).unwrap();
+    let rt = CniRuntime::new(&node.ns).unwrap();
+    let server = pod_netns(&rt, "web-1");
+    let client = pod_netns(&rt, "client");
+    let mut plain_chain = node.conflist(json!({}));
+    plain_chain["plugins"].as_array_mut().unwrap().pop();
+    let client_ip =
+        pod_ip(&rt.add(&plain_chain, &Attachment::pod("c-client", client.path(), "x", "client")).unwrap());
+    let (list, a, result, ip) = add_auto(&node, &rt, &server, &name);
+    let mac = weir_agent::ebpf::netns::interface_mac(server.path(), "eth0").unwrap();
+    let mac_text = mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":");
+
+    // The thief's interface gets web-1's MAC address and address, then its ADD.
+    let thief = pod_netns(&rt, "thief");
+    let t = Attachment::pod("c-thief", thief.path(), "shop", "thief");
+    let bridge = rt.add(&plain_chain, &t).unwrap_or_else(|e| panic!("bridge ADD: {e}"));
+    let disguise = |ns: &NetNs| {
+        for args in [
+            vec!["link", "set", "eth0", "down"],
+            vec!["link", "set", "eth0", "address", &mac_text],
+            vec!["link", "set", "eth0", "up"],
+            vec!["addr", "add", &format!("{ip}/32"), "dev", "eth0"],
+        ] {
+            run_in(ns, None, Command::new("ip"), &args);
+        }
+    };
+    disguise(&thief);
+    let weir = CniRuntime::plugin_config(&list, &list["plugins"][1], Some(&bridge));
+    let e =
+        rt.exec("istio-cni", "ADD", &t, weir.to_string().as_bytes()).expect_err("the thief's ADD is refused");
+    assert!(
+        e.to_string()
+            .contains(&format!("address {ip} on an interface with MAC address {mac_text} is registered")),
+        "{e}"
+    );
+    rt.del(&plain_chain, &t, Some(&bridge)).unwrap_or_else(|e| panic!("DEL thief: {e}"));
+    drop(thief);
+
+    // web-1 is still captured: with Envoy on 15006 and nothing on 8080, its SYN to 8080
+    // is answered by Envoy (a RST would be the bypass).
+    let in_pod = |uid: u32| placed(&server, Some(&cgroup), uid);
+    let _envoy = start_placed(in_pod(1337), &["capture-listener", "0.0.0.0:15006"]).unwrap();
+    assert_eq!(syn_probe(&client, mac, &client_ip, &ip, 8080, "plain"), "syn-ack", "web-1 captured");
+
+    // web-1's inbound registration lost (as a failed removal would leave it): its entry
+    // is a leftover, and the next pod with that address takes it.
+    let key = weir_agent::node::cni::ebpf::pod_records(&name)
+        .into_iter()
+        .find(|r| r.netns.as_deref() == Some(server.path()))
+        .unwrap()
+        .programs
+        .unwrap();
+    let counters = weir_agent::ebpf::set::set_dir(&key).join("maps").join("INBOUND_POD_COUNTERS");
+    let cookie = weir_agent::ebpf::netns::netns_cookie(Some(server.path())).unwrap();
+    let key_bytes: Vec<String> = cookie.to_ne_bytes().iter().map(|b| b.to_string()).collect();
+    let mut args = vec!["map", "delete", "pinned", counters.to_str().unwrap(), "key"];
+    args.extend(key_bytes.iter().map(String::as_str));
+    let out = Command::new("bpftool").args(&args).output().unwrap();
+    assert!(out.status.success(), "bpftool map delete: {}", String::from_utf8_lossy(&out.stderr));
+    let heir = pod_netns(&rt, "thief");
+    let h = Attachment::pod("c-heir", heir.path(), "shop", "thief");
+    let bridge = rt.add(&plain_chain, &h).unwrap_or_else(|e| panic!("bridge ADD: {e}"));
+    disguise(&heir);
+    let weir = CniRuntime::plugin_config(&list, &list["plugins"][1], Some(&bridge));
+    rt.exec("istio-cni", "ADD", &h, weir.to_string().as_bytes())
+        .unwrap_or_else(|e| panic!("ADD over a leftover: {e}"));
+    let heir_cookie = weir_agent::ebpf::netns::netns_cookie(Some(heir.path())).unwrap();
+    let set_dir = weir_agent::ebpf::set::set_dir(&key);
+    let owns = || {
+        weir_agent::ebpf::inbound::pod_config(&set_dir, std::path::Path::new("/nonexistent"), heir_cookie)
+            .unwrap()
+            .is_some()
+    };
+    assert!(owns(), "the heir owns the address");
+    rt.del(&list, &a, Some(&result)).unwrap_or_else(|e| panic!("DEL web-1: {e}"));
+    assert!(owns(), "removing web-1 left the heir's entry alone");
+    rt.del(&list, &h, Some(&bridge)).unwrap_or_else(|e| panic!("DEL heir: {e}"));
+}
+
 /// Entries in one of a program set's pinned maps.
 fn map_entries(key: &str, map: &str) -> u32 {
     weir_agent::ebpf::metrics::map_fill()

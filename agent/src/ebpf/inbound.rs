@@ -212,6 +212,17 @@ impl NodeClassifier {
                     Err(e) if is_not_found(&e) => None,
                     Err(source) => return Err(EbpfError::Map { map: inbound::PODS, source }),
                 };
+                // Another registered pod's entry is not ours to take (its inbound would
+                // then follow our config); a gone pod's leftover is.
+                if let Some(owner) = before.map(|v| v.netns).filter(|o| *o != cookie)
+                    && self.pod_counters(owner)?.is_some()
+                {
+                    return Err(EbpfError::AddressTaken {
+                        address: *addr,
+                        mac: mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":"),
+                        owner,
+                    });
+                }
                 pods.insert(key, InboundPod { netns: cookie, config: *config }, 0)
                     .map_err(map_err(inbound::PODS))?;
                 staged.undo.push((key, before));

@@ -11,6 +11,15 @@ use super::{EbpfError, sys};
 /// on the pod before its lists go.
 const FIRST: &[&str] = &[weir_ebpf_common::capture::map::POD_CONFIG, weir_ebpf_common::inbound::PODS];
 
+/// Maps keyed by something other than the pod (an address), whose value starts with the
+/// owning pod's netns cookie: another pod may own such a key by now, and then it is
+/// not this registration's to remove.
+const OWNED_BY_VALUE: &[&str] = &[weir_ebpf_common::inbound::PODS];
+
+/// Maps keyed by the pod's netns cookie: any of their keys names the owner.
+const KEYED_BY_COOKIE: &[&str] =
+    &[weir_ebpf_common::capture::map::POD_CONFIG, weir_ebpf_common::inbound::POD_COUNTERS];
+
 /// One pod's entries in a program set's maps.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Registration {
@@ -77,9 +86,24 @@ impl Registration {
         names
     }
 
+    /// The owning pod's netns cookie (raw), from a key of a map keyed by it.
+    fn owner(&self) -> Option<Vec<u8>> {
+        KEYED_BY_COOKIE.iter().find_map(|m| self.keys.get(*m)?.first().and_then(|k| unhex(k)))
+    }
+
+    /// Whether the entry under `raw` in a map owned by value is another pod's now.
+    fn owned_by_another(&self, fd: BorrowedFd<'_>, raw: &[u8]) -> bool {
+        let Some(owner) = self.owner() else { return false };
+        match sys::lookup_raw(fd, raw) {
+            Ok(Some(value)) => value.get(..owner.len()).is_some_and(|v| v != owner.as_slice()),
+            _ => false,
+        }
+    }
+
     /// Deletes every entry, through `map_fd` (a map's descriptor by name; `None`: the set
-    /// has no such map, nothing to delete). Missing entries are fine. Every entry is
-    /// tried; the first failure is returned.
+    /// has no such map, nothing to delete). Missing entries are fine, and so is an
+    /// address entry another pod owns by now (left to it). Every entry is tried; the
+    /// first failure is returned.
     pub fn remove<'a>(&self, map_fd: impl Fn(&str) -> Option<BorrowedFd<'a>>) -> Result<(), EbpfError> {
         let mut first_error = None;
         for name in self.order() {
@@ -92,6 +116,10 @@ impl Registration {
                     });
                     continue;
                 };
+                if OWNED_BY_VALUE.contains(&name) && self.owned_by_another(fd, &raw) {
+                    tracing::info!(map = name, key = %key, "entry left alone: another pod owns it now");
+                    continue;
+                }
                 if let Err(source) = sys::delete_raw(fd, &raw) {
                     tracing::warn!(map = name, key = %key, error = %source, "registration entry not removed");
                     first_error

@@ -10,6 +10,7 @@ use std::{
     path::Path,
 };
 
+const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
 const BPF_MAP_DELETE_ELEM: libc::c_long = 3;
 const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
 const BPF_OBJ_PIN: libc::c_long = 6;
@@ -111,16 +112,39 @@ pub fn map_info(map: BorrowedFd<'_>) -> std::io::Result<MapInfo> {
     Ok(MapInfo { map_type: w[0], key_size: w[2], value_size: w[3], max_entries: w[4] })
 }
 
+/// The value under `key` (raw bytes, the map's value size); `None` when absent. The key
+/// must be the map's key size (see [`delete_raw`]).
+pub fn lookup_raw(map: BorrowedFd<'_>, key: &[u8]) -> std::io::Result<Option<Vec<u8>>> {
+    let info = map_info(map)?;
+    if key.len() != info.key_size as usize {
+        return Err(wrong_key_size(key.len(), info.key_size));
+    }
+    let mut value = vec![0u8; info.value_size as usize];
+    let mut attr = [0u64; 16];
+    attr[0] = u64::from(map.as_raw_fd() as u32);
+    attr[1] = key.as_ptr() as u64;
+    attr[2] = value.as_mut_ptr() as u64;
+    match bpf(BPF_MAP_LOOKUP_ELEM, &mut attr) {
+        Ok(_) => Ok(Some(value)),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+fn wrong_key_size(len: usize, key_size: u32) -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::InvalidInput,
+        format!("a key of {len} bytes for a map whose keys are {key_size} bytes"),
+    )
+}
+
 /// Deletes `key` (its raw bytes) from the map; `Ok(false)` when it was not there. A key
 /// of another length than the map's (a damaged record) is refused: the kernel would
 /// read the map's key size from it regardless.
 pub fn delete_raw(map: BorrowedFd<'_>, key: &[u8]) -> std::io::Result<bool> {
     let key_size = map_info(map)?.key_size;
     if key.len() != key_size as usize {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            format!("a key of {} bytes for a map whose keys are {key_size} bytes", key.len()),
-        ));
+        return Err(wrong_key_size(key.len(), key_size));
     }
     let mut attr = [0u64; 16];
     // map_elem: map_fd (u32, padded), key (u64 pointer).
