@@ -839,6 +839,49 @@ fn a_pod_cannot_take_another_pods_inbound_address() {
     rt.del(&list, &h, Some(&bridge)).unwrap_or_else(|e| panic!("DEL heir: {e}"));
 }
 
+/// ADD again for a pod that is captured (the runtime retried it, or repair) that fails
+/// after the switch to its new registration leaves the pod captured. Before, the
+/// failure path unregistered the pod, and its SYNs went around its sidecar.
+#[test]
+fn a_failed_add_again_leaves_the_pod_captured() {
+    require_root!();
+    let _bpffs = weir_tests::BpffsUse::acquire().unwrap();
+    let node = Node::new(&test_name!(), false);
+    node.api.set_pod(pod_object("shop", "web-1", true, &[], &[]));
+    let cgroup = test_cgroup(&test_name!());
+    let name = unique_name("cni-node");
+    let _guard = NodeCapture(name.clone());
+    weir_agent::node::cni::ebpf::attach_node(&name, cgroup.path()).unwrap();
+    let rt = CniRuntime::new(&node.ns).unwrap();
+    let server = pod_netns(&rt, "web-1");
+    let client = pod_netns(&rt, "client");
+    let mut plain_chain = node.conflist(json!({}));
+    plain_chain["plugins"].as_array_mut().unwrap().pop();
+    let client_ip =
+        pod_ip(&rt.add(&plain_chain, &Attachment::pod("c-client", client.path(), "x", "client")).unwrap());
+    let (list, a, result, ip) = add_auto(&node, &rt, &server, &name);
+    let mac = weir_agent::ebpf::netns::interface_mac(server.path(), "eth0").unwrap();
+    let _envoy =
+        start_placed(placed(&server, Some(&cgroup), 1337), &["capture-listener", "0.0.0.0:15006"]).unwrap();
+    assert_eq!(syn_probe(&client, mac, &client_ip, &ip, 8080, "plain"), "syn-ack", "captured");
+
+    // The record cannot be written (a directory where its temporary file goes).
+    let record = weir_agent::node::cni::ebpf::pod_records(&name)
+        .into_iter()
+        .find(|r| r.netns.as_deref() == Some(server.path()))
+        .expect("web-1's record");
+    let blocker =
+        std::path::Path::new(weir_agent::ebpf::record::RECORD_DIR).join(format!("{}.json.tmp", record.pod));
+    std::fs::create_dir(&blocker).unwrap();
+    let weir = CniRuntime::plugin_config(&list, &list["plugins"][1], Some(&result));
+    let e = rt.exec("istio-cni", "ADD", &a, weir.to_string().as_bytes());
+    std::fs::remove_dir(&blocker).unwrap();
+    let e = e.expect_err("ADD again fails: the record cannot be written");
+    assert!(e.to_string().contains("write the pod's capture record"), "{e}");
+    assert_eq!(syn_probe(&client, mac, &client_ip, &ip, 8080, "plain"), "syn-ack", "still captured");
+    rt.del(&list, &a, Some(&result)).unwrap_or_else(|e| panic!("DEL: {e}"));
+}
+
 /// Entries in one of a program set's pinned maps.
 fn map_entries(key: &str, map: &str) -> u32 {
     weir_agent::ebpf::metrics::map_fill()

@@ -461,6 +461,12 @@ impl NodePrograms {
         Ok(())
     }
 
+    /// Whether the set has a node classifier (else each pod gets a copy of its own,
+    /// pinned under the pod's folder).
+    pub fn has_node_classifier(&self) -> bool {
+        self.inbound.is_some()
+    }
+
     /// Attaches inbound capture to `interface` in `netns` and keeps it: the node
     /// classifier as a tc filter (the pod's config was written by [`Self::register`]);
     /// or, in a set without one, a copy of its own (a TCX link pinned at

@@ -28,6 +28,7 @@ use crate::ebpf::{
     health, link,
     netns::{netns_cookie, owned_by_this_user_namespace},
     record::{PinRecord, RECORD_DIR, pin_dir},
+    registration::Registration,
     set::{self, LockedSet, NodePrograms},
 };
 
@@ -294,7 +295,11 @@ pub struct PodIdentity {
 
 /// ADD: registers the pod in the node program set's maps and attaches inbound
 /// capture to `ifname` in `netns`. A container registered already (the runtime retried
-/// ADD) is registered again in place, in one switch.
+/// ADD, or repair) is registered again in place, in one switch; one registered by
+/// another build's set is registered in this set first, and only then taken out of the
+/// other (the two sets' programs agree while both know it: the second sees a connection
+/// the first redirected as bound for loopback). A failure never leaves a pod that was
+/// captured less captured than before.
 pub fn register(
     node: &str,
     container_id: &str,
@@ -325,24 +330,46 @@ pub fn register(
         pod_uid: (!who.uid.is_empty()).then(|| who.uid.clone()),
         container: Some(container_id.to_string()),
     };
-    let previous = match PinRecord::load(&name) {
-        Some(old) if old.netns_cookie == cookie && old.programs == record.programs => old.registration,
-        Some(old) => {
-            old.remove()?;
-            None
-        }
-        None => None,
-    };
     let mut set = NodePrograms::open_existing(&key)?
         .ok_or_else(|| CniEbpfError::NoNodeCapture { name: node.into() })?;
+    let (previous, other_build) = match PinRecord::load(&name) {
+        Some(old) if old.netns_cookie == cookie && old.programs == record.programs => {
+            (old.registration, None)
+        }
+        // The same pod in another build's set: moved once this set captures it, unless
+        // this set pins an inbound copy of its own where the old one's pins are.
+        Some(old) if old.netns_cookie == cookie && set.has_node_classifier() => (None, Some(old)),
+        // Another namespace under this container id, or no way to hold both: nothing of
+        // this pod to keep.
+        Some(old) => {
+            old.remove()?;
+            (None, None)
+        }
+        None => (None, None),
+    };
+    let was_captured = previous.is_some() || other_build.is_some();
     let registration = set.register(cookie, &pod, Some((netns, ifname)), previous.as_ref())?;
+    // After the switch: a failure takes back a new pod's registration, and leaves a pod
+    // that was captured before captured (its new registration, or the other build's).
+    let undo = |set: &mut NodePrograms, registration: &Registration| {
+        if !was_captured {
+            let _ = set.unregister(cookie, Some(registration));
+        }
+    };
     if let Err(e) = set.attach_inbound(netns, ifname, &pod, &record.pin_dir()) {
-        let _ = set.unregister(cookie, Some(&registration));
+        undo(&mut set, &registration);
         return Err(e.into());
+    }
+    if let Some(old) = other_build {
+        // Its filter was replaced by this set's: only its maps, pins and record go.
+        let old = PinRecord { interface: None, ..old };
+        if let Err(e) = old.remove() {
+            tracing::warn!(capture = %name, error = %crate::error_chain(&e), "the pod's registration in another build's set not wholly removed");
+        }
     }
     record.registration = Some(registration);
     if let Err(e) = record.save() {
-        let _ = set.unregister(cookie, record.registration.as_ref());
+        undo(&mut set, record.registration.as_ref().expect("set above"));
         return Err(io("write the pod's capture record")(e));
     }
     Ok(cookie)
