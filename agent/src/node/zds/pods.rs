@@ -42,7 +42,7 @@ impl Netns {
 /// `ioctl(NS_GET_NSTYPE)` (Linux 4.11+): the `CLONE_NEW*` type of a namespace fd.
 const NS_GET_NSTYPE: libc::c_ulong = 0xb7 << 8 | 0x3;
 /// `statfs` type of the nsfs filesystem namespace files live on.
-const NSFS_MAGIC: i64 = 0x6e73_6673;
+const NSFS_MAGIC: u64 = 0x6e73_6673;
 
 /// Ok when `fd` is a network namespace (on kernels before 4.11, any namespace).
 fn check_network_namespace(fd: BorrowedFd<'_>) -> Result<(), String> {
@@ -56,12 +56,14 @@ fn check_network_namespace(fd: BorrowedFd<'_>) -> Result<(), String> {
     }
     let err = Errno::last();
     let stat = nix::sys::statfs::fstatfs(fd).map_err(|e| format!("fstatfs: {e}"))?;
+    // The statfs type is signed in glibc and unsigned in musl: compare it as unsigned.
+    #[allow(clippy::unnecessary_cast)]
+    let fs_type = stat.filesystem_type().0 as u64;
     match err {
         // Older kernels have no NS_GET_NSTYPE: a file on nsfs is a namespace.
-        Errno::ENOTTY | Errno::EINVAL if stat.filesystem_type().0 == NSFS_MAGIC => Ok(()),
+        Errno::ENOTTY | Errno::EINVAL if fs_type == NSFS_MAGIC => Ok(()),
         e => Err(format!(
-            "not a namespace file (filesystem type {:#x}, NS_GET_NSTYPE: {e})",
-            stat.filesystem_type().0
+            "not a namespace file (filesystem type {fs_type:#x}, NS_GET_NSTYPE: {e})"
         )),
     }
 }
