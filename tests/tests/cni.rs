@@ -376,6 +376,26 @@ impl NodeAgent {
     }
 }
 
+/// A test cgroup with a node capture attached to it (removed when the guard drops):
+/// the cgroup, the capture's name and its guard.
+fn attached_node_capture(test: &str) -> (weir_tests::Cgroup, String, NodeCapture) {
+    let cgroup = test_cgroup(test);
+    let name = unique_name("cni-node");
+    let guard = NodeCapture(name.clone());
+    weir_agent::node::cni::ebpf::attach_node(&name, cgroup.path()).unwrap();
+    (cgroup, name, guard)
+}
+
+/// A pod on the node's bridge through the primary plugin alone (no Weir): its
+/// namespace and address.
+fn plain_pod(node: &Node, rt: &CniRuntime<'_>, name: &str) -> (NetNs, String) {
+    let ns = pod_netns(rt, name);
+    let mut plain_chain = node.conflist(json!({}));
+    plain_chain["plugins"].as_array_mut().unwrap().pop();
+    let result = rt.add(&plain_chain, &Attachment::pod(&format!("c-{name}"), ns.path(), "x", name)).unwrap();
+    (ns, pod_ip(&result))
+}
+
 /// web-1's ADD in auto mode, the conflist naming the node capture `capture`: the
 /// conflist, the attachment, the result and the pod's IP.
 fn add_auto(
@@ -670,17 +690,10 @@ fn inbound_capture_refuses_what_it_cannot_hand_to_envoy() {
     let _bpffs = weir_tests::BpffsUse::acquire().unwrap();
     let node = Node::new(&test_name!(), false);
     node.api.set_pod(pod_object("shop", "web-1", true, &[], &[]));
-    let cgroup = test_cgroup(&test_name!());
-    let name = unique_name("cni-node");
-    let _guard = NodeCapture(name.clone());
-    weir_agent::node::cni::ebpf::attach_node(&name, cgroup.path()).unwrap();
+    let (cgroup, name, _guard) = attached_node_capture(&test_name!());
     let rt = CniRuntime::new(&node.ns).unwrap();
     let server = pod_netns(&rt, "web-1");
-    let client = pod_netns(&rt, "client");
-    let mut plain_chain = node.conflist(json!({}));
-    plain_chain["plugins"].as_array_mut().unwrap().pop();
-    let client_ip =
-        pod_ip(&rt.add(&plain_chain, &Attachment::pod("c-client", client.path(), "x", "client")).unwrap());
+    let (client, client_ip) = plain_pod(&node, &rt, "client");
     let (list, a, result, ip) = add_auto(&node, &rt, &server, &name);
     // IPv6 addresses too, then the runtime's ADD again: registered again in place.
     for (ns, v6) in [(&server, "fd00:77::10"), (&client, "fd00:77::20")] {
@@ -757,22 +770,17 @@ fn a_pod_cannot_take_another_pods_inbound_address() {
     node.api.set_pod(pod_object("shop", "web-1", true, &[], &[]));
     let exclude = [("traffic.sidecar.istio.io/excludeInboundPorts", "8080")];
     node.api.set_pod(pod_object("shop", "thief", true, &exclude, &[]));
-    let cgroup = test_cgroup(&test_name!());
-    let name = unique_name("cni-node");
-    let _guard = NodeCapture(name.clone());
-    weir_agent::node::cni::ebpf::attach_node(&name, cgroup.path()).unwrap();
+    let (cgroup, name, _guard) = attached_node_capture(&test_name!());
     let rt = CniRuntime::new(&node.ns).unwrap();
     let server = pod_netns(&rt, "web-1");
-    let client = pod_netns(&rt, "client");
-    let mut plain_chain = node.conflist(json!({}));
-    plain_chain["plugins"].as_array_mut().unwrap().pop();
-    let client_ip =
-        pod_ip(&rt.add(&plain_chain, &Attachment::pod("c-client", client.path(), "x", "client")).unwrap());
+    let (client, client_ip) = plain_pod(&node, &rt, "client");
     let (list, a, result, ip) = add_auto(&node, &rt, &server, &name);
     let mac = weir_agent::ebpf::netns::interface_mac(server.path(), "eth0").unwrap();
     let mac_text = mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":");
 
     // The thief's interface gets web-1's MAC address and address, then its ADD.
+    let mut plain_chain = node.conflist(json!({}));
+    plain_chain["plugins"].as_array_mut().unwrap().pop();
     let thief = pod_netns(&rt, "thief");
     let t = Attachment::pod("c-thief", thief.path(), "shop", "thief");
     let bridge = rt.add(&plain_chain, &t).unwrap_or_else(|e| panic!("bridge ADD: {e}"));
@@ -848,17 +856,10 @@ fn a_failed_add_again_leaves_the_pod_captured() {
     let _bpffs = weir_tests::BpffsUse::acquire().unwrap();
     let node = Node::new(&test_name!(), false);
     node.api.set_pod(pod_object("shop", "web-1", true, &[], &[]));
-    let cgroup = test_cgroup(&test_name!());
-    let name = unique_name("cni-node");
-    let _guard = NodeCapture(name.clone());
-    weir_agent::node::cni::ebpf::attach_node(&name, cgroup.path()).unwrap();
+    let (cgroup, name, _guard) = attached_node_capture(&test_name!());
     let rt = CniRuntime::new(&node.ns).unwrap();
     let server = pod_netns(&rt, "web-1");
-    let client = pod_netns(&rt, "client");
-    let mut plain_chain = node.conflist(json!({}));
-    plain_chain["plugins"].as_array_mut().unwrap().pop();
-    let client_ip =
-        pod_ip(&rt.add(&plain_chain, &Attachment::pod("c-client", client.path(), "x", "client")).unwrap());
+    let (client, client_ip) = plain_pod(&node, &rt, "client");
     let (list, a, result, ip) = add_auto(&node, &rt, &server, &name);
     let mac = weir_agent::ebpf::netns::interface_mac(server.path(), "eth0").unwrap();
     let _envoy =
@@ -879,6 +880,68 @@ fn a_failed_add_again_leaves_the_pod_captured() {
     let e = e.expect_err("ADD again fails: the record cannot be written");
     assert!(e.to_string().contains("write the pod's capture record"), "{e}");
     assert_eq!(syn_probe(&client, mac, &client_ip, &ip, 8080, "plain"), "syn-ack", "still captured");
+    rt.del(&list, &a, Some(&result)).unwrap_or_else(|e| panic!("DEL: {e}"));
+}
+
+/// Capture's second line, at the socket: an app's listener on a captured port takes no
+/// connection that came in from outside the pod around the inbound classifier: not to
+/// an address the pod was not registered with (one added later, as SLAAC does), not
+/// over a second interface the classifier is not on (as Multus adds). What the
+/// classifier hands Envoy, and what Envoy hands the app over loopback (from 127.0.0.6),
+/// work as before. Before, both went straight to the app.
+#[test]
+fn the_inbound_guard_refuses_what_went_around_the_classifier() {
+    require_root!();
+    let _bpffs = weir_tests::BpffsUse::acquire().unwrap();
+    let node = Node::new(&test_name!(), false);
+    node.api.set_pod(pod_object("shop", "web-1", true, &[], &[]));
+    let (cgroup, name, _guard) = attached_node_capture(&test_name!());
+    let rt = CniRuntime::new(&node.ns).unwrap();
+    let server = pod_netns(&rt, "web-1");
+    let (client, _) = plain_pod(&node, &rt, "client");
+    let (list, a, result, ip) = add_auto(&node, &rt, &server, &name);
+    let in_pod = |uid: u32| placed(&server, Some(&cgroup), uid);
+    let _app = start_placed(in_pod(1000), &["serve-hello", "0.0.0.0:8080", "app"]).unwrap();
+    let _envoy = start_placed(in_pod(1337), &["capture-listener", "0.0.0.0:15006"]).unwrap();
+    let ask = |to: &str| {
+        try_run_placed(placed(&client, None, 1000), tools::testkit_command(), &["ask", &format!("{to}:8080")])
+    };
+
+    // The registered address: captured (Envoy's stand-in answers), as before.
+    let through = ask(&ip).unwrap_or_else(|e| panic!("the registered address: {e}"));
+    assert!(through.starts_with("captured "), "{through}");
+    // Envoy's way to the app: from 127.0.0.6, over loopback.
+    let passthrough =
+        run_placed(in_pod(1337), tools::testkit_command(), &["ask-from", "127.0.0.6", &format!("{ip}:8080")]);
+    assert!(passthrough.starts_with("hello app"), "{passthrough}");
+
+    // An address added after registration: the classifier does not know it.
+    let late = ip.rsplit_once('.').map(|(net, _)| format!("{net}.250")).unwrap();
+    run_in(&server, None, Command::new("ip"), &["addr", "add", &format!("{late}/32"), "dev", "eth0"]);
+    run_in(&client, None, Command::new("ip"), &["route", "add", &format!("{late}/32"), "dev", "eth0"]);
+    let out = ask(&late);
+    assert!(out.is_err(), "the app answered on an unregistered address: {out:?}");
+
+    // A second interface between the two pods, which the classifier is not on.
+    run_in(
+        &client,
+        None,
+        Command::new("ip"),
+        &["link", "add", "net1", "type", "veth", "peer", "name", "net1", "netns", server.name()],
+    );
+    for (ns, addr) in [(&client, "192.168.77.1/24"), (&server, "192.168.77.2/24")] {
+        run_in(ns, None, Command::new("ip"), &["addr", "add", addr, "dev", "net1"]);
+        run_in(ns, None, Command::new("ip"), &["link", "set", "net1", "up"]);
+    }
+    let out = ask("192.168.77.2");
+    assert!(out.is_err(), "the app answered over a second interface: {out:?}");
+
+    let status = capture_status();
+    let web1 = status
+        .iter()
+        .find(|p| p["netns"].as_str().is_some_and(|n| Path::new(n) == server.path()))
+        .unwrap_or_else(|| panic!("web-1 in capture status: {status:?}"));
+    assert!(web1["counters"]["inbound_bypass_refused"].as_u64() >= Some(2), "{web1}");
     rt.del(&list, &a, Some(&result)).unwrap_or_else(|e| panic!("DEL: {e}"));
 }
 
@@ -957,10 +1020,7 @@ fn registering_a_pod_again_leaves_no_window() {
     let node = Node::new(&test_name!(), false);
     let annotation = ("traffic.sidecar.istio.io/excludeOutboundIPRanges", format!("{GATEWAY}/32"));
     node.api.set_pod(pod_object("shop", "web-1", true, &[(annotation.0, &annotation.1)], &[]));
-    let cgroup = test_cgroup(&test_name!());
-    let name = unique_name("cni-node");
-    let _guard = NodeCapture(name.clone());
-    weir_agent::node::cni::ebpf::attach_node(&name, cgroup.path()).unwrap();
+    let (cgroup, name, _guard) = attached_node_capture(&test_name!());
     let rt = CniRuntime::new(&node.ns).unwrap();
     let pod = pod_netns(&rt, "web-1");
     let (list, a, result, ip) = add_auto(&node, &rt, &pod, &name);
@@ -1028,10 +1088,7 @@ fn a_connect_storm_leaves_no_tracking_entries_behind() {
     let _bpffs = weir_tests::BpffsUse::acquire().unwrap();
     let node = Node::new(&test_name!(), false);
     node.api.set_pod(pod_object("shop", "web-1", true, &[], &[]));
-    let cgroup = test_cgroup(&test_name!());
-    let name = unique_name("cni-node");
-    let _guard = NodeCapture(name.clone());
-    weir_agent::node::cni::ebpf::attach_node(&name, cgroup.path()).unwrap();
+    let (cgroup, name, _guard) = attached_node_capture(&test_name!());
     let key = weir_agent::ebpf::record::PinRecord::load(&name).unwrap().programs.unwrap();
     let rt = CniRuntime::new(&node.ns).unwrap();
     let pod = pod_netns(&rt, "web-1");
@@ -1108,10 +1165,7 @@ fn pods_in_a_user_namespace_get_netfilter_and_a_named_refusal_for_ebpf() {
     let _bpffs = weir_tests::BpffsUse::acquire().unwrap();
     let node = Node::new(&test_name!(), false);
     node.api.set_pod(pod_object("shop", "web-1", true, &[], &[]));
-    let cgroup = test_cgroup(&test_name!());
-    let name = unique_name("cni-node");
-    let _guard = NodeCapture(name.clone());
-    weir_agent::node::cni::ebpf::attach_node(&name, cgroup.path()).unwrap();
+    let (_cgroup, name, _guard) = attached_node_capture(&test_name!());
     let rt = CniRuntime::new(&node.ns).unwrap();
     let pod = UsernsPod::new();
     let netns = pod.netns();
@@ -1186,10 +1240,7 @@ fn large_getsockopt_answers_come_back_whole_for_every_pod() {
     let _bpffs = weir_tests::BpffsUse::acquire().unwrap();
     let node = Node::new(&test_name!(), false);
     node.api.set_pod(pod_object("shop", "web-1", true, &[], &[]));
-    let cgroup = test_cgroup(&test_name!());
-    let name = unique_name("cni-node");
-    let _guard = NodeCapture(name.clone());
-    weir_agent::node::cni::ebpf::attach_node(&name, cgroup.path()).unwrap();
+    let (cgroup, name, _guard) = attached_node_capture(&test_name!());
     let rt = CniRuntime::new(&node.ns).unwrap();
     let meshed = pod_netns(&rt, "web-1");
     let (list, a, result, _) = add_auto(&node, &rt, &meshed, &name);

@@ -16,7 +16,7 @@ use std::{
 use aya::{
     Ebpf,
     maps::{Array, HashMap, LpmTrie, Map, MapData, PerCpuHashMap, PerCpuValues, SockHash, lpm_trie::Key},
-    programs::{CgroupSock, CgroupSockAddr, CgroupSockopt, SkMsg, SockOps},
+    programs::{CgroupSkb, CgroupSock, CgroupSockAddr, CgroupSockopt, SkMsg, SockOps},
 };
 pub use lists::Staged;
 use weir_ebpf_common::capture::{
@@ -350,6 +350,8 @@ impl CapturePrograms {
         p.load().map_err(|source| EbpfError::Verify { program: prog::SOCKOPS, source })?;
         let p: &mut CgroupSock = program(&mut ebpf, prog::SOCK_RELEASE)?;
         p.load().map_err(|source| EbpfError::Verify { program: prog::SOCK_RELEASE, source })?;
+        let p: &mut CgroupSkb = program(&mut ebpf, prog::INBOUND_GUARD)?;
+        p.load().map_err(|source| EbpfError::Verify { program: prog::INBOUND_GUARD, source })?;
         let p: &mut SkMsg = program(&mut ebpf, prog::SK_MSG)?;
         p.load().map_err(|source| EbpfError::Verify { program: prog::SK_MSG, source })?;
         let maps = MapSet::take(&mut ebpf)?;
@@ -474,6 +476,7 @@ pub const SET_PROGRAMS: &[&str] = &[
     prog::SOCKOPS,
     prog::GETSOCKOPT,
     prog::SOCK_RELEASE,
+    prog::INBOUND_GUARD,
     prog::RECVMSG4,
     prog::RECVMSG6,
     prog::SENDMSG4,
@@ -489,6 +492,7 @@ pub fn cgroup_hooks() -> Vec<(&'static str, u32)> {
         (prog::SOCKOPS, attach_type::SOCK_OPS),
         (prog::GETSOCKOPT, attach_type::GETSOCKOPT),
         (prog::SOCK_RELEASE, attach_type::SOCK_RELEASE),
+        (prog::INBOUND_GUARD, attach_type::INET_INGRESS),
     ];
     hooks.extend_from_slice(CGROUP_SOCK_ADDR);
     hooks

@@ -114,6 +114,33 @@ fn ports<const N: usize>(input: &'static str, list: &[PortSpec]) -> Result<[u16;
     Ok(out)
 }
 
+/// The inbound classifier's view of `cfg`'s inbound capture (`None`: no inbound capture).
+fn inbound_config(cfg: &CaptureConfig) -> Result<Option<InboundConfig>, EbpfConfigError> {
+    let none = [0u16; inbound::MAX_PORTS];
+    match &cfg.inbound_ports {
+        InboundPorts::None => Ok(None),
+        InboundPorts::All => Ok(Some(InboundConfig {
+            capture_port: cfg.inbound_capture_port,
+            tunnel_port: cfg.inbound_tunnel_port,
+            mode: inbound::mode::ALL,
+            _reserved: 0,
+            include_ports: none,
+            exclude_ports: ports::<{ inbound::MAX_PORTS }>(
+                "-d/--istio-local-exclude-ports",
+                &cfg.inbound_ports_exclude,
+            )?,
+        })),
+        InboundPorts::Only(list) => Ok(Some(InboundConfig {
+            capture_port: cfg.inbound_capture_port,
+            tunnel_port: cfg.inbound_tunnel_port,
+            mode: inbound::mode::ONLY,
+            _reserved: 0,
+            include_ports: ports::<{ inbound::MAX_PORTS }>("-b/--istio-inbound-ports", list)?,
+            exclude_ports: none,
+        })),
+    }
+}
+
 impl PodCapture {
     /// Translates `cfg` for a pod whose own addresses are `own_addresses`.
     pub fn new(
@@ -175,29 +202,7 @@ impl PodCapture {
                     .map_err(|_| err("/etc/resolv.conf", format!("nameserver {s:?} is not an address")))
             })
             .collect::<Result<_, _>>()?;
-        let none = [0u16; inbound::MAX_PORTS];
-        let inbound = match &cfg.inbound_ports {
-            InboundPorts::None => None,
-            InboundPorts::All => Some(InboundConfig {
-                capture_port: cfg.inbound_capture_port,
-                tunnel_port: cfg.inbound_tunnel_port,
-                mode: inbound::mode::ALL,
-                _reserved: 0,
-                include_ports: none,
-                exclude_ports: ports::<{ inbound::MAX_PORTS }>(
-                    "-d/--istio-local-exclude-ports",
-                    &cfg.inbound_ports_exclude,
-                )?,
-            }),
-            InboundPorts::Only(list) => Some(InboundConfig {
-                capture_port: cfg.inbound_capture_port,
-                tunnel_port: cfg.inbound_tunnel_port,
-                mode: inbound::mode::ONLY,
-                _reserved: 0,
-                include_ports: ports::<{ inbound::MAX_PORTS }>("-b/--istio-inbound-ports", list)?,
-                exclude_ports: none,
-            }),
-        };
+        let inbound = inbound_config(cfg)?;
         let exclude: Vec<Cidr> = decisions.exclude_v4.iter().chain(&decisions.exclude_v6).copied().collect();
         within_limit(
             "-x/--istio-service-exclude-cidr",

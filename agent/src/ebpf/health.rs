@@ -60,7 +60,13 @@ fn link_faults(holder: &PinRecord) -> Vec<CaptureFault> {
         return vec![CaptureFault::PinsGone(dir.display().to_string())];
     }
     let links = dir.join("links");
-    let names: Vec<&str> = cgroup_hooks().into_iter().map(|(name, _)| name).collect();
+    // The hooks its program set has (another build's set may have fewer than this one).
+    let progs = holder.programs.as_deref().map(|key| set::set_dir(key).join("progs"));
+    let names: Vec<&str> = cgroup_hooks()
+        .into_iter()
+        .map(|(name, _)| name)
+        .filter(|name| progs.as_ref().is_none_or(|p| !p.exists() || p.join(name).exists()))
+        .collect();
     let missing: Vec<&str> = names.iter().copied().filter(|name| gone(&links.join(name))).collect();
     let mut faults = Vec::new();
     if !missing.is_empty() {

@@ -15,6 +15,7 @@ pub use super::sys::{link_prog_id, obj_get, prog_id};
 
 /// UAPI `enum bpf_attach_type` values Weir attaches with.
 pub mod attach_type {
+    pub const INET_INGRESS: u32 = 0;
     pub const SOCK_OPS: u32 = 3;
     pub const INET4_CONNECT: u32 = 10;
     pub const INET6_CONNECT: u32 = 11;

@@ -24,6 +24,7 @@ pub mod prog {
     pub const SOCKOPS: &str = "weir_sockops";
     pub const SK_MSG: &str = "weir_sk_msg";
     pub const SOCK_RELEASE: &str = "weir_sock_release";
+    pub const INBOUND_GUARD: &str = "weir_inbound_guard";
 }
 
 /// Map names (the statics in `ebpf/programs/src/capture/maps.rs`).
@@ -41,6 +42,9 @@ pub mod map {
     pub const SOCK_PAIRS: &str = "SOCK_PAIRS";
     pub const POD_COUNTERS: &str = "POD_COUNTERS";
     pub const CONTROL: &str = "CONTROL";
+    pub const INBOUND_PORTS: &str = "INBOUND_PORTS";
+    pub const LISTENERS: &str = "LISTENERS";
+    pub const LISTENER_COUNTS: &str = "LISTENER_COUNTS";
     /// Every map, for pinning and status.
     pub const ALL: &[&str] = &[
         POD_CONFIG,
@@ -56,6 +60,9 @@ pub mod map {
         SOCK_PAIRS,
         POD_COUNTERS,
         CONTROL,
+        INBOUND_PORTS,
+        LISTENERS,
+        LISTENER_COUNTS,
     ];
 }
 
@@ -73,6 +80,10 @@ pub const MAX_CIDRS: u32 = 2 * MAX_PODS * MAX_CIDRS_PER_POD;
 /// asks for the original destination, so they count connections in flight, not
 /// connections made.
 pub const MAX_TRACKED_CONNECTIONS: u32 = 65536;
+/// Listening sockets one pod may have guarded (`LISTENERS`): past it, a listener is
+/// counted (`listeners_unguarded`) and left to the inbound classifier alone.
+pub const MAX_GUARDED_LISTENERS_PER_POD: u32 = 64;
+pub const MAX_LISTENERS: u32 = MAX_PODS * MAX_GUARDED_LISTENERS_PER_POD;
 
 /// Slots for proxy uids/gids and port lists in [`PodConfig`].
 pub const MAX_IDS: usize = 4;
@@ -242,7 +253,13 @@ pub mod counter {
     pub const SKMSG_BYTES: u32 = 15;
     /// sk_msg found no registered peer: the sender stays on the stack.
     pub const SKMSG_PASSED: u32 = 16;
-    pub const COUNT: u32 = 17;
+    /// A packet for one of the app's listeners on a captured port that came in from
+    /// outside the pod, not through Envoy: dropped by the inbound guard.
+    pub const INBOUND_BYPASS_REFUSED: u32 = 17;
+    /// A listener the guard does not watch (the pod has
+    /// [`super::MAX_GUARDED_LISTENERS_PER_POD`] already).
+    pub const LISTENERS_UNGUARDED: u32 = 18;
+    pub const COUNT: u32 = 19;
     /// Names, in slot order: status output and the `decision` label of
     /// `weir_capture_decisions_total`.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -263,6 +280,8 @@ pub mod counter {
         "skmsg_redirected",
         "skmsg_bytes",
         "skmsg_passed",
+        "inbound_bypass_refused",
+        "listeners_unguarded",
     ];
 }
 

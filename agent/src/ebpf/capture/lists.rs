@@ -13,7 +13,10 @@
 use std::net::IpAddr;
 
 use aya::maps::{HashMap, LpmTrie, lpm_trie::Key};
-use weir_ebpf_common::capture::{CidrV4, CidrV6, KEY_PREFIX_BITS, PodConfig, map};
+use weir_ebpf_common::{
+    capture::{CidrV4, CidrV6, KEY_PREFIX_BITS, PodConfig, map},
+    inbound::InboundConfig,
+};
 use weir_iptables::config::Cidr;
 
 use super::{EXCLUDED, MapSet, OWN_ADDRESS, add_zeroed, is_not_found, map_err};
@@ -30,6 +33,10 @@ pub struct Staged {
     config: PodConfig,
     /// The config the pod had (`None`: a new pod).
     previous: Option<PodConfig>,
+    /// The inbound ports the guard checks (`None`: no inbound capture), and the pod's
+    /// before.
+    ports: Option<InboundConfig>,
+    previous_ports: Option<InboundConfig>,
     /// Everything this registration owns: config and counter keys, its list entries.
     registration: Registration,
     /// Entries written now (to take back on failure): the lists, and the counters when
@@ -87,11 +94,25 @@ impl MapSet {
             netns,
             config: PodConfig { generation, ..pod.config },
             previous,
+            ports: pod.inbound,
+            previous_ports: self.inbound_ports(netns)?,
             registration: Registration { generation, ..Registration::default() },
             written: Registration { generation, ..Registration::default() },
         };
         staged.registration.add(map::POD_CONFIG, &netns.to_ne_bytes());
         staged.registration.add(map::POD_COUNTERS, &netns.to_ne_bytes());
+        if pod.inbound.is_some() {
+            staged.registration.add(map::INBOUND_PORTS, &netns.to_ne_bytes());
+            staged.registration.add(map::LISTENER_COUNTS, &netns.to_ne_bytes());
+            match self.add_listener_count(netns) {
+                Ok(true) => staged.written.add(map::LISTENER_COUNTS, &netns.to_ne_bytes()),
+                Ok(false) => {}
+                Err(e) => {
+                    self.abort(staged);
+                    return Err(e);
+                }
+            }
+        }
         let entries = pod
             .exclude
             .iter()
@@ -124,11 +145,58 @@ impl MapSet {
         Ok(staged)
     }
 
-    /// Switches the pod to its staged registration: one update of its config.
+    /// Switches the pod to its staged registration: one update of its config (its
+    /// inbound ports for the guard just before; put back if the switch fails).
     pub fn commit(&mut self, staged: &Staged) -> Result<(), EbpfError> {
+        self.set_inbound_ports(staged.netns, staged.ports)?;
         let mut configs: HashMap<_, u64, PodConfig> =
             HashMap::try_from(self.get_mut(map::POD_CONFIG)?).map_err(map_err(map::POD_CONFIG))?;
-        configs.insert(staged.netns, staged.config, 0).map_err(map_err(map::POD_CONFIG))
+        let switched = configs.insert(staged.netns, staged.config, 0).map_err(map_err(map::POD_CONFIG));
+        if switched.is_err() {
+            let _ = self.set_inbound_ports(staged.netns, staged.previous_ports);
+        }
+        switched
+    }
+
+    /// The inbound ports the guard has for a pod.
+    fn inbound_ports(&self, netns: u64) -> Result<Option<InboundConfig>, EbpfError> {
+        let ports: HashMap<_, u64, InboundConfig> =
+            HashMap::try_from(self.get(map::INBOUND_PORTS)?).map_err(map_err(map::INBOUND_PORTS))?;
+        match ports.get(&netns, 0) {
+            Ok(p) => Ok(Some(p)),
+            Err(e) if is_not_found(&e) => Ok(None),
+            Err(source) => Err(EbpfError::Map { map: map::INBOUND_PORTS, source }),
+        }
+    }
+
+    /// Writes (or, with `None`, removes) a pod's inbound ports for the guard.
+    fn set_inbound_ports(&mut self, netns: u64, ports: Option<InboundConfig>) -> Result<(), EbpfError> {
+        let mut map: HashMap<_, u64, InboundConfig> =
+            HashMap::try_from(self.get_mut(map::INBOUND_PORTS)?).map_err(map_err(map::INBOUND_PORTS))?;
+        match ports {
+            Some(p) => map.insert(netns, p, 0).map_err(map_err(map::INBOUND_PORTS)),
+            None => match map.remove(&netns) {
+                Err(e) if !is_not_found(&e) => Err(map_err(map::INBOUND_PORTS)(e)),
+                _ => Ok(()),
+            },
+        }
+    }
+
+    /// Gives a pod its listener count for the guard (zero) unless it has one; whether it
+    /// was made now.
+    fn add_listener_count(&mut self, netns: u64) -> Result<bool, EbpfError> {
+        const NO_EXIST: u64 = 1;
+        let mut counts: HashMap<_, u64, u64> =
+            HashMap::try_from(self.get_mut(map::LISTENER_COUNTS)?).map_err(map_err(map::LISTENER_COUNTS))?;
+        match counts.insert(netns, 0, NO_EXIST) {
+            Ok(()) => Ok(true),
+            Err(aya::maps::MapError::SyscallError(e))
+                if e.io_error.kind() == std::io::ErrorKind::AlreadyExists =>
+            {
+                Ok(false)
+            }
+            Err(e) => Err(map_err(map::LISTENER_COUNTS)(e)),
+        }
     }
 
     /// Takes back a staged registration that was not committed.
@@ -153,6 +221,9 @@ impl MapSet {
             });
         if let Err(e) = restored {
             tracing::error!(netns_cookie = staged.netns, error = %crate::error_chain(&e), "cannot restore a pod's previous capture config");
+        }
+        if let Err(e) = self.set_inbound_ports(staged.netns, staged.previous_ports) {
+            tracing::error!(netns_cookie = staged.netns, error = %crate::error_chain(&e), "cannot restore a pod's previous inbound ports");
         }
         self.abort(staged);
     }
@@ -201,6 +272,13 @@ impl MapSet {
         }
         match self.pod_counters_map_mut()?.remove(&netns) {
             Err(e) if !is_not_found(&e) => return Err(map_err(map::POD_COUNTERS)(e)),
+            _ => {}
+        }
+        self.set_inbound_ports(netns, None)?;
+        let mut counts: HashMap<_, u64, u64> =
+            HashMap::try_from(self.get_mut(map::LISTENER_COUNTS)?).map_err(map_err(map::LISTENER_COUNTS))?;
+        match counts.remove(&netns) {
+            Err(e) if !is_not_found(&e) => return Err(map_err(map::LISTENER_COUNTS)(e)),
             _ => {}
         }
         self.remove_entries(|cookie, _| cookie == netns)

@@ -7,10 +7,14 @@
 //! without pinning. The tc inbound program is a separate object (`inbound`).
 #![no_std]
 #![no_main]
+// The kernel's atomic add (maps::atomic_add): the BPF target has no AtomicU64::fetch_add.
+#![allow(internal_features)]
+#![feature(core_intrinsics)]
 
 mod connect;
 mod dns;
 mod getsockopt;
+mod guard;
 mod maps;
 mod net;
 mod release;

@@ -4,9 +4,12 @@ use aya_ebpf::{
     macros::map,
     maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuHashMap, SockHash},
 };
-use weir_ebpf_common::capture::{
-    CidrV4, CidrV6, MAX_CIDRS, MAX_PODS, MAX_TRACKED_CONNECTIONS, OrigDst, PairKey, PodConfig, PodCounters,
-    control, flags,
+use weir_ebpf_common::{
+    capture::{
+        CidrV4, CidrV6, MAX_CIDRS, MAX_LISTENERS, MAX_PODS, MAX_TRACKED_CONNECTIONS, OrigDst, PairKey,
+        PodConfig, PodCounters, control, flags,
+    },
+    inbound::InboundConfig,
 };
 
 /// BPF_F_NO_PREALLOC: required for LPM tries; for `POD_CONFIG`, an entry replaced or
@@ -59,6 +62,29 @@ pub static POD_COUNTERS: PerCpuHashMap<u64, PodCounters> =
     PerCpuHashMap::with_max_entries(MAX_PODS, NO_PREALLOC);
 #[map]
 pub static CONTROL: Array<u32> = Array::with_max_entries(control::COUNT, 0);
+
+/// The inbound ports of each pod with inbound capture (as its classifier has them), by
+/// netns cookie: what the inbound guard checks a listener's port against.
+#[map]
+pub static INBOUND_PORTS: HashMap<u64, InboundConfig> = HashMap::with_max_entries(MAX_PODS, NO_PREALLOC);
+/// Listening sockets of pods with inbound capture (socket cookie → netns cookie),
+/// marked when they listen, gone when they close.
+#[map]
+pub static LISTENERS: HashMap<u64, u64> = HashMap::with_max_entries(MAX_LISTENERS, NO_PREALLOC);
+/// How many listeners each pod has in `LISTENERS` (its entry is made at registration).
+#[map]
+pub static LISTENER_COUNTS: HashMap<u64, u64> = HashMap::with_max_entries(MAX_PODS, NO_PREALLOC);
+
+/// Adds `n` to the u64 at `p` atomically (wrapping: `u64::MAX` takes one away): the
+/// BPF target has no `AtomicU64::fetch_add`, the kernel's atomic add (XADD) is what
+/// this compiles to, its result unused.
+///
+/// # Safety
+/// `p` points at a live map value.
+#[inline(always)]
+pub unsafe fn atomic_add(p: *mut u64, n: u64) {
+    unsafe { core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(p, n) };
+}
 
 /// Adds one to a pod's counter slot.
 #[inline(always)]

@@ -4,12 +4,13 @@
 //! sent DNS to the agent leaves the server it addressed; without this, those entries
 //! would stay until the node-wide LRU maps evicted them, and one pod's connect storm
 //! would evict other pods' connections in flight. (The entries keyed by a connection's
-//! 4-tuple go when Envoy asks for them, or when Envoy's end closes: `sockops`.)
+//! 4-tuple go when Envoy asks for them, or when Envoy's end closes: `sockops`.) A
+//! listener the inbound guard watched leaves `LISTENERS`, and its pod's count drops.
 
 use aya_ebpf::{EbpfContext as _, macros::cgroup_sock, programs::SockContext};
 
 use crate::{
-    maps::{DNS_BY_COOKIE, ORIG_BY_COOKIE},
+    maps::{DNS_BY_COOKIE, LISTENER_COUNTS, LISTENERS, ORIG_BY_COOKIE},
     net::{self, ALLOW},
 };
 
@@ -18,5 +19,14 @@ pub fn weir_sock_release(ctx: SockContext) -> i32 {
     let cookie = net::socket_cookie(ctx.as_ptr());
     let _ = ORIG_BY_COOKIE.remove(&cookie);
     let _ = DNS_BY_COOKIE.remove(&cookie);
+    if let Some(netns) = unsafe { LISTENERS.get(&cookie) } {
+        let netns = *netns;
+        if LISTENERS.remove(&cookie).is_ok()
+            && let Some(count) = LISTENER_COUNTS.get_ptr_mut(&netns)
+        {
+            // SAFETY: an atomic add on this pod's map value.
+            unsafe { crate::maps::atomic_add(count, u64::MAX) };
+        }
+    }
     ALLOW
 }

@@ -5,16 +5,19 @@
 //! original destination Envoy did not ask for goes.
 
 use aya_ebpf::{EbpfContext as _, macros::sock_ops, programs::SockOpsContext};
-use weir_ebpf_common::capture::{PairKey, counter, flags};
+use weir_ebpf_common::capture::{MAX_GUARDED_LISTENERS_PER_POD, PairKey, counter, flags};
 
 use crate::{
-    maps::{self, ORIG_BY_COOKIE, ORIG_BY_PAIR, POD_CONFIG, SOCK_PAIRS},
+    maps::{
+        self, INBOUND_PORTS, LISTENER_COUNTS, LISTENERS, ORIG_BY_COOKIE, ORIG_BY_PAIR, POD_CONFIG, SOCK_PAIRS,
+    },
     net::{self, AF_INET, AF_INET6, field},
 };
 
 const ACTIVE_ESTABLISHED_CB: u32 = 4;
 const PASSIVE_ESTABLISHED_CB: u32 = 5;
 const STATE_CB: u32 = 10;
+const TCP_LISTEN_CB: u32 = 11;
 /// BPF_SOCK_OPS_STATE_CB_FLAG: call back on this socket's state changes.
 const STATE_CB_FLAG: i32 = 1 << 2;
 const TCP_CLOSE: u32 = 7;
@@ -26,6 +29,8 @@ pub fn weir_sockops(ctx: SockOpsContext) -> u32 {
     let op = unsafe { field!(ctx.ops, op) };
     if op == ACTIVE_ESTABLISHED_CB || op == PASSIVE_ESTABLISHED_CB {
         established(&ctx, op == ACTIVE_ESTABLISHED_CB);
+    } else if op == TCP_LISTEN_CB {
+        listening(&ctx);
     } else if op == STATE_CB && ctx.arg(1) == TCP_CLOSE {
         // Envoy's end closed: the app's end's original destination is not needed.
         let netns = net::netns_cookie(ctx.as_ptr());
@@ -107,6 +112,30 @@ fn established(ctx: &SockOpsContext, active: bool) {
                 if r.is_ok() { 1 } else { 0 }
             );
         }
+    }
+}
+
+/// A socket of a pod with inbound capture starts listening: the inbound guard watches
+/// it (up to [`MAX_GUARDED_LISTENERS_PER_POD`] per pod; the guard checks its port
+/// against the pod's inbound ports when a packet comes).
+#[inline(always)]
+fn listening(ctx: &SockOpsContext) {
+    let netns = net::netns_cookie(ctx.as_ptr());
+    if unsafe { INBOUND_PORTS.get(&netns) }.is_none() {
+        return;
+    }
+    let Some(count) = LISTENER_COUNTS.get_ptr_mut(&netns) else { return };
+    // SAFETY: a map value of this pod; racing listens may pass the limit by a few.
+    if unsafe { core::ptr::read_volatile(count) } >= u64::from(MAX_GUARDED_LISTENERS_PER_POD) {
+        if let Some(cfg) = unsafe { POD_CONFIG.get(&netns) } {
+            maps::count(cfg, netns, counter::LISTENERS_UNGUARDED);
+        }
+        return;
+    }
+    let cookie = net::socket_cookie(ctx.as_ptr());
+    if LISTENERS.insert(&cookie, &netns, NO_EXIST).is_ok() {
+        // SAFETY: an atomic add on this pod's map value.
+        unsafe { maps::atomic_add(count, 1) };
     }
 }
 
