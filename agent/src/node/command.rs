@@ -252,6 +252,7 @@ fn node_capture_or_fallback(s: &mut InstallSettings, capture_mode: &str) -> anyh
 async fn monitoring(
     path: String,
     cache: std::sync::Arc<tokio::sync::Mutex<Option<(std::time::Instant, bytes::Bytes)>>>,
+    read: impl FnOnce() -> bytes::Bytes + Send + 'static,
 ) -> hyper::Response<http_body_util::Full<bytes::Bytes>> {
     use hyper::{Response, StatusCode, header::CONTENT_TYPE};
     if path != "/metrics" {
@@ -263,7 +264,7 @@ async fn monitoring(
     let text = match cached.as_ref().filter(|(at, _)| at.elapsed() < Duration::from_secs(1)) {
         Some((_, text)) => text.clone(),
         None => {
-            let text = tokio::task::spawn_blocking(metrics_text).await.unwrap_or_default();
+            let text = tokio::task::spawn_blocking(read).await.unwrap_or_default();
             *cached = Some((std::time::Instant::now(), text.clone()));
             text
         }
@@ -341,7 +342,7 @@ pub fn run(args: CniArgs) -> anyhow::Result<()> {
                     tracing::info!(port = a.monitoring_port, "serving capture metrics on /metrics");
                     let cache = std::sync::Arc::new(tokio::sync::Mutex::new(None));
                     tokio::spawn(crate::http1::serve(listener, move |req, _| {
-                        monitoring(req.uri().path().to_string(), cache.clone())
+                        monitoring(req.uri().path().to_string(), cache.clone(), metrics_text)
                     }));
                 }
                 let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
@@ -355,5 +356,52 @@ pub fn run(args: CniArgs) -> anyhow::Result<()> {
                 Ok(())
             })
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{
+        sync::{
+            Arc,
+            atomic::{AtomicBool, Ordering},
+        },
+        time::Duration,
+    };
+
+    use super::monitoring;
+
+    /// A scrape whose bpffs read is stuck never holds the node agent's single-threaded
+    /// runtime, where the loop that keeps the plugin chained runs: that loop (here, the
+    /// test's own future on the same runtime) gets its turn while the read waits, and
+    /// the scrape is answered once the read returns. Before, the read ran on the
+    /// runtime and everything else waited for it (here, until the watchdog freed it).
+    #[test]
+    fn a_stuck_scrape_never_holds_the_loop_that_keeps_the_plugin_chained() {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let (release, stuck) = std::sync::mpsc::channel::<()>();
+        let watchdog_fired = Arc::new(AtomicBool::new(false));
+        let (fired, watchdog_release) = (watchdog_fired.clone(), release.clone());
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(10));
+            fired.store(true, Ordering::SeqCst);
+            let _ = watchdog_release.send(());
+        });
+        let cache = Arc::new(tokio::sync::Mutex::new(None));
+        let (loop_ran_while_stuck, body) = runtime.block_on(async move {
+            let scrape = tokio::spawn(monitoring("/metrics".into(), cache, move || {
+                let _ = stuck.recv();
+                bytes::Bytes::from_static(b"weir_up 1\n")
+            }));
+            tokio::task::yield_now().await;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            let ran = !watchdog_fired.load(Ordering::SeqCst);
+            let _ = release.send(());
+            let response = scrape.await.unwrap();
+            let body = http_body_util::BodyExt::collect(response.into_body()).await.unwrap().to_bytes();
+            (ran, body)
+        });
+        assert!(loop_ran_while_stuck, "the runtime waited for the scrape's read");
+        assert_eq!(&body[..], b"weir_up 1\n");
     }
 }
