@@ -510,11 +510,11 @@ fn print_status(pods: &[serde_json::Value]) {
 
 /// Removes the captures of pods that are gone, and orphaned list entries; logged.
 fn collect_gone() {
-    let view = crate::ebpf::gc::node_view(Path::new("/proc"));
+    let (view, removed) = crate::ebpf::gc::collect_gone_pods(Path::new("/proc"));
     if let Err(e) = &view {
         tracing::debug!(reason = %e, "gone pods judged on their namespace paths only");
     }
-    for (pod, result) in crate::ebpf::gc::collect_gone(&view) {
+    for (pod, result) in removed {
         match result {
             Ok(()) => eprintln!("weir: removed the eBPF capture of {pod}: the pod is gone"),
             Err(e) => {

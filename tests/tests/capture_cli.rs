@@ -641,6 +641,38 @@ fn a_pod_is_collected_only_on_evidence_that_it_is_gone() {
     drop(cgroup);
 }
 
+/// A pod that starts while the gone-pod collector reads the node is never taken for
+/// gone: its namespace is made and it is registered between the collector's two reads
+/// (records, then namespaces), and it stays registered. Before, the namespaces were
+/// read first: such a pod was judged on a view older than its namespace, and its
+/// capture removed while it ran (until repair's next pass, its traffic went around
+/// its sidecar).
+#[test]
+fn a_pod_that_starts_while_the_collector_reads_the_node_is_kept() {
+    require_root!();
+    let _bpffs = weir_tests::BpffsUse::acquire().unwrap();
+    let test = test_name!();
+    let mesh = weir_tests::Mesh::new(&test).unwrap();
+    let cgroup = test_cgroup(&test);
+    let name = cgroup.path().file_name().unwrap().to_string_lossy().into_owned();
+    let _capture = PinnedCapture(name.clone());
+    let mut pod = None;
+    let (view, removed) = weir_agent::ebpf::gc::collect_gone_pods_with(std::path::Path::new("/proc"), || {
+        let started = mesh.pod("p0").unwrap();
+        let netns = started.netns().path().to_str().unwrap().to_string();
+        ok(&weir(&attach_args(cgroup.path().to_str().unwrap(), &netns)), "weir capture ebpf");
+        pod = Some(started);
+    });
+    assert!(view.is_ok(), "the collector could not read the node: {:?}", view.err());
+    assert!(
+        !removed.iter().any(|(p, _)| *p == name),
+        "the pod that started meanwhile was collected: {removed:?}"
+    );
+    let record = weir_agent::ebpf::record::PinRecord::load(&name).expect("the pod's capture record");
+    assert!(record.netns_cookie != 0, "{record:?}");
+    drop(pod);
+}
+
 #[test]
 fn removed_pins_and_an_unmounted_bpffs_are_reported_and_capture_apply_repairs_them() {
     require_root!();

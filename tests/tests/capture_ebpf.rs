@@ -345,6 +345,31 @@ fn envoys_inbound_passthrough_reaches_the_app_instead_of_looping() {
     assert!(line.starts_with("hello app "), "inbound passthrough from 127.0.0.6: {line:?}");
 }
 
+/// Envoy's IPv6 inbound passthrough source (`::6`) is left alone only where Istio's
+/// `-o lo -s ::6 -j RETURN` leaves it: on its way to the pod itself. An app that binds
+/// `::6` (IPV6_FREEBIND needs no privilege) and connects to another pod is captured
+/// like any of its connections. Before, the connect went out around Envoy (counted as
+/// Envoy's passthrough).
+#[test]
+fn an_app_bound_to_the_v6_passthrough_source_is_captured_when_it_leaves_the_pod() {
+    require_root!();
+    let test = test_name!();
+    let cgroup = test_cgroup(&test);
+    let s = CaptureScene::in_cgroup(&test, Family::V6, &cgroup);
+    let c = capture(&s, &cgroup, &injector_config(None), false);
+    let app = Placement { user: Some((1000, 1000)), cgroup: Some(&cgroup), ..Placement::default() };
+    let server = s.addr(&s.server, 8080);
+    let before = c.programs.counters().unwrap();
+    // The redirected connection's replies go to `::6`, which the pod cannot route: the
+    // connect itself may fail; what matters is where capture sent it.
+    let line = run_testkit(&s.client, app, &["ask-from", "::6", &server.to_string()]);
+    assert!(!line.starts_with("hello server "), "the app reached the server around Envoy: {line:?}");
+    let after = c.programs.counters().unwrap();
+    let grew = |name: &str| after.get(name) - before.get(name);
+    assert_eq!(grew("redirected"), 1, "{after:?}");
+    assert_eq!(grew("bypass_inbound_passthrough"), 0, "{after:?}");
+}
+
 /// An IPv4 packet (no options) carrying `payload` as protocol `protocol`.
 fn ipv4_packet(protocol: u8, payload: &[u8]) -> Vec<u8> {
     let mut h = vec![0x45, 0, 0, 0, 0, 0, 0, 0, 64, protocol, 0, 0, 10, 0, 0, 1, 10, 0, 0, 2];

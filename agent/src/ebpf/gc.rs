@@ -104,11 +104,35 @@ fn cgroup_gone(record: &PinRecord) -> Option<String> {
     all_detached.then(|| format!("its cgroup {} is gone (its links detached)", record.cgroup.display()))
 }
 
-/// Removes the captures of every pod that is gone (judged on `view`); returns each
-/// capture's name and whether its removal worked.
-pub fn collect_gone(view: &NodeView) -> Vec<(String, Result<(), EbpfError>)> {
+/// What a pass of the gone-pod collector saw and did: the view it judged on, and each
+/// removed capture's name with whether its removal worked.
+pub type GonePass = (NodeView, Vec<(String, Result<(), EbpfError>)>);
+
+/// One pass of the gone-pod collector over `proc`: the view it judged on, and each
+/// removed capture's name with whether its removal worked. The records are read before
+/// the namespaces: a pod registered while the view is read is not among them and waits
+/// for the next pass. Read the other way round, a pod added in between was judged on a
+/// view older than its namespace, and its capture removed while it ran.
+pub fn collect_gone_pods(proc: &Path) -> GonePass {
+    collect_gone_pods_with(proc, || {})
+}
+
+/// [`collect_gone_pods`], running `between` after the records are read and before the
+/// namespaces are (a test's window for a pod that starts meanwhile).
+#[doc(hidden)]
+pub fn collect_gone_pods_with(proc: &Path, between: impl FnOnce()) -> GonePass {
+    let records = PinRecord::load_all();
+    between();
+    let view = node_view(proc);
+    let removed = collect_gone(records, &view);
+    (view, removed)
+}
+
+/// Removes the captures among `records` of pods that are gone (judged on `view`, read
+/// after the records); returns each capture's name and whether its removal worked.
+pub fn collect_gone(records: Vec<PinRecord>, view: &NodeView) -> Vec<(String, Result<(), EbpfError>)> {
     let mut out = Vec::new();
-    for record in PinRecord::load_all() {
+    for record in records {
         let Some(why) = gone(&record, view) else { continue };
         tracing::info!(capture = %record.pod, pod = %record.display_name(), reason = %why, "pod gone: removing its capture");
         out.push((record.pod.clone(), record.remove()));

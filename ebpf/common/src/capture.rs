@@ -80,9 +80,10 @@ pub const MAX_CIDRS: u32 = 2 * MAX_PODS * MAX_CIDRS_PER_POD;
 /// asks for the original destination, so they count connections in flight, not
 /// connections made.
 pub const MAX_TRACKED_CONNECTIONS: u32 = 65536;
-/// Listening sockets one pod may have guarded (`LISTENERS`): past it, a listener is
-/// counted (`listeners_unguarded`) and left to the inbound classifier alone.
-pub const MAX_GUARDED_LISTENERS_PER_POD: u32 = 64;
+/// Listening sockets on captured inbound ports one pod may have guarded (`LISTENERS`;
+/// Envoy's own ports are not recorded): past it, a listener is counted
+/// (`listeners_unguarded`) and left to the inbound classifier alone.
+pub const MAX_GUARDED_LISTENERS_PER_POD: u32 = 256;
 pub const MAX_LISTENERS: u32 = MAX_PODS * MAX_GUARDED_LISTENERS_PER_POD;
 
 /// Slots for proxy uids/gids and port lists in [`PodConfig`].
@@ -259,7 +260,10 @@ pub mod counter {
     /// A listener the guard does not watch (the pod has
     /// [`super::MAX_GUARDED_LISTENERS_PER_POD`] already).
     pub const LISTENERS_UNGUARDED: u32 = 18;
-    pub const COUNT: u32 = 19;
+    /// A connect capture should redirect whose original destination could not be
+    /// recorded: refused (EPERM), never let through around Envoy.
+    pub const REDIRECT_FAILED: u32 = 19;
+    pub const COUNT: u32 = 20;
     /// Names, in slot order: status output and the `decision` label of
     /// `weir_capture_decisions_total`.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -282,6 +286,7 @@ pub mod counter {
         "skmsg_passed",
         "inbound_bypass_refused",
         "listeners_unguarded",
+        "redirect_failed",
     ];
 }
 

@@ -114,6 +114,13 @@ fn main() -> ExitCode {
                 let dst = addr(arg(2)?)?;
                 let sock = Socket::new(Domain::for_address(dst), Type::STREAM, None)
                     .map_err(|e| format!("socket: {e}"))?;
+                // IP(V6)_FREEBIND, as Envoy binds its passthrough source (`::6` is no
+                // address of the pod's).
+                let freebind = match src {
+                    std::net::IpAddr::V4(_) => sock.set_freebind_v4(true),
+                    std::net::IpAddr::V6(_) => sock.set_freebind_v6(true),
+                };
+                freebind.map_err(|e| format!("freebind: {e}"))?;
                 sock.bind(&SocketAddr::new(src, 0).into()).map_err(|e| format!("bind {src}: {e}"))?;
                 sock.connect_timeout(&dst.into(), Duration::from_secs(3))
                     .map_err(|e| format!("connect: {e}"))?;

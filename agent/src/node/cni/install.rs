@@ -367,11 +367,11 @@ pub fn tidy_node_capture(name: &str, collect_gone: bool) {
 /// Removes the registrations of pods that are gone, judged from the host's /proc (the
 /// DaemonSet runs with `hostPID`); without that view only positive path evidence counts.
 fn collect_gone_pods() {
-    let view = crate::ebpf::gc::node_view(std::path::Path::new("/proc"));
+    let (view, removed) = crate::ebpf::gc::collect_gone_pods(std::path::Path::new("/proc"));
     if let Err(e) = &view {
         tracing::warn!(reason = %e, "pods that are gone are collected only when their namespace path names another namespace (run with hostPID to collect the rest)");
     }
-    for (pod, result) in crate::ebpf::gc::collect_gone(&view) {
+    for (pod, result) in removed {
         match result {
             Ok(()) => tracing::info!(capture = %pod, "capture of a pod that is gone removed"),
             Err(e) => {

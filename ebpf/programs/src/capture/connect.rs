@@ -12,7 +12,7 @@ use weir_ebpf_common::{
 use crate::{
     dns,
     maps::{self, EXCLUDE_V4, EXCLUDE_V6, INCLUDE_V4, INCLUDE_V6, ORIG_BY_COOKIE, POD_CONFIG},
-    net::{self, AF_INET, AF_INET6, ALLOW, LOOPBACK4, OWN_POD_ADDRESS, SOCK_STREAM, field},
+    net::{self, AF_INET, AF_INET6, ALLOW, DENY, LOOPBACK4, OWN_POD_ADDRESS, SOCK_STREAM, field},
 };
 
 fn class(found: Option<u8>) -> DstClass {
@@ -20,6 +20,22 @@ fn class(found: Option<u8>) -> DstClass {
         None => DstClass::Other,
         Some(OWN_POD_ADDRESS) => DstClass::OwnPod,
         Some(_) => DstClass::Excluded,
+    }
+}
+
+/// Whether an IPv6 connect to `dst` stays in the pod: a loopback destination (`::1`,
+/// `::6`, 127/8 mapped) or one of the pod's own addresses.
+#[inline(always)]
+fn stays_in_pod6(cfg: &PodConfig, netns: u64, dst: &[u32; 4], mapped: Option<u32>) -> bool {
+    match mapped {
+        Some(v4) => {
+            policy::loopback4(v4) != policy::Loopback::No
+                || matches!(class(net::lookup_v4(&EXCLUDE_V4, cfg, netns, v4)), DstClass::OwnPod)
+        }
+        None => {
+            policy::loopback6(dst) != policy::Loopback::No
+                || matches!(class(net::lookup_v6(&EXCLUDE_V6, cfg, netns, dst)), DstClass::OwnPod)
+        }
     }
 }
 
@@ -32,14 +48,13 @@ fn redirected(cfg: &PodConfig, to: u16) -> u32 {
 
 #[cgroup_sock_addr(connect4)]
 pub fn weir_connect4(ctx: SockAddrContext) -> i32 {
-    connect4(&ctx);
-    ALLOW
+    connect4(&ctx)
 }
 
 #[inline(always)]
-fn connect4(ctx: &SockAddrContext) {
+fn connect4(ctx: &SockAddrContext) -> i32 {
     let netns = net::netns_cookie(ctx.as_ptr());
-    let Some(cfg) = (unsafe { POD_CONFIG.get(&netns) }) else { return };
+    let Some(cfg) = (unsafe { POD_CONFIG.get(&netns) }) else { return ALLOW };
     let sa = ctx.sock_addr;
     let (dst, port_be, sock_type) =
         unsafe { (field!(sa, user_ip4), field!(sa, user_port) as u16, field!(sa, type_)) };
@@ -48,13 +63,13 @@ fn connect4(ctx: &SockAddrContext) {
     // Istio's first rule: Envoy's inbound passthrough (bound to 127.0.0.6) is left alone.
     if sock_type == SOCK_STREAM && policy::from_inbound_passthrough(net::bound_src4(sa)) {
         maps::count(cfg, netns, Reason::InboundPassthrough.counter());
-        return;
+        return ALLOW;
     }
     if dns::redirect_v4(ctx, cfg, netns, uid, gid, dst, port, sock_type == SOCK_STREAM) {
-        return;
+        return ALLOW;
     }
     if sock_type != SOCK_STREAM {
-        return;
+        return ALLOW;
     }
     let verdict = policy::outbound_tcp(
         cfg,
@@ -70,7 +85,10 @@ fn connect4(ctx: &SockAddrContext) {
         Verdict::Redirect(to) => {
             let orig = OrigDst { addr: [dst, 0, 0, 0], port: port_be, family: AF_INET };
             if ORIG_BY_COOKIE.insert(&net::socket_cookie(ctx.as_ptr()), &orig, 0).is_err() {
-                return;
+                // Envoy could not learn where this connection was going: refused
+                // (EPERM), as a full conntrack table drops it, never sent around Envoy.
+                maps::count(cfg, netns, counter::REDIRECT_FAILED);
+                return DENY;
             }
             unsafe {
                 (*sa).user_ip4 = LOOPBACK4;
@@ -82,18 +100,18 @@ fn connect4(ctx: &SockAddrContext) {
             }
         }
     }
+    ALLOW
 }
 
 #[cgroup_sock_addr(connect6)]
 pub fn weir_connect6(ctx: SockAddrContext) -> i32 {
-    connect6(&ctx);
-    ALLOW
+    connect6(&ctx)
 }
 
 #[inline(always)]
-fn connect6(ctx: &SockAddrContext) {
+fn connect6(ctx: &SockAddrContext) -> i32 {
     let netns = net::netns_cookie(ctx.as_ptr());
-    let Some(cfg) = (unsafe { POD_CONFIG.get(&netns) }) else { return };
+    let Some(cfg) = (unsafe { POD_CONFIG.get(&netns) }) else { return ALLOW };
     let sa = ctx.sock_addr;
     let (dst, port_be, sock_type) = unsafe {
         (
@@ -111,15 +129,21 @@ fn connect6(ctx: &SockAddrContext) {
     let (uid, gid) = net::uid_gid();
     // A dual-stack socket connecting to ::ffff:a.b.c.d is IPv4 traffic.
     let mapped = net::mapped_v4(&dst);
-    if sock_type == SOCK_STREAM && policy::from_inbound_passthrough6(&net::bound_src6(sa)) {
+    // Istio's `-o lo -s ::6 -j RETURN`: only what stays in the pod (loopback, or the
+    // pod's own address); `::6` is no loopback address, so a socket bound to it with
+    // IPV6_FREEBIND could otherwise reach anywhere around Envoy.
+    if sock_type == SOCK_STREAM
+        && policy::from_inbound_passthrough6(&net::bound_src6(sa))
+        && stays_in_pod6(cfg, netns, &dst, mapped)
+    {
         maps::count(cfg, netns, Reason::InboundPassthrough.counter());
-        return;
+        return ALLOW;
     }
     if dns::redirect_v6(ctx, cfg, netns, uid, gid, &dst, mapped, port, sock_type == SOCK_STREAM) {
-        return;
+        return ALLOW;
     }
     if sock_type != SOCK_STREAM {
-        return;
+        return ALLOW;
     }
     let verdict = match mapped {
         Some(v4) => policy::outbound_tcp(
@@ -149,7 +173,10 @@ fn connect6(ctx: &SockAddrContext) {
                 None => OrigDst { addr: dst, port: port_be, family: AF_INET6 },
             };
             if ORIG_BY_COOKIE.insert(&net::socket_cookie(ctx.as_ptr()), &orig, 0).is_err() {
-                return;
+                // Envoy could not learn where this connection was going: refused
+                // (EPERM), as a full conntrack table drops it, never sent around Envoy.
+                maps::count(cfg, netns, counter::REDIRECT_FAILED);
+                return DENY;
             }
             let loopback = match mapped {
                 Some(_) => [0, 0, u32::from_ne_bytes([0, 0, 0xff, 0xff]), LOOPBACK4],
@@ -168,4 +195,5 @@ fn connect6(ctx: &SockAddrContext) {
             }
         }
     }
+    ALLOW
 }

@@ -26,6 +26,8 @@ pub const SOCK_STREAM: u32 = 1;
 pub const SOCK_DGRAM: u32 = 2;
 /// Verdict that lets a cgroup hook's syscall proceed.
 pub const ALLOW: i32 = 1;
+/// A cgroup hook's refusal: the call fails with EPERM.
+pub const DENY: i32 = 0;
 
 /// 127.0.0.1 as `user_ip4` stores it (network byte order in memory).
 pub const LOOPBACK4: u32 = u32::from_ne_bytes([127, 0, 0, 1]);

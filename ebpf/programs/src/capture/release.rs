@@ -24,8 +24,11 @@ pub fn weir_sock_release(ctx: SockContext) -> i32 {
         if LISTENERS.remove(&cookie).is_ok()
             && let Some(count) = LISTENER_COUNTS.get_ptr_mut(&netns)
         {
-            // SAFETY: an atomic add on this pod's map value.
-            unsafe { crate::maps::atomic_add(count, u64::MAX) };
+            // SAFETY: this pod's map value. Never below zero: a pod registered again
+            // starts from zero while listeners of its earlier registration still close.
+            if unsafe { core::ptr::read_volatile(count) } > 0 {
+                unsafe { crate::maps::atomic_add(count, u64::MAX) };
+            }
         }
     }
     ALLOW

@@ -116,12 +116,18 @@ fn established(ctx: &SockOpsContext, active: bool) {
 }
 
 /// A socket of a pod with inbound capture starts listening: the inbound guard watches
-/// it (up to [`MAX_GUARDED_LISTENERS_PER_POD`] per pod; the guard checks its port
-/// against the pod's inbound ports when a packet comes).
+/// it when its port is a captured one (up to [`MAX_GUARDED_LISTENERS_PER_POD`] per
+/// pod; the guard checks the port again when a packet comes).
 #[inline(always)]
 fn listening(ctx: &SockOpsContext) {
     let netns = net::netns_cookie(ctx.as_ptr());
-    if unsafe { INBOUND_PORTS.get(&netns) }.is_none() {
+    let Some(ports) = (unsafe { INBOUND_PORTS.get(&netns) }) else { return };
+    // Only listeners the guard would act on: a captured inbound port, and not Envoy's
+    // outbound listener (Envoy's others, 15006, 15008 and the excluded 15021/15090,
+    // are never captured ports). Envoy's one socket per worker must not use up the
+    // pod's share.
+    let port = unsafe { field!(ctx.ops, local_port) } as u16;
+    if !ports.captures(port) || unsafe { POD_CONFIG.get(&netns) }.is_some_and(|c| c.outbound_port == port) {
         return;
     }
     let Some(count) = LISTENER_COUNTS.get_ptr_mut(&netns) else { return };
