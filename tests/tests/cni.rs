@@ -1357,7 +1357,8 @@ fn repair_captures_pods_that_started_before_the_plugin() {
 }
 
 /// eBPF: repair registers a pod that started before the plugin under its UID, and the
-/// runtime's DEL for that pod (K8S_POD_UID in CNI_ARGS) unregisters it; a pod ADD
+/// runtime's DEL for that pod (K8S_POD_UID in CNI_ARGS) unregisters it, a DEL of an
+/// earlier sandbox of the same pod does not; a pod ADD
 /// captured is recognised by its record and never registered again (before, repair
 /// looked for ADD's registration under the wrong name and registered every such pod
 /// again on each pass, adding a tc filter each time).
@@ -1430,7 +1431,16 @@ fn repair_with_ebpf_registers_once_and_never_again() {
     assert_eq!((records_of("uid-old-ebpf"), records_of("uid-new-ebpf")), (1, 1), "one registration each");
     assert_eq!((filters_on(&old), filters_on(&new)), (1, 1), "one inbound filter each");
 
+    // A late DEL of an earlier sandbox of the same pod (same UID, another namespace)
+    // leaves the running sandbox's registration: before, it took it.
     let conf = CniRuntime::plugin_config(&weir, &weir["plugins"][1], Some(&result));
+    let earlier = pod_netns(&rt, "old-ebpf-earlier");
+    let e = Attachment::pod("c-old-ebpf-earlier", earlier.path(), "shop", "old-ebpf");
+    rt.exec("istio-cni", "DEL", &e, conf.to_string().as_bytes()).unwrap_or_else(|e| panic!("DEL: {e}"));
+    assert!(
+        weir_agent::node::cni::ebpf::registered_pod(&name, "uid-old-ebpf", old.path()).unwrap().is_some(),
+        "a DEL of an earlier sandbox took the running sandbox's repair registration"
+    );
     rt.exec("istio-cni", "DEL", &a, conf.to_string().as_bytes()).unwrap_or_else(|e| panic!("DEL: {e}"));
     assert!(
         weir_agent::node::cni::ebpf::registered_pod(&name, "uid-old-ebpf", old.path()).unwrap().is_none(),

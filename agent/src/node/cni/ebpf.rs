@@ -280,7 +280,7 @@ fn pod_prefix(node: &str) -> String {
 }
 
 /// The record name for a container's registration.
-fn pod_record_name(node: &str, container_id: &str) -> String {
+pub(crate) fn pod_record_name(node: &str, container_id: &str) -> String {
     let short: String = container_id.chars().filter(char::is_ascii_alphanumeric).take(32).collect();
     format!("{}{short}", pod_prefix(node))
 }

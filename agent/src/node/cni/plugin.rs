@@ -10,6 +10,8 @@ use std::path::{Path, PathBuf};
 
 use weir_iptables::{CaptureConfig, RunOptions};
 
+use crate::ebpf::{netns::netns_cookie, record::PinRecord};
+
 use super::{
     capture::{capture, ebpf_error, missing_capture, node_capture, repair_container_id_for_uid},
     kube::{KubeClient, KubeError},
@@ -148,10 +150,17 @@ fn add(conf: &NetConf, inv: &Invocation) -> Result<(), CniError> {
 /// is not told which one ADD used, and TPROXY's routes. A missing namespace is done.
 fn del(conf: &NetConf, inv: &Invocation) -> Result<(), CniError> {
     // ADD registered under the container id; repair (for pods older than the plugin)
-    // under the pod's UID.
+    // under the pod's UID, which every sandbox of the pod shares: repair's record goes
+    // only when it is this sandbox's namespace. A late DEL of an earlier sandbox never
+    // takes the running one's capture; a record whose namespace is gone is collected.
     let mut ids = vec![inv.container_id.clone()];
     if let Some(uid) = inv.args.get("K8S_POD_UID").filter(|u| !u.is_empty()) {
-        ids.push(repair_container_id_for_uid(uid));
+        let repair_id = repair_container_id_for_uid(uid);
+        let this_sandbox = inv.netns.as_deref().and_then(|n| netns_cookie(Some(Path::new(n))).ok());
+        let record = PinRecord::load(&super::ebpf::pod_record_name(node_capture(conf), &repair_id));
+        if record.is_some_and(|r| Some(r.netns_cookie) == this_sandbox) {
+            ids.push(repair_id);
+        }
     }
     for id in ids {
         super::ebpf::unregister(node_capture(conf), &id).map_err(ebpf_error(format!(
