@@ -370,6 +370,32 @@ fn an_app_bound_to_the_v6_passthrough_source_is_captured_when_it_leaves_the_pod(
     assert_eq!(grew("bypass_inbound_passthrough"), 0, "{after:?}");
 }
 
+/// A Multipath TCP connect goes through capture like a TCP one (its first subflow
+/// runs the same connect hook): the app reaches Envoy's stand-in with its original
+/// destination, never the server directly. On a kernel without MPTCP the socket cannot
+/// be made, and nothing reaches the server either.
+#[test]
+fn a_multipath_tcp_connect_is_captured() {
+    require_root!();
+    let test = test_name!();
+    let cgroup = test_cgroup(&test);
+    let s = CaptureScene::in_cgroup(&test, Family::V4, &cgroup);
+    let _c = capture(&s, &cgroup, &injector_config(None), false);
+    let app = Placement { user: Some((1000, 1000)), cgroup: Some(&cgroup), ..Placement::default() };
+    let server = s.addr(&s.server, 8080);
+    let line = run_testkit(&s.client, app, &["ask-mptcp", &server.to_string()]);
+    if line.contains("socket(IPPROTO_MPTCP)") {
+        // Only a kernel without MPTCP (or with it switched off) may refuse the socket.
+        let no_mptcp = ["Protocol not supported", "Protocol not available"].iter().any(|e| line.contains(e));
+        assert!(no_mptcp, "the MPTCP socket failed for another reason: {line}");
+        eprintln!("this kernel makes no MPTCP sockets, so none can go around capture: {line}");
+        return;
+    }
+    let (_, orig) =
+        captured(&line).unwrap_or_else(|| panic!("an MPTCP connect went around capture: {line:?}"));
+    assert_eq!(orig, server.to_string());
+}
+
 /// An IPv4 packet (no options) carrying `payload` as protocol `protocol`.
 fn ipv4_packet(protocol: u8, payload: &[u8]) -> Vec<u8> {
     let mut h = vec![0x45, 0, 0, 0, 0, 0, 0, 0, 64, protocol, 0, 0, 10, 0, 0, 1, 10, 0, 0, 2];

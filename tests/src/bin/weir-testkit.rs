@@ -106,6 +106,16 @@ fn main() -> ExitCode {
                     .map_err(|e| format!("connect: {e}"))?;
                 print_first_line(s)
             }
+            "ask-mptcp" => {
+                // As `ask`, over a Multipath TCP socket (IPPROTO_MPTCP).
+                let dst = addr(arg(1)?)?;
+                let sock =
+                    Socket::new(Domain::for_address(dst), Type::STREAM, Some(socket2::Protocol::from(262)))
+                        .map_err(|e| format!("socket(IPPROTO_MPTCP): {e}"))?;
+                sock.connect_timeout(&dst.into(), Duration::from_secs(3))
+                    .map_err(|e| format!("connect: {e}"))?;
+                print_first_line(sock.into())
+            }
             "ask-from" => {
                 // As `ask`, from a socket bound to the source address given first (Envoy's
                 // inbound passthrough binds 127.0.0.6).
