@@ -685,9 +685,12 @@ impl InjectedPod {
             Some(status) => status,
             None => bail!("{sidecar} still running after the {grace:?} grace period:\n{}", proxy.log()),
         };
-        // Envoy goes with the agent.
+        // Envoy goes with the agent (the parent-death signal is delivered, then Envoy
+        // exits: on a loaded machine that can take a moment, in either namespace).
         let settled = Instant::now() + Duration::from_secs(5);
-        while !self.pod.processes().is_empty() && Instant::now() < settled {
+        while (!self.pod.processes().is_empty() || !processes_in_mount_ns(mount_ns).is_empty())
+            && Instant::now() < settled
+        {
             std::thread::sleep(Duration::from_millis(50));
         }
         Ok(Termination {
