@@ -2,9 +2,11 @@
 //! (`cni`: the plugin itself, its eBPF and netfilter capture, install and repair), the
 //! node agent's command line (`command`: `weir cni install|uninstall|repair|ambient`),
 //! ambient mode's node agent (`ambient`: enrollment, in-pod rules, the plugin's event
-//! socket) and ZDS, the node agent's server for ztunnel.
+//! socket), what the plugin and that agent share (`enroll`: which pods are ambient, the
+//! plugin's add event) and ZDS, the node agent's server for ztunnel.
 
 pub mod ambient;
 pub mod cni;
 pub mod command;
+pub mod enroll;
 pub mod zds;

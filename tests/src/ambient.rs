@@ -155,8 +155,8 @@ impl AmbientNode {
 
     /// The plugin's network config: Istio's ambient fields, the chart's selector.
     pub fn plugin_conf(&self, prev_ip: Option<IpAddr>) -> Value {
-        let selectors = weir_agent::node::ambient::selector::EnablementSelectors::parse(CHART_SELECTOR)
-            .expect("selector");
+        let selectors =
+            weir_agent::node::enroll::selector::EnablementSelectors::parse(CHART_SELECTOR).expect("selector");
         let mut conf = json!({
             "cniVersion": "1.0.0", "name": "k8s-pod-network", "type": "istio-cni",
             "cni_agent_run_dir": self.dir.path(), "ambient_enabled": true,

@@ -5,9 +5,7 @@
 //!
 //! - `settings`: istio-cni's ambient environment (`AMBIENT_ENABLED`, the enablement
 //!   selector, DNS capture, IPv6, reconcile, native nftables, `ZTUNNEL_UDS_ADDRESS`...).
-//! - `selector`: which pods are ambient (Istio's enablement selector). Pure.
 //! - `objects`: the Pod and Namespace fields read, the redirection annotation. Pure.
-//! - `event`: the plugin's add event (Istio's JSON) and its POST over the unix socket.
 //! - `watch`: list+watch of a collection on the agent's own Kubernetes client.
 //! - `dataplane`: one pod into the mesh and out (netns, rules, ZDS, probe set,
 //!   annotation), in Istio's order.
@@ -18,17 +16,17 @@
 //! - `run`: the agent's start, in order, and its stop (which removes nothing).
 //! - `rules_cmd`: `weir cni ambient-rules`, the rules for given settings (dry run).
 //!
-//! The rules themselves are `weir_iptables::ambient` (pure plans, Istio's goldens).
+//! Which pods are ambient and the plugin's add event are `node/enroll` (the plugin
+//! shares them). The rules themselves are `weir_iptables::ambient` (pure plans,
+//! Istio's goldens).
 
 pub mod controller;
 pub mod dataplane;
-pub mod event;
 pub mod hostprobe;
 pub mod listener;
 pub mod objects;
 pub mod rules_cmd;
 pub mod run;
-pub mod selector;
 pub mod settings;
 pub mod snapshot;
 pub mod watch;

@@ -290,7 +290,7 @@ impl PluginOptions {
         fields.insert("capture_mode".into(), json!(mode));
         fields.insert("native_nftables".into(), json!(self.native_nftables));
         let selectors =
-            crate::node::ambient::selector::EnablementSelectors::parse(&self.ambient_enablement_selector)
+            crate::node::enroll::selector::EnablementSelectors::parse(&self.ambient_enablement_selector)
                 .map_err(|e| anyhow::anyhow!("{e}"))?;
         fields.insert("ambient_enabled".into(), json!(self.ambient_enabled));
         fields.insert("enablement_selectors".into(), json!(selectors.entries()));

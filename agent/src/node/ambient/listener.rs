@@ -17,8 +17,8 @@ use tokio_util::sync::CancellationToken;
 use super::{
     controller::{SharedCluster, selected},
     dataplane::Dataplane,
-    event::{ADD_PATH, AddEvent},
 };
+use crate::node::enroll::event::{ADD_PATH, AddEvent};
 
 const LOOKUP_ATTEMPTS: u32 = 10;
 const LOOKUP_INTERVAL: Duration = Duration::from_millis(10);

@@ -8,7 +8,7 @@ use std::{collections::BTreeMap, net::IpAddr};
 
 use serde::Deserialize;
 
-use super::selector::PodFacts;
+use crate::node::enroll::selector::PodFacts;
 
 /// The annotation the agent writes on an ambient pod (`pods/status` merge patch).
 pub const REDIRECTION_ANNOTATION: &str = "ambient.istio.io/redirection";
@@ -107,13 +107,7 @@ struct RawNamespace {
     metadata: Meta,
 }
 
-/// An address as Istio keeps it: IPv4-mapped IPv6 becomes IPv4.
-pub fn unmapped(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
-        v4 => v4,
-    }
-}
+pub use crate::node::enroll::event::unmapped;
 
 impl AmbientPod {
     /// From a `v1/Pod` JSON value.

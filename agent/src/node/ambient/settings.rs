@@ -9,12 +9,12 @@ use std::path::PathBuf;
 
 use weir_iptables::{ambient::AmbientConfig, config::ConfigError};
 
-use super::selector::EnablementSelectors;
+use crate::node::enroll::selector::EnablementSelectors;
 
 /// Where ztunnel expects the agent's ZDS socket (ztunnel's `INPOD_UDS`).
 pub const DEFAULT_ZTUNNEL_SOCKET: &str = crate::node::zds::DEFAULT_SOCKET;
 /// Istio's `CNI_AGENT_RUN_DIR`: the plugin's kubeconfig and the event socket.
-pub const DEFAULT_RUN_DIR: &str = crate::node::cni::plugin::DEFAULT_RUN_DIR;
+pub const DEFAULT_RUN_DIR: &str = crate::node::cni::spec::DEFAULT_RUN_DIR;
 /// Istio's `SYSTEM_NAMESPACE`.
 pub const DEFAULT_SYSTEM_NAMESPACE: &str = "istio-system";
 
@@ -145,7 +145,7 @@ impl AmbientSettings {
 
     /// The event socket the plugin posts to.
     pub fn event_socket(&self) -> PathBuf {
-        self.run_dir.join(super::event::SOCKET_NAME)
+        self.run_dir.join(crate::node::enroll::event::SOCKET_NAME)
     }
 
     /// The path the agent opens for a netns path the plugin sent.

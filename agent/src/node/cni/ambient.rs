@@ -14,7 +14,7 @@ use super::{
     pod::PodInfo,
     spec::{CniError, Invocation, NetConf, code},
 };
-use crate::node::ambient::{
+use crate::node::enroll::{
     event::{AddEvent, SOCKET_NAME},
     selector::{EnablementSelectors, PodFacts},
 };
@@ -25,7 +25,7 @@ use crate::node::ambient::{
 pub fn is_ambient(conf: &NetConf, client: &KubeClient, pod: &PodInfo) -> Result<bool, CniError> {
     if !conf.ambient_enabled
         || pod.host_network
-        || pod.annotations.contains_key(crate::node::ambient::selector::SIDECAR_STATUS_ANNOTATION)
+        || pod.annotations.contains_key(crate::node::enroll::selector::SIDECAR_STATUS_ANNOTATION)
     {
         return Ok(false);
     }
@@ -63,7 +63,7 @@ pub fn is_ambient(conf: &NetConf, client: &KubeClient, pod: &PodInfo) -> Result<
 
 /// Hands the ambient pod to the node agent and waits for its answer.
 pub fn hand_over(conf: &NetConf, inv: &Invocation, pod: &PodInfo) -> Result<(), CniError> {
-    let run_dir = conf.cni_agent_run_dir.as_deref().unwrap_or(super::plugin::DEFAULT_RUN_DIR);
+    let run_dir = conf.cni_agent_run_dir.as_deref().unwrap_or(super::spec::DEFAULT_RUN_DIR);
     let socket = Path::new(run_dir).join(SOCKET_NAME);
     let event = AddEvent::new(
         inv.netns.as_deref().unwrap_or_default(),

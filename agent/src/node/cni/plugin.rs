@@ -19,8 +19,7 @@ use super::{
 
 /// The kubeconfig istio-cni's node agent writes into `cni_agent_run_dir`.
 pub const KUBECONFIG_NAME: &str = "istio-cni-kubeconfig";
-/// Istio's default `cni_agent_run_dir`.
-pub const DEFAULT_RUN_DIR: &str = "/var/run/istio-cni";
+pub use super::spec::DEFAULT_RUN_DIR;
 /// istio-cni waits this long for the API server to answer (30 × 1 s).
 const POD_LOOKUP_ATTEMPTS: u32 = 30;
 const POD_LOOKUP_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);

@@ -11,6 +11,10 @@ use serde_json::Value;
 
 /// The versions this plugin accepts in a network configuration.
 pub const SUPPORTED_VERSIONS: [&str; 5] = ["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"];
+/// Istio's default `cni_agent_run_dir` (the plugin's kubeconfig, the agent's event
+/// socket).
+pub const DEFAULT_RUN_DIR: &str = "/var/run/istio-cni";
+
 /// The version this plugin implements.
 pub const IMPLEMENTED_VERSION: &str = "1.0.0";
 
@@ -207,7 +211,7 @@ pub struct NetConf {
     pub ambient_enabled: bool,
     /// Istio: which pods are ambient (`AMBIENT_ENABLEMENT_SELECTOR`, as JSON).
     #[serde(default, deserialize_with = "null_as_default")]
-    pub enablement_selectors: Vec<crate::node::ambient::selector::EnablementSelector>,
+    pub enablement_selectors: Vec<crate::node::enroll::selector::EnablementSelector>,
     /// Istio: retry the ambient check while the API server does not answer.
     #[serde(default)]
     pub enable_ambient_detection_retry: bool,

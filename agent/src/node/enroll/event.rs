@@ -92,12 +92,7 @@ impl AddEvent {
 
     /// The pod's addresses, unmapped (the masks are ignored, as Istio ignores them).
     pub fn addresses(&self) -> Vec<IpAddr> {
-        self.ips
-            .iter()
-            .flatten()
-            .filter_map(|c| c.address.ip.parse::<IpAddr>().ok())
-            .map(super::objects::unmapped)
-            .collect()
+        self.ips.iter().flatten().filter_map(|c| c.address.ip.parse::<IpAddr>().ok()).map(unmapped).collect()
     }
 
     /// POSTs the event to the agent's socket `socket` and waits for its answer (at most
@@ -129,6 +124,14 @@ impl AddEvent {
         tokio::time::timeout(TIMEOUT, exchange)
             .await
             .map_err(|_| EventError::Timeout { path: path.clone() })?
+    }
+}
+
+/// An address as Istio keeps it: IPv4-mapped IPv6 becomes IPv4.
+pub fn unmapped(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+        v4 => v4,
     }
 }
 
