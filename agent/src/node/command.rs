@@ -477,3 +477,42 @@ pub fn run(args: CniArgs) -> anyhow::Result<()> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn options(ambient: bool, selector: &str) -> PluginOptions {
+        PluginOptions {
+            capture_mode: "auto".into(),
+            native_nftables: false,
+            exclude_namespaces: "kube-system".into(),
+            ebpf_name: "cni-node".into(),
+            ambient_enabled: ambient,
+            ambient_enablement_selector: selector.into(),
+            enable_ambient_detection_retry: false,
+            pod_namespace: Some("kube-system".into()),
+        }
+    }
+
+    #[test]
+    fn the_plugins_config_carries_istios_ambient_fields() {
+        let selector = "- podSelector: {matchLabels: {istio.io/dataplane-mode: ambient}}";
+        let fields = Value::Object(options(true, selector).fields().unwrap());
+        assert_eq!(fields["ambient_enabled"], true);
+        assert_eq!(
+            fields["enablement_selectors"],
+            json!([{"podSelector": {"matchLabels": {"istio.io/dataplane-mode": "ambient"}}, "namespaceSelector": {}}])
+        );
+        assert_eq!(fields["pod_namespace"], "kube-system");
+        // The plugin reads back what install wrote.
+        let mut conf = fields.clone();
+        conf["cniVersion"] = json!("1.0.0");
+        let parsed = crate::node::cni::spec::NetConf::parse(conf.to_string().as_bytes()).unwrap();
+        assert!(parsed.ambient_enabled && parsed.enablement_selectors.len() == 1);
+        let e = options(true, "- podSelector: {matchExpressions: [{key: k, operator: Near}]}")
+            .fields()
+            .unwrap_err();
+        assert!(e.to_string().contains("AMBIENT_ENABLEMENT_SELECTOR"), "{e}");
+    }
+}
