@@ -161,7 +161,7 @@ impl AmbientNode {
             "cniVersion": "1.0.0", "name": "k8s-pod-network", "type": "istio-cni",
             "cni_agent_run_dir": self.dir.path(), "ambient_enabled": true,
             "enablement_selectors": selectors.entries(), "exclude_namespaces": ["kube-system"],
-            "pod_namespace": "kube-system", "capture_mode": "iptables"
+            "pod_namespace": "istio-system", "capture_mode": "iptables"
         });
         if let Some(ip) = prev_ip {
             let prefix = if ip.is_ipv4() { 24 } else { 64 };

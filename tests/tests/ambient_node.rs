@@ -111,8 +111,10 @@ fn add_fails_closed_while_the_agent_is_down() {
     node.api.set_namespace("plain", &[]);
     node.api.set_pod(pod_object("plain", "other", "uid-other", ip(&other), &[], &[]));
     node.cni_add(&other, "plain", "other").unwrap();
-    // The agent's own pod is exempt before anything is looked up.
-    node.cni_add(&other, "kube-system", "istio-cni-node-x").unwrap();
+    // The agent's own pod (in the plugin's `pod_namespace`) is exempt before anything
+    // is looked up: the API has no such pod, and ADD still succeeds.
+    node.cni_add(&other, "istio-system", "istio-cni-node-x").unwrap();
+    assert!(!node.api.requests().iter().any(|r| r.contains("istio-cni-node-x")));
 }
 
 #[test]
