@@ -62,9 +62,7 @@ fn check_network_namespace(fd: BorrowedFd<'_>) -> Result<(), String> {
     match err {
         // Older kernels have no NS_GET_NSTYPE: a file on nsfs is a namespace.
         Errno::ENOTTY | Errno::EINVAL if fs_type == NSFS_MAGIC => Ok(()),
-        e => Err(format!(
-            "not a namespace file (filesystem type {fs_type:#x}, NS_GET_NSTYPE: {e})"
-        )),
+        e => Err(format!("not a namespace file (filesystem type {fs_type:#x}, NS_GET_NSTYPE: {e})")),
     }
 }
 
