@@ -179,7 +179,8 @@ impl AmbientNode {
         rt.exec("istio-cni", "ADD", &a, conf.to_string().as_bytes())
     }
 
-    /// A kubelet-shaped sandbox for `pod` under uid `uid` (found through /proc).
+    /// A kubelet-shaped sandbox for `pod` under uid `uid` (found through /proc); `parent`
+    /// plays `kubepods` and its name must say so (podns looks right under it).
     pub fn sandbox(&self, parent: &crate::Cgroup, uid: &str, pod: &Pod) -> anyhow::Result<KubeletSandbox> {
         KubeletSandbox::start(parent, uid, pod.netns())
     }

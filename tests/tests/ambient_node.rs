@@ -122,7 +122,7 @@ fn running_pods_are_enrolled_by_label_and_restarts_lose_nothing() {
     require_root!();
     let mesh = Mesh::new(&test_name!()).unwrap();
     let mut node = AmbientNode::new(&mesh).unwrap();
-    let cgroup = test_cgroup(&test_name!());
+    let cgroup = test_cgroup(&format!("{}-kubepods", test_name!()));
     node.api.set_namespace("apps", &[]);
     let web = mesh.pod("web").unwrap();
     let uid = "2c48913c-b29f-11e7-9350-020968147796";

@@ -119,7 +119,7 @@ fn two_ambient_pods_talk_over_hbone_through_weir_and_the_real_ztunnel() {
     ztunnel::binary().unwrap_or_else(|e| panic!("the ztunnel peer: {e:#}"));
     let mesh = Mesh::new(&test_name!()).unwrap();
     let mut node = AmbientNode::new(&mesh).unwrap();
-    let cgroup = test_cgroup(&test_name!());
+    let cgroup = test_cgroup(&format!("{}-kubepods", test_name!()));
     let (client, server, extra) =
         (mesh.pod("client").unwrap(), mesh.pod("server").unwrap(), mesh.pod("extra").unwrap());
     let uids = [
