@@ -1,7 +1,8 @@
 //! One CNI invocation: ADD finds the pod (Kubernetes API), hands an ambient pod to the
-//! node agent (`ambient`), captures a sidecar pod's traffic inside its network namespace (`capture`: eBPF through the node's pinned
-//! capture, or iptables / native nftables through weir-iptables with a lock private to
-//! that namespace) and passes `prevResult` on; DEL removes what ADD (or repair) made
+//! node agent (`ambient`), captures a sidecar pod's traffic inside its network
+//! namespace (`capture`: eBPF through the node's pinned capture, or iptables / native
+//! nftables through weir-iptables with a lock private to that namespace) and passes
+//! `prevResult` on; DEL removes what ADD (or repair) made
 //! and is idempotent (a namespace already gone is success); CHECK verifies the capture
 //! is still there; VERSION, STATUS and GC answer per the spec. stdout carries only the
 //! result or the error JSON; logs go to stderr.
