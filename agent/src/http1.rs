@@ -87,6 +87,30 @@ where
     }
 }
 
+/// Connects to `target` and sends `request`; the answer's body is the caller's to
+/// stream (a Kubernetes watch). Errors are text for the caller to name its URL in.
+pub async fn open<B>(target: Target<'_>, request: Request<B>) -> Result<Response<Incoming>, String>
+where
+    B: hyper::body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    use hyper_util::rt::TokioIo;
+    let stream = tokio::net::TcpStream::connect((target.host, target.port))
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
+    let answer = match target.tls {
+        Some(tls) => {
+            let name = tokio_rustls::rustls::pki_types::ServerName::try_from(target.host.to_string())
+                .map_err(|e| format!("server name {:?}: {e}", target.host))?;
+            let stream = tls.connect(name, stream).await.map_err(|e| format!("TLS: {e}"))?;
+            exchange(TokioIo::new(stream), request).await
+        }
+        None => exchange(TokioIo::new(stream), request).await,
+    };
+    answer.map_err(|e| e.to_string())
+}
+
 /// Serves HTTP/1.1 on `listener` until the task is dropped: one task per connection,
 /// `handle(request, peer)` per request, 30 s to send the headers. Accept errors are
 /// handled as `crate::accept` says (a pause when out of descriptors); it returns only

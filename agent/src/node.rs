@@ -1,8 +1,12 @@
 //! The node side: what Weir runs once per node rather than once per pod. The CNI plugin
 //! (`cni`: the plugin itself, its eBPF and netfilter capture, install and repair), the
-//! node agent's command line (`command`: `weir cni install|uninstall|repair`), and ZDS,
-//! the node agent's server for ztunnel (Istio's ambient mode).
+//! node agent's command line (`command`: `weir cni install|uninstall|repair|ambient`),
+//! ambient mode's node agent (`ambient`: enrollment, in-pod rules, the plugin's event
+//! socket), what the plugin and that agent share (`enroll`: which pods are ambient, the
+//! plugin's add event) and ZDS, the node agent's server for ztunnel.
 
+pub mod ambient;
 pub mod cni;
 pub mod command;
+pub mod enroll;
 pub mod zds;

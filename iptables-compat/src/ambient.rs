@@ -23,8 +23,9 @@
 //!   [`remove_host_probe`], [`verify_host_probe`]: the node's probe SNAT (`None` is the
 //!   calling thread's namespace, the node's for the agent). nftables needs kubelet's
 //!   uid ([`kubelet_uid`] finds it in `/proc`); iptables matches `--socket-exists`
-//!   and needs the `istio-inpod-probes-v4`/`-v6` ipsets to exist (the agent's, with
-//!   the pods' addresses); for nftables the sets are created in the table if missing.
+//!   and needs the `istio-inpod-probes-v4`/`-v6` ipsets to exist; for nftables the
+//!   sets are created in the table if missing. [`probeset::ProbeSets`] creates them
+//!   and keeps the pods' addresses in them (ipsets over netlink, [`crate::ipset`]).
 //!
 //! [`program_inpod_iptables`], [`program_inpod_nft`], [`program_host_iptables`] and
 //! [`program_host_nft`] are the same runs through any executor (a recorder writes
@@ -33,6 +34,7 @@
 pub mod config;
 pub mod nft;
 pub mod plan;
+pub mod probeset;
 
 mod apply;
 mod host;

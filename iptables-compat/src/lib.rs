@@ -13,6 +13,7 @@ pub mod detect;
 pub mod explain;
 pub mod fast_path;
 pub mod flags;
+pub mod ipset;
 pub mod netlink;
 pub mod nf_probe;
 pub mod nft;

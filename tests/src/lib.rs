@@ -16,6 +16,7 @@
 //! }
 //! ```
 
+pub mod ambient;
 pub mod busynode;
 pub mod capture;
 pub mod cni;
@@ -23,12 +24,14 @@ pub mod control_plane;
 pub mod datapath;
 pub mod demo;
 pub mod envoy;
+pub mod fake_ztunnel;
 pub mod full_disk;
 pub mod http;
 pub mod http_server;
 pub mod inject;
 pub mod istiod_ca;
 pub mod kernel;
+pub mod kube_api;
 pub mod meshtraffic;
 pub mod mtls_pair;
 pub mod oci;

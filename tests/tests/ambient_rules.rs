@@ -489,3 +489,47 @@ fn a_missing_policy_route_is_drift_and_comes_back() {
         assert_eq!(rules_of(&pod), rules);
     }
 }
+
+/// The node's probe sets, over netlink (ipsets) and nft (sets in `istio-ambient-nat`),
+/// in a namespace of the test's: created (an existing set kept, members and all), an
+/// address added with its pod's uid, taken over by a newer pod (an upsert), removed
+/// only by the pod that holds it, pruned to a snapshot; and the iptables probe rule,
+/// which names the ipset, applies once the set exists.
+#[test]
+fn probe_sets_keep_each_address_with_its_pod() {
+    use weir_iptables::ambient::probeset::{ProbeEntry, ProbeSets};
+    require_root!();
+    let mesh = Mesh::new(&test_name!()).unwrap();
+    let node = mesh.pod("node").unwrap();
+    for backend in [AmbientBackend::Iptables, AmbientBackend::Nftables] {
+        let cfg = AmbientConfig { backend, enable_ipv6: true, ..Default::default() };
+        node.run(|| async {
+            let sets = ProbeSets::new(&cfg);
+            sets.ensure().unwrap();
+            let (a, b, v6): (std::net::IpAddr, std::net::IpAddr, std::net::IpAddr) =
+                ("10.1.0.5".parse().unwrap(), "10.1.0.6".parse().unwrap(), "fd00::5".parse().unwrap());
+            sets.upsert(a, "uid-a").unwrap();
+            sets.upsert(b, "uid-b").unwrap();
+            sets.upsert(v6, "uid-a").unwrap();
+            sets.ensure().unwrap();
+            let entry = |ip, uid: &str| ProbeEntry { ip, uid: Some(uid.into()) };
+            assert_eq!(
+                sets.entries().unwrap(),
+                [entry(a, "uid-a"), entry(b, "uid-b"), entry(v6, "uid-a")],
+                "{backend:?}"
+            );
+            // A reused address: the newer pod takes it; the older pod's removal leaves it.
+            sets.upsert(b, "uid-c").unwrap();
+            assert_eq!(sets.remove(b, "uid-b").unwrap(), Some("uid-c".into()));
+            assert!(sets.entries().unwrap().contains(&entry(b, "uid-c")));
+            assert_eq!(sets.remove(b, "uid-c").unwrap(), None);
+            let pruned = sets.prune(&[a].into()).unwrap();
+            assert_eq!(pruned, [v6]);
+            assert_eq!(sets.entries().unwrap(), [entry(a, "uid-a")]);
+            let rule = apply_host_probe(None, &cfg, 0).unwrap();
+            assert_eq!(verify_host_probe(None, &cfg, 0).unwrap(), Verdict::Applied, "{rule:?}");
+            remove_host_probe(None, &cfg).unwrap();
+        })
+        .unwrap();
+    }
+}

@@ -126,3 +126,56 @@ fn the_validator_refuses_an_unknown_field_and_an_unknown_kind() {
         "an unknown apiVersion passed: {unknown_said:?}"
     );
 }
+
+/// The pod specs in `path` (a Pod's, or a workload's template): `(name, spec)`.
+fn pod_specs(path: &Path) -> Vec<(String, Value)> {
+    let text = std::fs::read_to_string(path).unwrap();
+    serde_yaml_ng::Deserializer::from_str(&text)
+        .filter_map(|d| serde::Deserialize::deserialize(d).ok())
+        .filter_map(|v: Value| {
+            let name = format!("{} {}", v["kind"].as_str()?, v["metadata"]["name"].as_str().unwrap_or("?"));
+            let spec = if v["kind"] == "Pod" { &v["spec"] } else { &v["spec"]["template"]["spec"] };
+            spec.get("containers").is_some().then(|| (name, spec.clone()))
+        })
+        .collect()
+}
+
+/// What the schema cannot see: a volumeMount naming no volume of its pod (the API
+/// server refuses the pod), or two volumes of one name. Two changes to one manifest can
+/// merge without a conflict and leave either behind.
+#[test]
+fn every_volume_mount_names_a_volume_of_its_pod() {
+    let mut files = Vec::new();
+    yaml_files(&workspace(), &mut files);
+    let mut problems = Vec::new();
+    let mut checked = 0;
+    for file in &files {
+        for (name, spec) in pod_specs(file) {
+            checked += 1;
+            let volumes: Vec<&str> =
+                spec["volumes"].as_array().into_iter().flatten().filter_map(|v| v["name"].as_str()).collect();
+            for (i, v) in volumes.iter().enumerate() {
+                if volumes[..i].contains(v) {
+                    problems.push(format!("{}: {name}: volume {v} declared twice", file.display()));
+                }
+            }
+            let containers = ["initContainers", "containers"]
+                .iter()
+                .flat_map(|k| spec[*k].as_array().cloned().unwrap_or_default());
+            for c in containers {
+                for m in c["volumeMounts"].as_array().into_iter().flatten() {
+                    let wanted = m["name"].as_str().unwrap_or("");
+                    if !volumes.contains(&wanted) {
+                        problems.push(format!(
+                            "{}: {name}: container {} mounts volume {wanted:?}, which the pod does not declare",
+                            file.display(),
+                            c["name"].as_str().unwrap_or("?")
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    assert!(checked > 0, "no pod specs found");
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}

@@ -41,6 +41,14 @@ fn wait_ports(pod: &Pod, zt: &Ztunnel, want: &[u16]) {
     }
 }
 
+/// Waits for `line` in ztunnel's log. ztunnel logs through a non-blocking writer, so
+/// a line can reach the file after what it reports is visible (ports, acks).
+fn wait_log(zt: &Ztunnel, line: &str) {
+    if let Err(e) = wait_until("ztunnel's log", PATIENCE, || zt.log().contains(line)) {
+        panic!("{e}: no {line:?} in ztunnel's log:\n{}", zt.log());
+    }
+}
+
 #[test]
 fn the_real_ztunnel_takes_pods_from_weirs_zds_server() {
     require_root!();
@@ -79,7 +87,7 @@ fn the_real_ztunnel_takes_pods_from_weirs_zds_server() {
     // Del: acked, and the listeners go.
     rt.block_on(zds.del_pod("uid-app")).unwrap_or_else(|e| panic!("Del: {e}; ztunnel's log:\n{}", zt.log()));
     wait_ports(&app, &zt, &[]);
-    assert!(zt.log().contains(r#"pod delete request, shutting down proxy	uid="uid-app""#), "{}", zt.log());
+    wait_log(&zt, r#"pod delete request, shutting down proxy	uid="uid-app""#);
 
     // Added again, then ztunnel restarted: the new one gets the snapshot (with no new
     // Add) and listens in the pod again.
@@ -92,6 +100,7 @@ fn the_real_ztunnel_takes_pods_from_weirs_zds_server() {
     wait_status(&rt, &zds, &zt, ZdsStatus { connections: 1, synced: 1 });
     wait_ports(&app, &zt, &POD_PORTS);
     assert_eq!(zds.pods(), ["uid-app"]);
+    wait_log(&zt, "received snapshot sent");
     let log = zt.log();
     let received = log.find(r#"pod received, starting proxy	uid="uid-app""#);
     let snapshot_sent = log.find("received snapshot sent");

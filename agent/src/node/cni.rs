@@ -1,11 +1,13 @@
 //! The CNI plugin (argv[0] `weir-cni` or `istio-cni`, chained after the cluster's
-//! primary CNI): the protocol (`spec`), what to do for a pod (`pod`), where the pod
+//! primary CNI): the protocol (`spec`), ambient pods handed to the node agent
+//! (`ambient`), what to do for a pod (`pod`), where the pod
 //! comes from (`kube`, the Kubernetes API through the node's kubeconfig), capturing a
 //! pod inside its network namespace (`capture`, eBPF registration in `ebpf`), ADD /
 //! DEL / CHECK (`plugin`), capturing pods that started before the plugin (`repair`,
 //! which finds their namespaces through the node's /proc: `podns`), and the node side
 //! that installs and keeps the plugin chained (`install`).
 
+pub mod ambient;
 pub mod capture;
 pub mod ebpf;
 pub mod install;

@@ -1,5 +1,6 @@
-//! `weir cni install|uninstall|repair`: the node side of the CNI plugin, as istio-cni's
-//! DaemonSet runs it (flags, or the same env vars Istio's installer reads).
+//! `weir cni install|uninstall|repair|ambient|ambient-rules`: the node side of the CNI
+//! plugin, as istio-cni's DaemonSet runs it (flags, or the same env vars Istio's
+//! installer and node agent read).
 
 use std::{path::PathBuf, time::Duration};
 
@@ -30,6 +31,99 @@ pub enum CniCommand {
     Uninstall(InstallArgs),
     /// Capture the node's sidecar pods that started before the plugin was installed.
     Repair(RepairArgs),
+    /// Run the ambient node agent (istio-cni's ambient side): enroll this node's ambient
+    /// pods (in-pod rules, then ztunnel over ZDS), serve the plugin's add events, keep
+    /// the node's probe rule. Settings come from istio-cni's environment
+    /// (AMBIENT_ENABLED, AMBIENT_ENABLEMENT_SELECTOR, ...; docs/install.md); with
+    /// AMBIENT_ENABLED false it idles until stopped.
+    Ambient(AmbientArgs),
+    /// Print the rules the ambient agent would program (dry run): a pod's in-pod rules
+    /// for the environment's settings and its annotations, or the node's probe rule.
+    AmbientRules(AmbientRulesArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct AmbientArgs {
+    /// A kubeconfig to use instead of the pod's service account.
+    #[arg(long, env = "WEIR_AMBIENT_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// The service account folder (token, ca.crt) for the in-cluster client.
+    #[arg(long, default_value = "/var/run/secrets/kubernetes.io/serviceaccount")]
+    pub service_account_dir: PathBuf,
+}
+
+#[derive(Debug, Args)]
+pub struct AmbientRulesArgs {
+    /// A pod annotation (KEY=VALUE; repeat): ambient.istio.io/dns-capture,
+    /// ambient.istio.io/bypass-inbound-capture, istio.io/reroute-virtual-interfaces.
+    #[arg(long = "annotation")]
+    pub annotations: Vec<String>,
+    /// The node's kubelet-probe SNAT rule instead of a pod's rules.
+    #[arg(long)]
+    pub host_probe: bool,
+    /// kubelet's uid, for the nftables probe rule.
+    #[arg(long, default_value_t = 0)]
+    pub kubelet_uid: u32,
+}
+
+/// The Kubernetes client of the ambient agent: the kubeconfig given, else the pod's
+/// service account (`KUBERNETES_SERVICE_HOST`/`_PORT`, its token re-read per request).
+fn ambient_kube(a: &AmbientArgs) -> anyhow::Result<crate::node::cni::kube::KubeClient> {
+    use crate::node::cni::kube::{Credentials, KubeClient, Kubeconfig};
+    if let Some(path) = &a.kubeconfig {
+        return Ok(KubeClient::load(path)?);
+    }
+    let host = std::env::var("KUBERNETES_SERVICE_HOST")
+        .context("KUBERNETES_SERVICE_HOST is not set (not in a pod?): pass --kubeconfig")?;
+    let port = std::env::var("KUBERNETES_SERVICE_PORT").unwrap_or_else(|_| "443".into());
+    let host = if host.contains(':') { format!("[{host}]") } else { host };
+    let ca = a.service_account_dir.join("ca.crt");
+    let config = Kubeconfig {
+        server: format!("https://{host}:{port}").parse().context("the API server's address")?,
+        ca_pem: Some(std::fs::read(&ca).with_context(|| format!("read {}", ca.display()))?),
+        insecure: false,
+        credentials: Credentials::TokenFile(a.service_account_dir.join("token")),
+    };
+    Ok(KubeClient::new(&a.service_account_dir, config)?)
+}
+
+fn ambient(a: &AmbientArgs) -> anyhow::Result<()> {
+    use crate::node::ambient::{run, settings::AmbientSettings};
+    let settings =
+        AmbientSettings::from_settings(|k| std::env::var(k).ok()).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    runtime.block_on(async {
+        let stop = tokio_util::sync::CancellationToken::new();
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        let on_signal = stop.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = term.recv() => tracing::info!("SIGTERM: stopping"),
+                _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: stopping"),
+            }
+            on_signal.cancel();
+        });
+        if !settings.enabled {
+            tracing::info!("AMBIENT_ENABLED is not true: the ambient node agent idles (sidecar pods are served by the plugin)");
+            stop.cancelled().await;
+            return Ok(());
+        }
+        let kube = ambient_kube(a)?;
+        run::run(settings, kube, stop).await.map_err(|e| anyhow::anyhow!("{}", crate::error_chain(&e)))
+    })
+}
+
+fn ambient_rules(a: &AmbientRulesArgs) -> anyhow::Result<()> {
+    use crate::node::ambient::rules_cmd::{RulesRequest, render};
+    let cfg = weir_iptables::ambient::AmbientConfig::from_settings(|k| std::env::var(k).ok())
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let req = RulesRequest {
+        annotations: a.annotations.clone(),
+        host_probe: a.host_probe,
+        kubelet_uid: a.kubelet_uid,
+    };
+    println!("{}", render(&cfg, &req).map_err(|e| anyhow::anyhow!("{}", crate::error_chain(&e)))?);
+    Ok(())
 }
 
 #[derive(Debug, Args)]
@@ -162,6 +256,18 @@ pub struct PluginOptions {
     /// The eBPF node capture's name (its pins under /sys/fs/bpf/weir/).
     #[arg(long, default_value = crate::node::cni::ebpf::DEFAULT_NODE_CAPTURE)]
     pub ebpf_name: String,
+    /// Istio's ambient switch: the plugin hands ambient pods to `weir cni ambient`.
+    #[arg(long, env = "AMBIENT_ENABLED", default_value_t = false)]
+    pub ambient_enabled: bool,
+    /// Istio's enablement selector (YAML), written into the plugin's config as JSON.
+    #[arg(long, env = "AMBIENT_ENABLEMENT_SELECTOR", default_value = "")]
+    pub ambient_enablement_selector: String,
+    /// Istio's switch for retrying the plugin's ambient check.
+    #[arg(long, env = "ENABLE_AMBIENT_DETECTION_RETRY", default_value_t = false)]
+    pub enable_ambient_detection_retry: bool,
+    /// The node agent's own namespace (its pods are never captured).
+    #[arg(long, env = "POD_NAMESPACE")]
+    pub pod_namespace: Option<String>,
 }
 
 impl PluginOptions {
@@ -183,6 +289,15 @@ impl PluginOptions {
         fields.insert("exclude_namespaces".into(), Value::Array(excluded));
         fields.insert("capture_mode".into(), json!(mode));
         fields.insert("native_nftables".into(), json!(self.native_nftables));
+        let selectors =
+            crate::node::enroll::selector::EnablementSelectors::parse(&self.ambient_enablement_selector)
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+        fields.insert("ambient_enabled".into(), json!(self.ambient_enabled));
+        fields.insert("enablement_selectors".into(), json!(selectors.entries()));
+        fields.insert("enable_ambient_detection_retry".into(), json!(self.enable_ambient_detection_retry));
+        if let Some(ns) = self.pod_namespace.as_deref().filter(|n| !n.is_empty()) {
+            fields.insert("pod_namespace".into(), json!(ns));
+        }
         Ok(fields)
     }
 }
@@ -299,6 +414,11 @@ fn metrics_text() -> bytes::Bytes {
 
 pub fn run(args: CniArgs) -> anyhow::Result<()> {
     match args.command {
+        CniCommand::Ambient(a) => {
+            privileges::require(&[Capability::SysAdmin, Capability::NetAdmin], "weir cni ambient")?;
+            ambient(&a)
+        }
+        CniCommand::AmbientRules(a) => ambient_rules(&a),
         CniCommand::Repair(a) => {
             privileges::require(&[Capability::SysAdmin, Capability::NetAdmin], "weir cni repair")?;
             repair(&a)
@@ -369,7 +489,41 @@ mod tests {
         time::Duration,
     };
 
-    use super::monitoring;
+    use super::*;
+
+    fn options(ambient: bool, selector: &str) -> PluginOptions {
+        PluginOptions {
+            capture_mode: "auto".into(),
+            native_nftables: false,
+            exclude_namespaces: "kube-system".into(),
+            ebpf_name: "cni-node".into(),
+            ambient_enabled: ambient,
+            ambient_enablement_selector: selector.into(),
+            enable_ambient_detection_retry: false,
+            pod_namespace: Some("kube-system".into()),
+        }
+    }
+
+    #[test]
+    fn the_plugins_config_carries_istios_ambient_fields() {
+        let selector = "- podSelector: {matchLabels: {istio.io/dataplane-mode: ambient}}";
+        let fields = Value::Object(options(true, selector).fields().unwrap());
+        assert_eq!(fields["ambient_enabled"], true);
+        assert_eq!(
+            fields["enablement_selectors"],
+            json!([{"podSelector": {"matchLabels": {"istio.io/dataplane-mode": "ambient"}}, "namespaceSelector": {}}])
+        );
+        assert_eq!(fields["pod_namespace"], "kube-system");
+        // The plugin reads back what install wrote.
+        let mut conf = fields.clone();
+        conf["cniVersion"] = json!("1.0.0");
+        let parsed = crate::node::cni::spec::NetConf::parse(conf.to_string().as_bytes()).unwrap();
+        assert!(parsed.ambient_enabled && parsed.enablement_selectors.len() == 1);
+        let e = options(true, "- podSelector: {matchExpressions: [{key: k, operator: Near}]}")
+            .fields()
+            .unwrap_err();
+        assert!(e.to_string().contains("AMBIENT_ENABLEMENT_SELECTOR"), "{e}");
+    }
 
     /// A scrape whose bpffs read is stuck never holds the node agent's single-threaded
     /// runtime, where the loop that keeps the plugin chained runs: that loop (here, the

@@ -26,6 +26,11 @@
 //!       CNI ADD latency (p50/p99) of bridge + host-local + weir-cni per backend
 //!       (iptables, nftables, eBPF) against the same chain without weir-cni.
 //!
+//!   weir-bench ambient [--runs N] [--markdown]
+//!       ambient enrollment: CNI ADD of an ambient pod until ztunnel's ack (the plugin,
+//!       `weir cni ambient`, the rig's stand-in ztunnel), p50/p99 over 50 pods, against
+//!       the same in-pod rules applied raw plus one SEQPACKET round trip.
+//!
 //!   weir-bench scaling [--runs N] [--markdown]
 //!       per-pod cost as the node fills: CNI ADD and eBPF registration p50/p99 with 1,
 //!       50, 100 and 250 pods captured, 20 ADDs at once, the node agent's peak RSS.
@@ -43,6 +48,8 @@
 //!       for ECDSA P-256 and RSA 2048 vs the CA round trip alone (the floor).
 use std::process::ExitCode;
 
+#[path = "../bench/ambient.rs"]
+mod ambient;
 #[path = "../bench/capture.rs"]
 mod capture;
 #[path = "../bench/cni.rs"]
@@ -89,7 +96,7 @@ fn all(opts: &report::Options) -> anyhow::Result<String> {
         opts.runs
     );
     type Bench = fn(&report::Options) -> anyhow::Result<Vec<report::Table>>;
-    let benches: [(&str, Bench); 8] = [
+    let benches: [(&str, Bench); 9] = [
         ("datapath", datapath::tables),
         ("capture", capture::tables),
         ("rules", rules::tables),
@@ -97,6 +104,7 @@ fn all(opts: &report::Options) -> anyhow::Result<String> {
         ("sds", sds::tables),
         ("sidecar", sidecar::tables),
         ("cni", cni::tables),
+        ("ambient", ambient::tables),
         ("scaling", scaling::tables),
     ];
     let mut all = Vec::new();
@@ -145,11 +153,12 @@ fn main() -> ExitCode {
         Some("sds") => sds::tables(&opts).map(|t| render(&t, opts.markdown)),
         Some("sidecar") => sidecar::tables(&opts).map(|t| render(&t, opts.markdown)),
         Some("cni") => cni::tables(&opts).map(|t| render(&t, opts.markdown)),
+        Some("ambient") => ambient::tables(&opts).map(|t| render(&t, opts.markdown)),
         Some("rules") => rules::tables(&opts).map(|t| render(&t, opts.markdown)),
         Some("scaling") => scaling::tables(&opts).map(|t| render(&t, opts.markdown)),
         Some("all") => all(&opts),
         _ => Err(anyhow::anyhow!(
-            "usage: weir-bench capture [--runs N] [--duration SECS] [--connections N] [--markdown]\n       weir-bench datapath [--runs N] [--markdown]\n       weir-bench xds [--runs N] [--markdown]\n       weir-bench sds [--runs N] [--markdown]\n       weir-bench sidecar [--runs N] [--duration SECS] [--markdown]\n       weir-bench cni [--runs N] [--markdown]\n       weir-bench rules [--runs N] [--markdown]\n       weir-bench scaling [--runs N] [--markdown]\n       weir-bench all [--runs N] [--duration SECS] [--markdown]"
+            "usage: weir-bench capture [--runs N] [--duration SECS] [--connections N] [--markdown]\n       weir-bench datapath [--runs N] [--markdown]\n       weir-bench xds [--runs N] [--markdown]\n       weir-bench sds [--runs N] [--markdown]\n       weir-bench sidecar [--runs N] [--duration SECS] [--markdown]\n       weir-bench cni [--runs N] [--markdown]\n       weir-bench ambient [--runs N] [--markdown]\n       weir-bench rules [--runs N] [--markdown]\n       weir-bench scaling [--runs N] [--markdown]\n       weir-bench all [--runs N] [--duration SECS] [--markdown]"
         )),
     };
     match result {

@@ -1,10 +1,11 @@
-//! The Kubernetes API as the CNI plugin uses it: a kubeconfig (the node agent's
-//! `istio-cni-kubeconfig`, or Istio's legacy `kubernetes.kubeconfig`) read once per
-//! invocation, and `GET /api/v1/namespaces/<ns>/pods/<name>` over HTTP or HTTPS (the
-//! cluster CA, or `insecure-skip-tls-verify`; a bearer token, token file, or client
-//! certificate). A small client of our own on hyper + rustls instead of kube-rs: one
-//! read-only call does not justify kube-rs' dependency tree in a binary the runtime
-//! execs for every pod (ARCHITECTURE.md, "CNI plugin").
+//! The Kubernetes API as the CNI plugin and the node agent use it: a kubeconfig (the
+//! node agent's `istio-cni-kubeconfig`, or Istio's legacy `kubernetes.kubeconfig`) and
+//! a few calls over HTTP or HTTPS (the cluster CA, or `insecure-skip-tls-verify`; a
+//! bearer token, token file, or client certificate): a pod, a namespace, a list, a
+//! merge patch of a pod's status, and a watch's open stream (the ambient agent's
+//! list+watch, `node/ambient/watch.rs`). A small client of our own on hyper + rustls
+//! instead of kube-rs: the measured reason is in ARCHITECTURE.md ("The Kubernetes
+//! client").
 
 use std::{
     path::{Path, PathBuf},
@@ -15,7 +16,7 @@ use std::{
 use super::pod::PodInfo;
 use base64::Engine as _;
 use bytes::Bytes;
-use http_body_util::Empty;
+use http_body_util::Full;
 use hyper::{Request, StatusCode, Uri};
 use serde::Deserialize;
 
@@ -32,16 +33,16 @@ pub enum KubeError {
     },
     #[error("kubeconfig {path}: {message}")]
     Invalid { path: PathBuf, message: String },
-    #[error("GET {url}: {message}")]
-    Request { url: String, message: String },
-    #[error("GET {url}: no answer within {REQUEST_TIMEOUT:?}")]
-    Timeout { url: String },
+    #[error("{method} {url}: {message}")]
+    Request { method: &'static str, url: String, message: String },
+    #[error("{method} {url}: no answer within {REQUEST_TIMEOUT:?}")]
+    Timeout { method: &'static str, url: String },
     #[error("pod {namespace}/{name} not found")]
     NotFound { namespace: String, name: String },
-    #[error("GET {url}: HTTP {status}: {message}")]
-    Status { url: String, status: u16, message: String },
-    #[error("GET {url}: the answer is not a Pod: {message}")]
-    Decode { url: String, message: String },
+    #[error("{method} {url}: HTTP {status}: {message}")]
+    Status { method: &'static str, url: String, status: u16, message: String },
+    #[error("GET {url}: the answer is not a {kind}: {message}")]
+    Decode { url: String, kind: &'static str, message: String },
 }
 
 /// How the plugin authenticates.
@@ -253,14 +254,69 @@ impl KubeClient {
     pub async fn pod(&self, namespace: &str, name: &str) -> Result<PodInfo, KubeError> {
         let (url, status, body) = self.get(&format!("/api/v1/namespaces/{namespace}/pods/{name}")).await?;
         match status {
-            StatusCode::OK => {
-                PodInfo::from_json(&body).map_err(|e| KubeError::Decode { url, message: e.to_string() })
-            }
+            StatusCode::OK => PodInfo::from_json(&body).map_err(|e| KubeError::Decode {
+                url,
+                kind: "Pod",
+                message: e.to_string(),
+            }),
             StatusCode::NOT_FOUND => {
                 Err(KubeError::NotFound { namespace: namespace.into(), name: name.into() })
             }
-            other => Err(status_error(url, other, &body)),
+            other => Err(status_error("GET", url, other, &body)),
         }
+    }
+
+    /// `GET <path>` (a list, an object) as JSON.
+    pub async fn get_json(&self, path: &str) -> Result<serde_json::Value, KubeError> {
+        let (url, status, body) = self.get(path).await?;
+        if status != StatusCode::OK {
+            return Err(status_error("GET", url, status, &body));
+        }
+        serde_json::from_slice(&body).map_err(|e| KubeError::Decode {
+            url,
+            kind: "JSON object",
+            message: e.to_string(),
+        })
+    }
+
+    /// A namespace's labels (`GET /api/v1/namespaces/<name>`).
+    pub async fn namespace_labels(
+        &self,
+        name: &str,
+    ) -> Result<std::collections::BTreeMap<String, String>, KubeError> {
+        let value = self.get_json(&format!("/api/v1/namespaces/{name}")).await?;
+        Ok(serde_json::from_value(value["metadata"]["labels"].clone()).unwrap_or_default())
+    }
+
+    /// `PATCH /api/v1/namespaces/<ns>/pods/<name>/status` with a JSON merge patch (the
+    /// status subresource: metadata changes need only `pods/status: patch`).
+    pub async fn patch_pod_status(
+        &self,
+        namespace: &str,
+        name: &str,
+        patch: &serde_json::Value,
+    ) -> Result<(), KubeError> {
+        let path = format!("/api/v1/namespaces/{namespace}/pods/{name}/status");
+        let (url, status, body) =
+            self.call("PATCH", &path, Some(("application/merge-patch+json", patch.to_string()))).await?;
+        match status {
+            StatusCode::OK => Ok(()),
+            StatusCode::NOT_FOUND => {
+                Err(KubeError::NotFound { namespace: namespace.into(), name: name.into() })
+            }
+            other => Err(status_error("PATCH", url, other, &body)),
+        }
+    }
+
+    /// `GET <path>` whose answer is streamed (a watch): the response once its headers
+    /// arrived (within [`REQUEST_TIMEOUT`]); the body has no deadline.
+    pub async fn open_stream(&self, path: &str) -> Result<hyper::Response<hyper::body::Incoming>, KubeError> {
+        let (url, request) = self.request("GET", path, None)?;
+        let target = crate::http1::Target::of(&self.config.server, self.tls.as_ref());
+        tokio::time::timeout(REQUEST_TIMEOUT, crate::http1::open(target, request))
+            .await
+            .map_err(|_| KubeError::Timeout { method: "GET", url: url.clone() })?
+            .map_err(|message| KubeError::Request { method: "GET", url, message })
     }
 
     /// `GET /api/v1/pods?fieldSelector=spec.nodeName=<node>`: the pods on a node.
@@ -268,9 +324,13 @@ impl KubeClient {
         let (url, status, body) =
             self.get(&format!("/api/v1/pods?fieldSelector=spec.nodeName%3D{node}")).await?;
         if status != StatusCode::OK {
-            return Err(status_error(url, status, &body));
+            return Err(status_error("GET", url, status, &body));
         }
-        PodInfo::list_from_json(&body).map_err(|e| KubeError::Decode { url, message: e.to_string() })
+        PodInfo::list_from_json(&body).map_err(|e| KubeError::Decode {
+            url,
+            kind: "PodList",
+            message: e.to_string(),
+        })
     }
 
     fn authority(&self) -> String {
@@ -280,11 +340,20 @@ impl KubeClient {
     /// GETs `path` within `REQUEST_TIMEOUT`; returns the full URL (for errors), the
     /// status and the body.
     async fn get(&self, path: &str) -> Result<(String, StatusCode, Bytes), KubeError> {
+        self.call("GET", path, None).await
+    }
+
+    /// The request for `method path` with the credentials, and its full URL.
+    fn request(
+        &self,
+        method: &'static str,
+        path: &str,
+        body: Option<(&'static str, String)>,
+    ) -> Result<(String, Request<Full<Bytes>>), KubeError> {
         let url =
             format!("{}://{}{path}", self.config.server.scheme_str().unwrap_or("https"), self.authority());
-        let fail = |message: String| KubeError::Request { url: url.clone(), message };
         let mut request = Request::builder()
-            .method("GET")
+            .method(method)
             .uri(path)
             .header(hyper::header::HOST, self.authority())
             .header(hyper::header::ACCEPT, "application/json")
@@ -302,24 +371,47 @@ impl KubeClient {
             }
             _ => {}
         }
-        let request = request.body(Empty::<Bytes>::new()).map_err(|e| fail(e.to_string()))?;
+        let body = match body {
+            Some((content_type, text)) => {
+                request = request.header(hyper::header::CONTENT_TYPE, content_type);
+                Bytes::from(text)
+            }
+            None => Bytes::new(),
+        };
+        let request = request.body(Full::new(body)).map_err(|e| KubeError::Request {
+            method,
+            url: url.clone(),
+            message: e.to_string(),
+        })?;
+        Ok((url, request))
+    }
+
+    /// `method path` within `REQUEST_TIMEOUT`; the full URL, the status and the body
+    /// (lists up to 64 MiB).
+    async fn call(
+        &self,
+        method: &'static str,
+        path: &str,
+        body: Option<(&'static str, String)>,
+    ) -> Result<(String, StatusCode, Bytes), KubeError> {
+        let (url, request) = self.request(method, path, body)?;
         let target = crate::http1::Target::of(&self.config.server, self.tls.as_ref());
         let (status, body) =
-            tokio::time::timeout(REQUEST_TIMEOUT, crate::http1::fetch(target, request, 4 * 1024 * 1024))
+            tokio::time::timeout(REQUEST_TIMEOUT, crate::http1::fetch(target, request, 64 * 1024 * 1024))
                 .await
-                .map_err(|_| KubeError::Timeout { url: url.clone() })?
-                .map_err(fail)?;
+                .map_err(|_| KubeError::Timeout { method, url: url.clone() })?
+                .map_err(|message| KubeError::Request { method, url: url.clone(), message })?;
         Ok((url, status, body))
     }
 }
 
 /// A failed call, with the API server's own explanation (its Status object's message).
-fn status_error(url: String, status: StatusCode, body: &[u8]) -> KubeError {
+fn status_error(method: &'static str, url: String, status: StatusCode, body: &[u8]) -> KubeError {
     let message = serde_json::from_slice::<serde_json::Value>(body)
         .ok()
         .and_then(|v| v["message"].as_str().map(String::from))
         .unwrap_or_else(|| String::from_utf8_lossy(body).chars().take(200).collect());
-    KubeError::Status { url, status: status.as_u16(), message }
+    KubeError::Status { method, url, status: status.as_u16(), message }
 }
 
 #[cfg(test)]

@@ -1,7 +1,8 @@
-//! One CNI invocation: ADD finds the pod (Kubernetes API), captures a sidecar pod's
-//! traffic inside its network namespace (`capture`: eBPF through the node's pinned
-//! capture, or iptables / native nftables through weir-iptables with a lock private to
-//! that namespace) and passes `prevResult` on; DEL removes what ADD (or repair) made
+//! One CNI invocation: ADD finds the pod (Kubernetes API), hands an ambient pod to the
+//! node agent (`ambient`), captures a sidecar pod's traffic inside its network
+//! namespace (`capture`: eBPF through the node's pinned capture, or iptables / native
+//! nftables through weir-iptables with a lock private to that namespace) and passes
+//! `prevResult` on; DEL removes what ADD (or repair) made
 //! and is idempotent (a namespace already gone is success); CHECK verifies the capture
 //! is still there; VERSION, STATUS and GC answer per the spec. stdout carries only the
 //! result or the error JSON; logs go to stderr.
@@ -21,8 +22,7 @@ use super::{
 
 /// The kubeconfig istio-cni's node agent writes into `cni_agent_run_dir`.
 pub const KUBECONFIG_NAME: &str = "istio-cni-kubeconfig";
-/// Istio's default `cni_agent_run_dir`.
-pub const DEFAULT_RUN_DIR: &str = "/var/run/istio-cni";
+pub use super::spec::DEFAULT_RUN_DIR;
 /// istio-cni waits this long for the API server to answer (30 × 1 s).
 const POD_LOOKUP_ATTEMPTS: u32 = 30;
 const POD_LOOKUP_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
@@ -61,23 +61,40 @@ pub fn kubeconfig_path(conf: &NetConf) -> PathBuf {
     Path::new(conf.cni_agent_run_dir.as_deref().unwrap_or(DEFAULT_RUN_DIR)).join(KUBECONFIG_NAME)
 }
 
+/// What ADD does for the invocation's pod.
+enum Target {
+    /// Nothing (not a pod, the agent's own, excluded, not meshed).
+    Skip,
+    /// A sidecar pod: captured here.
+    Sidecar(PodInfo),
+    /// An ambient pod: handed to the node agent.
+    Ambient(PodInfo),
+}
+
 /// The pod this invocation is for, when it is one to capture; `None` with the reason
 /// logged otherwise.
 fn pod_to_capture(conf: &NetConf, inv: &Invocation) -> Result<Option<PodInfo>, CniError> {
+    match target(conf, inv)? {
+        Target::Sidecar(pod) => Ok(Some(pod)),
+        Target::Skip | Target::Ambient(_) => Ok(None),
+    }
+}
+
+fn target(conf: &NetConf, inv: &Invocation) -> Result<Target, CniError> {
     let Some((namespace, name)) = inv.pod() else {
         tracing::info!(container = %inv.container_id, "not a Kubernetes pod (no K8S_POD_NAME/K8S_POD_NAMESPACE in CNI_ARGS): nothing to do");
-        return Ok(None);
+        return Ok(Target::Skip);
     };
     // The node agent's own pods never wait on the kubeconfig they are about to write.
     if conf.pod_namespace.as_deref() == Some(namespace.as_str())
         && (name.starts_with("weir-cni-node") || name.starts_with("istio-cni-node"))
     {
         tracing::info!(pod = %format!("{namespace}/{name}"), "the CNI node agent's own pod: not captured");
-        return Ok(None);
+        return Ok(Target::Skip);
     }
     if conf.excluded_namespaces().any(|n| n == namespace) {
         tracing::info!(pod = %format!("{namespace}/{name}"), reason = %Skip::ExcludedNamespace, "not captured");
-        return Ok(None);
+        return Ok(Target::Skip);
     }
     let path = kubeconfig_path(conf);
     let client = KubeClient::load(&path).map_err(|e| {
@@ -88,11 +105,14 @@ fn pod_to_capture(conf: &NetConf, inv: &Invocation) -> Result<Option<PodInfo>, C
         )
     })?;
     let pod = lookup(&client, &namespace, &name)?;
+    if super::ambient::is_ambient(conf, &client, &pod)? {
+        return Ok(Target::Ambient(pod));
+    }
     if let Some(reason) = pod::skip_reason(&pod) {
         tracing::info!(pod = %format!("{namespace}/{name}"), reason = %reason, "not captured");
-        return Ok(None);
+        return Ok(Target::Skip);
     }
-    Ok(Some(pod))
+    Ok(Target::Sidecar(pod))
 }
 
 /// GET the pod, retrying what may pass (no answer, 5xx, 429) as istio-cni does.
@@ -142,8 +162,11 @@ fn netns_of(inv: &Invocation) -> Result<PathBuf, CniError> {
 
 fn add(conf: &NetConf, inv: &Invocation) -> Result<(), CniError> {
     let netns = netns_of(inv)?;
-    let Some(pod) = pod_to_capture(conf, inv)? else { return Ok(()) };
-    capture(conf, &pod, &netns, &inv.container_id, &inv.ifname)
+    match target(conf, inv)? {
+        Target::Skip => Ok(()),
+        Target::Sidecar(pod) => capture(conf, &pod, &netns, &inv.container_id, &inv.ifname),
+        Target::Ambient(pod) => super::ambient::hand_over(conf, inv, &pod),
+    }
 }
 
 /// Removes Weir's (and Istio's) capture from the namespace: both backends, since DEL

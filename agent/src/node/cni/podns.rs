@@ -56,12 +56,22 @@ pub fn names_pod(cgroup_line: &str, uid: &str) -> bool {
 /// processes (valid while that process lives: open it at once). `Ok(None)`: no process
 /// of the pod is running.
 pub fn find(proc_root: &Path, uid: &str) -> Result<Option<PathBuf>, PodNetnsError> {
+    let wanted = std::collections::BTreeSet::from([uid.to_string()]);
+    find_many(proc_root, &wanted)?.remove(uid).unwrap_or(Ok(None))
+}
+
+/// [`find`] for several pods in one pass over `/proc` (the node agent's start, with
+/// every enrolled pod): each uid's answer.
+pub fn find_many(
+    proc_root: &Path,
+    uids: &std::collections::BTreeSet<String>,
+) -> Result<BTreeMap<String, Result<Option<PathBuf>, PodNetnsError>>, PodNetnsError> {
     let proc_err =
         |path: &Path, e: std::io::Error| PodNetnsError::Proc { path: path.into(), message: e.to_string() };
     let node = std::fs::metadata(proc_root.join("self/ns/net"))
         .map_err(|e| proc_err(&proc_root.join("self/ns/net"), e))?;
     let node = (node.dev(), node.ino());
-    let mut found: BTreeMap<(u64, u64), PathBuf> = BTreeMap::new();
+    let mut found: BTreeMap<&str, BTreeMap<(u64, u64), PathBuf>> = BTreeMap::new();
     let entries = std::fs::read_dir(proc_root).map_err(|e| proc_err(proc_root, e))?;
     for entry in entries.flatten() {
         let name = entry.file_name();
@@ -70,13 +80,23 @@ pub fn find(proc_root: &Path, uid: &str) -> Result<Option<PathBuf>, PodNetnsErro
         }
         // A process that exits meanwhile is skipped.
         let Ok(cgroups) = std::fs::read_to_string(entry.path().join("cgroup")) else { continue };
-        if !cgroups.lines().any(|l| names_pod(l, uid)) {
-            continue;
-        }
+        let Some(uid) = uids.iter().find(|uid| cgroups.lines().any(|l| names_pod(l, uid))) else { continue };
         let ns = entry.path().join("ns/net");
         let Ok(meta) = std::fs::metadata(&ns) else { continue };
-        found.entry((meta.dev(), meta.ino())).or_insert(ns);
+        found.entry(uid.as_str()).or_default().entry((meta.dev(), meta.ino())).or_insert(ns);
     }
+    Ok(uids
+        .iter()
+        .map(|uid| (uid.clone(), one(uid, found.remove(uid.as_str()).unwrap_or_default(), node)))
+        .collect())
+}
+
+/// The answer for one pod from the namespaces its processes are in.
+fn one(
+    uid: &str,
+    mut found: BTreeMap<(u64, u64), PathBuf>,
+    node: (u64, u64),
+) -> Result<Option<PathBuf>, PodNetnsError> {
     if found.contains_key(&node) {
         if found.len() == 1 {
             return Err(PodNetnsError::HostNetwork { uid: uid.into() });

@@ -97,9 +97,8 @@ pub fn repair(conf: &NetConf, pods: Vec<PodInfo>, proc_root: &Path) -> RepairRep
 
 /// Lists `node`'s pods (one API call).
 pub fn list(client: &KubeClient, node: &str) -> Result<Vec<PodInfo>, super::kube::KubeError> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| super::kube::KubeError::Request { url: "(runtime)".into(), message: e.to_string() })?;
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| {
+        super::kube::KubeError::Request { method: "GET", url: "(runtime)".into(), message: e.to_string() }
+    })?;
     runtime.block_on(client.pods_on_node(node))
 }

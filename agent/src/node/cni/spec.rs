@@ -11,6 +11,10 @@ use serde_json::Value;
 
 /// The versions this plugin accepts in a network configuration.
 pub const SUPPORTED_VERSIONS: [&str; 5] = ["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"];
+/// Istio's default `cni_agent_run_dir` (the plugin's kubeconfig, the agent's event
+/// socket).
+pub const DEFAULT_RUN_DIR: &str = "/var/run/istio-cni";
+
 /// The version this plugin implements.
 pub const IMPLEMENTED_VERSION: &str = "1.0.0";
 
@@ -197,10 +201,20 @@ pub struct NetConf {
     /// Istio: where the node agent keeps `istio-cni-kubeconfig`.
     #[serde(default)]
     pub cni_agent_run_dir: Option<String>,
-    #[serde(default)]
+    /// Istio writes `null` for none.
+    #[serde(default, deserialize_with = "null_as_default")]
     pub exclude_namespaces: Vec<String>,
     #[serde(default)]
     pub native_nftables: bool,
+    /// Istio: ambient pods go to the node agent's event socket.
+    #[serde(default)]
+    pub ambient_enabled: bool,
+    /// Istio: which pods are ambient (`AMBIENT_ENABLEMENT_SELECTOR`, as JSON).
+    #[serde(default, deserialize_with = "null_as_default")]
+    pub enablement_selectors: Vec<crate::node::enroll::selector::EnablementSelector>,
+    /// Istio: retry the ambient check while the API server does not answer.
+    #[serde(default)]
+    pub enable_ambient_detection_retry: bool,
     /// Istio's legacy `kubernetes` section.
     #[serde(default)]
     pub kubernetes: Option<LegacyKubernetes>,
@@ -215,11 +229,20 @@ pub struct NetConf {
     pub pod_namespace: Option<String>,
 }
 
+/// A field Istio may write as `null`: read as its default.
+fn null_as_default<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Default + Deserialize<'de>,
+{
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
+}
+
 #[derive(Debug, Clone, PartialEq, Default, Deserialize)]
 pub struct LegacyKubernetes {
     #[serde(default)]
     pub kubeconfig: Option<String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub exclude_namespaces: Vec<String>,
     #[serde(default)]
     pub cni_bin_dir: Option<String>,
@@ -340,6 +363,27 @@ mod tests {
         assert_eq!(out["cniVersion"], "0.4.0");
         let first = NetConf::parse(br#"{"cniVersion": "1.0.0", "name": "k8s"}"#).unwrap();
         assert_eq!(first.result(), r#"{"cniVersion":"1.0.0"}"#);
+    }
+
+    #[test]
+    fn istios_ambient_entry_parses() {
+        // The entry of Istio's install golden (list.conflist.golden), with the list's
+        // version, and one with a selector.
+        let c = NetConf::parse(
+            br#"{"cniVersion": "0.4.0", "ambient_enabled": false, "cni_agent_run_dir": "/path/to/kubeconfig",
+                 "dns": {}, "enable_ambient_detection_retry": false, "enablement_selectors": [],
+                 "exclude_namespaces": null, "ipam": {}, "name": "istio-cni", "native_nftables": false,
+                 "plugin_log_level": "debug", "pod_namespace": "my-namespace", "type": "istio-cni"}"#,
+        )
+        .unwrap();
+        assert!(!c.ambient_enabled && c.exclude_namespaces.is_empty() && c.enablement_selectors.is_empty());
+        let c = NetConf::parse(
+            br#"{"cniVersion": "1.0.0", "ambient_enabled": true,
+                 "enablement_selectors": [{"podSelector": {"matchLabels": {"istio.io/dataplane-mode": "ambient"}}}]}"#,
+        )
+        .unwrap();
+        assert!(c.ambient_enabled);
+        assert_eq!(c.enablement_selectors[0].pod_selector.match_labels["istio.io/dataplane-mode"], "ambient");
     }
 
     #[test]

@@ -50,6 +50,30 @@ impl ZdsHandle {
         conn.send(Update::Add { uid: uid.to_string(), info, netns }).await
     }
 
+    /// Caches the pod without sending anything (the agent's start, before ztunnel
+    /// connects: the snapshot carries it). Refused as [`Self::add_pod`] refuses.
+    pub fn cache_pod(&self, uid: &str, info: WorkloadInfo, netns: OwnedFd) -> Result<(), ZdsError> {
+        if uid.is_empty() {
+            return Err(ZdsError::EmptyUid);
+        }
+        codec::add(uid, &info)?;
+        let netns =
+            Netns::new(netns).map_err(|problem| ZdsError::NotANetns { uid: uid.to_string(), problem })?;
+        self.shared.pods.upsert(uid, info, netns);
+        Ok(())
+    }
+
+    /// A new descriptor of the network namespace cached for `uid`, if one is.
+    pub fn netns(&self, uid: &str) -> Option<OwnedFd> {
+        self.shared.pods.netns(uid)
+    }
+
+    /// Uncaches `uid` without telling ztunnel (Istio's `Take` after a failed add that
+    /// never reached ztunnel).
+    pub fn forget(&self, uid: &str) {
+        self.shared.pods.take(uid);
+    }
+
     /// Caches `uid` as enrolled with its netns not found (Istio's `Ensure`): snapshots
     /// send it as Keep, so ztunnel keeps a proxy it already runs for it. Sends nothing
     /// now (Keep is allowed only within a snapshot). A pod cached with its netns stays

@@ -103,6 +103,14 @@ impl PodCache {
         self.lock().entry(uid.to_string()).or_insert(CachedPod::NetnsUnknown);
     }
 
+    /// A duplicate of `uid`'s netns fd, if it is cached with one.
+    pub fn netns(&self, uid: &str) -> Option<OwnedFd> {
+        match self.lock().get(uid) {
+            Some(CachedPod::Enrolled { netns, .. }) => netns.fd().try_clone_to_owned().ok(),
+            _ => None,
+        }
+    }
+
     /// Removes `uid`; its netns fd closes once no message in flight holds it.
     pub fn take(&self, uid: &str) -> Option<CachedPod> {
         self.lock().remove(uid)

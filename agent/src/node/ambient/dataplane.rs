@@ -1,0 +1,331 @@
+//! Putting one pod into the mesh and taking it out, in Istio's order
+//! (`meshDataplane.AddPodToMesh` / `RemovePodFromMesh`):
+//!
+//! **Add**: the uid is known to ZDS first (so a snapshot keeps it as Keep even before
+//! its namespace is found); the pod's network namespace is opened (the path the plugin
+//! sent, under the node's root; else the one cached; else found through the node's
+//! /proc and checked to hold the pod's address); the in-pod rules are applied in it
+//! (a failure here is final: no annotation, nothing cached); ztunnel is sent the pod
+//! and must ack (failing that the pod is annotated `pending` and the error is
+//! retryable: the rules stay, kubelet and the watch retry); its addresses join the
+//! node's probe sets; last, `ambient.istio.io/redirection: enabled`.
+//!
+//! **Remove**: its addresses leave the probe sets (only while they are still this
+//! pod's); unless the pod is being deleted (its namespace goes with it), the in-pod
+//! rules are removed from its namespace; Del goes to every ztunnel; the annotation is
+//! removed (NotFound and, for a deleted pod, any failure ignored).
+//!
+//! Work on one pod is serialised (the plugin's event and the watch may race); pods
+//! proceed in parallel. Rule work runs on blocking threads (it enters namespaces).
+
+use std::{
+    collections::HashMap,
+    net::IpAddr,
+    os::fd::{AsRawFd as _, OwnedFd},
+    path::PathBuf,
+    sync::{Arc, Mutex},
+};
+
+use weir_iptables::{
+    ambient::{AmbientError, InpodConfig, PodOverrides, probeset::ProbeSets},
+    detect::HostFacts as _,
+};
+
+use super::{
+    objects::{AmbientPod, REDIRECTION_ENABLED, REDIRECTION_PENDING, redirection_patch},
+    settings::AmbientSettings,
+};
+use crate::node::{
+    cni::{
+        kube::{KubeClient, KubeError},
+        podns,
+    },
+    zds::{WorkloadInfo, ZdsError, ZdsHandle},
+};
+
+/// Why a pod could not be added or removed.
+#[derive(Debug, thiserror::Error)]
+pub enum DataplaneError {
+    #[error("pod {pod}: open its network namespace {path}")]
+    OpenNetns {
+        pod: String,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("pod {pod}: {message}")]
+    FindNetns { pod: String, message: String },
+    #[error("pod {pod}: bad annotation")]
+    Annotation {
+        pod: String,
+        #[source]
+        source: weir_iptables::config::ConfigError,
+    },
+    #[error("pod {pod}: in-pod rules")]
+    Rules {
+        pod: String,
+        #[source]
+        source: AmbientError,
+    },
+    #[error("pod {pod}: ztunnel")]
+    Zds {
+        pod: String,
+        #[source]
+        source: ZdsError,
+    },
+    #[error("pod {pod}: host probe set")]
+    ProbeSet {
+        pod: String,
+        #[source]
+        source: weir_iptables::ambient::probeset::ProbeSetError,
+    },
+    #[error("pod {pod}: annotate {REDIRECTION_ANNOTATION_NAME}")]
+    Annotate {
+        pod: String,
+        #[source]
+        source: KubeError,
+    },
+    #[error("pod {pod}: a blocking task failed: {message}")]
+    Task { pod: String, message: String },
+}
+
+const REDIRECTION_ANNOTATION_NAME: &str = super::objects::REDIRECTION_ANNOTATION;
+
+impl DataplaneError {
+    /// Whether trying again can help (Istio's retryable errors: ztunnel, annotations,
+    /// probe sets); a namespace that cannot be found or rules that cannot be applied
+    /// are final for this attempt.
+    pub fn retryable(&self) -> bool {
+        matches!(self, Self::Zds { .. } | Self::ProbeSet { .. } | Self::Annotate { .. } | Self::Task { .. })
+    }
+}
+
+/// The ambient data plane of this node.
+pub struct Dataplane {
+    settings: Arc<AmbientSettings>,
+    zds: ZdsHandle,
+    kube: Arc<KubeClient>,
+    probes: ProbeSets,
+    locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+/// `/proc/self/fd/N`: a path through which `fd`'s namespace can be entered.
+fn fd_path(fd: &OwnedFd) -> PathBuf {
+    PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+}
+
+impl Dataplane {
+    pub fn new(settings: Arc<AmbientSettings>, zds: ZdsHandle, kube: Arc<KubeClient>) -> Self {
+        let probes = ProbeSets::new(&settings.rules);
+        Self { settings, zds, kube, probes, locks: Mutex::default() }
+    }
+
+    pub fn settings(&self) -> &AmbientSettings {
+        &self.settings
+    }
+
+    pub fn zds(&self) -> &ZdsHandle {
+        &self.zds
+    }
+
+    pub fn probes(&self) -> &ProbeSets {
+        &self.probes
+    }
+
+    /// The lock serialising work on `uid`.
+    fn lock(&self, uid: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut locks = self.locks.lock().unwrap_or_else(|p| p.into_inner());
+        locks.retain(|_, l| Arc::strong_count(l) > 1);
+        locks.entry(uid.to_string()).or_default().clone()
+    }
+
+    /// Adds `pod` (with `ips`, and the netns path the plugin sent, if any).
+    pub async fn add(
+        &self,
+        pod: &AmbientPod,
+        ips: &[IpAddr],
+        netns_path: Option<&str>,
+    ) -> Result<(), DataplaneError> {
+        let lock = self.lock(&pod.uid);
+        let _held = lock.lock().await;
+        let who = pod.key();
+        self.zds.keep_pod(&pod.uid);
+        let netns = match self.open_netns(pod, ips, netns_path).await {
+            Ok(n) => n,
+            Err(e) => {
+                self.zds_forget(pod);
+                return Err(e);
+            }
+        };
+        let overrides =
+            PodOverrides::from_annotations(pod.annotations.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+                .map_err(|source| DataplaneError::Annotation { pod: who.clone(), source })?;
+        let cfg = self.settings.rules.for_pod(overrides);
+        if let Err(e) = self.apply_rules(&who, &netns, cfg).await {
+            self.zds_forget(pod);
+            return Err(e);
+        }
+        let info = WorkloadInfo {
+            name: pod.name.clone(),
+            namespace: pod.namespace.clone(),
+            service_account: pod.service_account().to_string(),
+        };
+        if let Err(source) = self.zds.add_pod(&pod.uid, info, netns).await {
+            tracing::warn!(pod = %who, uid = %pod.uid, error = %crate::error_chain(&source), "ztunnel did not take the pod: annotating it pending");
+            if !pod.partially_enrolled() {
+                self.annotate(pod, Some(REDIRECTION_PENDING)).await?;
+            }
+            return Err(DataplaneError::Zds { pod: who, source });
+        }
+        self.probe_upsert(pod, ips).await?;
+        if !pod.fully_enrolled() {
+            self.annotate(pod, Some(REDIRECTION_ENABLED)).await?;
+        }
+        tracing::info!(pod = %who, uid = %pod.uid, ips = ?ips, "pod added to the ambient mesh");
+        Ok(())
+    }
+
+    /// Forgets a pod whose add failed before ztunnel saw it (Istio's `Take`), unless it
+    /// was enrolled before: then ztunnel runs its proxy, and the cache keeps it.
+    fn zds_forget(&self, pod: &AmbientPod) {
+        if !pod.fully_enrolled() {
+            self.zds.forget(&pod.uid);
+        }
+    }
+
+    /// The pod's network namespace, opened.
+    async fn open_netns(
+        &self,
+        pod: &AmbientPod,
+        ips: &[IpAddr],
+        path: Option<&str>,
+    ) -> Result<OwnedFd, DataplaneError> {
+        let who = pod.key();
+        if let Some(path) = path.filter(|p| !p.is_empty()) {
+            let full = self.settings.host_path(path);
+            return std::fs::File::open(&full)
+                .map(OwnedFd::from)
+                .map_err(|source| DataplaneError::OpenNetns { pod: who, path: full, source });
+        }
+        if let Some(fd) = self.zds.netns(&pod.uid) {
+            return Ok(fd);
+        }
+        let proc = self.settings.host_proc.clone();
+        let (uid, ips) = (pod.uid.clone(), ips.to_vec());
+        let found = tokio::task::spawn_blocking(move || find_owned_netns(&proc, &uid, &ips))
+            .await
+            .map_err(|e| DataplaneError::Task { pod: who.clone(), message: e.to_string() })?;
+        found.map_err(|message| DataplaneError::FindNetns { pod: who, message })
+    }
+
+    async fn apply_rules(&self, who: &str, netns: &OwnedFd, cfg: InpodConfig) -> Result<(), DataplaneError> {
+        let fd = netns.try_clone().map_err(|source| DataplaneError::OpenNetns {
+            pod: who.to_string(),
+            path: fd_path(netns),
+            source,
+        })?;
+        let who_owned = who.to_string();
+        let report =
+            tokio::task::spawn_blocking(move || weir_iptables::ambient::apply_inpod(&fd_path(&fd), &cfg))
+                .await
+                .map_err(|e| DataplaneError::Task { pod: who_owned.clone(), message: e.to_string() })?
+                .map_err(|source| DataplaneError::Rules { pod: who_owned, source })?;
+        tracing::info!(pod = %who, action = ?report.action, backend = ?report.backend, path = %report.path, "in-pod rules");
+        Ok(())
+    }
+
+    async fn probe_upsert(&self, pod: &AmbientPod, ips: &[IpAddr]) -> Result<(), DataplaneError> {
+        let (probes, uid, ips, who) = (self.probes.clone(), pod.uid.clone(), ips.to_vec(), pod.key());
+        tokio::task::spawn_blocking(move || ips.iter().try_for_each(|ip| probes.upsert(*ip, &uid)))
+            .await
+            .map_err(|e| DataplaneError::Task { pod: who.clone(), message: e.to_string() })?
+            .map_err(|source| {
+                tracing::error!(pod = %who, error = %crate::error_chain(&source), "kubelet probes to this pod will be captured: its address is not in the host probe set");
+                DataplaneError::ProbeSet { pod: who, source }
+            })
+    }
+
+    /// Re-adds the pod's addresses to the probe sets (its addresses changed).
+    pub async fn refresh_probes(&self, pod: &AmbientPod) -> Result<(), DataplaneError> {
+        self.probe_upsert(pod, &pod.ips).await
+    }
+
+    async fn annotate(&self, pod: &AmbientPod, value: Option<&str>) -> Result<(), DataplaneError> {
+        match self.kube.patch_pod_status(&pod.namespace, &pod.name, &redirection_patch(value)).await {
+            Ok(()) => Ok(()),
+            Err(KubeError::NotFound { .. }) if value.is_none() => Ok(()),
+            Err(source) => Err(DataplaneError::Annotate { pod: pod.key(), source }),
+        }
+    }
+
+    /// Takes `pod` out of the mesh; `deleting`: the pod is gone (its namespace with it).
+    pub async fn remove(&self, pod: &AmbientPod, deleting: bool) -> Result<(), DataplaneError> {
+        let lock = self.lock(&pod.uid);
+        let _held = lock.lock().await;
+        let who = pod.key();
+        let (probes, uid, ips) = (self.probes.clone(), pod.uid.clone(), pod.ips.clone());
+        let held_by_others = tokio::task::spawn_blocking(move || {
+            ips.iter()
+                .map(|ip| probes.remove(*ip, &uid).map(|other| (*ip, other)))
+                .collect::<Result<Vec<_>, _>>()
+        })
+        .await
+        .map_err(|e| DataplaneError::Task { pod: who.clone(), message: e.to_string() })?
+        .map_err(|source| DataplaneError::ProbeSet { pod: who.clone(), source })?;
+        for (ip, other) in held_by_others {
+            if let Some(other) = other {
+                tracing::warn!(pod = %who, uid = %pod.uid, %ip, holder = %other, "probe set entry left: another pod holds the address now");
+            }
+        }
+        if !deleting && let Some(netns) = self.zds.netns(&pod.uid) {
+            let who_owned = who.clone();
+            tokio::task::spawn_blocking(move || weir_iptables::ambient::remove_inpod(&fd_path(&netns)))
+                .await
+                .map_err(|e| DataplaneError::Task { pod: who_owned.clone(), message: e.to_string() })?
+                .map_err(|source| DataplaneError::Rules { pod: who_owned, source })?;
+        }
+        self.zds
+            .del_pod(&pod.uid)
+            .await
+            .map_err(|source| DataplaneError::Zds { pod: who.clone(), source })?;
+        match self.annotate(pod, None).await {
+            Err(e) if !deleting => return Err(e),
+            Err(e) => {
+                tracing::debug!(pod = %who, error = %crate::error_chain(&e), "annotation not removed from a deleted pod")
+            }
+            Ok(()) => {}
+        }
+        tracing::info!(pod = %who, uid = %pod.uid, deleting, "pod removed from the ambient mesh");
+        Ok(())
+    }
+}
+
+/// The netns of a running pod found through the node's /proc, opened, and checked to
+/// hold one of the pod's addresses (a pod with none is not placed yet).
+pub fn find_owned_netns(proc: &std::path::Path, uid: &str, ips: &[IpAddr]) -> Result<OwnedFd, String> {
+    if ips.is_empty() {
+        return Err("the pod has no address yet: its namespace cannot be checked".into());
+    }
+    let path = podns::find(proc, uid)
+        .map_err(|e| e.to_string())?
+        .ok_or_else(|| format!("no process of pod {uid} runs on this node (per {})", proc.display()))?;
+    let fd: OwnedFd = std::fs::File::open(&path).map_err(|e| format!("open {}: {e}", path.display()))?.into();
+    check_owner(&fd, ips)?;
+    Ok(fd)
+}
+
+/// Whether the namespace `fd` holds one of `ips`.
+pub fn check_owner(fd: &OwnedFd, ips: &[IpAddr]) -> Result<(), String> {
+    let facts = weir_iptables::detect::SystemFacts { netns: Some(fd_path(fd)) };
+    let held: Vec<IpAddr> = facts
+        .addresses()
+        .map_err(|e| format!("read the addresses in {}: {e}", fd_path(fd).display()))?
+        .into_iter()
+        .map(super::objects::unmapped)
+        .collect();
+    if ips.iter().any(|ip| held.contains(ip)) {
+        Ok(())
+    } else {
+        Err(format!("the namespace found holds {held:?}, none of the pod's addresses {ips:?}: not the pod's"))
+    }
+}

@@ -1,0 +1,182 @@
+//! The agent's start with pods already enrolled (a restart, a rollout): Istio's
+//! `ConstructInitialSnapshot`. Every pod annotated `enabled` (not terminal, not a
+//! ztunnel) is known to ZDS before ztunnel can connect; the namespaces of those running
+//! are found in one pass over the node's /proc (each checked to hold the pod's address)
+//! and cached with their fds, so the first ztunnel to connect gets every pod in its
+//! snapshot and keeps every proxy (a pod whose namespace is not found goes as Keep);
+//! with `AMBIENT_RECONCILE_POD_RULES_ON_STARTUP` the in-pod rules are applied again
+//! (as they are: nothing; drifted: replaced); the probe sets get every pod's addresses,
+//! and stale addresses are pruned when every enrolled pod has one (Istio's rule: an
+//! incomplete snapshot prunes nothing).
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+    os::fd::OwnedFd,
+};
+
+use super::{
+    dataplane::{Dataplane, check_owner},
+    objects::AmbientPod,
+};
+use crate::node::{cni::podns, zds::WorkloadInfo};
+
+/// What the start found.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct SnapshotReport {
+    /// Enrolled pods cached with their namespace.
+    pub found: usize,
+    /// Enrolled pods whose namespace was not found (sent as Keep).
+    pub kept: Vec<String>,
+    /// Pods whose rules were applied again.
+    pub reconciled: usize,
+    /// Addresses pruned from the probe sets.
+    pub pruned: Vec<IpAddr>,
+}
+
+/// Builds the ZDS cache and the probe sets from the enrolled pods (blocking work runs
+/// on blocking threads).
+pub async fn restore(dp: &Dataplane, pods: &[AmbientPod]) -> SnapshotReport {
+    let system = dp.settings().system_namespace.clone();
+    let enrolled: Vec<&AmbientPod> =
+        pods.iter().filter(|p| p.fully_enrolled() && !p.terminal() && !p.is_ztunnel(&system)).collect();
+    let mut report = SnapshotReport::default();
+    for pod in &enrolled {
+        dp.zds().keep_pod(&pod.uid);
+    }
+    let uids: BTreeSet<String> = enrolled.iter().map(|p| p.uid.clone()).collect();
+    let proc = dp.settings().host_proc.clone();
+    let ips: BTreeMap<String, Vec<IpAddr>> =
+        enrolled.iter().map(|p| (p.uid.clone(), p.ips.clone())).collect();
+    let found = tokio::task::spawn_blocking(move || open_all(&proc, &uids, &ips)).await.unwrap_or_default();
+    for pod in &enrolled {
+        let who = pod.key();
+        let Some(fd) = found.get(&pod.uid).and_then(|r| r.as_ref().ok()) else {
+            let why = found
+                .get(&pod.uid)
+                .and_then(|r| r.as_ref().err())
+                .cloned()
+                .unwrap_or_else(|| "not looked up".into());
+            tracing::warn!(pod = %who, uid = %pod.uid, reason = %why, "enrolled pod's namespace not found: ztunnel is told to keep it");
+            report.kept.push(who);
+            continue;
+        };
+        let info = WorkloadInfo {
+            name: pod.name.clone(),
+            namespace: pod.namespace.clone(),
+            service_account: pod.service_account().into(),
+        };
+        let Ok(fd) = fd.try_clone() else { continue };
+        match dp.zds().cache_pod(&pod.uid, info, fd) {
+            Ok(()) => report.found += 1,
+            Err(e) => {
+                tracing::warn!(pod = %who, uid = %pod.uid, error = %crate::error_chain(&e), "enrolled pod not cached")
+            }
+        }
+    }
+    if dp.settings().rules.reconcile {
+        report.reconciled = reconcile_rules(dp, &enrolled).await;
+    }
+    report.pruned = sync_probes(dp, &enrolled).await;
+    tracing::info!(
+        enrolled = enrolled.len(),
+        found = report.found,
+        kept = report.kept.len(),
+        reconciled = report.reconciled,
+        pruned = report.pruned.len(),
+        "ambient snapshot restored"
+    );
+    report
+}
+
+/// Opens each pod's namespace (one /proc pass), checked against its addresses.
+fn open_all(
+    proc: &std::path::Path,
+    uids: &BTreeSet<String>,
+    ips: &BTreeMap<String, Vec<IpAddr>>,
+) -> BTreeMap<String, Result<OwnedFd, String>> {
+    let paths = match podns::find_many(proc, uids) {
+        Ok(p) => p,
+        Err(e) => return uids.iter().map(|u| (u.clone(), Err(e.to_string()))).collect(),
+    };
+    paths
+        .into_iter()
+        .map(|(uid, found)| {
+            let opened = found.map_err(|e| e.to_string()).and_then(|path| {
+                let path = path.ok_or_else(|| {
+                    format!("no process of the pod runs on this node (per {})", proc.display())
+                })?;
+                let fd: OwnedFd =
+                    std::fs::File::open(&path).map_err(|e| format!("open {}: {e}", path.display()))?.into();
+                let pod_ips = ips.get(&uid).cloned().unwrap_or_default();
+                if pod_ips.is_empty() {
+                    return Err("the pod has no address: its namespace cannot be checked".into());
+                }
+                check_owner(&fd, &pod_ips)?;
+                Ok(fd)
+            });
+            (uid, opened)
+        })
+        .collect()
+}
+
+/// Applies the rules again in every cached pod; returns how many succeeded.
+async fn reconcile_rules(dp: &Dataplane, enrolled: &[&AmbientPod]) -> usize {
+    let mut done = 0;
+    for pod in enrolled {
+        let Some(fd) = dp.zds().netns(&pod.uid) else { continue };
+        let overrides = weir_iptables::ambient::PodOverrides::from_annotations(
+            pod.annotations.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+        );
+        let Ok(overrides) = overrides else { continue };
+        let cfg = dp.settings().rules.for_pod(overrides);
+        let path =
+            std::path::PathBuf::from(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&fd)));
+        let result = tokio::task::spawn_blocking(move || {
+            let r = weir_iptables::ambient::apply_inpod(&path, &cfg);
+            drop(fd);
+            r
+        })
+        .await;
+        match result {
+            Ok(Ok(report)) => {
+                done += 1;
+                tracing::info!(pod = %pod.key(), uid = %pod.uid, action = ?report.action, "in-pod rules reconciled at start");
+            }
+            Ok(Err(e)) => {
+                tracing::error!(pod = %pod.key(), uid = %pod.uid, error = %crate::error_chain(&e), "in-pod rules not reconciled at start")
+            }
+            Err(e) => tracing::error!(pod = %pod.key(), error = %e, "in-pod rules not reconciled at start"),
+        }
+    }
+    done
+}
+
+/// Upserts every enrolled pod's addresses; prunes the rest when all have one.
+async fn sync_probes(dp: &Dataplane, enrolled: &[&AmbientPod]) -> Vec<IpAddr> {
+    let probes = dp.probes().clone();
+    let pods: Vec<(String, Vec<IpAddr>)> = enrolled.iter().map(|p| (p.uid.clone(), p.ips.clone())).collect();
+    let complete = pods.iter().all(|(_, ips)| !ips.is_empty());
+    let result = tokio::task::spawn_blocking(move || {
+        let mut keep = BTreeSet::new();
+        for (uid, ips) in &pods {
+            for ip in ips {
+                probes.upsert(*ip, uid)?;
+                keep.insert(*ip);
+            }
+        }
+        if complete { probes.prune(&keep) } else { Ok(Vec::new()) }
+    })
+    .await;
+    match result {
+        Ok(Ok(pruned)) => pruned,
+        Ok(Err(e)) => {
+            tracing::error!(error = %crate::error_chain(&e), "host probe sets not synced at start");
+            Vec::new()
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "host probe sets not synced at start");
+            Vec::new()
+        }
+    }
+}

@@ -1,0 +1,401 @@
+//! A test Kubernetes API server with watches, for the ambient node agent and the CNI
+//! plugin: Pods and Namespaces in a store with one resource-version counter, served as
+//! the real API serves them — GET of one object, LIST (with `fieldSelector=
+//! spec.nodeName=`), WATCH (`watch=1&resourceVersion=N`: the events after N, then new
+//! ones as they happen, with `allowWatchBookmarks` honoured and `410 Gone` for a
+//! version older than the server keeps), and a JSON merge patch of a pod's status (the
+//! agent's annotations). A bearer token is checked. Tests change the store
+//! (`set_pod`, `delete_pod`, `set_namespace`), read it (`pod`), and can make every
+//! version older than now expire (`expire_history`) to force a relist.
+
+use std::{
+    collections::BTreeMap,
+    convert::Infallible,
+    net::SocketAddr,
+    sync::{Arc, Mutex},
+};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt as _, Full, StreamBody};
+use hyper::body::Frame;
+use serde_json::{Value, json};
+use tokio::sync::broadcast;
+use tokio_util::sync::CancellationToken;
+use weir_agent::sandbox::NetNs;
+
+type Key = (String, String);
+
+/// One change, as a watch sends it.
+#[derive(Debug, Clone)]
+struct Change {
+    version: u64,
+    kind: &'static str,
+    /// "pods" or "namespaces".
+    collection: &'static str,
+    object: Value,
+}
+
+#[derive(Default)]
+struct Store {
+    version: u64,
+    pods: BTreeMap<Key, Value>,
+    namespaces: BTreeMap<String, Value>,
+    history: Vec<Change>,
+    /// Versions at or below this are gone (410).
+    expired_below: u64,
+    requests: Vec<String>,
+}
+
+/// The server; dropping it stops it.
+pub struct KubeApi {
+    pub addr: SocketAddr,
+    token: String,
+    store: Arc<Mutex<Store>>,
+    changes: broadcast::Sender<Change>,
+    stop: CancellationToken,
+    _thread: std::thread::JoinHandle<()>,
+}
+
+impl Drop for KubeApi {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+fn status(code: u16, message: &str) -> (u16, Value) {
+    (
+        code,
+        json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message, "code": code}),
+    )
+}
+
+/// A JSON merge patch (RFC 7386).
+pub fn merge_patch(target: &mut Value, patch: &Value) {
+    match patch {
+        Value::Object(p) => {
+            if !target.is_object() {
+                *target = json!({});
+            }
+            let t = target.as_object_mut().expect("object");
+            for (k, v) in p {
+                if v.is_null() {
+                    t.remove(k);
+                } else {
+                    merge_patch(t.entry(k.clone()).or_insert(Value::Null), v);
+                }
+            }
+        }
+        other => *target = other.clone(),
+    }
+}
+
+impl Store {
+    fn record(&mut self, kind: &'static str, collection: &'static str, object: &mut Value) -> Change {
+        self.version += 1;
+        object["metadata"]["resourceVersion"] = json!(self.version.to_string());
+        let change = Change { version: self.version, kind, collection, object: object.clone() };
+        self.history.push(change.clone());
+        change
+    }
+}
+
+impl KubeApi {
+    /// Listens on 127.0.0.1 inside `netns`.
+    pub fn start(netns: &NetNs, token: &str) -> anyhow::Result<Self> {
+        let store: Arc<Mutex<Store>> = Arc::default();
+        let (changes, _) = broadcast::channel(4096);
+        let stop = CancellationToken::new();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (st, ch, sp, tk) = (store.clone(), changes.clone(), stop.clone(), token.to_string());
+        let thread = netns.spawn_thread(move || async move {
+            let listener = match tokio::net::TcpListener::bind("127.0.0.1:0").await {
+                Ok(l) => l,
+                Err(e) => return drop(tx.send(Err(e.to_string()))),
+            };
+            let _ = tx.send(Ok(listener.local_addr().expect("bound")));
+            loop {
+                let (stream, _) = tokio::select! {
+                    () = sp.cancelled() => return,
+                    a = listener.accept() => match a { Ok(a) => a, Err(_) => continue },
+                };
+                let (st, ch, tk, sp) = (st.clone(), ch.clone(), tk.clone(), sp.clone());
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(move |req| {
+                        let (st, ch, tk, sp) = (st.clone(), ch.clone(), tk.clone(), sp.clone());
+                        async move { Ok::<_, Infallible>(serve(req, &st, &ch, &tk, sp).await) }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        })?;
+        let addr = rx
+            .recv_timeout(std::time::Duration::from_secs(10))?
+            .map_err(|e| anyhow::anyhow!("test API server: {e}"))?;
+        Ok(Self { addr, token: token.into(), store, changes, stop, _thread: thread })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Store> {
+        self.store.lock().expect("store lock")
+    }
+
+    /// Creates or replaces a pod (its `metadata.namespace`/`name`).
+    pub fn set_pod(&self, mut pod: Value) {
+        let key = (
+            pod["metadata"]["namespace"].as_str().unwrap_or_default().to_string(),
+            pod["metadata"]["name"].as_str().unwrap_or_default().to_string(),
+        );
+        let mut s = self.lock();
+        let kind = if s.pods.contains_key(&key) { "MODIFIED" } else { "ADDED" };
+        let change = s.record(kind, "pods", &mut pod);
+        s.pods.insert(key, pod);
+        drop(s);
+        let _ = self.changes.send(change);
+    }
+
+    /// Changes a stored pod with `f` (a MODIFIED event).
+    pub fn update_pod(&self, namespace: &str, name: &str, f: impl FnOnce(&mut Value)) {
+        let mut pod = self.pod(namespace, name).unwrap_or_else(|| panic!("no pod {namespace}/{name}"));
+        f(&mut pod);
+        self.set_pod(pod);
+    }
+
+    /// Deletes a pod (a DELETED event).
+    pub fn delete_pod(&self, namespace: &str, name: &str) {
+        let mut s = self.lock();
+        let Some(mut pod) = s.pods.remove(&(namespace.into(), name.into())) else { return };
+        let change = s.record("DELETED", "pods", &mut pod);
+        drop(s);
+        let _ = self.changes.send(change);
+    }
+
+    /// Creates or relabels a namespace.
+    pub fn set_namespace(&self, name: &str, labels: &[(&str, &str)]) {
+        let labels: BTreeMap<&str, &str> = labels.iter().copied().collect();
+        let mut ns =
+            json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels}});
+        let mut s = self.lock();
+        let kind = if s.namespaces.contains_key(name) { "MODIFIED" } else { "ADDED" };
+        let change = s.record(kind, "namespaces", &mut ns);
+        s.namespaces.insert(name.into(), ns);
+        drop(s);
+        let _ = self.changes.send(change);
+    }
+
+    /// The stored pod.
+    pub fn pod(&self, namespace: &str, name: &str) -> Option<Value> {
+        self.lock().pods.get(&(namespace.into(), name.into())).cloned()
+    }
+
+    /// A pod's `ambient.istio.io/redirection` annotation.
+    pub fn redirection(&self, namespace: &str, name: &str) -> Option<String> {
+        self.pod(namespace, name)?["metadata"]["annotations"]["ambient.istio.io/redirection"]
+            .as_str()
+            .map(String::from)
+    }
+
+    /// Every version so far expires: watches from them get `410 Gone`.
+    pub fn expire_history(&self) {
+        let mut s = self.lock();
+        s.expired_below = s.version;
+        s.history.clear();
+    }
+
+    /// The requests seen (`METHOD path?query`).
+    pub fn requests(&self) -> Vec<String> {
+        self.lock().requests.clone()
+    }
+
+    /// A kubeconfig for this server.
+    pub fn kubeconfig(&self) -> String {
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: local\n  cluster:\n    server: http://127.0.0.1:{}\n\
+             users:\n- name: u\n  user:\n    token: {}\ncontexts:\n- name: c\n  context:\n    cluster: local\n    user: u\n\
+             current-context: c\n",
+            self.addr.port(),
+            self.token
+        )
+    }
+}
+
+type Body = http_body_util::combinators::BoxBody<Bytes, Infallible>;
+
+fn full(code: u16, value: &Value) -> hyper::Response<Body> {
+    hyper::Response::builder()
+        .status(code)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(value.to_string())).boxed())
+        .expect("response")
+}
+
+async fn serve(
+    req: hyper::Request<hyper::body::Incoming>,
+    store: &Mutex<Store>,
+    changes: &broadcast::Sender<Change>,
+    token: &str,
+    stop: CancellationToken,
+) -> hyper::Response<Body> {
+    let method = req.method().to_string();
+    let path = req.uri().path().to_string();
+    let query: BTreeMap<String, String> = req
+        .uri()
+        .query()
+        .unwrap_or_default()
+        .split('&')
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.replace("%3D", "=").replace("%2F", "/")))
+        .collect();
+    let authorized =
+        req.headers().get("authorization").and_then(|v| v.to_str().ok()) == Some(&format!("Bearer {token}"));
+    store.lock().expect("store").requests.push(format!("{method} {}", req.uri()));
+    if !authorized {
+        let (c, v) = status(401, "Unauthorized");
+        return full(c, &v);
+    }
+    let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+    let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
+    let node = query.get("fieldSelector").and_then(|f| f.strip_prefix("spec.nodeName=")).map(String::from);
+    let collection = match parts.as_slice() {
+        ["api", "v1", "pods"] => Some("pods"),
+        ["api", "v1", "namespaces"] => Some("namespaces"),
+        _ => None,
+    };
+    if let Some(collection) = collection {
+        if query.get("watch").is_some_and(|w| w == "1" || w == "true") {
+            let from: u64 = query.get("resourceVersion").and_then(|v| v.parse().ok()).unwrap_or(0);
+            return watch(store, changes, collection, node, from, stop);
+        }
+        let s = store.lock().expect("store");
+        let items: Vec<Value> = match collection {
+            "pods" => s
+                .pods
+                .values()
+                .filter(|p| node.as_deref().is_none_or(|n| p["spec"]["nodeName"] == n))
+                .cloned()
+                .collect(),
+            _ => s.namespaces.values().cloned().collect(),
+        };
+        let kind = if collection == "pods" { "PodList" } else { "NamespaceList" };
+        return full(
+            200,
+            &json!({"apiVersion": "v1", "kind": kind, "metadata": {"resourceVersion": s.version.to_string()}, "items": items}),
+        );
+    }
+    let (code, value) = match (method.as_str(), parts.as_slice()) {
+        ("GET", ["api", "v1", "namespaces", name]) => {
+            match store.lock().expect("store").namespaces.get(*name) {
+                Some(ns) => (200, ns.clone()),
+                None => status(404, &format!("namespaces \"{name}\" not found")),
+            }
+        }
+        ("GET", ["api", "v1", "namespaces", ns, "pods", name]) => {
+            match store.lock().expect("store").pods.get(&(ns.to_string(), name.to_string())) {
+                Some(p) => (200, p.clone()),
+                None => status(404, &format!("pods \"{name}\" not found")),
+            }
+        }
+        ("PATCH", ["api", "v1", "namespaces", ns, "pods", name, "status"]) => {
+            patch(store, changes, ns, name, &body)
+        }
+        _ => status(404, "the server could not find the requested resource"),
+    };
+    full(code, &value)
+}
+
+fn patch(
+    store: &Mutex<Store>,
+    changes: &broadcast::Sender<Change>,
+    ns: &str,
+    name: &str,
+    body: &[u8],
+) -> (u16, Value) {
+    let Ok(patch) = serde_json::from_slice::<Value>(body) else {
+        return status(400, "the patch is not JSON");
+    };
+    let mut s = store.lock().expect("store");
+    let key = (ns.to_string(), name.to_string());
+    let Some(mut pod) = s.pods.get(&key).cloned() else {
+        return status(404, &format!("pods \"{name}\" not found"));
+    };
+    merge_patch(&mut pod, &patch);
+    let change = s.record("MODIFIED", "pods", &mut pod);
+    s.pods.insert(key, pod.clone());
+    drop(s);
+    let _ = changes.send(change);
+    (200, pod)
+}
+
+/// A watch from version `from`: past changes, then live ones, until the client or the
+/// server goes.
+fn watch(
+    store: &Mutex<Store>,
+    changes: &broadcast::Sender<Change>,
+    collection: &'static str,
+    node: Option<String>,
+    from: u64,
+    stop: CancellationToken,
+) -> hyper::Response<Body> {
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<Bytes>, Infallible>>(256);
+    let s = store.lock().expect("store");
+    if from != 0 && from < s.expired_below {
+        let (c, v) = status(410, "too old resource version");
+        return full(c, &v);
+    }
+    let mut live = changes.subscribe();
+    let past: Vec<Change> = s.history.iter().filter(|c| c.version > from).cloned().collect();
+    drop(s);
+    let wanted = move |c: &Change| {
+        c.collection == collection
+            && node.as_deref().is_none_or(|n| c.collection != "pods" || c.object["spec"]["nodeName"] == n)
+    };
+    tokio::spawn(async move {
+        let line = |c: &Change| Bytes::from(format!("{}\n", json!({"type": c.kind, "object": c.object})));
+        let mut last = from;
+        for c in past.iter().filter(|c| wanted(c)) {
+            last = c.version;
+            if tx.send(Ok(Frame::data(line(c)))).await.is_err() {
+                return;
+            }
+        }
+        loop {
+            let change = tokio::select! {
+                () = stop.cancelled() => return,
+                () = tx.closed() => return,
+                c = live.recv() => c,
+            };
+            let Ok(c) = change else { return };
+            if c.version <= last || !wanted(&c) {
+                continue;
+            }
+            last = c.version;
+            if tx.send(Ok(Frame::data(line(&c)))).await.is_err() {
+                return;
+            }
+        }
+    });
+    let stream = tokio_stream::wrappers::ReceiverStream::new(rx);
+    hyper::Response::builder()
+        .status(200)
+        .header("content-type", "application/json")
+        .body(StreamBody::new(stream).boxed())
+        .expect("response")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn merge_patches_set_and_remove() {
+        let mut pod = json!({"metadata": {"name": "a", "annotations": {"x": "1"}}});
+        merge_patch(
+            &mut pod,
+            &json!({"metadata": {"annotations": {"ambient.istio.io/redirection": "enabled"}}}),
+        );
+        assert_eq!(pod["metadata"]["annotations"]["ambient.istio.io/redirection"], "enabled");
+        assert_eq!(pod["metadata"]["annotations"]["x"], "1");
+        merge_patch(&mut pod, &json!({"metadata": {"annotations": {"ambient.istio.io/redirection": null}}}));
+        assert!(pod["metadata"]["annotations"].get("ambient.istio.io/redirection").is_none());
+    }
+}

@@ -1,0 +1,197 @@
+//! Weir's ambient node agent (`weir cni ambient`) on a test node, against the test API
+//! server with watches and a stand-in ztunnel that acks (the real one is
+//! `ambient_ztunnel.rs`): a pod the chart's selector picks is captured at CNI ADD (the
+//! plugin posts Istio's event, the agent applies the in-pod rules, ztunnel is sent the
+//! pod, its address joins the node's probe ipset, the pod is annotated `enabled`) and
+//! released when deleted; ADD fails while the agent is down, but not for a pod that is
+//! not ambient; a running pod is enrolled when its namespace is labelled later (found
+//! through /proc) and unenrolled, rules undone, when it opts out; a restarted agent
+//! finds every enrolled pod again and the next ztunnel gets them all (Add with the
+//! netns, not Keep); a watch whose version expired lists again; the node's probe rule
+//! and set come back when flushed.
+
+use std::{net::IpAddr, time::Duration};
+
+use weir_iptables::{
+    ambient::{AmbientConfig, PROBE_SET_V4, verify_host_probe, verify_inpod},
+    ipset,
+    state::Verdict,
+};
+use weir_tests::{
+    Mesh, Pod,
+    ambient::{AmbientNode, pod_object},
+    fake_ztunnel::FakeZtunnel,
+    require_root, test_cgroup, test_name,
+};
+
+const PATIENCE: Duration = Duration::from_secs(20);
+const AMBIENT: (&str, &str) = ("istio.io/dataplane-mode", "ambient");
+
+/// The agent's rule settings in this rig (DNS capture on, as the chart).
+fn rules() -> AmbientConfig {
+    AmbientConfig { redirect_dns: true, ..AmbientConfig::default() }
+}
+
+fn inpod(pod: &Pod) -> Verdict {
+    verify_inpod(pod.netns().path(), &rules().for_pod(Default::default())).expect("verify the pod's rules")
+}
+
+fn probe_set(node: &AmbientNode) -> Vec<(IpAddr, Option<String>)> {
+    node.in_node(|| ipset::list(PROBE_SET_V4).expect("list the probe set"))
+        .unwrap_or_default()
+        .into_iter()
+        .map(|m| (m.ip, m.comment))
+        .collect()
+}
+
+fn ip(pod: &Pod) -> IpAddr {
+    IpAddr::V4(pod.ipv4())
+}
+
+#[test]
+fn an_ambient_pod_is_captured_at_add_and_released_when_deleted() {
+    require_root!();
+    let mesh = Mesh::new(&test_name!()).unwrap();
+    let mut node = AmbientNode::new(&mesh).unwrap();
+    node.api.set_namespace("apps", &[AMBIENT]);
+    node.api.set_namespace("plain", &[]);
+    node.start_agent().unwrap();
+    let zt = FakeZtunnel::start(&node.zds_socket());
+    node.wait("ztunnel's snapshot", PATIENCE, || zt.log().contains(&"SnapshotSent".to_string())).unwrap();
+
+    let web = mesh.pod("web").unwrap();
+    node.api.set_pod(pod_object("apps", "web", "uid-web", ip(&web), &[], &[]));
+    node.cni_add(&web, "apps", "web").unwrap_or_else(|e| panic!("ADD: {e}\n{}", node.agent_logs()));
+    // The plugin's 200 comes after every step: no waiting.
+    assert_eq!(node.api.redirection("apps", "web").as_deref(), Some("enabled"));
+    assert!(zt.log().contains(&"Add uid-web".to_string()), "{:?}", zt.log());
+    assert_eq!(inpod(&web), Verdict::Applied, "the in-pod rules, ip rule and route");
+    assert_eq!(probe_set(&node), [(ip(&web), Some("uid-web".into()))]);
+    let patch = node.api.requests().into_iter().find(|r| r.starts_with("PATCH")).unwrap();
+    assert_eq!(patch, "PATCH /api/v1/namespaces/apps/pods/web/status", "annotations through pods/status");
+
+    // A pod of a namespace that is not ambient, without a sidecar: left alone.
+    let other = mesh.pod("other").unwrap();
+    node.api.set_pod(pod_object("plain", "other", "uid-other", ip(&other), &[], &[]));
+    node.cni_add(&other, "plain", "other").unwrap();
+    assert_eq!(inpod(&other), Verdict::Clean);
+    assert_eq!(node.api.redirection("plain", "other"), None);
+    // The opt-out label in an ambient namespace: left alone too.
+    let out = mesh.pod("out").unwrap();
+    node.api.set_pod(pod_object(
+        "apps",
+        "out",
+        "uid-out",
+        ip(&out),
+        &[("istio.io/dataplane-mode", "none")],
+        &[],
+    ));
+    node.cni_add(&out, "apps", "out").unwrap();
+    assert_eq!(inpod(&out), Verdict::Clean);
+
+    node.api.delete_pod("apps", "web");
+    node.wait("Del to ztunnel", PATIENCE, || zt.log().contains(&"Del uid-web".to_string())).unwrap();
+    node.wait("the probe set emptied", PATIENCE, || probe_set(&node).is_empty()).unwrap();
+}
+
+#[test]
+fn add_fails_closed_while_the_agent_is_down() {
+    require_root!();
+    let mesh = Mesh::new(&test_name!()).unwrap();
+    let node = AmbientNode::new(&mesh).unwrap();
+    node.api.set_namespace("apps", &[AMBIENT]);
+    let web = mesh.pod("web").unwrap();
+    node.api.set_pod(pod_object("apps", "web", "uid-web", ip(&web), &[], &[]));
+    let e = node.cni_add(&web, "apps", "web").unwrap_err();
+    assert_eq!(e.error()["code"], 11, "try again later: {e}");
+    assert!(e.error()["details"].as_str().unwrap().contains("pluginevent.sock"), "{e}");
+    assert_eq!(inpod(&web), Verdict::Clean);
+    // Not ambient: ADD goes on without the agent.
+    let other = mesh.pod("other").unwrap();
+    node.api.set_namespace("plain", &[]);
+    node.api.set_pod(pod_object("plain", "other", "uid-other", ip(&other), &[], &[]));
+    node.cni_add(&other, "plain", "other").unwrap();
+    // The agent's own pod (in the plugin's `pod_namespace`) is exempt before anything
+    // is looked up: the API has no such pod, and ADD still succeeds.
+    node.cni_add(&other, "istio-system", "istio-cni-node-x").unwrap();
+    assert!(!node.api.requests().iter().any(|r| r.contains("istio-cni-node-x")));
+}
+
+#[test]
+fn running_pods_are_enrolled_by_label_and_restarts_lose_nothing() {
+    require_root!();
+    let mesh = Mesh::new(&test_name!()).unwrap();
+    let mut node = AmbientNode::new(&mesh).unwrap();
+    let cgroup = test_cgroup(&format!("{}-kubepods", test_name!()));
+    node.api.set_namespace("apps", &[]);
+    let web = mesh.pod("web").unwrap();
+    let uid = "2c48913c-b29f-11e7-9350-020968147796";
+    let _sandbox = node.sandbox(&cgroup, uid, &web).unwrap();
+    node.api.set_pod(pod_object("apps", "web", uid, ip(&web), &[], &[]));
+    node.start_agent().unwrap();
+    let zt = FakeZtunnel::start(&node.zds_socket());
+    assert_eq!(node.api.redirection("apps", "web"), None);
+
+    // The namespace is labelled: the running pod is found through /proc and enrolled.
+    node.api.set_namespace("apps", &[AMBIENT]);
+    node.wait("the pod enrolled", PATIENCE, || {
+        node.api.redirection("apps", "web").as_deref() == Some("enabled")
+    })
+    .unwrap();
+    assert_eq!(inpod(&web), Verdict::Applied);
+    assert!(zt.log().contains(&format!("Add {uid}")), "{:?}", zt.log());
+
+    // The agent restarts: the rules stay, the next ztunnel connection gets the pod
+    // with its namespace (an Add, not a Keep) in its snapshot.
+    node.stop_agent().unwrap();
+    assert_eq!(inpod(&web), Verdict::Applied, "stopping the agent removes nothing");
+    let before = zt.log().len();
+    node.start_agent().unwrap();
+    node.wait("a snapshot from the new agent", PATIENCE, || {
+        zt.log()[before..].contains(&"SnapshotSent".to_string())
+    })
+    .unwrap();
+    let snapshot = zt.log()[before..].to_vec();
+    assert_eq!(
+        snapshot,
+        [format!("Add {uid}"), "SnapshotSent".to_string()],
+        "the restarted agent's snapshot"
+    );
+    assert!(node.agent_log(2).contains("found=1"), "{}", node.agent_log(2));
+
+    // Versions expire: the watch lists again and still sees the opt-out.
+    node.api.expire_history();
+    node.api
+        .update_pod("apps", "web", |p| p["metadata"]["labels"]["istio.io/dataplane-mode"] = "none".into());
+    node.wait("the pod unenrolled", PATIENCE, || node.api.redirection("apps", "web").is_none()).unwrap();
+    assert_eq!(inpod(&web), Verdict::Clean, "opting out undoes the rules");
+    assert!(zt.log().contains(&format!("Del {uid}")), "{:?}", zt.log());
+}
+
+#[test]
+fn the_nodes_probe_rule_and_set_come_back() {
+    require_root!();
+    let mesh = Mesh::new(&test_name!()).unwrap();
+    let mut node = AmbientNode::new(&mesh).unwrap();
+    node.api.set_namespace("apps", &[AMBIENT]);
+    node.start_agent().unwrap();
+    let _zt = FakeZtunnel::start(&node.zds_socket());
+    let web = mesh.pod("web").unwrap();
+    node.api.set_pod(pod_object("apps", "web", "uid-web", ip(&web), &[], &[]));
+    node.cni_add(&web, "apps", "web").unwrap_or_else(|e| panic!("ADD: {e}\n{}", node.agent_logs()));
+    let host = |node: &AmbientNode| node.in_node(|| verify_host_probe(None, &rules(), 0).unwrap());
+    assert_eq!(host(&node), Verdict::Applied);
+    // Someone flushes the node's nat POSTROUTING and empties the set.
+    node.in_node(|| {
+        let out =
+            std::process::Command::new("iptables").args(["-t", "nat", "-F", "POSTROUTING"]).status().unwrap();
+        assert!(out.success());
+        ipset::flush(PROBE_SET_V4).unwrap();
+    });
+    assert_ne!(host(&node), Verdict::Applied);
+    node.wait("the probe rule restored", PATIENCE, || host(&node) == Verdict::Applied).unwrap();
+    node.wait("the probe set refilled", PATIENCE, || {
+        probe_set(&node) == [(ip(&web), Some("uid-web".into()))]
+    })
+    .unwrap();
+}
