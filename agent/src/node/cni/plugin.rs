@@ -11,7 +11,9 @@ use std::path::{Path, PathBuf};
 use weir_iptables::{CaptureConfig, RunOptions};
 
 use super::{
-    capture::{capture, ebpf_error, missing_capture, node_capture, repair_container_id_for_uid},
+    capture::{
+        capture_with, ebpf_error, missing_capture, node_capture, pod_addresses, repair_container_id_for_uid,
+    },
     kube::{KubeClient, KubeError},
     pod::{self, PodInfo, Skip},
     spec::{CniError, Command, Invocation, NetConf, code, version_result},
@@ -37,6 +39,7 @@ pub fn run(command: Command, stdin: &[u8], env: impl Fn(&str) -> Option<String>)
     let version = conf.cni_version.clone();
     let result = (|| {
         let inv = Invocation::from_env(command, &env)?;
+        super::phases::mark("config");
         match command {
             Command::Add => add(&conf, &inv).map(|()| conf.result()),
             Command::Del => del(&conf, &inv).map(|()| String::new()),
@@ -86,6 +89,7 @@ fn pod_to_capture(conf: &NetConf, inv: &Invocation) -> Result<Option<PodInfo>, C
         )
     })?;
     let pod = lookup(&client, &namespace, &name)?;
+    super::phases::mark("api");
     if let Some(reason) = pod::skip_reason(&pod) {
         tracing::info!(pod = %format!("{namespace}/{name}"), reason = %reason, "not captured");
         return Ok(None);
@@ -140,8 +144,18 @@ fn netns_of(inv: &Invocation) -> Result<PathBuf, CniError> {
 
 fn add(conf: &NetConf, inv: &Invocation) -> Result<(), CniError> {
     let netns = netns_of(inv)?;
-    let Some(pod) = pod_to_capture(conf, inv)? else { return Ok(()) };
-    capture(conf, &pod, &netns, &inv.container_id, &inv.ifname)
+    // The pod's addresses are read inside its namespace while the API server answers
+    // (a pod that is not captured never needs them, nor their error).
+    let (pod, addresses) = std::thread::scope(|s| {
+        let addresses = s.spawn(|| pod_addresses(&netns));
+        let pod = pod_to_capture(conf, inv);
+        (pod, addresses.join())
+    });
+    let Some(pod) = pod? else { return Ok(()) };
+    let addresses = addresses
+        .unwrap_or_else(|_| Err(CniError::new(code::IO_FAILURE, "the address reader panicked", "")))?;
+    super::phases::mark("netns");
+    capture_with(conf, &pod, &netns, &addresses, &inv.container_id, &inv.ifname)
 }
 
 /// Removes Weir's (and Istio's) capture from the namespace: both backends, since DEL
