@@ -49,15 +49,18 @@ fn init_tracing(argv: &[OsString], level: Option<&str>) {
         "fatal" | "none" => "error".to_string(),
         other => other.to_string(),
     });
-    let filter = EnvFilter::try_from_env("WEIR_LOG")
-        .unwrap_or_else(|_| EnvFilter::new(level.or(istio_level).unwrap_or_else(|| "info".into())));
+    let level = level.or(istio_level).unwrap_or_else(|| "info".into());
     use std::io::IsTerminal as _;
-    fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_target(false)
-        .init();
+    let logs =
+        fmt().with_writer(std::io::stderr).with_ansi(std::io::stderr().is_terminal()).with_target(false);
+    // A plain level (every short-lived run: the CNI plugin, istio-iptables) needs no
+    // directive matching: a level filter costs the start-up nothing. WEIR_LOG may
+    // carry per-target directives, and anything that is not a level is read as one.
+    match (EnvFilter::try_from_env("WEIR_LOG"), level.parse::<tracing_subscriber::filter::LevelFilter>()) {
+        (Ok(directives), _) => logs.with_env_filter(directives).init(),
+        (Err(_), Ok(level)) => logs.with_max_level(level).init(),
+        (Err(_), Err(_)) => logs.with_env_filter(EnvFilter::new(level)).init(),
+    }
 }
 
 fn run_weir(cli: WeirCli) -> u8 {

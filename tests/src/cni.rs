@@ -77,6 +77,16 @@ impl Attachment {
     }
 }
 
+/// One plugin's run: `CLOCK_MONOTONIC` (ns) just before it was spawned and just after
+/// it was reaped, and what it wrote to stderr.
+#[derive(Debug, Clone)]
+pub struct PluginRun {
+    pub plugin: String,
+    pub spawned_ns: u64,
+    pub exited_ns: u64,
+    pub stderr: String,
+}
+
 /// Executes conflists inside `node`.
 pub struct CniRuntime<'a> {
     pub node: &'a NetNs,
@@ -115,7 +125,7 @@ impl<'a> CniRuntime<'a> {
             .with_context(|| format!("no CNI plugin {plugin_type:?} in {:?}", self.path))
     }
 
-    /// Execs one plugin with `stdin`; (stdout, stderr) on success.
+    /// Execs one plugin with `stdin`; its stdout on success.
     pub fn exec(
         &self,
         plugin_type: &str,
@@ -123,6 +133,17 @@ impl<'a> CniRuntime<'a> {
         a: &Attachment,
         stdin: &[u8],
     ) -> Result<String, CniFailure> {
+        self.exec_traced(plugin_type, command, a, stdin).map(|(stdout, _)| stdout)
+    }
+
+    /// [`CniRuntime::exec`], with when the plugin was spawned and reaped and its stderr.
+    pub fn exec_traced(
+        &self,
+        plugin_type: &str,
+        command: &str,
+        a: &Attachment,
+        stdin: &[u8],
+    ) -> Result<(String, PluginRun), CniFailure> {
         let fail = |stdout: String, stderr: String, code| CniFailure {
             plugin: plugin_type.into(),
             code,
@@ -144,6 +165,7 @@ impl<'a> CniRuntime<'a> {
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
+        let spawned_ns = weir_agent::node::cni::phases::now_ns();
         let child = weir_agent::sandbox::process::spawn(
             &mut cmd,
             Placement { netns: Some(self.node), ..Placement::default() },
@@ -156,9 +178,13 @@ impl<'a> CniRuntime<'a> {
             let _ = input.write_all(stdin);
         }
         let out = child.wait_with_output().map_err(|e| fail(String::new(), e.to_string(), None))?;
+        let exited_ns = weir_agent::node::cni::phases::now_ns();
         let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
         let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-        if out.status.success() { Ok(stdout) } else { Err(fail(stdout, stderr, out.status.code())) }
+        if !out.status.success() {
+            return Err(fail(stdout, stderr, out.status.code()));
+        }
+        Ok((stdout, PluginRun { plugin: plugin_type.into(), spawned_ns, exited_ns, stderr }))
     }
 
     /// The config the runtime gives `plugin` of `list`, with `prev` as prevResult.
@@ -174,15 +200,22 @@ impl<'a> CniRuntime<'a> {
 
     /// ADD through the list; the final result.
     pub fn add(&self, list: &Value, a: &Attachment) -> Result<Value, CniFailure> {
+        self.add_traced(list, a).map(|(result, _)| result)
+    }
+
+    /// [`CniRuntime::add`], with each plugin's run.
+    pub fn add_traced(&self, list: &Value, a: &Attachment) -> Result<(Value, Vec<PluginRun>), CniFailure> {
         let mut prev: Option<Value> = None;
+        let mut runs = Vec::new();
         for plugin in list["plugins"].as_array().into_iter().flatten() {
             let conf = Self::plugin_config(list, plugin, prev.as_ref());
-            let out = self.exec(
+            let (out, run) = self.exec_traced(
                 plugin["type"].as_str().unwrap_or_default(),
                 "ADD",
                 a,
                 conf.to_string().as_bytes(),
             )?;
+            runs.push(run);
             prev = Some(serde_json::from_str(&out).map_err(|e| CniFailure {
                 plugin: plugin["type"].to_string(),
                 code: Some(0),
@@ -190,7 +223,7 @@ impl<'a> CniRuntime<'a> {
                 stderr: format!("the result is not JSON: {e}"),
             })?);
         }
-        Ok(prev.unwrap_or(Value::Null))
+        Ok((prev.unwrap_or(Value::Null), runs))
     }
 
     /// DEL through the list in reverse, with the cached result.

@@ -7,6 +7,9 @@
 //! walk: commands run through a descriptor opened by the test
 //! ([`weir_agent::executable::Executable`]), and paths given to children by name are
 //! the test's own inherited descriptors ([`for_children`]).
+//!
+//! A benchmark comparing two builds (`weir-bench --against`) switches which `weir`
+//! binary later calls run with [`use_weir`]; tests never do.
 
 use std::{
     collections::HashMap,
@@ -44,9 +47,19 @@ pub fn workspace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ is inside the workspace").to_path_buf()
 }
 
+/// Another build's `weir` that [`weir`] and [`weir_command`] give from now on (`None`:
+/// this checkout's, next to the running executable).
+static WEIR_UNDER_TEST: Mutex<Option<PathBuf>> = Mutex::new(None);
+
+/// Makes `path` the `weir` binary under test from now on (`None`: this checkout's).
+/// For `weir-bench --against`, which runs the same benchmark with two builds in turn.
+pub fn use_weir(path: Option<PathBuf>) {
+    *WEIR_UNDER_TEST.lock().unwrap_or_else(|e| e.into_inner()) = path;
+}
+
 /// The `weir` binary under test (its path: for root-only uses such as copying it).
 pub fn weir() -> PathBuf {
-    binary("weir")
+    WEIR_UNDER_TEST.lock().unwrap_or_else(|e| e.into_inner()).clone().unwrap_or_else(|| binary("weir"))
 }
 
 /// The `weir-testkit` helper's path (TCP/UDP clients and servers for traffic tests).
@@ -61,7 +74,15 @@ fn opened(cell: &'static OnceLock<Executable>, name: &str) -> &'static Executabl
 /// A command running `weir`, as any user.
 pub fn weir_command() -> Command {
     static WEIR: OnceLock<Executable> = OnceLock::new();
-    opened(&WEIR, "weir").command()
+    static OTHERS: OnceLock<Mutex<HashMap<PathBuf, Executable>>> = OnceLock::new();
+    let Some(path) = WEIR_UNDER_TEST.lock().unwrap_or_else(|e| e.into_inner()).clone() else {
+        return opened(&WEIR, "weir").command();
+    };
+    let mut others = OTHERS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    others
+        .entry(path.clone())
+        .or_insert_with(|| Executable::open(&path).unwrap_or_else(|e| panic!("open {}: {e}", path.display())))
+        .command()
 }
 
 /// A command running `weir` under the name `pilot-agent` (the istio-proxy container's).

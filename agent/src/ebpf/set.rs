@@ -31,7 +31,7 @@ use super::{
     config::PodCapture,
     inbound::{InboundProgram, NodeClassifier},
     link::{self, CgroupLink},
-    netns, objects,
+    netns,
     registration::Registration,
     sys,
 };
@@ -56,15 +56,26 @@ pub fn key_of(version: &str, objects: &[&[u8]]) -> String {
     format!("{}-{hex}", version.replace('.', "_"))
 }
 
-/// This binary's key ([`key_of`] its version and objects), with [`SET_ENV`]'s suffix.
+/// This binary's key ([`key_of`] its version and objects, the objects' digest taken by
+/// build.rs: hashing them here cost every CNI plugin run a megabyte of SHA-256), with
+/// [`SET_ENV`]'s suffix.
 pub fn version_key() -> String {
-    let key = key_of(crate::build_info::BUILD_INFO.version, &[objects::CAPTURE, objects::INBOUND]);
+    let key = built_key();
     let suffix: String = std::env::var(SET_ENV)
         .unwrap_or_default()
         .chars()
         .filter(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_'))
         .collect();
     if suffix.is_empty() { key } else { format!("{key}-{suffix}") }
+}
+
+/// [`key_of`] this binary's version and objects, from the digest build.rs took.
+fn built_key() -> String {
+    format!(
+        "{}-{}",
+        crate::build_info::BUILD_INFO.version.replace('.', "_"),
+        env!("WEIR_EBPF_OBJECTS_DIGEST")
+    )
 }
 
 /// The folder of the set `key`.
@@ -561,5 +572,12 @@ mod tests {
         assert_ne!(a, key_of("1.2.4", &[b"capture", b"inbound"]), "another version");
         assert_ne!(a, key_of("1.2.3", &[b"capture!", b"inbound"]), "other programs");
         assert_ne!(a, key_of("1.2.3", &[b"captur", b"einbound"]), "object boundaries count");
+    }
+
+    #[test]
+    fn the_digest_taken_at_build_is_the_objects_key() {
+        use crate::ebpf::objects;
+        let hashed_now = key_of(crate::build_info::BUILD_INFO.version, &[objects::CAPTURE, objects::INBOUND]);
+        assert_eq!(built_key(), hashed_now);
     }
 }

@@ -5,13 +5,15 @@
 //! pod inside its network namespace (`capture`, eBPF registration in `ebpf`), ADD /
 //! DEL / CHECK (`plugin`), capturing pods that started before the plugin (`repair`,
 //! which finds their namespaces through the node's /proc: `podns`), and the node side
-//! that installs and keeps the plugin chained (`install`).
+//! that installs and keeps the plugin chained (`install`); `phases` times a run for
+//! the benchmark.
 
 pub mod ambient;
 pub mod capture;
 pub mod ebpf;
 pub mod install;
 pub mod kube;
+pub mod phases;
 pub mod plugin;
 pub mod pod;
 pub mod podns;
@@ -24,12 +26,21 @@ use std::io::{Read as _, Write as _};
 /// 1). Nothing else is ever written to stdout. `init_logs` is called once with the
 /// config's log level (`plugin_log_level`, or the legacy `log_level`).
 pub fn main(init_logs: impl FnOnce(Option<&str>)) -> u8 {
+    phases::start();
+    let code = run_main(init_logs);
+    phases::mark("result");
+    phases::report();
+    code
+}
+
+fn run_main(init_logs: impl FnOnce(Option<&str>)) -> u8 {
     let mut stdin = Vec::new();
     let read = std::io::stdin().read_to_end(&mut stdin);
     let level: Option<String> = serde_json::from_slice::<serde_json::Value>(&stdin).ok().and_then(|v| {
         v.get("plugin_log_level").or_else(|| v.get("log_level")).and_then(|l| l.as_str()).map(String::from)
     });
     init_logs(level.as_deref());
+    phases::mark("logs");
     let command = match spec::Command::parse(&std::env::var("CNI_COMMAND").unwrap_or_default()) {
         Ok(c) => c,
         Err(e) => return fail(&e),

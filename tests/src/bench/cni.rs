@@ -2,17 +2,20 @@
 //! whole chain (reference `bridge` + `host-local`, then `weir-cni` with each backend)
 //! against the floor of the same chain without Weir, measured by the rig's CNI
 //! runtime in a node namespace, the pod fetched from the test Kubernetes API server.
+//! A second table says where weir-cni's own time goes, from the phases the plugin
+//! reports (`weir_agent::node::cni::phases`) and the runtime's spawn and reap, against
+//! the primary plugin's (bridge's, with the host-local it runs) whole process.
 
 use std::time::Instant;
 
 use serde_json::{Value, json};
 use weir_agent::sandbox::{Cgroup, NetNs, unique_name};
 use weir_tests::{
-    cni::{Attachment, CniRuntime, TestApiServer, conflist, pod_object, run_in, write_kubeconfig},
+    cni::{Attachment, CniRuntime, PluginRun, TestApiServer, conflist, pod_object, run_in, write_kubeconfig},
     envoy::tempfile_dir::Dir,
 };
 
-use crate::report::{Options, Row, Table, repeat_pair};
+use crate::report::{Options, Row, Samples, Table};
 
 /// ADDs per run.
 const PODS: usize = 40;
@@ -37,8 +40,59 @@ fn percentile(sorted: &[f64], q: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * q).round() as usize]
 }
 
-/// (p50, p99) ms of `PODS` sequential ADDs.
-fn run_once(chain: Chain) -> anyhow::Result<(f64, f64)> {
+fn median(mut v: Vec<f64>) -> f64 {
+    v.retain(|x| x.is_finite());
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    percentile(&v, 0.5)
+}
+
+/// The phase table's columns after the whole process: the runtime's spawn to the
+/// plugin's `main`, the plugin's own phases (`phases::mark` names), and its last mark
+/// to the runtime's reap.
+const PHASES: [(&str, &str); 10] = [
+    ("exec→exit", "whole process"),
+    ("exec + start-up", "spawn → main"),
+    ("logs", "logs"),
+    ("config", "config"),
+    ("api", "API GET"),
+    ("netns", "namespace"),
+    ("plan", "plan"),
+    ("capture", "capture"),
+    ("result", "result"),
+    ("exit", "exit"),
+];
+
+/// One plugin run's figures in `PHASES` order, ms (NaN where the plugin reported none).
+fn phases_of(run: &PluginRun) -> [f64; PHASES.len()] {
+    let mut out = [f64::NAN; PHASES.len()];
+    out[0] = (run.exited_ns - run.spawned_ns) as f64 / 1e6;
+    let report = run.stderr.lines().find_map(weir_agent::node::cni::phases::parse);
+    if let Some((main_ns, phases)) = report {
+        out[1] = main_ns.saturating_sub(run.spawned_ns) as f64 / 1e6;
+        let mut last = main_ns;
+        for (phase, us) in phases {
+            last += (us * 1000.0) as u64;
+            if let Some(i) = PHASES.iter().position(|(p, _)| *p == phase) {
+                out[i] = us / 1000.0;
+            }
+        }
+        out[PHASES.len() - 1] = run.exited_ns.saturating_sub(last) as f64 / 1e6;
+    }
+    out
+}
+
+/// One run of a chain: ADD p50 and p99 (ms) of `PODS` sequential ADDs, and the median
+/// of each phase of the chain's last plugin (weir-cni; the floor's: bridge).
+struct RunFigures {
+    p50: f64,
+    p99: f64,
+    phases: [f64; PHASES.len()],
+}
+
+fn run_once(chain: Chain) -> anyhow::Result<RunFigures> {
     let node = NetNs::create(&unique_name("bench-cni-node"))?;
     run_in(&node, None, std::process::Command::new("ip"), &["link", "set", "lo", "up"]);
     let api = TestApiServer::start(&node, TOKEN, None)?;
@@ -68,15 +122,22 @@ fn run_once(chain: Chain) -> anyhow::Result<(f64, f64)> {
     if matches!(chain, Chain::BridgeOnly) {
         list["plugins"].as_array_mut().expect("plugins").pop();
     }
-    let rt = CniRuntime::new(&node)?;
+    let mut rt = CniRuntime::new(&node)?;
+    rt.env.push((weir_agent::node::cni::phases::ENV.into(), "1".into()));
     let mut ms = Vec::with_capacity(PODS);
+    let mut phases = vec![Vec::with_capacity(PODS); PHASES.len()];
     let result = (|| -> anyhow::Result<()> {
         for i in 0..PODS {
             let pod = NetNs::create(&unique_name(&format!("bench-p{i}")))?;
             let a = Attachment::pod(&format!("c-p{i}"), pod.path(), "bench", &format!("p{i}"));
             let started = Instant::now();
-            let result = rt.add(&list, &a).map_err(|e| anyhow::anyhow!("{e}"))?;
+            let (result, runs) = rt.add_traced(&list, &a).map_err(|e| anyhow::anyhow!("{e}"))?;
             ms.push(started.elapsed().as_secs_f64() * 1000.0);
+            if let Some(last) = runs.last() {
+                for (column, value) in phases.iter_mut().zip(phases_of(last)) {
+                    column.push(value);
+                }
+            }
             rt.del(&list, &a, Some(&result)).map_err(|e| anyhow::anyhow!("{e}"))?;
         }
         Ok(())
@@ -87,30 +148,75 @@ fn run_once(chain: Chain) -> anyhow::Result<(f64, f64)> {
     drop(cgroup);
     result?;
     ms.sort_by(f64::total_cmp);
-    Ok((percentile(&ms, 0.5), percentile(&ms, 0.99)))
+    let mut figures = RunFigures {
+        p50: percentile(&ms, 0.5),
+        p99: percentile(&ms, 0.99),
+        phases: [f64::NAN; PHASES.len()],
+    };
+    for (slot, column) in figures.phases.iter_mut().zip(phases) {
+        *slot = median(column);
+    }
+    Ok(figures)
 }
 
 pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
     // The eBPF rows pin; a bpffs mounted for them is unmounted afterwards.
     let _bpffs = weir_tests::BpffsUse::acquire()?;
     let chains = [Chain::BridgeOnly, Chain::Weir("iptables"), Chain::Weir("nftables"), Chain::Weir("ebpf")];
-    let mut rows = Vec::new();
-    for chain in chains {
-        let (p50, p99) = repeat_pair("cni", &chain.name(), opts.runs, || run_once(chain));
-        rows.push(Row { name: chain.name(), metrics: vec![p50, p99] });
+    let mut adds = vec![(Samples::default(), Samples::default()); chains.len()];
+    let mut phases = vec![vec![Samples::default(); PHASES.len()]; chains.len()];
+    // Run by run, every chain in turn, so load from elsewhere falls on all of them.
+    for run in 0..opts.runs {
+        for (i, chain) in chains.iter().enumerate() {
+            eprintln!("[bench cni] {} run {}/{}", chain.name(), run + 1, opts.runs);
+            let figures = run_once(*chain).unwrap_or_else(|e| {
+                eprintln!("[bench cni] {} failed: {e:#}", chain.name());
+                RunFigures { p50: f64::NAN, p99: f64::NAN, phases: [f64::NAN; PHASES.len()] }
+            });
+            adds[i].0.0.push(figures.p50);
+            adds[i].1.0.push(figures.p99);
+            let reported = if matches!(chain, Chain::BridgeOnly) { 1 } else { PHASES.len() };
+            for (column, value) in phases[i].iter_mut().zip(figures.phases).take(reported) {
+                column.0.push(value);
+            }
+        }
     }
+    let rows = chains.iter().zip(adds).map(|(c, (p50, p99))| Row { name: c.name(), metrics: vec![p50, p99] });
     let table = Table {
         title: "CNI ADD latency (whole chain, per pod)".into(),
         columns: vec![("ADD p50", "ms", false), ("ADD p99", "ms", false)],
-        rows,
+        rows: rows.collect(),
         notes: vec![format!(
             "{PODS} pods per run, one ADD at a time (each followed by its DEL, not timed), every plugin exec'd as a \
              runtime does; weir-cni fetches the pod from the test Kubernetes API server over loopback HTTP. The eBPF \
              row registers pods with a node capture attached once before the run (which loads the node program \
              set, inbound classifier included): per pod, its cookie and config in the pinned maps and the pinned \
-             classifier attached to its interface. Median [min–max] of {} runs.",
-            opts.runs
+             classifier attached to its interface. Runs take turns chain by chain. {}",
+            opts.summary()
         )],
     };
-    Ok(vec![table])
+    let phase_rows = chains.iter().zip(phases).map(|(c, metrics)| Row {
+        name: match c {
+            Chain::BridgeOnly => "bridge (with the host-local it runs), the primary plugin (floor)".into(),
+            Chain::Weir(mode) => format!("weir-cni ({mode})"),
+        },
+        metrics,
+    });
+    let phase_table = Table {
+        title: "CNI ADD: where the chained plugin's time goes (per ADD, ms)".into(),
+        columns: PHASES.iter().map(|(_, label)| (*label, "ms", false)).collect(),
+        rows: phase_rows.collect(),
+        notes: vec![format!(
+            "Median over the run's {PODS} ADDs, then median [min–max] over runs. Whole process: the runtime's spawn \
+             (into the node namespace) to its reap. spawn → main: fork, exec, the dynamic loader and Rust's start-up, \
+             up to the plugin's first mark; then the plugin's own phases ({}=1): logs (stdin read, log level, \
+             tracing set up), config (the network configuration and CNI_* parsed), API GET (kubeconfig read, the \
+             pod fetched), namespace (what is left of reading the pod's addresses inside its namespace, which \
+             overlaps the API GET), plan (the namespace's owner checked, the capture planned), capture (iptables-restore, nft -f, or the eBPF registration), result (logged and written \
+             out); exit: the last mark to the reap. {}",
+            weir_agent::node::cni::phases::ENV,
+            opts.summary()
+        )],
+    };
+    Ok(vec![table, phase_table])
 }

@@ -9,6 +9,19 @@ pub struct Options {
     pub duration_secs: u64,
     pub connections: u32,
     pub markdown: bool,
+    /// Set when this run is one round of an A/B comparison of that many rounds
+    /// (`ab::compare`, which summarises the rounds itself).
+    pub ab_rounds: Option<usize>,
+}
+
+impl Options {
+    /// How a table's figures were summarised, for its notes.
+    pub fn summary(&self) -> String {
+        match self.ab_rounds {
+            Some(n) => format!("One run per build in each of {n} rounds."),
+            None => format!("Median [min–max] of {} runs.", self.runs),
+        }
+    }
 }
 
 /// Runs `once` `runs` times, logging each run as `[bench <bench>] <row> run i/n`, and
@@ -74,7 +87,7 @@ pub struct Table {
     pub notes: Vec<String>,
 }
 
-fn fmt_value(v: f64, unit: &str) -> String {
+pub fn fmt_value(v: f64, unit: &str) -> String {
     match unit {
         "ms" => format!("{v:.2}"),
         _ if v >= 100.0 => format!("{v:.0}"),
@@ -171,7 +184,7 @@ pub fn headline(tables: &[Table], markdown: bool) -> String {
 }
 
 /// A titled grid (first line the header): markdown, or columns padded for a terminal.
-fn emit(out: &mut String, title: &str, lines: &[Vec<String>], markdown: bool) {
+pub fn emit(out: &mut String, title: &str, lines: &[Vec<String>], markdown: bool) {
     let _ = writeln!(out, "{}", if markdown { format!("### {title}") } else { title.to_string() });
     let widths: Vec<usize> =
         (0..lines[0].len()).map(|c| lines.iter().map(|l| l[c].chars().count()).max().unwrap_or(0)).collect();

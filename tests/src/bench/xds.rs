@@ -48,8 +48,26 @@ struct RunResult {
     p50_ms: f64,
     p99_ms: f64,
     big_ms: f64,
-    /// (CPU ms, peak RSS MiB) of the agent, for relay runs.
-    agent: Option<(f64, f64)>,
+    /// The agent's figures, for relay runs.
+    agent: Option<AgentFigures>,
+}
+
+/// What the agent spent: over the small pushes (per push) and over the big one.
+#[derive(Clone, Copy)]
+struct AgentFigures {
+    cpu_us_per_push: f64,
+    switches_per_push: f64,
+    big_cpu_ms: f64,
+    peak_rss_mib: f64,
+}
+
+impl AgentFigures {
+    const FAILED: Self = Self {
+        cpu_us_per_push: f64::NAN,
+        switches_per_push: f64::NAN,
+        big_cpu_ms: f64::NAN,
+        peak_rss_mib: f64::NAN,
+    };
 }
 
 fn endpoints(server: &Pod, version: &str, port: u16) -> impl FnOnce(&mut Snapshot) {
@@ -85,14 +103,36 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[i.min(sorted.len() - 1)]
 }
 
-/// CPU time (user + system) of `pid` in ms, and its peak RSS in MiB.
-fn cpu_and_peak(pid: u32) -> anyhow::Result<(f64, f64)> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    let fields: Vec<&str> = stat.rsplit_once(") ").context("stat")?.1.split_whitespace().collect();
-    let ticks: f64 = fields[11].parse::<f64>()? + fields[12].parse::<f64>()?;
-    let hz = nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK)?.unwrap_or(100) as f64;
-    let hwm_kib = peak_rss_kib(pid)? as f64;
-    Ok((ticks * 1000.0 / hz, hwm_kib / 1024.0))
+/// A process's CPU time so far (ns, every live thread's `schedstat`: nanoseconds, not
+/// the 10 ms ticks of `stat`) and how often its threads gave up the CPU (voluntary and
+/// involuntary context switches: each wait for a message is one).
+#[derive(Clone, Copy)]
+struct Usage {
+    cpu_ns: f64,
+    switches: f64,
+}
+
+fn usage(pid: u32) -> anyhow::Result<Usage> {
+    let mut total = Usage { cpu_ns: 0.0, switches: 0.0 };
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+        let dir = task?.path();
+        // A thread may end between the listing and the read.
+        let (Ok(schedstat), Ok(status)) =
+            (std::fs::read_to_string(dir.join("schedstat")), std::fs::read_to_string(dir.join("status")))
+        else {
+            continue;
+        };
+        total.cpu_ns += schedstat.split_whitespace().next().context("schedstat")?.parse::<f64>()?;
+        for line in status.lines() {
+            if let Some(n) = line
+                .strip_prefix("voluntary_ctxt_switches:")
+                .or_else(|| line.strip_prefix("nonvoluntary_ctxt_switches:"))
+            {
+                total.switches += n.trim().parse::<f64>()?;
+            }
+        }
+    }
+    Ok(total)
 }
 
 fn run_once(path: Path) -> anyhow::Result<RunResult> {
@@ -147,10 +187,8 @@ fn run_once(path: Path) -> anyhow::Result<RunResult> {
     bootstrap.push_str("stats_config: { stats_matcher: { reject_all: true } }\n");
     let placement = Placement { user: Some((PROXY_UID, PROXY_UID)), ..Placement::default() };
     let envoy = Envoy::start_placed(&app, &bootstrap, ADMIN.parse()?, placement)?;
-    let start_usage = match &agent {
-        Some(a) => Some(cpu_and_peak(a.child.pid())?),
-        None => None,
-    };
+    let pid = agent.as_ref().map(|a| a.child.pid());
+    let before = pid.map(usage).transpose()?;
 
     let mut small = Vec::with_capacity(SMALL_PUSHES);
     for i in 0..SMALL_PUSHES {
@@ -158,6 +196,7 @@ fn run_once(path: Path) -> anyhow::Result<RunResult> {
         let port = 10_000 + i as u16;
         small.push(push_and_wait(&cp, type_url::ENDPOINT, endpoints(&server, &format!("p{i}"), port))?);
     }
+    let after_small = pid.map(usage).transpose()?;
     small.sort_by(f64::total_cmp);
     let filler = SocketAddr::new(server.ipv4().into(), 9);
     let big_ms = push_and_wait(&cp, type_url::CLUSTER, move |s| {
@@ -167,10 +206,15 @@ fn run_once(path: Path) -> anyhow::Result<RunResult> {
     if !clusters.contains(&format!("filler-{:05}::", BIG - 1)) {
         bail!("Envoy ACKed but does not list the 10 000 clusters");
     }
-    let agent_usage = match (&agent, start_usage) {
-        (Some(a), Some((cpu0, _))) => {
-            let (cpu1, peak) = cpu_and_peak(a.child.pid())?;
-            Some((cpu1 - cpu0, peak))
+    let agent_figures = match (pid, before, after_small) {
+        (Some(pid), Some(before), Some(small_done)) => {
+            let done = usage(pid)?;
+            Some(AgentFigures {
+                cpu_us_per_push: (small_done.cpu_ns - before.cpu_ns) / 1000.0 / SMALL_PUSHES as f64,
+                switches_per_push: (small_done.switches - before.switches) / SMALL_PUSHES as f64,
+                big_cpu_ms: (done.cpu_ns - small_done.cpu_ns) / 1e6,
+                peak_rss_mib: peak_rss_kib(pid)? as f64 / 1024.0,
+            })
         }
         _ => None,
     };
@@ -179,68 +223,76 @@ fn run_once(path: Path) -> anyhow::Result<RunResult> {
         p50_ms: percentile(&small, 0.5),
         p99_ms: percentile(&small, 0.99),
         big_ms,
-        agent: agent_usage,
+        agent: agent_figures,
     })
 }
 
+/// One path's figures over the runs, in `COLUMNS` order.
+#[derive(Default)]
+struct Figures([Samples; 7]);
+
+impl Figures {
+    fn push(&mut self, r: anyhow::Result<RunResult>, path: Path) {
+        let r = r.unwrap_or_else(|e| {
+            eprintln!("[bench xds] {} failed: {e:#}", path.name());
+            RunResult {
+                p50_ms: f64::NAN,
+                p99_ms: f64::NAN,
+                big_ms: f64::NAN,
+                agent: Some(AgentFigures::FAILED),
+            }
+        });
+        let [p50, p99, big, cpu, switches, big_cpu, rss] = &mut self.0;
+        p50.0.push(r.p50_ms);
+        p99.0.push(r.p99_ms);
+        big.0.push(r.big_ms);
+        if !matches!(path, Path::Direct) {
+            let a = r.agent.unwrap_or(AgentFigures::FAILED);
+            cpu.0.push(a.cpu_us_per_push);
+            switches.0.push(a.switches_per_push);
+            big_cpu.0.push(a.big_cpu_ms);
+            rss.0.push(a.peak_rss_mib);
+        }
+    }
+}
+
+const COLUMNS: [(&str, &str, bool); 7] = [
+    ("push→ACK p50", "ms", false),
+    ("push→ACK p99", "ms", false),
+    ("10 000 clusters→ACK", "ms", false),
+    ("agent CPU per small push", "µs", false),
+    ("agent context switches per small push", "switches", false),
+    ("agent CPU, 10 000 clusters", "ms", false),
+    ("agent peak RSS", "MiB", false),
+];
+
 pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
     let paths = [Path::Direct, Path::Relay { delta: false }, Path::Relay { delta: true }];
-    let mut rows = Vec::new();
-    let mut notes = Vec::new();
-    for path in paths {
-        let (mut p50, mut p99, mut big, mut cpu, mut rss) = (
-            Samples::default(),
-            Samples::default(),
-            Samples::default(),
-            Samples::default(),
-            Samples::default(),
-        );
-        for run in 0..opts.runs {
+    let mut figures: Vec<Figures> = paths.iter().map(|_| Figures::default()).collect();
+    // Run by run, every path in turn, so load from elsewhere falls on all of them.
+    for run in 0..opts.runs {
+        for (path, figures) in paths.iter().zip(figures.iter_mut()) {
             eprintln!("[bench xds] {} run {}/{}", path.name(), run + 1, opts.runs);
-            match run_once(path) {
-                Ok(r) => {
-                    p50.0.push(r.p50_ms);
-                    p99.0.push(r.p99_ms);
-                    big.0.push(r.big_ms);
-                    if let Some((c, m)) = r.agent {
-                        cpu.0.push(c);
-                        rss.0.push(m);
-                    }
-                }
-                Err(e) => {
-                    eprintln!("[bench xds] {} failed: {e:#}", path.name());
-                    for s in [&mut p50, &mut p99, &mut big] {
-                        s.0.push(f64::NAN);
-                    }
-                }
-            }
+            figures.push(run_once(*path), *path);
         }
-        if !cpu.0.is_empty() {
-            notes.push(format!(
-                "{}: agent CPU over the run (200 pushes + 10 000 clusters) {:.0} ms [{:.0}–{:.0}], peak RSS {:.1} MiB [{:.1}–{:.1}]",
-                path.name(),
-                cpu.median(),
-                cpu.min(),
-                cpu.max(),
-                rss.median(),
-                rss.min(),
-                rss.max()
-            ));
-        }
-        rows.push(Row { name: path.name().into(), metrics: vec![p50, p99, big] });
     }
-    notes.push(format!(
+    let rows = paths
+        .iter()
+        .zip(figures)
+        .map(|(path, f)| Row { name: path.name().into(), metrics: f.0.into() })
+        .collect();
+    let notes = vec![format!(
         "{SMALL_PUSHES} endpoint pushes per run, each sent after the previous ACK; then one {BIG}-cluster CDS push. \
-         Control plane: Weir's test ADS server over TLS (token + ClusterID checked). Median [min–max] of {} runs.",
-        opts.runs
-    ));
+         Control plane: Weir's test ADS server over TLS (token + ClusterID checked). The agent's figures are \
+         `weir proxy sidecar`'s, from its threads' schedstat (CPU time in ns) and context switches (each wait for \
+         a message is one: a relay that hands a message between more threads shows more per push, and on an idle \
+         machine each hand-off is a wake-up), over the small pushes and over the big one; peak RSS is its VmHWM. \
+         Runs take turns path by path. {}",
+        opts.summary()
+    )];
     let table = Table {
         title: "xDS relay: push → ACK with a real Envoy".into(),
-        columns: vec![
-            ("push→ACK p50", "ms", false),
-            ("push→ACK p99", "ms", false),
-            ("10 000 clusters→ACK", "ms", false),
-        ],
+        columns: COLUMNS.to_vec(),
         rows,
         notes,
     };

@@ -46,8 +46,20 @@
 //!   weir-bench sds [--runs N] [--markdown]
 //!       workload certificate issuance (key + CSR + CreateCertificate + chain checks)
 //!       for ECDSA P-256 and RSA 2048 vs the CA round trip alone (the floor).
-use std::process::ExitCode;
+//!
+//!   weir-bench setup [--runs N] [--markdown]
+//!       whole-process setup as kubelet sees istio-init: `pilot-agent istio-iptables`
+//!       exec to exit against `iptables-restore` / `nft -f` of the same text.
+//!
+//!   weir-bench <xds|sidecar|cni|setup> --against-bin PATH [--against-label TEXT]
+//!       [--this-label TEXT] [--runs N] [--markdown]
+//!       the benchmark with this checkout's `weir` and another build's (PATH) in turn,
+//!       round by round, and one table comparing them (scripts/bench --against REV
+//!       builds PATH from a git revision).
+use std::{path::PathBuf, process::ExitCode};
 
+#[path = "../bench/ab.rs"]
+mod ab;
 #[path = "../bench/ambient.rs"]
 mod ambient;
 #[path = "../bench/capture.rs"]
@@ -64,6 +76,8 @@ mod rules;
 mod scaling;
 #[path = "../bench/sds.rs"]
 mod sds;
+#[path = "../bench/setup.rs"]
+mod setup;
 #[path = "../bench/sidecar.rs"]
 mod sidecar;
 #[path = "../bench/smaps.rs"]
@@ -95,21 +109,9 @@ fn all(opts: &report::Options) -> anyhow::Result<String> {
         sh("git", &["rev-parse", "--short", "HEAD"]),
         opts.runs
     );
-    type Bench = fn(&report::Options) -> anyhow::Result<Vec<report::Table>>;
-    let benches: [(&str, Bench); 9] = [
-        ("datapath", datapath::tables),
-        ("capture", capture::tables),
-        ("rules", rules::tables),
-        ("xds", xds::tables),
-        ("sds", sds::tables),
-        ("sidecar", sidecar::tables),
-        ("cni", cni::tables),
-        ("ambient", ambient::tables),
-        ("scaling", scaling::tables),
-    ];
     let mut all = Vec::new();
     let mut details = String::new();
-    for (name, bench) in benches {
+    for (name, bench) in BENCHES {
         eprintln!("[bench all] {name}");
         match bench(opts) {
             Ok(tables) => {
@@ -126,6 +128,31 @@ fn all(opts: &report::Options) -> anyhow::Result<String> {
     Ok(out)
 }
 
+/// Every benchmark by name, in the order `all` runs them.
+const BENCHES: [(&str, ab::Bench); 10] = [
+    ("datapath", datapath::tables),
+    ("capture", capture::tables),
+    ("rules", rules::tables),
+    ("setup", setup::tables),
+    ("xds", xds::tables),
+    ("sds", sds::tables),
+    ("sidecar", sidecar::tables),
+    ("cni", cni::tables),
+    ("ambient", ambient::tables),
+    ("scaling", scaling::tables),
+];
+
+const USAGE: &str = "usage: weir-bench <datapath|capture|rules|setup|xds|sds|sidecar|cni|ambient|scaling|all> [--runs N] \
+                     [--duration SECS] [--connections N] [--markdown]\n       weir-bench <xds|sidecar|cni|setup> \
+                     --against-bin PATH [--against-label TEXT] [--this-label TEXT] [--runs N] [--markdown]";
+
+/// The first three fields of /proc/loadavg.
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|e| format!("unknown ({e})"))
+}
+
 fn render(tables: &[report::Table], markdown: bool) -> String {
     tables.iter().map(|t| t.render(markdown)).collect::<Vec<_>>().join("\n")
 }
@@ -133,37 +160,54 @@ fn render(tables: &[report::Table], markdown: bool) -> String {
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let flag = |name: &str| args.iter().any(|a| a == name);
-    let value = |name: &str, default: u64| -> u64 {
-        args.iter()
-            .position(|a| a == name)
-            .and_then(|i| args.get(i + 1))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(default)
-    };
+    let text = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
+    let value =
+        |name: &str, default: u64| -> u64 { text(name).and_then(|v| v.parse().ok()).unwrap_or(default) };
     let opts = report::Options {
         runs: value("--runs", 3) as usize,
         duration_secs: value("--duration", 5),
         connections: value("--connections", 16) as u32,
         markdown: flag("--markdown"),
+        ab_rounds: None,
     };
-    let result = match args.first().map(String::as_str) {
-        Some("capture") => capture::tables(&opts).map(|t| render(&t, opts.markdown)),
-        Some("datapath") => datapath::tables(&opts).map(|t| render(&t, opts.markdown)),
-        Some("xds") => xds::tables(&opts).map(|t| render(&t, opts.markdown)),
-        Some("sds") => sds::tables(&opts).map(|t| render(&t, opts.markdown)),
-        Some("sidecar") => sidecar::tables(&opts).map(|t| render(&t, opts.markdown)),
-        Some("cni") => cni::tables(&opts).map(|t| render(&t, opts.markdown)),
-        Some("ambient") => ambient::tables(&opts).map(|t| render(&t, opts.markdown)),
-        Some("rules") => rules::tables(&opts).map(|t| render(&t, opts.markdown)),
-        Some("scaling") => scaling::tables(&opts).map(|t| render(&t, opts.markdown)),
-        Some("all") => all(&opts),
-        _ => Err(anyhow::anyhow!(
-            "usage: weir-bench capture [--runs N] [--duration SECS] [--connections N] [--markdown]\n       weir-bench datapath [--runs N] [--markdown]\n       weir-bench xds [--runs N] [--markdown]\n       weir-bench sds [--runs N] [--markdown]\n       weir-bench sidecar [--runs N] [--duration SECS] [--markdown]\n       weir-bench cni [--runs N] [--markdown]\n       weir-bench ambient [--runs N] [--markdown]\n       weir-bench rules [--runs N] [--markdown]\n       weir-bench scaling [--runs N] [--markdown]\n       weir-bench all [--runs N] [--duration SECS] [--markdown]"
+    let load_before = load_average();
+    let name = args.first().map(String::as_str).unwrap_or_default();
+    let bench = BENCHES.iter().find(|(n, _)| *n == name).map(|(_, b)| *b);
+    let result = match (name, bench, text("--against-bin")) {
+        ("all", _, None) => all(&opts),
+        (_, Some(bench), None) => bench(&opts).map(|t| render(&t, opts.markdown)),
+        (_, Some(bench), Some(other)) if ab::SWAPPABLE.contains(&name) => {
+            let this = ab::Build {
+                label: text("--this-label").unwrap_or_else(|| "this checkout".into()),
+                weir: None,
+            };
+            let other = ab::Build {
+                label: text("--against-label").unwrap_or_else(|| other.clone()),
+                weir: Some(PathBuf::from(other)),
+            };
+            match other.weir.as_deref().map(|p| p.is_file()) {
+                Some(true) => Ok(ab::compare(name, bench, &opts, &this, &other)),
+                _ => Err(anyhow::anyhow!(
+                    "--against-bin {}: not a file (another build's weir binary)",
+                    other.label
+                )),
+            }
+        }
+        (_, _, Some(_)) => Err(anyhow::anyhow!(
+            "--against compares builds of the `weir` binary, which only {} run; {name:?} measures Weir's \
+             library inside weir-bench (or is not a benchmark), so both sides would run this checkout's code",
+            ab::SWAPPABLE.join(", ")
         )),
+        _ => Err(anyhow::anyhow!("{USAGE}")),
     };
     match result {
         Ok(table) => {
             println!("{table}");
+            // The machine is shared: what else ran beside the benchmark is part of its figures.
+            println!(
+                "Load average (1, 5, 15 min) at the start: {load_before}; at the end: {}.",
+                load_average()
+            );
             ExitCode::SUCCESS
         }
         Err(e) => {

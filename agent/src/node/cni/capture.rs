@@ -4,7 +4,7 @@
 //! pod with the node's pinned capture, netfilter goes through weir-iptables in CNI mode.
 //! Also the container id a repaired pod is registered under, which DEL must find.
 
-use std::path::Path;
+use std::{net::IpAddr, path::Path};
 
 use weir_iptables::{CaptureConfig, RunOptions, detect::HostFacts as _, state::Verdict};
 
@@ -51,27 +51,33 @@ pub(super) fn ebpf_error(what: String) -> impl FnOnce(super::ebpf::CniEbpfError)
     move |e| CniError::new(code::CAPTURE_FAILED, what, crate::error_chain(&e))
 }
 
-/// The capture config and run options for `pod` in `netns`.
-fn plan(
-    conf: &NetConf,
-    pod: &PodInfo,
-    netns: &Path,
-) -> Result<(CaptureMode, CaptureConfig, RunOptions), CniError> {
-    let mode = for_user_namespace(conf, CaptureMode::from_conf(conf)?, pod, netns)?;
+/// The addresses inside the pod's network namespace (read there).
+pub fn pod_addresses(netns: &Path) -> Result<Vec<IpAddr>, CniError> {
     let facts = weir_iptables::detect::SystemFacts { netns: Some(netns.into()) };
-    let addresses = facts.addresses().map_err(|e| {
+    facts.addresses().map_err(|e| {
         CniError::new(
             code::IO_FAILURE,
             format!("cannot read the addresses in network namespace {}", netns.display()),
             e.to_string(),
         )
-    })?;
+    })
+}
+
+/// The capture config and run options for `pod` in `netns`, whose addresses are
+/// `addresses`.
+fn plan(
+    conf: &NetConf,
+    pod: &PodInfo,
+    netns: &Path,
+    addresses: &[IpAddr],
+) -> Result<(CaptureMode, CaptureConfig, RunOptions), CniError> {
+    let mode = for_user_namespace(conf, CaptureMode::from_conf(conf)?, pod, netns)?;
     let dual_stack = pod
         .proxy_env
         .get("ISTIO_DUAL_STACK")
         .and_then(|v| weir_iptables::flags::parse_bool(v))
         .unwrap_or(false);
-    let (host_ip, enable_ipv6) = match weir_iptables::detect::local_ip(&addresses, dual_stack) {
+    let (host_ip, enable_ipv6) = match weir_iptables::detect::local_ip(addresses, dual_stack) {
         Some((ip, v6)) => (Some(ip), v6),
         None => (None, false),
     };
@@ -135,8 +141,9 @@ fn for_user_namespace(
     }
 }
 
-/// Captures `pod` inside `netns` with the configured backend (ADD, and repair for
-/// pods that started before the plugin was installed).
+/// Captures `pod` inside `netns` with the configured backend (repair, for pods that
+/// started before the plugin was installed; ADD reads the addresses itself, while it
+/// waits for the API server, and calls [`capture_with`]).
 pub fn capture(
     conf: &NetConf,
     pod: &PodInfo,
@@ -144,13 +151,27 @@ pub fn capture(
     container_id: &str,
     ifname: &str,
 ) -> Result<(), CniError> {
-    let (mode, cfg, opts) = plan(conf, pod, netns)?;
+    capture_with(conf, pod, netns, &pod_addresses(netns)?, container_id, ifname)
+}
+
+/// [`capture`], with the addresses in `netns` read already.
+pub fn capture_with(
+    conf: &NetConf,
+    pod: &PodInfo,
+    netns: &Path,
+    addresses: &[IpAddr],
+    container_id: &str,
+    ifname: &str,
+) -> Result<(), CniError> {
+    let (mode, cfg, opts) = plan(conf, pod, netns, addresses)?;
+    super::phases::mark("plan");
     let who = format!("{}/{}", pod.namespace, pod.name);
     if mode == CaptureMode::Ebpf {
         let node = node_capture(conf);
         let identity = super::ebpf::PodIdentity { name: who.clone(), uid: pod.uid.clone() };
         match super::ebpf::register(node, container_id, netns, ifname, &cfg, &identity) {
             Ok(cookie) => {
+                super::phases::mark("capture");
                 tracing::info!(pod = %who, netns = %netns.display(), backend = "ebpf", node_capture = node, netns_cookie = cookie, "pod captured");
                 return Ok(());
             }
@@ -177,6 +198,7 @@ pub fn capture(
             crate::error_chain(&e),
         )
     })?;
+    super::phases::mark("capture");
     tracing::info!(
         pod = %who,
         netns = %netns.display(),
@@ -197,7 +219,7 @@ pub fn missing_capture(
     netns: &Path,
     container_id: &str,
 ) -> Result<Option<String>, CniError> {
-    let (mode, cfg, opts) = plan(conf, pod, netns)?;
+    let (mode, cfg, opts) = plan(conf, pod, netns, &pod_addresses(netns)?)?;
     if mode == CaptureMode::Ebpf {
         let node = node_capture(conf);
         let what = format!("cannot check the eBPF capture in {}", netns.display());

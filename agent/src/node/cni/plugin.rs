@@ -14,7 +14,9 @@ use weir_iptables::{CaptureConfig, RunOptions};
 use crate::ebpf::{netns::netns_cookie, record::PinRecord};
 
 use super::{
-    capture::{capture, ebpf_error, missing_capture, node_capture, repair_container_id_for_uid},
+    capture::{
+        capture_with, ebpf_error, missing_capture, node_capture, pod_addresses, repair_container_id_for_uid,
+    },
     kube::{KubeClient, KubeError},
     pod::{self, PodInfo, Skip},
     spec::{CniError, Command, Invocation, NetConf, code, version_result},
@@ -39,6 +41,7 @@ pub fn run(command: Command, stdin: &[u8], env: impl Fn(&str) -> Option<String>)
     let version = conf.cni_version.clone();
     let result = (|| {
         let inv = Invocation::from_env(command, &env)?;
+        super::phases::mark("config");
         match command {
             Command::Add => add(&conf, &inv).map(|()| conf.result()),
             Command::Del => del(&conf, &inv).map(|()| String::new()),
@@ -105,6 +108,7 @@ fn target(conf: &NetConf, inv: &Invocation) -> Result<Target, CniError> {
         )
     })?;
     let pod = lookup(&client, &namespace, &name)?;
+    super::phases::mark("api");
     if super::ambient::is_ambient(conf, &client, &pod)? {
         return Ok(Target::Ambient(pod));
     }
@@ -162,10 +166,23 @@ fn netns_of(inv: &Invocation) -> Result<PathBuf, CniError> {
 
 fn add(conf: &NetConf, inv: &Invocation) -> Result<(), CniError> {
     let netns = netns_of(inv)?;
-    match target(conf, inv)? {
+    // The pod's addresses are read inside its namespace while the API server answers
+    // (only a sidecar pod needs them, and only then their error).
+    let (target, addresses) = std::thread::scope(|s| {
+        let addresses = s.spawn(|| pod_addresses(&netns));
+        let target = target(conf, inv);
+        (target, addresses.join())
+    });
+    match target? {
         Target::Skip => Ok(()),
-        Target::Sidecar(pod) => capture(conf, &pod, &netns, &inv.container_id, &inv.ifname),
         Target::Ambient(pod) => super::ambient::hand_over(conf, inv, &pod),
+        Target::Sidecar(pod) => {
+            let addresses = addresses.unwrap_or_else(|_| {
+                Err(CniError::new(code::IO_FAILURE, "the address reader panicked", ""))
+            })?;
+            super::phases::mark("netns");
+            capture_with(conf, &pod, &netns, &addresses, &inv.container_id, &inv.ifname)
+        }
     }
 }
 
