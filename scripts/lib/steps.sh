@@ -35,6 +35,17 @@ steps_took() {
   fi
 }
 
+# CPU seconds (user + system) of the main shell's finished children and their waited-for
+# descendants: the work a step did, which holds when the machine is shared and the wall
+# clock does not. Read from /proc ($$ is the main shell even in a $(...) subshell, where
+# `times` would report the subshell's own, empty, children).
+steps_children_cpu() {
+  local stat f
+  stat=$(</proc/$$/stat)
+  read -r -a f <<<"${stat##*) }"
+  echo $(( (f[13] + f[14]) / $(getconf CLK_TCK) ))
+}
+
 # steps_cargo TAG WHAT -- COMMAND...: runs a cargo command with one live line in place
 # of cargo's stream of "Compiling" lines: units built of the total, the ones building,
 # the time so far. On a terminal the line is redrawn; elsewhere (CI logs, pipes) a line
