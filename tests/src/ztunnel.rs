@@ -126,6 +126,9 @@ pub fn binary() -> anyhow::Result<PathBuf> {
     fs::create_dir_all(dir.join("bin")).context("create the ztunnel cache's bin")?;
     fs::copy(dir.join("target/debug/ztunnel"), &bin)
         .context("copy the built ztunnel into the cache's bin")?;
+    // The binary is all the cache needs: cargo's 1.5+ GB of objects would only sit on
+    // the disk (a new tarball is a new folder and a build from scratch).
+    fs::remove_dir_all(dir.join("target")).context("remove the ztunnel build's target folder")?;
     let took = started.elapsed();
     fs::write(dir.join("built"), format!("{} built in {} s\n", tarball.display(), took.as_secs()))
         .context("write the ztunnel cache's stamp")?;
@@ -189,24 +192,49 @@ fn require_protoc() -> anyhow::Result<()> {
     }
 }
 
+/// How often a build in progress says how far it is.
+const PROGRESS_EVERY: Duration = Duration::from_secs(20);
+
 /// `cargo build` of the peer into `dir/target`, at low priority, logged to
-/// `dir/build.log`.
+/// `dir/build.log`; every [`PROGRESS_EVERY`] a line on stderr says how many crates are
+/// compiled. A debug build with line tables only and no incremental state: a test peer
+/// needs neither, and both cost CPU time and disk (measured in docs/first-minutes.md).
 fn cargo_build(src: &Path, dir: &Path) -> anyhow::Result<()> {
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let log_path = dir.join("build.log");
     let log = fs::File::create(&log_path).with_context(|| format!("create {}", log_path.display()))?;
-    let status = Command::new("nice")
+    let started = Instant::now();
+    let mut child = Command::new("nice")
         .args(["-n", "10"])
         .arg(&cargo)
         .args(["build", "--no-default-features", "--features", FEATURES, "--bin", "ztunnel"])
         .current_dir(src)
         .env("CARGO_TARGET_DIR", dir.join("target"))
         .env("CARGO_TERM_COLOR", "never")
+        .env("CARGO_INCREMENTAL", "0")
+        .env("CARGO_PROFILE_DEV_DEBUG", "line-tables-only")
         .stdin(Stdio::null())
         .stdout(log.try_clone().context("dup the build log")?)
         .stderr(log)
-        .status()
+        .spawn()
         .with_context(|| format!("run {} build for the ztunnel peer", cargo.to_string_lossy()))?;
+    let mut said = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().context("wait for the ztunnel peer's build")? {
+            break status;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+        if said.elapsed() >= PROGRESS_EVERY {
+            said = Instant::now();
+            let compiled =
+                fs::read_to_string(&log_path).map(|t| t.matches("   Compiling ").count()).unwrap_or_default();
+            eprintln!(
+                "[ztunnel] building the peer: {compiled} crates compiled, {} s (log: {})",
+                started.elapsed().as_secs(),
+                log_path.display()
+            );
+        }
+    };
     if !status.success() {
         let text = fs::read_to_string(&log_path).unwrap_or_default();
         let tail: Vec<&str> = text.lines().rev().take(30).collect::<Vec<_>>().into_iter().rev().collect();

@@ -6,8 +6,8 @@ use std::{collections::BTreeMap, path::PathBuf};
 
 use libfuzzer_sys::fuzz_target;
 use weir_agent::{
-    cni::pod::{PodInfo, capture_config},
     config::{AgentConfig, MapEnv, ProxyArgs, paths, podinfo},
+    node::cni::pod::{PodInfo, capture_config},
 };
 
 fuzz_target!(|data: &[u8]| {
