@@ -112,6 +112,19 @@ pub fn sidecar() -> Result<(), String> {
     Ok(())
 }
 
+/// A timeout of `secs` seconds, stretched `WEIR_TIMEOUT_SCALE` times (1 to 20; the
+/// kernel matrix sets it in a software-emulated VM, where every instruction costs many
+/// of the host's). A timeout is how a lost connection shows; it must not be how a slow
+/// machine shows.
+fn patience(secs: u64) -> Duration {
+    let scale = std::env::var("WEIR_TIMEOUT_SCALE")
+        .ok()
+        .and_then(|s| s.parse::<u64>().ok())
+        .filter(|s| (1..=20).contains(s))
+        .unwrap_or(1);
+    Duration::from_secs(secs * scale)
+}
+
 fn accept_loop(l: TcpListener, handle: fn(TcpStream)) {
     for conn in l.incoming().flatten() {
         std::thread::spawn(move || handle(conn));
@@ -120,7 +133,7 @@ fn accept_loop(l: TcpListener, handle: fn(TcpStream)) {
 
 fn outbound_conn(app: TcpStream) {
     let Ok(orig) = original_dst(&app) else { return };
-    let Ok(mut up) = TcpStream::connect_timeout(&orig, Duration::from_secs(2)) else { return };
+    let Ok(mut up) = TcpStream::connect_timeout(&orig, patience(2)) else { return };
     let me = app.peer_addr().map(|a| a.ip().to_string()).unwrap_or_default();
     if writeln!(up, "{MARKER} {me}").is_err() {
         return;
@@ -136,7 +149,7 @@ fn inbound_conn(from: TcpStream) {
     if sock.bind(&SocketAddr::new(source, 0).into()).is_err() {
         return;
     }
-    if sock.connect_timeout(&orig.into(), Duration::from_secs(2)).is_err() {
+    if sock.connect_timeout(&orig.into(), patience(2)).is_err() {
         return;
     }
     splice(from, sock.into());
@@ -155,7 +168,7 @@ pub fn app(addr: SocketAddr, log: &Path) -> Result<(), String> {
 }
 
 fn serve_app(conn: TcpStream, log: &Path) {
-    let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
+    let _ = conn.set_read_timeout(Some(patience(5)));
     let peer = conn.peer_addr().map(|a| a.ip()).unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
     let mut reader = BufReader::new(match conn.try_clone() {
         Ok(c) => c,
@@ -208,8 +221,8 @@ pub fn client(
     let _ = std::io::stdout().flush();
     for target in targets.iter().cycle() {
         let outcome = (|| -> std::io::Result<()> {
-            let mut s = TcpStream::connect_timeout(target, Duration::from_secs(2))?;
-            s.set_read_timeout(Some(Duration::from_secs(3)))?;
+            let mut s = TcpStream::connect_timeout(target, patience(2))?;
+            s.set_read_timeout(Some(patience(3)))?;
             writeln!(s, "hello {me} {kind}")?;
             let mut line = String::new();
             BufReader::new(&s).read_line(&mut line)?;
