@@ -312,10 +312,33 @@ fn the_cni_image_installs_the_daemonsets_node_agent() {
     assert_eq!(status, 200, "{body}");
     assert!(body.contains("weir_capture_pods 0\n"), "no pod is captured on this node yet: {body}");
 
-    // SIGTERM (the DaemonSet's pod going away): out of the chain, binary and node
-    // capture gone.
+    // SIGTERM (the DaemonSet's pod going away, a rollout): capture is the mesh's
+    // boundary, so nothing is taken away: still chained, the plugin binary in place, the
+    // node capture on the pods' cgroup.
     agent.signal(libc::SIGTERM).unwrap();
     let status = agent.wait_timeout(Duration::from_secs(10)).unwrap().expect("install exits on SIGTERM");
+    assert!(status.success(), "{status:?}\n{}", said());
+    let list: Value = serde_json::from_slice(&std::fs::read(&conflist).unwrap()).unwrap();
+    assert_eq!(list["plugins"][1]["type"], "weir-cni", "still chained after SIGTERM: {list}");
+    assert!(plugin.is_file(), "the plugin binary stays after SIGTERM");
+    assert!(attached(), "the node capture stays on the pods' cgroup after SIGTERM");
+
+    // The explicit act, as docs/install.md says: `weir cni uninstall
+    // --detach-running-pods` in the same container takes everything away.
+    let uninstall: Vec<String> =
+        ["weir", "cni", "uninstall", "--detach-running-pods"].map(String::from).into();
+    let (mut cmd, _) = weir_tests::inject::images::command(&image, uninstall, Vec::new()).unwrap();
+    let file = std::fs::OpenOptions::new().append(true).open(&log).unwrap();
+    cmd.env_clear()
+        .envs(image.env.iter().cloned())
+        .envs(&env)
+        .env("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+        .env("KUBERNETES_SERVICE_PORT", "443")
+        .stdin(Stdio::null())
+        .stdout(file.try_clone().unwrap())
+        .stderr(file);
+    let mut uninstalling = weir_agent::sandbox::process::spawn(&mut cmd, placement).unwrap();
+    let status = uninstalling.wait_timeout(Duration::from_secs(30)).unwrap().expect("uninstall ends");
     assert!(status.success(), "{status:?}\n{}", said());
     let list: Value = serde_json::from_slice(&std::fs::read(&conflist).unwrap()).unwrap();
     assert_eq!(list["plugins"].as_array().unwrap().len(), 1, "{list}");
