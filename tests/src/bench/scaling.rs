@@ -44,6 +44,8 @@ struct Node {
     cgroup: Cgroup,
     capture: String,
     list: Value,
+    /// The chain without weir-cni: the primary CNI alone.
+    primary: Value,
     pods: Vec<(NetNs, Attachment, Value)>,
 }
 
@@ -59,7 +61,21 @@ impl Node {
         weir_agent::node::cni::ebpf::attach_node(&capture, cgroup.path())?;
         let weir = json!({"cni_agent_run_dir": run_dir.path(), "capture_mode": "ebpf", "ebpf_node_capture": capture});
         let list = conflist("10.90.0.0/16", ipam.path(), weir);
-        Ok(Self { api, _run_dir: run_dir, _ipam: ipam, cgroup, capture, list, pods: Vec::new() })
+        let mut primary = list.clone();
+        primary["plugins"].as_array_mut().expect("a conflist's plugins").pop();
+        Ok(Self { api, _run_dir: run_dir, _ipam: ipam, cgroup, capture, list, primary, pods: Vec::new() })
+    }
+
+    /// The primary CNI's ADD alone (bridge + host-local) of a fresh pod on this node,
+    /// ms; DEL'd at once (not timed).
+    fn add_primary(&mut self, rt: &CniRuntime<'_>, name: &str) -> anyhow::Result<f64> {
+        let pod = NetNs::create(&unique_name(name))?;
+        let a = Attachment::pod(&format!("c-{name}"), pod.path(), "bench", name);
+        let started = Instant::now();
+        let result = rt.add(&self.primary, &a).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let ms = started.elapsed().as_secs_f64() * 1000.0;
+        rt.del(&self.primary, &a, Some(&result)).map_err(|e| anyhow::anyhow!("{e}"))?;
+        Ok(ms)
     }
 
     fn add(&mut self, rt: &CniRuntime<'_>, name: &str) -> anyhow::Result<f64> {
@@ -114,10 +130,10 @@ fn register_once(node: &Node, i: usize) -> anyhow::Result<f64> {
 }
 
 /// One run: every population in turn on one node; per population (ADD p50, ADD p99,
-/// registration p50, registration p99), then the parallel ADDs' (p50, p99) at the
+/// registration p50, registration p99, the primary CNI's ADD p50, ADD p50 less it), then the parallel ADDs' (p50, p99) at the
 /// largest, and the agent's RSS (MiB) at 1 pod and at the largest.
 struct Run {
-    by_population: Vec<[f64; 4]>,
+    by_population: Vec<[f64; 6]>,
     parallel: (f64, f64),
     rss: (f64, f64),
 }
@@ -133,16 +149,17 @@ fn run_once() -> anyhow::Result<Run> {
             let n = node.pods.len();
             node.add(&rt, &format!("bg{n}"))?;
         }
-        let mut add = Vec::new();
-        let mut reg = Vec::new();
+        let (mut add, mut reg, mut primary) = (Vec::new(), Vec::new(), Vec::new());
         for i in 0..TIMED {
             add.push(node.add(&rt, &format!("t{k}-{i}"))?);
             node.del_last(&rt)?;
+            primary.push(node.add_primary(&rt, &format!("b{k}-{i}"))?);
             reg.push(register_once(&node, k * TIMED + i)?);
         }
         let (a50, a99) = p50_p99(add);
         let (r50, r99) = p50_p99(reg);
-        by_population.push([a50, a99, r50, r99]);
+        let (b50, _) = p50_p99(primary);
+        by_population.push([a50, a99, r50, r99, b50, a50 - b50]);
         if population == 1 || population == *POPULATIONS.last().expect("populations") {
             let mb = agent_rss(&node, &ns)?;
             if population == 1 {
@@ -274,7 +291,7 @@ pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
         .enumerate()
         .map(|(k, population)| Row {
             name: format!("{population} pod{} on the node", if *population == 1 { "" } else { "s" }),
-            metrics: (0..4).map(|m| samples(&|r: &Run| r.by_population[k][m])).collect(),
+            metrics: (0..6).map(|m| samples(&|r: &Run| r.by_population[k][m])).collect(),
         })
         .collect();
     rows.push(Row {
@@ -282,6 +299,8 @@ pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
         metrics: vec![
             samples(&|r| r.parallel.0),
             samples(&|r| r.parallel.1),
+            Samples::default(),
+            Samples::default(),
             Samples::default(),
             Samples::default(),
         ],
@@ -293,6 +312,8 @@ pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
             ("CNI ADD p99", "ms", false),
             ("registration p50", "ms", false),
             ("registration p99", "ms", false),
+            ("bridge + host-local alone p50", "ms", false),
+            ("ADD p50 less the primary's", "ms", false),
         ],
         rows,
         notes: vec![format!(
@@ -300,7 +321,10 @@ pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
              added (the whole chain, every plugin exec'd as a runtime does; each DEL'd, not timed) and {TIMED} \
              registrations timed alone (`cni::ebpf::register` in process: its cookie, config, lists and inbound keys \
              written in one switch, the record saved). The parallel row starts {PARALLEL} ADDs together on threads \
-             of the runtime: their latency includes waiting for the program set's lock. Median [min–max] of {} runs.",
+             of the runtime: their latency includes waiting for the program set's lock. The primary CNI alone \
+             (bridge + host-local, {TIMED} ADDs on the same node at the same population) shows what of the ADD's \
+             growth is the bridge's and host-local's; the last column is what remains, weir-cni's part. Median \
+             [min–max] of {} runs.",
             runs.len()
         )],
     };
