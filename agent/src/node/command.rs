@@ -447,13 +447,22 @@ pub fn run(args: CniArgs) -> anyhow::Result<()> {
                 )?;
             }
             let mut s = a.settings()?;
-            node_capture_or_fallback(&mut s, &a.plugin.capture_mode)?;
             if a.once {
+                node_capture_or_fallback(&mut s, &a.plugin.capture_mode)?;
                 let changes = install::ensure(&s)?;
                 tracing::info!(?changes, "weir-cni installed");
                 return Ok(());
             }
             let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            // SIGTERM and SIGINT are caught from before the node capture is attached: a
+            // rollout that stops the agent while it starts ends it cleanly after one
+            // pass, never by the signal's default action half way.
+            let (mut term, mut interrupt) = {
+                let _runtime = runtime.enter();
+                use tokio::signal::unix::{SignalKind, signal};
+                (signal(SignalKind::terminate())?, signal(SignalKind::interrupt())?)
+            };
+            node_capture_or_fallback(&mut s, &a.plugin.capture_mode)?;
             runtime.block_on(async {
                 if a.monitoring_port != 0 {
                     let listener = tokio::net::TcpListener::bind(("0.0.0.0", a.monitoring_port))
@@ -465,11 +474,10 @@ pub fn run(args: CniArgs) -> anyhow::Result<()> {
                         monitoring(req.uri().path().to_string(), cache.clone(), metrics_text)
                     }));
                 }
-                let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
                 let stop = async move {
                     tokio::select! {
                         _ = term.recv() => tracing::info!("SIGTERM: stopping"),
-                        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: stopping"),
+                        _ = interrupt.recv() => tracing::info!("SIGINT: stopping"),
                     }
                 };
                 install::watch(&s, a.interval, stop).await?;
