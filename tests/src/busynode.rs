@@ -161,6 +161,8 @@ impl BusyNode {
             .arg(self.run_dir.path().join("istio-cni-kubeconfig"))
             .stdout(Stdio::null())
             .stderr(self.log_file("agent.log")?);
+        let ready = |log: &str| log.matches("node agent ready").count();
+        let ready_before = ready(&self.agent_log());
         self.agent = Some(cmd.spawn()?);
         self.set = set.to_string();
         if !self.sets.iter().any(|s| s == set) {
@@ -172,6 +174,12 @@ impl BusyNode {
                 .filter(|r| r.programs.as_deref().is_some_and(|k| k.ends_with(set)))
         })
         .with_context(|| format!("the node agent did not attach build {set}: {}", self.agent_log()))?;
+        // The record may be the previous agent's (capture outlives it): this one is
+        // running when it says so.
+        crate::control_plane::eventually(Duration::from_secs(30), || {
+            (ready(&self.agent_log()) > ready_before).then_some(())
+        })
+        .with_context(|| format!("the node agent never said it was ready: {}", self.agent_log()))?;
         self.start_repair()
     }
 

@@ -331,6 +331,11 @@ pub async fn watch(
             }
             tidy_node_capture(name, collect_gone);
         }
+        if first {
+            // Operators (and the test rigs) read this line as "running": SIGTERM is
+            // handled from here on, and the chain is kept every `interval`.
+            tracing::info!(interval = ?interval, "node agent ready: keeping weir-cni chained");
+        }
         first = false;
         tokio::select! {
             _ = &mut stop => break,
