@@ -176,7 +176,9 @@ impl BusyNode {
         .with_context(|| format!("the node agent did not attach build {set}: {}", self.agent_log()))?;
         // The record may be the previous agent's (capture outlives it): this one is
         // running when it says so.
-        crate::control_plane::eventually(Duration::from_secs(30), || {
+        // A generous deadline: the agent verifies its programs first, which takes a
+        // software-emulated VM (the kernel matrix) most of a minute.
+        crate::control_plane::eventually(Duration::from_secs(180), || {
             (ready(&self.agent_log()) > ready_before).then_some(())
         })
         .with_context(|| format!("the node agent never said it was ready: {}", self.agent_log()))?;
