@@ -169,15 +169,15 @@ impl BusyNode {
             self.sets.push(set.to_string());
         }
         let capture = self.capture.clone();
-        crate::control_plane::eventually(Duration::from_secs(30), || {
+        // Generous deadlines: a new build verifies its programs first, which takes a
+        // software-emulated VM (the kernel matrix) most of a minute.
+        crate::control_plane::eventually(Duration::from_secs(180), || {
             weir_agent::ebpf::record::PinRecord::load(&capture)
                 .filter(|r| r.programs.as_deref().is_some_and(|k| k.ends_with(set)))
         })
         .with_context(|| format!("the node agent did not attach build {set}: {}", self.agent_log()))?;
         // The record may be the previous agent's (capture outlives it): this one is
         // running when it says so.
-        // A generous deadline: the agent verifies its programs first, which takes a
-        // software-emulated VM (the kernel matrix) most of a minute.
         crate::control_plane::eventually(Duration::from_secs(180), || {
             (ready(&self.agent_log()) > ready_before).then_some(())
         })
