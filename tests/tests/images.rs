@@ -238,18 +238,23 @@ fn the_cni_image_installs_the_daemonsets_node_agent() {
 
     let command: Vec<String> =
         container["command"].as_array().unwrap().iter().map(|c| c.as_str().unwrap().to_string()).collect();
-    let (mut cmd, argv) = weir_tests::inject::images::command(&image, command, Vec::new()).unwrap();
-    assert_eq!(argv, ["weir", "cni", "install"]);
     let log = node.path().join("install.log");
-    let file = std::fs::File::create(&log).unwrap();
-    cmd.env_clear()
-        .envs(image.env.iter().cloned())
-        .envs(&env)
-        .env("KUBERNETES_SERVICE_HOST", "10.96.0.1")
-        .env("KUBERNETES_SERVICE_PORT", "443")
-        .stdin(Stdio::null())
-        .stdout(file.try_clone().unwrap())
-        .stderr(file);
+    // A command of the install container: its image's and manifest's environment, the
+    // API server's, the output into `log`.
+    let in_container = |argv: Vec<String>, file: std::fs::File| {
+        let (mut cmd, argv) = weir_tests::inject::images::command(&image, argv, Vec::new()).unwrap();
+        cmd.env_clear()
+            .envs(image.env.iter().cloned())
+            .envs(&env)
+            .env("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+            .env("KUBERNETES_SERVICE_PORT", "443")
+            .stdin(Stdio::null())
+            .stdout(file.try_clone().unwrap())
+            .stderr(file);
+        (cmd, argv)
+    };
+    let (mut cmd, argv) = in_container(command, std::fs::File::create(&log).unwrap());
+    assert_eq!(argv, ["weir", "cni", "install"]);
     // hostNetwork: a namespace of the test's own stands in for the node's.
     let netns = NetNs::create(&unique_name("image-node")).unwrap();
     netns
@@ -327,16 +332,7 @@ fn the_cni_image_installs_the_daemonsets_node_agent() {
     // --detach-running-pods` in the same container takes everything away.
     let uninstall: Vec<String> =
         ["weir", "cni", "uninstall", "--detach-running-pods"].map(String::from).into();
-    let (mut cmd, _) = weir_tests::inject::images::command(&image, uninstall, Vec::new()).unwrap();
-    let file = std::fs::OpenOptions::new().append(true).open(&log).unwrap();
-    cmd.env_clear()
-        .envs(image.env.iter().cloned())
-        .envs(&env)
-        .env("KUBERNETES_SERVICE_HOST", "10.96.0.1")
-        .env("KUBERNETES_SERVICE_PORT", "443")
-        .stdin(Stdio::null())
-        .stdout(file.try_clone().unwrap())
-        .stderr(file);
+    let (mut cmd, _) = in_container(uninstall, std::fs::OpenOptions::new().append(true).open(&log).unwrap());
     let mut uninstalling = weir_agent::sandbox::process::spawn(&mut cmd, placement).unwrap();
     let status = uninstalling.wait_timeout(Duration::from_secs(30)).unwrap().expect("uninstall ends");
     assert!(status.success(), "{status:?}\n{}", said());
