@@ -185,7 +185,9 @@ fn events(node: &mut BusyNode, old: &str, new: &str, round: usize) {
         let out = weir_tests::cni::run_placed(
             placed,
             tools::testkit_command(),
-            &["connect-storm", "10.99.0.1:80", "70000"],
+            // Each connect may take 2 s (an emulated VM stalls for longer than the
+            // default 100 ms): only one that is neither made nor refused counts.
+            &["connect-storm", "10.99.0.1:80", "70000", "2000", "20"],
         );
         assert!(out.starts_with("connected 0 refused 70000"), "{out}");
         n.start_sidecar(m2).unwrap();

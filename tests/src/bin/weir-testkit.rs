@@ -34,9 +34,11 @@
 //!                                       verdict (ok, bypass-inbound, bypass-outbound)
 //!   mesh-client <me> <meshed|plain> <interval-ms> <log> <targets...>
 //!                                       connects to the targets in turn, forever
-//!   connect-storm <addr> <count>       `count` connects as fast as they fail or succeed
-//!                                       (100 ms timeout each); prints `connected N
-//!                                       refused N other N`
+//!   connect-storm <addr> <count> [<timeout-ms> [<max-other>]]
+//!                                       `count` connects as fast as they fail or succeed
+//!                                       (each bounded by timeout-ms, 100; stops after
+//!                                       max-other neither connected nor refused); prints
+//!                                       `connected N refused N other N <each error>`
 //!   syn-probe <iface> <dst-mac> <src-ip> <dst-ip> <dport> <plain|hbh|dstopts|fragments>
 //!                                       sends one crafted SYN as raw frames, prints what
 //!                                       came back: syn-ack, rst or nothing (1 s)
@@ -168,7 +170,20 @@ fn main() -> ExitCode {
                 )
             }
             "connect-storm" => {
-                connect_storm(addr(arg(1)?)?, arg(2)?.parse().map_err(|e| format!("count: {e}"))?)
+                let timeout_ms: u64 = match args.get(3) {
+                    Some(t) => t.parse().map_err(|e| format!("timeout_ms: {e}"))?,
+                    None => 100,
+                };
+                let max_other: u32 = match args.get(4) {
+                    Some(m) => m.parse().map_err(|e| format!("max_other: {e}"))?,
+                    None => u32::MAX,
+                };
+                connect_storm(
+                    addr(arg(1)?)?,
+                    arg(2)?.parse().map_err(|e| format!("count: {e}"))?,
+                    Duration::from_millis(timeout_ms),
+                    max_other,
+                )
             }
             other => Err(format!("unknown command {other:?}")),
         }
@@ -560,15 +575,25 @@ fn syn_probe(args: &[String]) -> Result<(), String> {
 }
 
 /// `connect-storm`: connects `count` times, closing each socket at once.
-fn connect_storm(to: SocketAddr, count: u32) -> Result<(), String> {
+/// `count` connects to `to`, each bounded by `timeout`; stops early after `max_other`
+/// that neither connect nor are refused. Prints the counts and each other error.
+fn connect_storm(to: SocketAddr, count: u32, timeout: Duration, max_other: u32) -> Result<(), String> {
     let (mut connected, mut refused, mut other) = (0u32, 0u32, 0u32);
+    let mut kinds: std::collections::BTreeMap<String, u32> = std::collections::BTreeMap::new();
     for _ in 0..count {
-        match TcpStream::connect_timeout(&to, Duration::from_millis(100)) {
+        match TcpStream::connect_timeout(&to, timeout) {
             Ok(_) => connected += 1,
             Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => refused += 1,
-            Err(_) => other += 1,
+            Err(e) => {
+                other += 1;
+                *kinds.entry(e.to_string()).or_default() += 1;
+                if other >= max_other {
+                    break;
+                }
+            }
         }
     }
-    println!("connected {connected} refused {refused} other {other}");
+    let kinds: Vec<String> = kinds.iter().map(|(k, n)| format!("{n}× {k}")).collect();
+    println!("connected {connected} refused {refused} other {other} {}", kinds.join("; "));
     Ok(())
 }
