@@ -173,10 +173,23 @@ impl AmbientNode {
 
     /// The plugin's ADD for `pod` (registered in the API as `namespace/name`).
     pub fn cni_add(&self, pod: &Pod, namespace: &str, name: &str) -> Result<String, CniFailure> {
-        let rt = CniRuntime::new(self.node.netns()).expect("CNI runtime");
+        self.cni_add_traced(pod, namespace, name, &[]).map(|(stdout, _)| stdout)
+    }
+
+    /// [`AmbientNode::cni_add`] with `env` added to the plugin's, and the run's trace
+    /// (spawn and reap times, stderr: where the plugin's phase report goes).
+    pub fn cni_add_traced(
+        &self,
+        pod: &Pod,
+        namespace: &str,
+        name: &str,
+        env: &[(&str, &str)],
+    ) -> Result<(String, crate::cni::PluginRun), CniFailure> {
+        let mut rt = CniRuntime::new(self.node.netns()).expect("CNI runtime");
+        rt.env.extend(env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
         let a = Attachment::pod(&format!("c-{name}"), pod.netns().path(), namespace, name);
         let conf = self.plugin_conf(Some(IpAddr::V4(pod.ipv4())));
-        rt.exec("istio-cni", "ADD", &a, conf.to_string().as_bytes())
+        rt.exec_traced("istio-cni", "ADD", &a, conf.to_string().as_bytes())
     }
 
     /// A kubelet-shaped sandbox for `pod` under uid `uid` (found through /proc); `parent`

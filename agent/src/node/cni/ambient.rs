@@ -7,10 +7,10 @@
 //! ambient pod starts uncaptured. Weir also fails closed where Istio's plugin, with
 //! detection retries off, carries on as "not ambient": a namespace it cannot read.
 
-use std::path::Path;
+use std::{collections::BTreeMap, path::Path};
 
 use super::{
-    kube::KubeClient,
+    kube::KubeError,
     pod::PodInfo,
     spec::{CniError, Invocation, NetConf, code},
 };
@@ -19,19 +19,34 @@ use crate::node::enroll::{
     selector::{EnablementSelectors, PodFacts},
 };
 
+/// Whether deciding may need the pod's namespace labels: ambient is on and an entry
+/// of the selector looks at namespaces (the caller then reads them beside the pod).
+pub fn may_read_namespace(conf: &NetConf) -> Result<bool, CniError> {
+    Ok(conf.ambient_enabled && selectors(conf)?.entries().iter().any(|e| !e.namespace_selector.is_empty()))
+}
+
+fn selectors(conf: &NetConf) -> Result<EnablementSelectors, CniError> {
+    EnablementSelectors::new(conf.enablement_selectors.clone()).map_err(|e| {
+        CniError::new(code::INVALID_CONFIG, "enablement_selectors in the plugin's config", e.to_string())
+    })
+}
+
 /// Whether `pod` is ambient per the plugin's config. Sidecar and host-network pods,
-/// and pods an entry with no namespace selector picks, are answered without asking
-/// for their namespace.
-pub fn is_ambient(conf: &NetConf, client: &KubeClient, pod: &PodInfo) -> Result<bool, CniError> {
+/// and pods an entry with no namespace selector picks, are answered without looking
+/// at `namespace_labels` (read beside the pod when [`may_read_namespace`]); a failed
+/// read of them fails ADD only when they decide.
+pub fn is_ambient(
+    conf: &NetConf,
+    pod: &PodInfo,
+    namespace_labels: Option<Result<BTreeMap<String, String>, KubeError>>,
+) -> Result<bool, CniError> {
     if !conf.ambient_enabled
         || pod.host_network
         || pod.annotations.contains_key(crate::node::enroll::selector::SIDECAR_STATUS_ANNOTATION)
     {
         return Ok(false);
     }
-    let selectors = EnablementSelectors::new(conf.enablement_selectors.clone()).map_err(|e| {
-        CniError::new(code::INVALID_CONFIG, "enablement_selectors in the plugin's config", e.to_string())
-    })?;
+    let selectors = selectors(conf)?;
     let facts =
         PodFacts { labels: &pod.labels, annotations: &pod.annotations, host_network: pod.host_network };
     let any_namespace = selectors
@@ -41,14 +56,8 @@ pub fn is_ambient(conf: &NetConf, client: &KubeClient, pod: &PodInfo) -> Result<
     if any_namespace {
         return Ok(true);
     }
-    if !selectors.entries().iter().any(|e| !e.namespace_selector.is_empty()) {
-        return Ok(false);
-    }
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| CniError::new(code::IO_FAILURE, "cannot start a runtime", e.to_string()))?;
-    let labels = runtime.block_on(client.namespace_labels(&pod.namespace)).map_err(|e| {
+    let Some(labels) = namespace_labels else { return Ok(false) };
+    let labels = labels.map_err(|e| {
         CniError::new(
             code::POD_LOOKUP_FAILED,
             format!(
@@ -75,7 +84,9 @@ pub fn hand_over(conf: &NetConf, inv: &Invocation, pod: &PodInfo) -> Result<(), 
         .enable_all()
         .build()
         .map_err(|e| CniError::new(code::IO_FAILURE, "cannot start a runtime", e.to_string()))?;
-    runtime.block_on(event.post(&socket)).map_err(|e| {
+    let posted = runtime.block_on(event.post(&socket));
+    super::phases::mark("agent");
+    posted.map_err(|e| {
         CniError::new(
             code::TRY_AGAIN_LATER,
             format!("ambient pod {}/{}: the node agent did not capture it", pod.namespace, pod.name),

@@ -107,9 +107,22 @@ fn target(conf: &NetConf, inv: &Invocation) -> Result<Target, CniError> {
             crate::error_chain(&e),
         )
     })?;
-    let pod = lookup(&client, &namespace, &name)?;
+    // With ambient on, the namespace's labels may decide: read them while the pod is
+    // read (one round trip, not two, on every ADD the selector needs them for).
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| CniError::new(code::IO_FAILURE, "cannot start a runtime", e.to_string()))?;
+    let (pod, namespace_labels) = if super::ambient::may_read_namespace(conf)? {
+        let (pod, labels) = runtime.block_on(async {
+            tokio::join!(lookup(&client, &namespace, &name), client.namespace_labels(&namespace))
+        });
+        (pod?, Some(labels))
+    } else {
+        (runtime.block_on(lookup(&client, &namespace, &name))?, None)
+    };
     super::phases::mark("api");
-    if super::ambient::is_ambient(conf, &client, &pod)? {
+    if super::ambient::is_ambient(conf, &pod, namespace_labels)? {
         return Ok(Target::Ambient(pod));
     }
     if let Some(reason) = pod::skip_reason(&pod) {
@@ -120,15 +133,11 @@ fn target(conf: &NetConf, inv: &Invocation) -> Result<Target, CniError> {
 }
 
 /// GET the pod, retrying what may pass (no answer, 5xx, 429) as istio-cni does.
-fn lookup(client: &KubeClient, namespace: &str, name: &str) -> Result<PodInfo, CniError> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| CniError::new(code::IO_FAILURE, "cannot start a runtime", e.to_string()))?;
+async fn lookup(client: &KubeClient, namespace: &str, name: &str) -> Result<PodInfo, CniError> {
     let mut attempt = 0;
     loop {
         attempt += 1;
-        match runtime.block_on(client.pod(namespace, name)) {
+        match client.pod(namespace, name).await {
             Ok(pod) => return Ok(pod),
             Err(e) => {
                 let transient = match &e {
@@ -146,7 +155,7 @@ fn lookup(client: &KubeClient, namespace: &str, name: &str) -> Result<PodInfo, C
                 if attempt == 1 {
                     tracing::warn!(pod = %format!("{namespace}/{name}"), error = %crate::error_chain(&e), "Kubernetes API not answering; retrying");
                 }
-                std::thread::sleep(POD_LOOKUP_INTERVAL);
+                tokio::time::sleep(POD_LOOKUP_INTERVAL).await;
             }
         }
     }
