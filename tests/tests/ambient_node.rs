@@ -115,6 +115,20 @@ fn add_fails_closed_while_the_agent_is_down() {
     // is looked up: the API has no such pod, and ADD still succeeds.
     node.cni_add(&other, "istio-system", "istio-cni-node-x").unwrap();
     assert!(!node.api.requests().iter().any(|r| r.contains("istio-cni-node-x")));
+    // A namespace the plugin cannot read (read beside the pod) fails ADD when its labels
+    // decide, naming it; a pod its own label makes ambient does not need it.
+    let lost = mesh.pod("lost").unwrap();
+    node.api.set_pod(pod_object("ghost", "lost", "uid-lost", ip(&lost), &[], &[]));
+    let e = node.cni_add(&lost, "ghost", "lost").unwrap_err();
+    assert!(e.to_string().contains("cannot get namespace ghost"), "{e}");
+    assert_eq!(inpod(&lost), Verdict::Clean);
+    let labelled = mesh.pod("labelled").unwrap();
+    node.api.set_pod(pod_object("ghost", "labelled", "uid-labelled", ip(&labelled), &[AMBIENT], &[]));
+    let e = node.cni_add(&labelled, "ghost", "labelled").unwrap_err();
+    assert!(
+        e.error()["details"].as_str().unwrap().contains("pluginevent.sock"),
+        "handed over, agent down: {e}"
+    );
 }
 
 #[test]
