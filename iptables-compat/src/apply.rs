@@ -52,6 +52,12 @@ pub enum CaptureError {
     },
     #[error("tokio runtime for netlink")]
     Runtime(#[source] std::io::Error),
+    #[error("write {path}")]
+    Sysctl {
+        path: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("{0} (nothing was changed)")]
     Config(#[from] crate::config::ConfigError),
     #[error("{input} names {kind} {name:?}, which does not exist on this host (nothing was changed)")]

@@ -290,6 +290,17 @@ impl Ztunnel {
     /// Starts ztunnel (built if needed) as root in `node`'s namespace, dialing the ZDS
     /// server at `inpod_uds`, with `workloads` as its local config.
     pub fn start(node: &Pod, inpod_uds: &Path, workloads: &[LocalWorkload]) -> anyhow::Result<Self> {
+        Self::start_in_cgroup(node, inpod_uds, workloads, None)
+    }
+
+    /// As [`Ztunnel::start`], in `cgroup` (a child of the node's pods' cgroup, as
+    /// ztunnel's pod is under kubepods: the node capture's programs see its sockets).
+    pub fn start_in_cgroup(
+        node: &Pod,
+        inpod_uds: &Path,
+        workloads: &[LocalWorkload],
+        cgroup: Option<&weir_agent::sandbox::Cgroup>,
+    ) -> anyhow::Result<Self> {
         let bin = binary()?;
         let dir = tempfile::Builder::new().prefix("weir-ztunnel-").tempdir().context("ztunnel's temp dir")?;
         fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).context("chmod ztunnel's dir")?;
@@ -310,7 +321,9 @@ impl Ztunnel {
             .stdin(Stdio::null())
             .stdout(out.try_clone().context("dup ztunnel's log")?)
             .stderr(out);
-        let child = node.spawn(&mut cmd, 0).with_context(|| format!("start {}", bin.display()))?;
+        let placement = weir_agent::sandbox::Placement { user: Some((0, 0)), cgroup, ..Default::default() };
+        let child =
+            node.spawn_placed(&mut cmd, placement).with_context(|| format!("start {}", bin.display()))?;
         Ok(Self { child: Some(child), log, _dir: dir })
     }
 

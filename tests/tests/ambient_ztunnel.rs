@@ -22,10 +22,10 @@ use std::{
 };
 
 use weir_tests::{
-    Mesh, Pod,
+    Mesh, Placement, Pod,
     ambient::{AmbientNode, in_pod, pod_object},
-    cni::start_in,
-    require_root, test_cgroup, test_name,
+    cni::{start_in, start_placed, try_run_placed},
+    require_root, test_cgroup, test_name, tools,
     ztunnel::{self, LocalWorkload, POD_PORTS, Ztunnel, listening_tcp_ports},
 };
 
@@ -109,6 +109,66 @@ impl Traffic {
     }
 }
 
+/// ztunnel's metrics (in the node's namespace) count the client → server connection at
+/// both ends as mutual TLS between the two SPIFFE identities.
+fn assert_mutual_tls_in_metrics(node: &AmbientNode) {
+    let metrics = in_pod(&node.node, "curl", &["-s", "http://127.0.0.1:15020/metrics"]);
+    for reporter in ["source", "destination"] {
+        let line = metrics
+            .lines()
+            .find(|l| {
+                l.starts_with("istio_tcp_connections_opened_total")
+                    && l.contains(&format!("reporter=\"{reporter}\""))
+            })
+            .unwrap_or_else(|| panic!("no {reporter} connection in ztunnel's metrics:\n{metrics}"));
+        assert!(line.contains("connection_security_policy=\"mutual_tls\""), "{line}");
+        assert!(line.contains("source_principal=\"spiffe://cluster.local/ns/default/sa/client\""), "{line}");
+        assert!(
+            line.contains("destination_principal=\"spiffe://cluster.local/ns/default/sa/server\""),
+            "{line}"
+        );
+    }
+}
+
+/// A connection from `from` to the server's echo port (8081), echoed once; the server
+/// app's peer socket for it is ztunnel's (`ss` while it is open), from `from`'s address.
+fn held_through_ztunnel(from: &Pod, server: &Pod) -> TcpStream {
+    let mut held = from
+        .netns()
+        .run(|| async { TcpStream::connect(SocketAddr::new(server.ipv4().into(), 8081)) })
+        .unwrap()
+        .unwrap();
+    held.write_all(b"before\n").unwrap();
+    held.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut echoed = [0u8; 7];
+    held.read_exact(&mut echoed).unwrap();
+    assert_eq!(&echoed, b"before\n", "echoed through ztunnel");
+    let ss = in_pod(server, "ss", &["-tnpH", "state", "established"]);
+    let peer = ss.lines().find(|l| {
+        l.contains(&format!("{}:8081", server.ipv4()))
+            && l.contains(&from.ipv4().to_string())
+            && l.contains("ztunnel")
+    });
+    assert!(peer.is_some(), "the app's peer socket is owned by ztunnel:\n{ss}");
+    held
+}
+
+/// Once ztunnel has its first snapshot: each pod's ADD through the plugin, the pod
+/// annotated `enabled` and ztunnel listening in it.
+fn add_pods(node: &AmbientNode, zt: &Ztunnel, pods: &[(&Pod, &str)]) {
+    node.wait("ztunnel's first snapshot", PATIENCE, || snapshots(zt) >= 1)
+        .unwrap_or_else(|e| panic!("{e}\nztunnel:\n{}", zt.log()));
+    for (pod, name) in pods {
+        node.cni_add(pod, NS, name)
+            .unwrap_or_else(|e| panic!("ADD {name}: {e}\n{}\nztunnel:\n{}", node.agent_logs(), zt.log()));
+        assert_eq!(node.api.redirection(NS, name).as_deref(), Some("enabled"));
+        node.wait(&format!("ztunnel listening in {name}"), PATIENCE, || {
+            listening(pod) == [15001, 15006, 15008]
+        })
+        .unwrap();
+    }
+}
+
 fn snapshots(zt: &Ztunnel) -> usize {
     zt.log().matches("received snapshot sent").count()
 }
@@ -142,18 +202,7 @@ fn two_ambient_pods_talk_over_hbone_through_weir_and_the_real_ztunnel() {
     node.start_agent().unwrap();
     let workloads = [workload(&client, "client"), workload(&server, "server"), workload(&extra, "extra")];
     let mut zt = Ztunnel::start(&node.node, &node.zds_socket(), &workloads).unwrap();
-    node.wait("ztunnel's first snapshot", PATIENCE, || snapshots(&zt) >= 1)
-        .unwrap_or_else(|e| panic!("{e}\nztunnel:\n{}", zt.log()));
-
-    for (pod, name) in [(&client, "client"), (&server, "server"), (&extra, "extra")] {
-        node.cni_add(pod, NS, name)
-            .unwrap_or_else(|e| panic!("ADD {name}: {e}\n{}\nztunnel:\n{}", node.agent_logs(), zt.log()));
-        assert_eq!(node.api.redirection(NS, name).as_deref(), Some("enabled"));
-        node.wait(&format!("ztunnel listening in {name}"), PATIENCE, || {
-            listening(pod) == [15001, 15006, 15008]
-        })
-        .unwrap();
-    }
+    add_pods(&node, &zt, &[(&client, "client"), (&server, "server"), (&extra, "extra")]);
     let _hello = start_in(server.netns(), 1000, &["serve-hello", "0.0.0.0:8080", "server"]).unwrap();
     let _echo = start_in(server.netns(), 1000, &["serve-echo", "0.0.0.0:8081"]).unwrap();
     let to = SocketAddr::new(server.ipv4().into(), 8080);
@@ -165,22 +214,7 @@ fn two_ambient_pods_talk_over_hbone_through_weir_and_the_real_ztunnel() {
         answer.contains(&format!("peer={}:", client.ipv4())),
         "the server sees the client pod's address: {answer}"
     );
-    let metrics = in_pod(&node.node, "curl", &["-s", "http://127.0.0.1:15020/metrics"]);
-    for reporter in ["source", "destination"] {
-        let line = metrics
-            .lines()
-            .find(|l| {
-                l.starts_with("istio_tcp_connections_opened_total")
-                    && l.contains(&format!("reporter=\"{reporter}\""))
-            })
-            .unwrap_or_else(|| panic!("no {reporter} connection in ztunnel's metrics:\n{metrics}"));
-        assert!(line.contains("connection_security_policy=\"mutual_tls\""), "{line}");
-        assert!(line.contains("source_principal=\"spiffe://cluster.local/ns/default/sa/client\""), "{line}");
-        assert!(
-            line.contains("destination_principal=\"spiffe://cluster.local/ns/default/sa/server\""),
-            "{line}"
-        );
-    }
+    assert_mutual_tls_in_metrics(&node);
     node.wait("ztunnel's access log", PATIENCE, || zt.log().matches("connection complete").count() >= 2)
         .unwrap();
     let log = zt.log();
@@ -199,23 +233,7 @@ fn two_ambient_pods_talk_over_hbone_through_weir_and_the_real_ztunnel() {
     assert!(access.iter().any(|l| l.contains(&format!("dst.addr={}:15008", server.ipv4()))), "{access:?}");
 
     // The server's peer socket is ztunnel's: an established connection open while ss looks.
-    let mut held = client
-        .netns()
-        .run(|| async { TcpStream::connect(SocketAddr::new(server.ipv4().into(), 8081)) })
-        .unwrap()
-        .unwrap();
-    held.write_all(b"before\n").unwrap();
-    held.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    let mut echoed = [0u8; 7];
-    held.read_exact(&mut echoed).unwrap();
-    assert_eq!(&echoed, b"before\n", "echoed through both ztunnels");
-    let ss = in_pod(&server, "ss", &["-tnpH", "state", "established"]);
-    let peer = ss.lines().find(|l| {
-        l.contains(&format!("{}:8081", server.ipv4()))
-            && l.contains(&client.ipv4().to_string())
-            && l.contains("ztunnel")
-    });
-    assert!(peer.is_some(), "the app's peer socket is owned by ztunnel:\n{ss}");
+    let mut held = held_through_ztunnel(&client, &server);
 
     // A pod deleted: ztunnel drops it.
     node.api.delete_pod(NS, "extra");
@@ -273,4 +291,192 @@ fn two_ambient_pods_talk_over_hbone_through_weir_and_the_real_ztunnel() {
         "sidecar rules, not ambient ones:\n{rules}"
     );
     assert_eq!(node.api.redirection("legacy", "legacy"), None);
+}
+
+/// Detaches the test's eBPF node capture when the test ends, passed or not.
+struct NodeCapture(String);
+
+impl Drop for NodeCapture {
+    fn drop(&mut self) {
+        let _ = weir_agent::node::cni::ebpf::detach_node(&self.0);
+    }
+}
+
+/// One request from `from` (a process placed there: a pod's cgroup for eBPF capture),
+/// the server's line or the error.
+fn ask_placed(from: Placement<'_>, to: SocketAddr) -> Result<String, String> {
+    try_run_placed(from, tools::testkit_command(), &["ask", &to.to_string()])
+}
+
+/// Weir's eBPF capture for ambient pods (`WEIR_AMBIENT_CAPTURE=auto` with the node
+/// capture attached): the same two ambient pods and the real ztunnel, in the node's
+/// pods' cgroup (ztunnel in a child of it, as its pod is under kubepods), with no
+/// in-pod rule. The client app's connect goes to ztunnel's 15001 (ztunnel reads the
+/// original destination with SO_ORIGINAL_DST from the programs), over HBONE to the
+/// server's ztunnel, which delivers from the client's address; the app's replies go
+/// back to ztunnel by the in-pod route (the inbound guard's 0x111 mark). A plain
+/// client outside the mesh is assigned to the server's ztunnel (15006); kubelet's
+/// probe (169.254.7.127) reaches the app itself. With ztunnel gone both clients fail
+/// closed, never reaching the app around it, and the probe still answers; the agent restarted leaves
+/// capture in place; a pod `auto` cannot capture with eBPF (virtual interfaces) gets
+/// the in-pod rules, the reason logged; a deleted pod's registration goes.
+#[test]
+fn ambient_pods_captured_by_ebpf_talk_over_hbone_through_the_real_ztunnel() {
+    require_root!();
+    ztunnel::binary().unwrap_or_else(|e| panic!("the ztunnel peer: {e:#}"));
+    let _bpffs = weir_tests::BpffsUse::acquire().unwrap();
+    let mesh = Mesh::new(&test_name!()).unwrap();
+    let mut node = AmbientNode::new(&mesh).unwrap();
+    let cgroup = test_cgroup(&format!("{}-kubepods", test_name!()));
+    let capture = weir_agent::sandbox::unique_name("ambient-node");
+    let _capture = NodeCapture(capture.clone());
+    weir_agent::node::cni::ebpf::attach_node(&capture, cgroup.path()).unwrap();
+    let zt_cgroup = weir_agent::sandbox::Cgroup::create(&format!(
+        "{}/ztunnel",
+        cgroup.path().file_name().unwrap().to_string_lossy()
+    ))
+    .unwrap();
+    let (client, server, extra, kubevirt) = (
+        mesh.pod("client").unwrap(),
+        mesh.pod("server").unwrap(),
+        mesh.pod("extra").unwrap(),
+        mesh.pod("kubevirt").unwrap(),
+    );
+    let uids = [
+        "7a1e2d3c-aaaa-bbbb-cccc-00000000000c",
+        "7a1e2d3c-aaaa-bbbb-cccc-00000000000d",
+        "7a1e2d3c-aaaa-bbbb-cccc-00000000000e",
+        "7a1e2d3c-aaaa-bbbb-cccc-00000000000f",
+    ];
+    let pods = [(&client, "client"), (&server, "server"), (&extra, "extra"), (&kubevirt, "kubevirt")];
+    let _sandboxes: Vec<_> =
+        pods.iter().zip(uids).map(|((pod, _), uid)| node.sandbox(&cgroup, uid, pod).unwrap()).collect();
+    node.api.set_namespace(NS, &[("istio.io/dataplane-mode", "ambient")]);
+    for ((pod, name), uid) in pods.iter().zip(uids) {
+        let annotations: &[(&str, &str)] =
+            if *name == "kubevirt" { &[("istio.io/reroute-virtual-interfaces", "tap0")] } else { &[] };
+        node.api.set_pod(pod_object(NS, name, uid, IpAddr::V4(pod.ipv4()), &[], annotations));
+    }
+    node.env.extend(
+        [
+            ("AMBIENT_DNS_CAPTURE", "false"),
+            ("WEIR_AMBIENT_CAPTURE", "auto"),
+            ("WEIR_EBPF_NODE_CAPTURE", capture.as_str()),
+        ]
+        .map(|(k, v)| (k.to_string(), v.to_string())),
+    );
+    node.start_agent().unwrap();
+    let workloads = pods.map(|(pod, name)| workload(pod, name));
+    let mut zt =
+        Ztunnel::start_in_cgroup(&node.node, &node.zds_socket(), &workloads, Some(&zt_cgroup)).unwrap();
+    add_pods(&node, &zt, &pods);
+    // eBPF for the three that can have it: registered, no in-pod rule, Istio's route.
+    for ((pod, name), uid) in pods.iter().zip(uids).take(3) {
+        assert!(
+            weir_agent::node::cni::ebpf::ambient_registered(&capture, uid, pod.netns().path()).unwrap(),
+            "{name} registered with the node capture:\n{}",
+            node.agent_logs()
+        );
+        let rules = in_pod(pod, "iptables-save", &[]);
+        assert!(!rules.contains("ISTIO_"), "{name} has no in-pod rules:\n{rules}");
+        let ip_rules = in_pod(pod, "ip", &["rule"]);
+        assert!(ip_rules.contains("fwmark 0x111/0xfff lookup 100"), "{name}: {ip_rules}");
+    }
+    // `auto` gives the pod eBPF cannot capture the in-pod rules, and says why.
+    let rules = in_pod(&kubevirt, "iptables-save", &[]);
+    assert!(rules.contains("ISTIO_PRERT") && rules.contains("tap0"), "{rules}");
+    let log = node.agent_log(1);
+    assert!(
+        log.lines().any(|l| l.contains("ambient capture")
+            && l.contains("kubevirt")
+            && l.contains("rules")
+            && l.contains("istio.io/reroute-virtual-interfaces")),
+        "{log}"
+    );
+
+    fn placed<'a>(pod: &'a Pod, cgroup: &'a weir_tests::Cgroup, uid: u32) -> Placement<'a> {
+        Placement {
+            netns: Some(pod.netns()),
+            cgroup: Some(cgroup),
+            user: Some((uid, uid)),
+            ..Placement::default()
+        }
+    }
+    let in_cgroup = |pod, uid| placed(pod, &cgroup, uid);
+    let _hello = start_placed(in_cgroup(&server, 1000), &["serve-hello", "0.0.0.0:8080", "server"]).unwrap();
+    let _echo = start_placed(in_cgroup(&server, 1000), &["serve-echo", "0.0.0.0:8081"]).unwrap();
+    let to = SocketAddr::new(server.ipv4().into(), 8080);
+
+    // app → eBPF → ztunnel → HBONE mTLS → ztunnel → app, from the client's address.
+    let answer = ask_placed(in_cgroup(&client, 1000), to)
+        .unwrap_or_else(|e| panic!("{e}\n{}\nztunnel:\n{}", node.agent_logs(), zt.log()));
+    assert!(answer.starts_with("hello server"), "{answer}");
+    assert!(answer.contains(&format!("peer={}:", client.ipv4())), "the server sees the client pod: {answer}");
+    assert_mutual_tls_in_metrics(&node);
+    let hbone = format!("dst.hbone_addr={}:8080", server.ipv4());
+    node.wait("ztunnel's access log", PATIENCE, || {
+        zt.log().lines().filter(|l| l.contains("connection complete") && l.contains(&hbone)).count() >= 2
+    })
+    .unwrap_or_else(|e| panic!("{e}\n{}", zt.log()));
+
+    // A client outside the mesh (a pod not enrolled) to the server pod: assigned to
+    // ztunnel's 15006, delivered from the client's address; the app's peer is ztunnel.
+    let outsider = mesh.pod("outsider").unwrap();
+    let outside = || Placement { netns: Some(outsider.netns()), ..Placement::default() };
+    let answer = ask_placed(outside(), to).unwrap_or_else(|e| panic!("{e}\nztunnel:\n{}", zt.log()));
+    assert!(answer.contains(&format!("peer={}:", outsider.ipv4())), "{answer}");
+    // kubelet's probe from the node (SNATed to 169.254.7.127 by the agent's host rule;
+    // the pod's route to it goes through the node, as a pod's default route does): not
+    // ztunnel's, it reaches the app itself.
+    let node_ip = node.node.ipv4().to_string();
+    in_pod(&server, "ip", &["route", "add", "169.254.7.127/32", "via", &node_ip]);
+    let probe = |node: &AmbientNode| {
+        ask_placed(Placement { netns: Some(node.node.netns()), ..Placement::default() }, to)
+    };
+    let answer = probe(&node).unwrap_or_else(|e| panic!("kubelet's probe: {e}"));
+    assert!(answer.contains("peer=169.254.7.127:"), "the app answers the probe itself: {answer}");
+    let mut held = held_through_ztunnel(&outsider, &server);
+
+    // Weir's agent restarted: capture is pinned, the mesh path works while it is down.
+    node.stop_agent().unwrap();
+    let answer = ask_placed(in_cgroup(&client, 1000), to);
+    assert!(answer.as_deref().is_ok_and(|a| a.starts_with("hello server")), "agent down: {answer:?}");
+    node.start_agent().unwrap();
+    let answer = ask_placed(in_cgroup(&client, 1000), to);
+    assert!(answer.as_deref().is_ok_and(|a| a.starts_with("hello server")), "agent back: {answer:?}");
+    held.write_all(b"after\n").unwrap();
+    let mut echoed = [0u8; 6];
+    held.read_exact(&mut echoed)
+        .unwrap_or_else(|e| panic!("{e}\n{}\nztunnel:\n{}", node.agent_logs(), zt.log()));
+    assert_eq!(&echoed, b"after\n", "the established connection lived through the restart");
+
+    // ztunnel gone: both fail closed. The app's connect has nowhere to go but 15001,
+    // and the outside client's SYN to the app is dropped (nothing on 15006).
+    zt.stop(Duration::from_secs(10)).unwrap();
+    node.wait("ztunnel's listeners gone", PATIENCE, || listening(&server).is_empty()).unwrap();
+    let inside = ask_placed(in_cgroup(&client, 1000), to);
+    assert!(inside.is_err(), "with no ztunnel the app reached the server around it: {inside:?}");
+    let outside = ask_placed(outside(), to);
+    assert!(outside.is_err(), "with no ztunnel the outside client reached the app: {outside:?}");
+    let answer = probe(&node).unwrap_or_else(|e| panic!("kubelet's probe with ztunnel down: {e}"));
+    assert!(answer.contains("peer=169.254.7.127:"), "{answer}");
+    let zt = Ztunnel::start_in_cgroup(&node.node, &node.zds_socket(), &workloads, Some(&zt_cgroup)).unwrap();
+    node.wait("ztunnel listening again", PATIENCE, || listening(&server) == [15001, 15006, 15008]).unwrap();
+    let mut resumed = Err(String::new());
+    node.wait("traffic resumes", PATIENCE, || {
+        resumed = ask_placed(in_cgroup(&client, 1000), to);
+        resumed.is_ok()
+    })
+    .unwrap_or_else(|e| panic!("{e}: {resumed:?}\nztunnel:\n{}", zt.log()));
+
+    // A pod deleted: ztunnel drops it, and its registration goes.
+    node.api.delete_pod(NS, "extra");
+    node.wait("ztunnel drops the deleted pod", PATIENCE, || listening(&extra).is_empty()).unwrap();
+    node.wait("the deleted pod's registration goes", PATIENCE, || {
+        !weir_agent::node::cni::ebpf::ambient_registered(&capture, uids[2], extra.netns().path())
+            .unwrap_or(true)
+    })
+    .unwrap();
+    drop(zt);
+    node.stop_agent().unwrap();
 }

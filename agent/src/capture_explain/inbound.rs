@@ -212,9 +212,11 @@ mod tests {
             capture_port: 15006,
             tunnel_port: 15008,
             mode: mode::ALL,
-            _reserved: 0,
+            flags: 0,
             include_ports: [0; weir_ebpf_common::inbound::MAX_PORTS],
             exclude_ports: [0; weir_ebpf_common::inbound::MAX_PORTS],
+            probe_src4: [0; 4],
+            probe_src6: [0; 16],
         };
         cfg.exclude_ports[0] = 15021;
         assert!(not_captured_why(&cfg, 8080).is_none());

@@ -77,6 +77,24 @@ fn within_limit<'a>(
     Ok(())
 }
 
+/// Refuses a pod with more addresses of one family than the inbound classifier
+/// registers per pod.
+fn inbound_addresses_within_limit(own_addresses: &[IpAddr]) -> Result<(), EbpfConfigError> {
+    let per_family = |v4: bool| own_addresses.iter().filter(|a| a.is_ipv4() == v4).count() as u32;
+    let most = per_family(true).max(per_family(false));
+    if most > inbound::MAX_ADDRESSES_PER_POD {
+        return Err(err(
+            "the pod's addresses",
+            format!(
+                "{most} addresses of one family on the pod's interfaces; eBPF inbound capture registers at most {} \
+                 per family (the node's classifier keys are shared by every pod)",
+                inbound::MAX_ADDRESSES_PER_POD
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// The pod's own (non-loopback) addresses, as the capture config needs them.
 pub fn own_addresses(facts: &dyn weir_iptables::detect::HostFacts) -> std::io::Result<Vec<IpAddr>> {
     Ok(facts.addresses()?.into_iter().filter(|a| !a.is_loopback()).collect())
@@ -123,20 +141,24 @@ fn inbound_config(cfg: &CaptureConfig) -> Result<Option<InboundConfig>, EbpfConf
             capture_port: cfg.inbound_capture_port,
             tunnel_port: cfg.inbound_tunnel_port,
             mode: inbound::mode::ALL,
-            _reserved: 0,
+            flags: 0,
             include_ports: none,
             exclude_ports: ports::<{ inbound::MAX_PORTS }>(
                 "-d/--istio-local-exclude-ports",
                 &cfg.inbound_ports_exclude,
             )?,
+            probe_src4: [0; 4],
+            probe_src6: [0; 16],
         })),
         InboundPorts::Only(list) => Ok(Some(InboundConfig {
             capture_port: cfg.inbound_capture_port,
             tunnel_port: cfg.inbound_tunnel_port,
             mode: inbound::mode::ONLY,
-            _reserved: 0,
+            flags: 0,
             include_ports: ports::<{ inbound::MAX_PORTS }>("-b/--istio-inbound-ports", list)?,
             exclude_ports: none,
+            probe_src4: [0; 4],
+            probe_src6: [0; 16],
         })),
     }
 }
@@ -188,6 +210,8 @@ impl PodCapture {
             dns_port: DNS_PROXY_PORT,
             flags: bits,
             generation: 0,
+            proxy_mark: 0,
+            proxy_mark_mask: 0,
         };
         let include = match &cfg.outbound_ip_ranges_include {
             IpRanges::All => Vec::new(),
@@ -210,19 +234,81 @@ impl PodCapture {
         )?;
         within_limit("-i/--istio-service-cidr", include.iter().map(|c| &c.addr))?;
         within_limit("/etc/resolv.conf", dns_servers.iter())?;
-        let per_family = |v4: bool| own_addresses.iter().filter(|a| a.is_ipv4() == v4).count() as u32;
-        let most = per_family(true).max(per_family(false));
-        if inbound.is_some() && most > inbound::MAX_ADDRESSES_PER_POD {
-            return Err(err(
-                "the pod's addresses",
-                format!(
-                    "{most} addresses of one family on the pod's interfaces; eBPF inbound capture registers at most {} \
-                     per family (the node's classifier keys are shared by every pod)",
-                    inbound::MAX_ADDRESSES_PER_POD
-                ),
-            ));
+        if inbound.is_some() {
+            inbound_addresses_within_limit(&own_addresses)?;
         }
         Ok(Self { config, exclude, own_addresses, include, dns_servers, inbound })
+    }
+}
+
+/// ztunnel's ports in an ambient pod's namespace (the same contract as Envoy's).
+pub mod ztunnel {
+    pub const OUTBOUND: u16 = 15001;
+    pub const INBOUND: u16 = 15006;
+    pub const HBONE: u16 = 15008;
+    pub const DNS: u16 = 15053;
+}
+
+impl PodCapture {
+    /// What Istio's in-pod rules do for an ambient pod, for the programs: every
+    /// outbound TCP connect but loopback and the pod's own addresses to ztunnel's
+    /// 15001 (its sockets, marked 0x539/0xfff, left alone, as the rules return them);
+    /// DNS to any server to 15053 when captured; inbound SYNs to every port but 15008
+    /// (and 15006) assigned to 15006, except from the host's probe address, and none
+    /// in ingress mode (`ambient.istio.io/bypass-inbound-capture`). Virtual interfaces
+    /// cannot be expressed: an error naming the annotation.
+    pub fn ambient(
+        cfg: &weir_iptables::ambient::InpodConfig,
+        own_addresses: Vec<IpAddr>,
+    ) -> Result<Self, EbpfConfigError> {
+        use weir_ebpf_common::inbound::{ambient as marks, flags as inbound_flags};
+        if !cfg.pod.virtual_interfaces.is_empty() {
+            return Err(err(
+                "istio.io/reroute-virtual-interfaces",
+                "not supported with eBPF capture (the in-pod rules capture this pod)",
+            ));
+        }
+        let mut bits = flags::CAPTURE_ALL_OUTBOUND;
+        if cfg.redirect_dns() {
+            // Istio's in-pod rules send DNS to any server to ztunnel.
+            bits |= flags::REDIRECT_DNS | flags::CAPTURE_ALL_DNS;
+        }
+        let config = PodConfig {
+            proxy_uids: [NO_ID; MAX_IDS],
+            proxy_gids: [NO_ID; MAX_IDS],
+            include_ports: [0; MAX_PORTS],
+            exclude_ports: [0; MAX_PORTS],
+            outbound_port: ztunnel::OUTBOUND,
+            inbound_port: ztunnel::INBOUND,
+            tunnel_port: ztunnel::HBONE,
+            dns_port: ztunnel::DNS,
+            flags: bits,
+            generation: 0,
+            proxy_mark: marks::ZTUNNEL_MARK,
+            proxy_mark_mask: marks::MARK_MASK,
+        };
+        let inbound = (!cfg.pod.ingress_mode).then(|| InboundConfig {
+            capture_port: ztunnel::INBOUND,
+            tunnel_port: ztunnel::HBONE,
+            mode: inbound::mode::ALL,
+            flags: inbound_flags::AMBIENT,
+            include_ports: [0; inbound::MAX_PORTS],
+            exclude_ports: [0; inbound::MAX_PORTS],
+            probe_src4: cfg.ambient.host_probe_snat_v4.octets(),
+            probe_src6: cfg.ambient.host_probe_snat_v6.octets(),
+        });
+        within_limit("the pod's addresses", own_addresses.iter())?;
+        if inbound.is_some() {
+            inbound_addresses_within_limit(&own_addresses)?;
+        }
+        Ok(Self {
+            config,
+            exclude: Vec::new(),
+            own_addresses,
+            include: Vec::new(),
+            dns_servers: Vec::new(),
+            inbound,
+        })
     }
 }
 
@@ -315,5 +401,48 @@ mod tests {
         let e = PodCapture::new(&injector(), many, OPTS).unwrap_err();
         assert_eq!(e.input, "the pod's addresses");
         assert!(e.problem.contains("9 addresses") && e.problem.contains('8'), "{e}");
+    }
+
+    #[test]
+    fn an_ambient_pod_is_captured_for_ztunnel() {
+        use weir_ebpf_common::inbound::flags as inbound_flags;
+        use weir_iptables::ambient::{AmbientConfig, InpodConfig, PodDns, PodOverrides};
+        let ip: IpAddr = "10.66.0.10".parse().unwrap();
+        let cfg = InpodConfig { ambient: AmbientConfig::default(), pod: PodOverrides::default() };
+        let pod = PodCapture::ambient(&cfg, vec![ip]).unwrap();
+        assert_eq!(pod.config.proxy_uids, [NO_ID; MAX_IDS], "ztunnel is told apart by its mark, not a uid");
+        assert!(pod.config.is_proxy_mark(0x539) && pod.config.is_proxy_mark(0x1539));
+        assert!(!pod.config.is_proxy_mark(0) && !pod.config.is_proxy_mark(0x111));
+        assert!(pod.config.has(flags::CAPTURE_ALL_OUTBOUND) && !pod.config.has(flags::REDIRECT_DNS));
+        let inbound = pod.inbound.unwrap();
+        assert!(inbound.flags & inbound_flags::AMBIENT != 0);
+        assert!(inbound.captures(8080) && inbound.captures(15001));
+        assert!(!inbound.captures(15008) && !inbound.captures(15006));
+        assert!(
+            inbound.from_probe_source4([169, 254, 7, 127]) && !inbound.from_probe_source4([10, 66, 0, 9])
+        );
+        let v6: std::net::Ipv6Addr = "fd16:9254:7127:1337:ffff:ffff:ffff:ffff".parse().unwrap();
+        assert!(inbound.from_probe_source6(v6.octets()));
+        // DNS capture (the agent's setting or the pod's annotation): every server.
+        let dns = InpodConfig {
+            pod: PodOverrides { dns: PodDns::Enabled, ..PodOverrides::default() },
+            ..cfg.clone()
+        };
+        let pod = PodCapture::ambient(&dns, vec![ip]).unwrap();
+        assert!(pod.config.has(flags::REDIRECT_DNS) && pod.config.has(flags::CAPTURE_ALL_DNS));
+        // Ingress mode: no inbound capture. Virtual interfaces: the rules' job.
+        let ingress = InpodConfig {
+            pod: PodOverrides { ingress_mode: true, ..PodOverrides::default() },
+            ..cfg.clone()
+        };
+        assert!(PodCapture::ambient(&ingress, vec![ip]).unwrap().inbound.is_none());
+        let kubevirt = InpodConfig {
+            pod: PodOverrides { virtual_interfaces: vec!["tap0".into()], ..PodOverrides::default() },
+            ..cfg
+        };
+        assert_eq!(
+            PodCapture::ambient(&kubevirt, vec![ip]).unwrap_err().input,
+            "istio.io/reroute-virtual-interfaces"
+        );
     }
 }

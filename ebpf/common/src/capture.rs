@@ -131,13 +131,23 @@ pub struct PodConfig {
     pub flags: u32,
     /// Which generation of the pod's list entries (the tries) this config uses.
     pub generation: u32,
+    /// A socket whose mark, under [`Self::proxy_mark_mask`], equals this is the proxy's
+    /// and never captured: ztunnel marks every socket it makes in an ambient pod's
+    /// namespace (0x539/0xfff). A mask of 0 (sidecar pods) matches no socket.
+    pub proxy_mark: u32,
+    pub proxy_mark_mask: u32,
 }
 
-const _: () = assert!(core::mem::size_of::<PodConfig>() == 112);
+const _: () = assert!(core::mem::size_of::<PodConfig>() == 120);
 
 impl PodConfig {
     pub const fn has(&self, flag: u32) -> bool {
         self.flags & flag != 0
+    }
+
+    /// Whether a socket marked `mark` is the proxy's (ztunnel's, in an ambient pod).
+    pub const fn is_proxy_mark(&self, mark: u32) -> bool {
+        self.proxy_mark_mask != 0 && mark & self.proxy_mark_mask == self.proxy_mark
     }
 
     pub fn is_proxy(&self, uid: u32, gid: u32) -> bool {

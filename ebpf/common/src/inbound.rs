@@ -35,6 +35,27 @@ pub const MAX_ADDRESS_ENTRIES: u32 = MAX_PODS * 2 * MAX_ADDRESSES_PER_POD;
 
 pub const MAX_PORTS: usize = 32;
 
+/// [`InboundConfig::flags`] bits.
+pub mod flags {
+    /// An ambient pod, its inbound proxy ztunnel: SYNs from the host's probe source
+    /// ([`super::InboundConfig::probe_src4`], `probe_src6`) reach the app (kubelet's
+    /// probes, SNATed to that address on the host, are not ztunnel's), and the inbound
+    /// guard marks what ztunnel delivers to the app's listeners so the app's replies
+    /// route back to ztunnel ([`super::ambient`]).
+    pub const AMBIENT: u16 = 1 << 0;
+}
+
+/// The marks of Istio's in-pod rules, which eBPF capture for ambient pods keeps: ztunnel
+/// marks its sockets [`ZTUNNEL_MARK`]; a connection ztunnel delivered to the app is
+/// marked [`REPLY_MARK`] (netfilter's connmark there, the inbound guard here) and the
+/// in-pod rule `fwmark 0x111/0xfff lookup 100` sends its replies to the local stack,
+/// where ztunnel's transparent socket takes them.
+pub mod ambient {
+    pub const ZTUNNEL_MARK: u32 = 0x539;
+    pub const REPLY_MARK: u32 = 0x111;
+    pub const MARK_MASK: u32 = 0xfff;
+}
+
 /// Which inbound ports are captured.
 pub mod mode {
     pub const NONE: u16 = 0;
@@ -52,12 +73,17 @@ pub struct InboundConfig {
     /// Never captured (15008).
     pub tunnel_port: u16,
     pub mode: u16,
-    pub _reserved: u16,
+    /// [`flags`] bits.
+    pub flags: u16,
     pub include_ports: [u16; MAX_PORTS],
     pub exclude_ports: [u16; MAX_PORTS],
+    /// With [`flags::AMBIENT`]: the host's probe source (Istio's 169.254.7.127 and
+    /// fd16:9254:7127:1337:ffff:ffff:ffff:ffff), in network order; all zero: none.
+    pub probe_src4: [u8; 4],
+    pub probe_src6: [u8; 16],
 }
 
-const _: () = assert!(core::mem::size_of::<InboundConfig>() == 136);
+const _: () = assert!(core::mem::size_of::<InboundConfig>() == 156);
 
 /// A destination on a pod interface: its MAC address and one of the pod's addresses
 /// (IPv4 in the first four bytes, the rest zero).
@@ -80,9 +106,34 @@ pub struct InboundPod {
     pub config: InboundConfig,
 }
 
-const _: () = assert!(core::mem::size_of::<InboundPod>() == 144);
+const _: () = assert!(core::mem::size_of::<InboundPod>() == 168);
 
 impl InboundConfig {
+    /// Whether an IPv4 packet from `src` (network order) comes from the host's probe
+    /// source of an ambient pod: kubelet, never captured.
+    #[inline(always)]
+    pub fn from_probe_source4(&self, src: [u8; 4]) -> bool {
+        let probe = u32::from_ne_bytes(self.probe_src4);
+        self.is_ambient() && probe != 0 && u32::from_ne_bytes(src) == probe
+    }
+
+    /// As [`Self::from_probe_source4`], for IPv6.
+    #[inline(always)]
+    pub fn from_probe_source6(&self, src: [u8; 16]) -> bool {
+        let (a, b) = (words(&self.probe_src6), words(&src));
+        self.is_ambient()
+            && (a[0] | a[1] | a[2] | a[3]) != 0
+            && a[0] == b[0]
+            && a[1] == b[1]
+            && a[2] == b[2]
+            && a[3] == b[3]
+    }
+
+    /// Whether this is an ambient pod's config.
+    pub const fn is_ambient(&self) -> bool {
+        self.flags & flags::AMBIENT != 0
+    }
+
     /// Whether a new connection to `port` goes to Envoy.
     pub fn captures(&self, port: u16) -> bool {
         if port == 0 || port == self.tunnel_port || port == self.capture_port {
@@ -94,6 +145,16 @@ impl InboundConfig {
             _ => false,
         }
     }
+}
+
+#[inline(always)]
+fn words(b: &[u8; 16]) -> [u32; 4] {
+    [
+        u32::from_ne_bytes([b[0], b[1], b[2], b[3]]),
+        u32::from_ne_bytes([b[4], b[5], b[6], b[7]]),
+        u32::from_ne_bytes([b[8], b[9], b[10], b[11]]),
+        u32::from_ne_bytes([b[12], b[13], b[14], b[15]]),
+    ]
 }
 
 fn contains(list: &[u16; MAX_PORTS], port: u16) -> bool {

@@ -214,6 +214,8 @@ mod tests {
             dns_port: 15053,
             flags,
             generation: 0,
+            proxy_mark: 0,
+            proxy_mark_mask: 0,
         }
     }
 
@@ -416,9 +418,11 @@ mod tests {
             capture_port: 15006,
             tunnel_port: 15008,
             mode: mode::ALL,
-            _reserved: 0,
+            flags: 0,
             include_ports: [0; MAX_PORTS],
             exclude_ports: [0; MAX_PORTS],
+            probe_src4: [0; 4],
+            probe_src6: [0; 16],
         };
         c.exclude_ports[0] = 15021;
         assert!(c.captures(8080));

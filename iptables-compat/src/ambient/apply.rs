@@ -166,6 +166,53 @@ pub fn apply_inpod(netns: &Path, cfg: &InpodConfig) -> Result<Report, AmbientErr
     .map_err(|e| AmbientError::from_capture(&name, e))
 }
 
+/// `net.ipv4.tcp_fwmark_accept` (it covers IPv6 TCP too): an accepted socket takes
+/// the mark of the SYN that made it.
+const FWMARK_ACCEPT: &str = "/proc/sys/net/ipv4/tcp_fwmark_accept";
+
+fn set_fwmark_accept(on: bool) -> Result<(), CaptureError> {
+    std::fs::write(FWMARK_ACCEPT, if on { "1" } else { "0" })
+        .map_err(|source| CaptureError::Sysctl { path: FWMARK_ACCEPT, source })
+}
+
+/// The in-pod part of eBPF capture for an ambient pod (its rules are Weir's programs,
+/// registered by the agent): Istio's policy route (`fwmark 0x111/0xfff lookup 100`,
+/// `local default dev lo table 100`), `tcp_fwmark_accept` on (the app's socket for a
+/// connection ztunnel delivered takes the 0x111 the inbound guard gives it, so its
+/// replies take that route back to ztunnel), and no in-pod rules of either backend (a
+/// pod moved from the rules keeps none). Idempotent.
+pub fn apply_inpod_ebpf(netns: &Path, cfg: &InpodConfig) -> Result<(), AmbientError> {
+    let name = netns.display().to_string();
+    in_netns(netns, || {
+        add_routes(cfg.ambient.enable_ipv6)?;
+        set_fwmark_accept(true)?;
+        remove_iptables_here(&AmbientConfig::default(), netns)?;
+        remove_nft_here()?;
+        Ok(())
+    })
+    .map_err(|e| AmbientError::from_capture(&name, e))
+}
+
+/// Takes eBPF capture's in-pod part out of `netns` (and any in-pod rules, as
+/// [`remove_inpod`]): `tcp_fwmark_accept` back to the kernel's default.
+pub fn remove_inpod_ebpf(netns: &Path) -> Result<Action, AmbientError> {
+    let action = remove_inpod(netns)?;
+    let name = netns.display().to_string();
+    in_netns(netns, || set_fwmark_accept(false)).map_err(|e| AmbientError::from_capture(&name, e))?;
+    Ok(action)
+}
+
+/// Whether eBPF capture's in-pod part ([`apply_inpod_ebpf`]) is in place in `netns`.
+pub fn verify_inpod_ebpf(netns: &Path, cfg: &InpodConfig) -> Result<bool, AmbientError> {
+    let name = netns.display().to_string();
+    in_netns(netns, || {
+        let routes = netlink(|nl| async move { routes::present(&nl, cfg.ambient.enable_ipv6).await })?;
+        let accept = std::fs::read_to_string(FWMARK_ACCEPT).is_ok_and(|v| v.trim() == "1");
+        Ok(routes && accept)
+    })
+    .map_err(|e| AmbientError::from_capture(&name, e))
+}
+
 /// The probe, unless legacy iptables is forced (the fast path is iptables-nft's).
 fn probe(cfg: &AmbientConfig) -> Option<fast_path::Probe> {
     if cfg.force_iptables_binary == Some(IptablesBackend::Legacy) {

@@ -15,6 +15,10 @@
 //! rules are removed from its namespace; Del goes to every ztunnel; the annotation is
 //! removed (NotFound and, for a deleted pod, any failure ignored).
 //!
+//! The pod's capture is the in-pod rules, or (`WEIR_AMBIENT_CAPTURE=ebpf|auto`) Weir's
+//! eBPF programs registered with the node capture for ztunnel ([`Dataplane::add`]
+//! logs which, and why).
+//!
 //! Work on one pod is serialised (the plugin's event and the watch may race); pods
 //! proceed in parallel. Rule work runs on blocking threads (it enters namespaces).
 
@@ -33,7 +37,7 @@ use weir_iptables::{
 
 use super::{
     objects::{AmbientPod, REDIRECTION_ENABLED, REDIRECTION_PENDING, redirection_patch},
-    settings::AmbientSettings,
+    settings::{AmbientCapture, AmbientSettings},
 };
 use crate::node::{
     cni::{
@@ -65,7 +69,13 @@ pub enum DataplaneError {
     Rules {
         pod: String,
         #[source]
-        source: AmbientError,
+        source: Box<AmbientError>,
+    },
+    #[error("pod {pod}: eBPF capture")]
+    Ebpf {
+        pod: String,
+        #[source]
+        source: crate::node::cni::ebpf::CniEbpfError,
     },
     #[error("pod {pod}: ztunnel")]
     Zds {
@@ -191,7 +201,8 @@ impl Dataplane {
                 .map_err(|source| DataplaneError::Annotation { pod: who.clone(), source })?;
         let cfg = self.settings.rules.for_pod(overrides);
         steps.mark("netns");
-        if let Err(e) = self.apply_rules(&who, &netns, cfg).await {
+        let recorded = netns_path.filter(|p| !p.is_empty()).map(|p| self.settings.host_path(p));
+        if let Err(e) = self.apply_capture(pod, &netns, recorded, cfg).await {
             self.zds_forget(pod);
             return Err(e);
         }
@@ -252,6 +263,121 @@ impl Dataplane {
         found.map_err(|message| DataplaneError::FindNetns { pod: who, message })
     }
 
+    /// Captures the pod as `WEIR_AMBIENT_CAPTURE` says: the in-pod rules, Weir's eBPF
+    /// programs, or (`auto`) eBPF when the node capture is attached and takes the pod,
+    /// else the rules. Under `auto` a pod that is captured already keeps the capture it
+    /// has (changing it under running connections would break them). The choice and
+    /// its reason are logged; whichever the pod gets, the other is taken out after it
+    /// is in place.
+    async fn apply_capture(
+        &self,
+        pod: &AmbientPod,
+        netns: &OwnedFd,
+        recorded: Option<PathBuf>,
+        cfg: InpodConfig,
+    ) -> Result<&'static str, DataplaneError> {
+        use crate::node::cni::ebpf;
+        let who = pod.key();
+        let node = self.settings.ebpf_node_capture.clone();
+        let has_ebpf = ebpf::ambient_record_exists(&node, &pod.uid);
+        let mode = self.settings.capture;
+        let (want_ebpf, mut reason) = match mode {
+            AmbientCapture::Rules => (false, "WEIR_AMBIENT_CAPTURE=rules".to_string()),
+            AmbientCapture::Ebpf => (true, "WEIR_AMBIENT_CAPTURE=ebpf".to_string()),
+            AmbientCapture::Auto if has_ebpf => {
+                (true, "auto: the pod is captured by eBPF already".to_string())
+            }
+            AmbientCapture::Auto if pod.fully_enrolled() || pod.partially_enrolled() => {
+                (false, "auto: the pod is captured by the in-pod rules already".to_string())
+            }
+            AmbientCapture::Auto if !ebpf::node_capture_present(&node) => {
+                (false, format!("auto: no eBPF node capture named {node} is attached"))
+            }
+            AmbientCapture::Auto => (true, format!("auto: node capture {node} is attached")),
+        };
+        if want_ebpf {
+            match self.apply_ebpf(pod, netns, recorded, cfg.clone()).await {
+                Ok(()) => {
+                    tracing::info!(pod = %who, uid = %pod.uid, capture = "ebpf", reason = %reason, "ambient capture");
+                    return Ok("ebpf");
+                }
+                Err(e) if mode == AmbientCapture::Ebpf || has_ebpf => return Err(e),
+                Err(e) => {
+                    reason = format!("auto: eBPF capture did not take the pod: {}", crate::error_chain(&e))
+                }
+            }
+        }
+        self.apply_rules(&who, netns, cfg).await?;
+        tracing::info!(pod = %who, uid = %pod.uid, capture = "rules", reason = %reason, "ambient capture");
+        if has_ebpf {
+            // Captured by eBPF before (WEIR_AMBIENT_CAPTURE changed): the registration goes.
+            let (uid, path) = (pod.uid.clone(), fd_path(netns));
+            let fd = netns.try_clone().ok();
+            tokio::task::spawn_blocking(move || {
+                let _hold = fd;
+                ebpf::unregister_ambient(&node, &uid, Some(&path))
+            })
+            .await
+            .map_err(|e| DataplaneError::Task { pod: who.clone(), message: e.to_string() })?
+            .map_err(|source| DataplaneError::Ebpf { pod: who.clone(), source })?;
+            tracing::info!(pod = %who, uid = %pod.uid, "the pod's eBPF registration removed: the rules capture it now");
+        }
+        Ok("rules")
+    }
+
+    /// At the agent's start (`AMBIENT_RECONCILE_POD_RULES_ON_STARTUP`): the capture of
+    /// an enrolled pod whose namespace is cached, applied again as it is (its rules, or
+    /// its eBPF registration and in-pod part). Returns which it has.
+    pub async fn reconcile_capture(&self, pod: &AmbientPod) -> Result<Option<&'static str>, DataplaneError> {
+        let Some(fd) = self.zds.netns(&pod.uid) else { return Ok(None) };
+        let overrides =
+            PodOverrides::from_annotations(pod.annotations.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+                .map_err(|source| DataplaneError::Annotation { pod: pod.key(), source })?;
+        let cfg = self.settings.rules.for_pod(overrides);
+        let lock = self.lock(&pod.uid);
+        let _held = lock.lock().await;
+        self.apply_capture(pod, &fd, None, cfg).await.map(Some)
+    }
+
+    /// Registers the pod with the node capture for ztunnel and sets the in-pod part
+    /// eBPF capture needs (`weir_iptables::ambient::apply_inpod_ebpf`: the reply route,
+    /// `tcp_fwmark_accept`, no in-pod rules). If the in-pod part fails, a registration
+    /// this call made is taken back.
+    async fn apply_ebpf(
+        &self,
+        pod: &AmbientPod,
+        netns: &OwnedFd,
+        recorded: Option<PathBuf>,
+        cfg: InpodConfig,
+    ) -> Result<(), DataplaneError> {
+        use crate::node::cni::ebpf;
+        let who = pod.key();
+        let fd = netns.try_clone().map_err(|source| DataplaneError::OpenNetns {
+            pod: who.clone(),
+            path: fd_path(netns),
+            source,
+        })?;
+        let node = self.settings.ebpf_node_capture.clone();
+        let identity = ebpf::PodIdentity { name: who.clone(), uid: pod.uid.clone() };
+        let task_who = who.clone();
+        tokio::task::spawn_blocking(move || {
+            let path = fd_path(&fd);
+            let before = ebpf::ambient_registered(&node, &identity.uid, &path).unwrap_or(false);
+            ebpf::register_ambient(&node, &path, recorded.as_deref(), &cfg, &identity)
+                .map_err(|source| Box::new(DataplaneError::Ebpf { pod: task_who.clone(), source }))?;
+            if let Err(source) = weir_iptables::ambient::apply_inpod_ebpf(&path, &cfg) {
+                if !before {
+                    let _ = ebpf::unregister_ambient(&node, &identity.uid, Some(&path));
+                }
+                return Err(Box::new(DataplaneError::Rules { pod: task_who, source: Box::new(source) }));
+            }
+            Ok(())
+        })
+        .await
+        .map_err(|e| DataplaneError::Task { pod: who, message: e.to_string() })?
+        .map_err(|e| *e)
+    }
+
     async fn apply_rules(&self, who: &str, netns: &OwnedFd, cfg: InpodConfig) -> Result<(), DataplaneError> {
         let fd = netns.try_clone().map_err(|source| DataplaneError::OpenNetns {
             pod: who.to_string(),
@@ -263,7 +389,7 @@ impl Dataplane {
             tokio::task::spawn_blocking(move || weir_iptables::ambient::apply_inpod(&fd_path(&fd), &cfg))
                 .await
                 .map_err(|e| DataplaneError::Task { pod: who_owned.clone(), message: e.to_string() })?
-                .map_err(|source| DataplaneError::Rules { pod: who_owned, source })?;
+                .map_err(|source| DataplaneError::Rules { pod: who_owned, source: Box::new(source) })?;
         tracing::info!(pod = %who, action = ?report.action, backend = ?report.backend, path = %report.path, "in-pod rules");
         Ok(())
     }
@@ -311,13 +437,29 @@ impl Dataplane {
                 tracing::warn!(pod = %who, uid = %pod.uid, %ip, holder = %other, "probe set entry left: another pod holds the address now");
             }
         }
-        if !deleting && let Some(netns) = self.zds.netns(&pod.uid) {
-            let who_owned = who.clone();
-            tokio::task::spawn_blocking(move || weir_iptables::ambient::remove_inpod(&fd_path(&netns)))
-                .await
-                .map_err(|e| DataplaneError::Task { pod: who_owned.clone(), message: e.to_string() })?
-                .map_err(|source| DataplaneError::Rules { pod: who_owned, source })?;
-        }
+        let netns = if deleting { None } else { self.zds.netns(&pod.uid) };
+        let (node, uid, who_owned) = (self.settings.ebpf_node_capture.clone(), pod.uid.clone(), who.clone());
+        tokio::task::spawn_blocking(move || {
+            let path = netns.as_ref().map(fd_path);
+            // eBPF capture's registration (if the pod had one) goes first: the rules
+            // it leaves behind are only the in-pod part.
+            let ebpf = crate::node::cni::ebpf::unregister_ambient(&node, &uid, path.as_deref())
+                .map_err(|source| Box::new(DataplaneError::Ebpf { pod: who_owned.clone(), source }))?;
+            if let Some(path) = path {
+                let removed = if ebpf {
+                    weir_iptables::ambient::remove_inpod_ebpf(&path)
+                } else {
+                    weir_iptables::ambient::remove_inpod(&path)
+                };
+                removed.map_err(|source| {
+                    Box::new(DataplaneError::Rules { pod: who_owned, source: Box::new(source) })
+                })?;
+            }
+            Ok::<_, Box<DataplaneError>>(())
+        })
+        .await
+        .map_err(|e| DataplaneError::Task { pod: who.clone(), message: e.to_string() })?
+        .map_err(|e| *e)?;
         self.zds
             .del_pod(&pod.uid)
             .await

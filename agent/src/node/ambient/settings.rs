@@ -18,6 +18,40 @@ pub const DEFAULT_RUN_DIR: &str = crate::node::cni::spec::DEFAULT_RUN_DIR;
 /// Istio's `SYSTEM_NAMESPACE`.
 pub const DEFAULT_SYSTEM_NAMESPACE: &str = "istio-system";
 
+/// How ambient pods are captured (`WEIR_AMBIENT_CAPTURE`, Weir's own).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AmbientCapture {
+    /// Istio's in-pod rules (iptables or nftables, as `NATIVE_NFTABLES` says): Istio's
+    /// behaviour, held to its goldens.
+    #[default]
+    Rules,
+    /// Weir's eBPF programs through the node capture (`weir cni install
+    /// --ebpf-cgroup`); a pod they cannot capture fails its add, naming why.
+    Ebpf,
+    /// eBPF when the node capture is attached and the pod can be captured by it, else
+    /// the in-pod rules; the choice and its reason are logged per pod.
+    Auto,
+}
+
+impl AmbientCapture {
+    pub fn parse(value: &str) -> Result<Self, ConfigError> {
+        match value.trim() {
+            "" | "rules" => Ok(Self::Rules),
+            "ebpf" => Ok(Self::Ebpf),
+            "auto" => Ok(Self::Auto),
+            other => Err(ConfigError::new("WEIR_AMBIENT_CAPTURE", other, "rules, ebpf or auto")),
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Rules => "rules",
+            Self::Ebpf => "ebpf",
+            Self::Auto => "auto",
+        }
+    }
+}
+
 /// Every setting of the ambient node agent.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AmbientSettings {
@@ -55,6 +89,11 @@ pub struct AmbientSettings {
     /// `WEIR_KUBELET_UID`: kubelet's uid for the nftables probe rule when no kubelet
     /// process can be found (a node without one, a test).
     pub kubelet_uid: Option<u32>,
+    /// `WEIR_AMBIENT_CAPTURE` (default `rules`).
+    pub capture: AmbientCapture,
+    /// `WEIR_EBPF_NODE_CAPTURE` (default `cni-node`, as `weir cni install --ebpf-name`):
+    /// the node capture eBPF capture registers ambient pods with.
+    pub ebpf_node_capture: String,
 }
 
 impl Default for AmbientSettings {
@@ -75,6 +114,8 @@ impl Default for AmbientSettings {
             host_root: "/host".into(),
             host_proc: "/host/proc".into(),
             kubelet_uid: None,
+            capture: AmbientCapture::default(),
+            ebpf_node_capture: crate::node::cni::ebpf::DEFAULT_NODE_CAPTURE.into(),
         }
     }
 }
@@ -128,6 +169,12 @@ impl AmbientSettings {
                 v.trim().parse().map_err(|_| ConfigError::new("WEIR_KUBELET_UID", &v, "a uid (a number)"))?,
             );
         }
+        if let Some(v) = get("WEIR_AMBIENT_CAPTURE") {
+            s.capture = AmbientCapture::parse(&v)?;
+        }
+        if let Some(v) = get("WEIR_EBPF_NODE_CAPTURE").filter(|v| !v.is_empty()) {
+            s.ebpf_node_capture = v;
+        }
         if s.enabled && s.node_name.is_empty() {
             return Err(ConfigError::new(
                 "NODE_NAME",
@@ -165,7 +212,8 @@ impl AmbientSettings {
             "AMBIENT_ENABLED={} AMBIENT_ENABLEMENT_SELECTOR={} entries AMBIENT_DNS_CAPTURE={} AMBIENT_IPV6={} \
              AMBIENT_RECONCILE_POD_RULES_ON_STARTUP={} NATIVE_NFTABLES={} ZTUNNEL_UDS_ADDRESS={} \
              CNI_AGENT_RUN_DIR={} EXCLUDE_NAMESPACES={} NODE_NAME={} SYSTEM_NAMESPACE={} HOST_PROBE_SNAT_IP={} \
-             HOST_PROBE_SNAT_IPV6={} WEIR_HOST_ROOT={} WEIR_HOST_PROC={}",
+             HOST_PROBE_SNAT_IPV6={} WEIR_HOST_ROOT={} WEIR_HOST_PROC={} WEIR_AMBIENT_CAPTURE={} \
+             WEIR_EBPF_NODE_CAPTURE={}",
             self.enabled,
             self.selectors.entries().len(),
             r.redirect_dns,
@@ -181,6 +229,8 @@ impl AmbientSettings {
             r.host_probe_snat_v6,
             self.host_root.display(),
             self.host_proc.display(),
+            self.capture.as_str(),
+            self.ebpf_node_capture,
         )
     }
 }
@@ -228,6 +278,9 @@ mod tests {
         assert_eq!(s.event_socket(), PathBuf::from("/run/cni/pluginevent.sock"));
         assert_eq!(s.host_path("/var/run/netns/cni-1"), PathBuf::from("/var/run/netns/cni-1"));
         assert_eq!(s.kubelet_uid, Some(1000));
+        assert_eq!(s.capture, AmbientCapture::Rules);
+        let s = read(&[("WEIR_AMBIENT_CAPTURE", "auto"), ("WEIR_EBPF_NODE_CAPTURE", "n1-capture")]).unwrap();
+        assert_eq!((s.capture, s.ebpf_node_capture.as_str()), (AmbientCapture::Auto, "n1-capture"));
         assert_eq!(
             AmbientSettings::default().host_path("/var/run/netns/cni-1"),
             PathBuf::from("/host/var/run/netns/cni-1")
@@ -248,6 +301,7 @@ mod tests {
             (&[("AMBIENT_ENABLED", "true")][..], "invalid NODE_NAME"),
             (&[("WEIR_KUBELET_UID", "kubelet")][..], "invalid WEIR_KUBELET_UID"),
             (&[("AMBIENT_IPV6", "on")][..], "invalid AMBIENT_IPV6"),
+            (&[("WEIR_AMBIENT_CAPTURE", "bpf")][..], "invalid WEIR_AMBIENT_CAPTURE"),
         ] {
             let e = read(pairs).unwrap_err().to_string();
             assert!(e.starts_with(needle), "{pairs:?}: {e}");

@@ -4,8 +4,9 @@
 //! are found in one pass over the node's /proc (each checked to hold the pod's address)
 //! and cached with their fds, so the first ztunnel to connect gets every pod in its
 //! snapshot and keeps every proxy (a pod whose namespace is not found goes as Keep);
-//! with `AMBIENT_RECONCILE_POD_RULES_ON_STARTUP` the in-pod rules are applied again
-//! (as they are: nothing; drifted: replaced); the probe sets get every pod's addresses,
+//! with `AMBIENT_RECONCILE_POD_RULES_ON_STARTUP` each pod's capture is applied again,
+//! the one it has (in-pod rules as they are: nothing; drifted: replaced; an eBPF
+//! registration: registered again in place); the probe sets get every pod's addresses,
 //! and stale addresses are pruned when every enrolled pod has one (Istio's rule: an
 //! incomplete snapshot prunes nothing).
 
@@ -120,33 +121,20 @@ fn open_all(
         .collect()
 }
 
-/// Applies the rules again in every cached pod; returns how many succeeded.
+/// Applies every cached pod's capture again (its rules, or its eBPF registration);
+/// returns how many succeeded.
 async fn reconcile_rules(dp: &Dataplane, enrolled: &[&AmbientPod]) -> usize {
     let mut done = 0;
     for pod in enrolled {
-        let Some(fd) = dp.zds().netns(&pod.uid) else { continue };
-        let overrides = weir_iptables::ambient::PodOverrides::from_annotations(
-            pod.annotations.iter().map(|(k, v)| (k.as_str(), v.as_str())),
-        );
-        let Ok(overrides) = overrides else { continue };
-        let cfg = dp.settings().rules.for_pod(overrides);
-        let path =
-            std::path::PathBuf::from(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&fd)));
-        let result = tokio::task::spawn_blocking(move || {
-            let r = weir_iptables::ambient::apply_inpod(&path, &cfg);
-            drop(fd);
-            r
-        })
-        .await;
-        match result {
-            Ok(Ok(report)) => {
+        match dp.reconcile_capture(pod).await {
+            Ok(None) => {}
+            Ok(Some(capture)) => {
                 done += 1;
-                tracing::info!(pod = %pod.key(), uid = %pod.uid, action = ?report.action, "in-pod rules reconciled at start");
+                tracing::info!(pod = %pod.key(), uid = %pod.uid, capture, "pod capture reconciled at start");
             }
-            Ok(Err(e)) => {
-                tracing::error!(pod = %pod.key(), uid = %pod.uid, error = %crate::error_chain(&e), "in-pod rules not reconciled at start")
+            Err(e) => {
+                tracing::error!(pod = %pod.key(), uid = %pod.uid, error = %crate::error_chain(&e), "pod capture not reconciled at start")
             }
-            Err(e) => tracing::error!(pod = %pod.key(), error = %e, "in-pod rules not reconciled at start"),
         }
     }
     done

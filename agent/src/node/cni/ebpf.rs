@@ -308,27 +308,153 @@ pub fn register(
     cfg: &CaptureConfig,
     who: &PodIdentity,
 ) -> Result<u64, CniEbpfError> {
-    let (node_record, key) = node_record(node)?;
+    check_user_namespace(netns)?;
+    let pod = PodCapture::new(cfg, pod_own_addresses(netns)?, EbpfOptions::default())?;
+    let target = Target {
+        record: pod_record_name(node, container_id),
+        container: Some(container_id),
+        netns,
+        recorded_netns: Some(netns),
+        ifname,
+    };
+    register_capture(node, &target, &pod, who)
+}
+
+/// An ambient pod, registered by the node agent for ztunnel
+/// ([`PodCapture::ambient`]), under its UID. `netns` is where the agent reaches the
+/// namespace now; `recorded_netns` a path that names it for later (the plugin's),
+/// if there is one. Its interface is the one holding one of its addresses.
+pub fn register_ambient(
+    node: &str,
+    netns: &Path,
+    recorded_netns: Option<&Path>,
+    cfg: &weir_iptables::ambient::InpodConfig,
+    who: &PodIdentity,
+) -> Result<u64, CniEbpfError> {
+    check_user_namespace(netns)?;
+    let own = pod_own_addresses(netns)?;
+    let ifname = interface_holding(netns, &own)?;
+    let pod = PodCapture::ambient(cfg, own)?;
+    let target = Target {
+        record: ambient_record_name(node, &who.uid),
+        container: None,
+        netns,
+        recorded_netns,
+        ifname: &ifname,
+    };
+    register_capture(node, &target, &pod, who)
+}
+
+/// Takes an ambient pod's registration away (idempotent); `netns`, when the namespace
+/// is still there, lets its inbound filter be detached too.
+pub fn unregister_ambient(node: &str, uid: &str, netns: Option<&Path>) -> Result<bool, CniEbpfError> {
+    let Some(mut record) = PinRecord::load(&ambient_record_name(node, uid)) else { return Ok(false) };
+    if let Some(path) = netns {
+        record.netns = Some(path.into());
+    }
+    record.remove()?;
+    Ok(true)
+}
+
+/// Whether the ambient pod `uid` is registered through node capture `node` under
+/// namespace `netns`, and its capture is whole.
+pub fn ambient_registered(node: &str, uid: &str, netns: &Path) -> Result<bool, CniEbpfError> {
+    let Some(record) = PinRecord::load(&ambient_record_name(node, uid)) else { return Ok(false) };
+    let cookie = netns_cookie(Some(netns))
+        .map_err(io(format!("read the network namespace cookie of {}", netns.display())))?;
+    if cookie != record.netns_cookie || !is_registered(&record)? {
+        return Ok(false);
+    }
+    Ok(health::faults(&record, &PinRecord::load_all()).is_empty())
+}
+
+/// Whether the ambient pod `uid` has a registration record with node capture `node`
+/// (whole or not).
+pub fn ambient_record_exists(node: &str, uid: &str) -> bool {
+    PinRecord::load(&ambient_record_name(node, uid)).is_some()
+}
+
+/// The record name of an ambient pod's registration (its UID; pods have no container
+/// id at the agent).
+pub(crate) fn ambient_record_name(node: &str, uid: &str) -> String {
+    let short: String = uid.chars().filter(char::is_ascii_alphanumeric).take(32).collect();
+    format!("{}ambient-{short}", pod_prefix(node))
+}
+
+fn check_user_namespace(netns: &Path) -> Result<(), CniEbpfError> {
     if !owned_by_this_user_namespace(netns).map_err(io(format!("read the owner of {}", netns.display())))? {
         return Err(CniEbpfError::UserNamespace { netns: netns.into() });
     }
+    Ok(())
+}
+
+fn pod_own_addresses(netns: &Path) -> Result<Vec<std::net::IpAddr>, CniEbpfError> {
     let facts = weir_iptables::detect::SystemFacts { netns: Some(netns.into()) };
-    let own = own_addresses(&facts).map_err(io(format!("read the addresses in {}", netns.display())))?;
-    let pod = PodCapture::new(cfg, own, EbpfOptions::default())?;
+    own_addresses(&facts).map_err(io(format!("read the addresses in {}", netns.display())))
+}
+
+/// The interface in `netns` that holds one of `addresses` (the pod's own).
+fn interface_holding(netns: &Path, addresses: &[std::net::IpAddr]) -> Result<String, CniEbpfError> {
+    let wanted = addresses.to_vec();
+    let found = crate::ebpf::netns::in_netns(netns, move || {
+        let addrs = nix::ifaddrs::getifaddrs().map_err(std::io::Error::from)?;
+        Ok(addrs
+            .filter(|a| {
+                a.address.as_ref().is_some_and(|s| {
+                    let ip = s
+                        .as_sockaddr_in()
+                        .map(|v4| std::net::IpAddr::V4(v4.ip()))
+                        .or_else(|| s.as_sockaddr_in6().map(|v6| std::net::IpAddr::V6(v6.ip())));
+                    ip.is_some_and(|ip| wanted.contains(&ip))
+                })
+            })
+            .map(|a| a.interface_name)
+            .next())
+    })
+    .map_err(io(format!("list the interfaces in {}", netns.display())))?;
+    found.ok_or_else(|| CniEbpfError::Io {
+        what: format!("find the pod's interface in {}", netns.display()),
+        source: std::io::Error::other(format!("no interface holds any of {addresses:?}")),
+    })
+}
+
+/// Where one registration goes.
+struct Target<'a> {
+    /// The capture record's name.
+    record: String,
+    container: Option<&'a str>,
+    /// The namespace, reachable now.
+    netns: &'a Path,
+    /// The path the record keeps (None: none that lasts).
+    recorded_netns: Option<&'a Path>,
+    ifname: &'a str,
+}
+
+fn register_capture(
+    node: &str,
+    target: &Target<'_>,
+    pod: &PodCapture,
+    who: &PodIdentity,
+) -> Result<u64, CniEbpfError> {
+    let Target { netns, ifname, .. } = *target;
+    let (node_record, key) = node_record(node)?;
     let cookie = netns_cookie(Some(netns))
         .map_err(io(format!("read the network namespace cookie of {}", netns.display())))?;
-    let name = pod_record_name(node, container_id);
+    let name = target.record.clone();
     let mut record = PinRecord {
         pod: name.clone(),
         cgroup: node_record.cgroup.clone(),
-        netns: Some(netns.into()),
+        // A registration again without a lasting path keeps the one recorded before.
+        netns: target.recorded_netns.map(PathBuf::from).or_else(|| {
+            PinRecord::load(&target.record).filter(|old| old.netns_cookie == cookie).and_then(|old| old.netns)
+        }),
         netns_cookie: cookie,
         interface: pod.inbound.map(|_| ifname.to_string()),
         programs: Some(key.clone()),
         registration: None,
         k8s_pod: (!who.name.is_empty()).then(|| who.name.clone()),
         pod_uid: (!who.uid.is_empty()).then(|| who.uid.clone()),
-        container: Some(container_id.to_string()),
+        container: target.container.map(String::from),
     };
     let mut set = NodePrograms::open_existing(&key)?
         .ok_or_else(|| CniEbpfError::NoNodeCapture { name: node.into() })?;
@@ -348,7 +474,7 @@ pub fn register(
         None => (None, None),
     };
     let was_captured = previous.is_some() || other_build.is_some();
-    let registration = set.register(cookie, &pod, Some((netns, ifname)), previous.as_ref())?;
+    let registration = set.register(cookie, pod, Some((netns, ifname)), previous.as_ref())?;
     // After the switch: a failure takes back a new pod's registration, and leaves a pod
     // that was captured before captured (its new registration, or the other build's).
     let undo = |set: &mut NodePrograms, registration: &Registration| {
@@ -356,7 +482,7 @@ pub fn register(
             let _ = set.unregister(cookie, Some(registration));
         }
     };
-    if let Err(e) = set.attach_inbound(netns, ifname, &pod, &record.pin_dir()) {
+    if let Err(e) = set.attach_inbound(netns, ifname, pod, &record.pin_dir()) {
         undo(&mut set, &registration);
         return Err(e.into());
     }

@@ -59,6 +59,12 @@ fn connect4(ctx: &SockAddrContext) -> i32 {
     let (dst, port_be, sock_type) =
         unsafe { (field!(sa, user_ip4), field!(sa, user_port) as u16, field!(sa, type_)) };
     let port = u16::from_be(port_be);
+    // ztunnel's own sockets in an ambient pod (marked 0x539), as Istio's in-pod rules
+    // return them first.
+    if net::proxy_marked(sa, cfg) {
+        maps::count(cfg, netns, Reason::Proxy.counter());
+        return ALLOW;
+    }
     let (uid, gid) = net::uid_gid();
     // Istio's first rule: Envoy's inbound passthrough (bound to 127.0.0.6) is left alone.
     if sock_type == SOCK_STREAM && policy::from_inbound_passthrough(net::bound_src4(sa)) {
@@ -126,6 +132,10 @@ fn connect6(ctx: &SockAddrContext) -> i32 {
         )
     };
     let port = u16::from_be(port_be);
+    if net::proxy_marked(sa, cfg) {
+        maps::count(cfg, netns, Reason::Proxy.counter());
+        return ALLOW;
+    }
     let (uid, gid) = net::uid_gid();
     // A dual-stack socket connecting to ::ffff:a.b.c.d is IPv4 traffic.
     let mapped = net::mapped_v4(&dst);

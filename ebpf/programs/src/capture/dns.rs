@@ -95,7 +95,7 @@ pub fn weir_sendmsg4(ctx: SockAddrContext) -> i32 {
         let sa = ctx.sock_addr;
         let (dst, port, ty) =
             unsafe { (field!(sa, user_ip4), u16::from_be(field!(sa, user_port) as u16), field!(sa, type_)) };
-        if ty == SOCK_DGRAM {
+        if ty == SOCK_DGRAM && !net::proxy_marked(sa, cfg) {
             let (uid, gid) = net::uid_gid();
             redirect_v4(&ctx, cfg, netns, uid, gid, dst, port, false);
         }
@@ -120,7 +120,7 @@ pub fn weir_sendmsg6(ctx: SockAddrContext) -> i32 {
                 field!(sa, type_),
             )
         };
-        if ty == SOCK_DGRAM {
+        if ty == SOCK_DGRAM && !net::proxy_marked(sa, cfg) {
             let (uid, gid) = net::uid_gid();
             redirect_v6(&ctx, cfg, netns, uid, gid, &dst, net::mapped_v4(&dst), port, false);
         }

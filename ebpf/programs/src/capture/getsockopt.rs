@@ -48,7 +48,9 @@ pub fn weir_getsockopt(ctx: SockoptContext) -> i32 {
         let family = field!(sk, family) as u16;
         let (local, remote) = match (level, family) {
             (SOL_IP, AF_INET) => ([field!(sk, src_ip4), 0, 0, 0], [field!(sk, dst_ip4), 0, 0, 0]),
-            (SOL_IPV6, AF_INET6) => (
+            // A dual-stack socket (ztunnel's listeners) accepted an IPv4 connection:
+            // SOL_IP answers for it, as netfilter's does.
+            (SOL_IP | SOL_IPV6, AF_INET6) => (
                 [
                     field!(sk, src_ip6[0]),
                     field!(sk, src_ip6[1]),
@@ -65,14 +67,19 @@ pub fn weir_getsockopt(ctx: SockoptContext) -> i32 {
             _ => return 1,
         };
         // The app's end of this connection: Envoy's remote is the app's local.
-        let app = PairKey {
+        let app = net::unmapped_pair(PairKey {
             netns,
             local_addr: remote,
             remote_addr: local,
             local_port: u16::from_be(field!(sk, dst_port)),
             remote_port: field!(sk, src_port) as u16,
             family: u32::from(family),
-        };
+        });
+        // IPv4 inside IPv6 is answered at SOL_IP only; real IPv6 at SOL_IPV6 only.
+        let answer_v4 = app.family == u32::from(AF_INET);
+        if answer_v4 != (level == SOL_IP) {
+            return 1;
+        }
         let Some(orig) = ORIG_BY_PAIR.get(&app) else {
             maps::count(cfg, netns, counter::ORIG_DST_MISSING);
             return 1;
@@ -80,7 +87,7 @@ pub fn weir_getsockopt(ctx: SockoptContext) -> i32 {
         let orig = *orig;
         let optval = (*so).__bindgen_anon_2.optval as *mut u8;
         let end = (*so).__bindgen_anon_3.optval_end as *mut u8;
-        if family == AF_INET {
+        if answer_v4 {
             if optval.add(SOCKADDR_IN) > end {
                 return 1;
             }

@@ -5,7 +5,7 @@ use aya_ebpf::{
     helpers::{bpf_get_current_uid_gid, bpf_get_netns_cookie, bpf_get_socket_cookie},
     maps::{LpmTrie, lpm_trie::Key},
 };
-use weir_ebpf_common::capture::{CidrV4, CidrV6, KEY_PREFIX_BITS, PodConfig};
+use weir_ebpf_common::capture::{CidrV4, CidrV6, KEY_PREFIX_BITS, PairKey, PodConfig};
 
 /// Loads one field of a kernel context or socket struct at its own offset. The
 /// verifier rejects derived pointers into these structs, which LLVM otherwise makes
@@ -81,6 +81,39 @@ pub fn bound_src6(sa: *mut aya_ebpf::bindings::bpf_sock_addr) -> [u32; 4] {
     }
     unsafe {
         [field!(sk, src_ip6[0]), field!(sk, src_ip6[1]), field!(sk, src_ip6[2]), field!(sk, src_ip6[3])]
+    }
+}
+
+/// The connecting socket's mark (`SO_MARK`; 0 when there is no socket).
+#[inline(always)]
+pub fn sock_mark(sa: *mut aya_ebpf::bindings::bpf_sock_addr) -> u32 {
+    let sk = unsafe { field!(sa, __bindgen_anon_1.sk) };
+    if sk.is_null() {
+        return 0;
+    }
+    unsafe { field!(sk, mark) }
+}
+
+/// Whether the calling socket is the pod's proxy by its mark (ztunnel's, in an
+/// ambient pod): counted as the proxy's and left alone.
+#[inline(always)]
+pub fn proxy_marked(sa: *mut aya_ebpf::bindings::bpf_sock_addr, cfg: &PodConfig) -> bool {
+    cfg.proxy_mark_mask != 0 && cfg.is_proxy_mark(sock_mark(sa))
+}
+
+/// A pair key whose addresses are both IPv4-mapped, as the IPv4 key of the same
+/// connection: ztunnel's dual-stack listeners accept an IPv4 app's connection on an
+/// IPv6 socket, and the app's end was recorded as IPv4.
+#[inline(always)]
+pub fn unmapped_pair(key: PairKey) -> PairKey {
+    if key.family != u32::from(AF_INET6) {
+        return key;
+    }
+    match (mapped_v4(&key.local_addr), mapped_v4(&key.remote_addr)) {
+        (Some(l), Some(r)) => {
+            PairKey { local_addr: [l, 0, 0, 0], remote_addr: [r, 0, 0, 0], family: u32::from(AF_INET), ..key }
+        }
+        _ => key,
     }
 }
 

@@ -65,7 +65,7 @@ fn pair(ctx: &SockOpsContext, netns: u64) -> Option<PairKey> {
             ),
             _ => return None,
         };
-        Some(PairKey {
+        Some(net::unmapped_pair(PairKey {
             netns,
             local_addr: local,
             remote_addr: remote,
@@ -73,7 +73,7 @@ fn pair(ctx: &SockOpsContext, netns: u64) -> Option<PairKey> {
             // remote_port holds the network-order port in its upper 16 bits.
             remote_port: u16::from_be((field!(ops, remote_port) >> 16) as u16),
             family: u32::from(family),
-        })
+        }))
     }
 }
 

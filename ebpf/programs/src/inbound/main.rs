@@ -287,7 +287,14 @@ fn try_inbound<'a>(
     let (cfg, pod) = config(&key)?;
     // SYN without ACK (checked above): a new connection.
     let Some((_, sport, dport)) = tcp else { return Some(refuse(pod, counter::UNPARSEABLE)) };
-    if !cfg.captures(u16::from_be(dport)) {
+    // An ambient pod's kubelet probes (SNATed on the host to Istio's probe address) are
+    // not ztunnel's: they reach the app, as Istio's in-pod rules let them.
+    let from_probe = if ethertype == ETH_P_IP {
+        cfg.from_probe_source4(unsafe { tuple.__bindgen_anon_1.ipv4.saddr }.to_ne_bytes())
+    } else {
+        cfg.is_ambient() && cfg.from_probe_source6(ctx.load(l3 + 8).ok()?)
+    };
+    if from_probe || !cfg.captures(u16::from_be(dport)) {
         count(pod, counter::NOT_CAPTURED);
         return Some(Verdict::Pass);
     }
