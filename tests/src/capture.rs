@@ -254,3 +254,28 @@ impl Drop for PinnedCapture {
         }
     }
 }
+
+/// An eBPF node capture (`weir cni install --ebpf-cgroup`'s part) attached to a
+/// cgroup a test or benchmark made, under a unique name; detached when dropped, passed
+/// or failed.
+pub struct NodeCapture(String);
+
+impl NodeCapture {
+    /// Attaches a node capture to `cgroup` under a name made from `tag`.
+    pub fn attach(tag: &str, cgroup: &std::path::Path) -> anyhow::Result<Self> {
+        let name = weir_agent::sandbox::unique_name(tag);
+        let guard = Self(name.clone());
+        weir_agent::node::cni::ebpf::attach_node(&name, cgroup)?;
+        Ok(guard)
+    }
+
+    pub fn name(&self) -> &str {
+        &self.0
+    }
+}
+
+impl Drop for NodeCapture {
+    fn drop(&mut self) {
+        let _ = weir_agent::node::cni::ebpf::detach_node(&self.0);
+    }
+}

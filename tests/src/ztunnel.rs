@@ -105,8 +105,16 @@ pub fn cache_dir() -> anyhow::Result<PathBuf> {
 
 /// The ztunnel binary, built first if the cache does not hold it. Fails naming why the
 /// build could not be done (missing tarball or protoc, cargo's error with the end of
-/// its log).
+/// its log). `WEIR_ZTUNNEL_BIN` names another build of the same source to use instead
+/// (a release build for `weir-bench ambient-datapath`; docs/benchmarks.md says how).
 pub fn binary() -> anyhow::Result<PathBuf> {
+    if let Some(bin) = std::env::var_os("WEIR_ZTUNNEL_BIN").filter(|b| !b.is_empty()) {
+        let bin = PathBuf::from(bin);
+        if !bin.is_file() {
+            bail!("WEIR_ZTUNNEL_BIN={} is not a file", bin.display());
+        }
+        return Ok(bin);
+    }
     let tarball = tarball()?;
     let dir = cache_dir()?;
     fs::create_dir_all(&dir).with_context(|| format!("create the ztunnel cache {}", dir.display()))?;

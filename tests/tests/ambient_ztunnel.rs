@@ -293,15 +293,6 @@ fn two_ambient_pods_talk_over_hbone_through_weir_and_the_real_ztunnel() {
     assert_eq!(node.api.redirection("legacy", "legacy"), None);
 }
 
-/// Detaches the test's eBPF node capture when the test ends, passed or not.
-struct NodeCapture(String);
-
-impl Drop for NodeCapture {
-    fn drop(&mut self) {
-        let _ = weir_agent::node::cni::ebpf::detach_node(&self.0);
-    }
-}
-
 /// One request from `from` (a process placed there: a pod's cgroup for eBPF capture),
 /// the server's line or the error.
 fn ask_placed(from: Placement<'_>, to: SocketAddr) -> Result<String, String> {
@@ -328,9 +319,8 @@ fn ambient_pods_captured_by_ebpf_talk_over_hbone_through_the_real_ztunnel() {
     let mesh = Mesh::new(&test_name!()).unwrap();
     let mut node = AmbientNode::new(&mesh).unwrap();
     let cgroup = test_cgroup(&format!("{}-kubepods", test_name!()));
-    let capture = weir_agent::sandbox::unique_name("ambient-node");
-    let _capture = NodeCapture(capture.clone());
-    weir_agent::node::cni::ebpf::attach_node(&capture, cgroup.path()).unwrap();
+    let node_capture = weir_tests::capture::NodeCapture::attach("ambient-node", cgroup.path()).unwrap();
+    let capture = node_capture.name().to_string();
     let zt_cgroup = weir_agent::sandbox::Cgroup::create(&format!(
         "{}/ztunnel",
         cgroup.path().file_name().unwrap().to_string_lossy()

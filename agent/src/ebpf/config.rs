@@ -49,6 +49,12 @@ pub struct PodCapture {
     pub inbound: Option<InboundConfig>,
 }
 
+/// Whether two pod configs capture alike: the generation (which of the pod's list
+/// entries a config names) left out.
+pub fn same_capture(a: &PodConfig, b: &PodConfig) -> bool {
+    PodConfig { generation: 0, ..*a } == PodConfig { generation: 0, ..*b }
+}
+
 /// Options that are Weir's own rather than istio-iptables'.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct EbpfOptions {

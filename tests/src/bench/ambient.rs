@@ -16,6 +16,7 @@ use weir_agent::sandbox::{Mesh, unique_name};
 use weir_iptables::ambient::{AmbientConfig, apply_inpod};
 use weir_tests::{
     ambient::{AmbientNode, pod_object},
+    capture::NodeCapture,
     fake_ztunnel::FakeZtunnel,
 };
 
@@ -148,10 +149,25 @@ fn agent_steps(log: &str, out: &mut [Vec<f64>]) {
 /// ambient (handed to `weir cni ambient`), else in a plain one (the plugin's fixed
 /// cost: exec, the pod and namespace GETs, the answer). As kubelet orders it, the pod
 /// is in the agent's watch, without an address, before its ADD, and gets its address
-/// in its status after.
-fn enroll_once(ambient: bool) -> anyhow::Result<RunFigures> {
+/// in its status after. `ebpf`: the ambient pods are captured by Weir's eBPF programs
+/// (a node capture attached to a cgroup of the run's own).
+fn enroll_once(ambient: bool, ebpf: bool) -> anyhow::Result<RunFigures> {
     let mesh = Mesh::new(&unique_name("bench-amb"))?;
     let mut node = AmbientNode::new(&mesh)?;
+    // Declared in this order: the capture is detached before its cgroup goes.
+    let cgroup =
+        if ebpf { Some(weir_agent::sandbox::Cgroup::create(&unique_name("bench-amb"))?) } else { None };
+    let _capture = match &cgroup {
+        Some(cgroup) => {
+            let guard = NodeCapture::attach("bench-amb", cgroup.path())?;
+            node.env.extend([
+                ("WEIR_AMBIENT_CAPTURE".into(), "ebpf".into()),
+                ("WEIR_EBPF_NODE_CAPTURE".into(), guard.name().to_string()),
+            ]);
+            Some(guard)
+        }
+        None => None,
+    };
     node.api.set_namespace("bench", &[("istio.io/dataplane-mode", "ambient")]);
     node.api.set_namespace("plain", &[]);
     let namespace = if ambient { "bench" } else { "plain" };
@@ -196,9 +212,11 @@ fn enroll_once(ambient: bool) -> anyhow::Result<RunFigures> {
 }
 
 pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
+    let _bpffs = weir_tests::BpffsUse::acquire()?;
     let rows = [
         "in-pod rules applied raw + one SEQPACKET round trip (floor)",
         "CNI ADD of an ambient pod until ztunnel's ack (weir-cni → weir cni ambient)",
+        "the same, the pod captured by eBPF (WEIR_AMBIENT_CAPTURE=ebpf)",
         "CNI ADD of a pod that is not ambient (the same plugin's exec, GETs and answer)",
     ];
     let mut adds = vec![(Samples::default(), Samples::default()); rows.len()];
@@ -209,7 +227,9 @@ pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
             eprintln!("[bench ambient] {row} run {}/{}", run + 1, opts.runs);
             let figures = match i {
                 0 => floor_once(),
-                _ => enroll_once(i == 1),
+                1 => enroll_once(true, false),
+                2 => enroll_once(true, true),
+                _ => enroll_once(false, false),
             }
             .unwrap_or_else(|e| {
                 eprintln!("[bench ambient] {row} failed: {e:#}");
@@ -239,7 +259,9 @@ pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
              unix socket, the agent's rules, ZDS Add and ack (the rig's stand-in ztunnel, which acks at once), \
              probe ipset entry over netlink, the pods/status annotation patch, then the answer. The not-ambient \
              row is the same plugin and API for a pod in an unlabelled namespace: what any ADD costs before its \
-             pod's work. The floor is the same rules applied raw in a fresh namespace plus one SEQPACKET round \
+             pod's work. The eBPF row registers each pod with a node capture (programs verified and pinned once \
+             per node, before the run) instead of the rules: its rules step is the registration, the inbound \
+             filter and the in-pod route. The floor is the same rules applied raw in a fresh namespace plus one SEQPACKET round \
              trip. {}",
             opts.summary()
         )],

@@ -29,7 +29,13 @@
 //!   weir-bench ambient [--runs N] [--markdown]
 //!       ambient enrollment: CNI ADD of an ambient pod until ztunnel's ack (the plugin,
 //!       `weir cni ambient`, the rig's stand-in ztunnel), p50/p99 over 50 pods, against
-//!       the same in-pod rules applied raw plus one SEQPACKET round trip.
+//!       the same in-pod rules applied raw plus one SEQPACKET round trip; a row with
+//!       Weir's eBPF capture for the ambient pods (WEIR_AMBIENT_CAPTURE=ebpf).
+//!
+//!   weir-bench ambient-datapath [--runs N] [--markdown]
+//!       connections through the real ztunnel between two ambient pods, captured by
+//!       the in-pod rules or by eBPF: rate, latency and CPU per connection, against two
+//!       plain pods.
 //!
 //!   weir-bench scaling [--runs N] [--markdown]
 //!       per-pod cost as the node fills: CNI ADD and eBPF registration p50/p99 with 1,
@@ -62,6 +68,8 @@ use std::{path::PathBuf, process::ExitCode};
 mod ab;
 #[path = "../bench/ambient.rs"]
 mod ambient;
+#[path = "../bench/ambient_datapath.rs"]
+mod ambient_datapath;
 #[path = "../bench/capture.rs"]
 mod capture;
 #[path = "../bench/cni.rs"]
@@ -129,7 +137,7 @@ fn all(opts: &report::Options) -> anyhow::Result<String> {
 }
 
 /// Every benchmark by name, in the order `all` runs them.
-const BENCHES: [(&str, ab::Bench); 10] = [
+const BENCHES: [(&str, ab::Bench); 11] = [
     ("datapath", datapath::tables),
     ("capture", capture::tables),
     ("rules", rules::tables),
@@ -139,10 +147,11 @@ const BENCHES: [(&str, ab::Bench); 10] = [
     ("sidecar", sidecar::tables),
     ("cni", cni::tables),
     ("ambient", ambient::tables),
+    ("ambient-datapath", ambient_datapath::tables),
     ("scaling", scaling::tables),
 ];
 
-const USAGE: &str = "usage: weir-bench <datapath|capture|rules|setup|xds|sds|sidecar|cni|ambient|scaling|all> [--runs N] \
+const USAGE: &str = "usage: weir-bench <datapath|capture|rules|setup|xds|sds|sidecar|cni|ambient|ambient-datapath|scaling|all> [--runs N] \
                      [--duration SECS] [--connections N] [--markdown]\n       weir-bench <xds|sidecar|cni|setup> \
                      --against-bin PATH [--against-label TEXT] [--this-label TEXT] [--runs N] [--markdown]";
 

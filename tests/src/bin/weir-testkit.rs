@@ -531,9 +531,10 @@ fn datapath_load(args: &[String]) -> Result<(), String> {
         kind: Kind::parse(at(1)?)?,
         to: v4(at(2)?)?,
         expect: match at(3)? {
-            "none" => None,
+            "none" | "any" => None,
             a => Some(v4(a)?),
         },
+        any_orig: at(3)? == "any",
         count: at(4)?.parse().map_err(|e| format!("count: {e}"))?,
         secs: at(5)?.parse().map_err(|e| format!("secs: {e}"))?,
         inflight: at(6)?.parse().map_err(|e| format!("inflight: {e}"))?,

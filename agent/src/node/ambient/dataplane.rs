@@ -362,15 +362,25 @@ impl Dataplane {
         let task_who = who.clone();
         tokio::task::spawn_blocking(move || {
             let path = fd_path(&fd);
-            let before = ebpf::ambient_registered(&node, &identity.uid, &path).unwrap_or(false);
+            let started = std::time::Instant::now();
+            let before = ebpf::ambient_record_exists(&node, &identity.uid);
+            let checked = started.elapsed();
             ebpf::register_ambient(&node, &path, recorded.as_deref(), &cfg, &identity)
                 .map_err(|source| Box::new(DataplaneError::Ebpf { pod: task_who.clone(), source }))?;
+            let registered = started.elapsed();
             if let Err(source) = weir_iptables::ambient::apply_inpod_ebpf(&path, &cfg) {
                 if !before {
                     let _ = ebpf::unregister_ambient(&node, &identity.uid, Some(&path));
                 }
                 return Err(Box::new(DataplaneError::Rules { pod: task_who, source: Box::new(source) }));
             }
+            tracing::debug!(
+                pod = %task_who,
+                check_us = checked.as_micros(),
+                register_us = (registered - checked).as_micros(),
+                inpod_us = (started.elapsed() - registered).as_micros(),
+                "eBPF capture applied"
+            );
             Ok(())
         })
         .await

@@ -335,13 +335,11 @@ pub fn register_ambient(
     let own = pod_own_addresses(netns)?;
     let ifname = interface_holding(netns, &own)?;
     let pod = PodCapture::ambient(cfg, own)?;
-    let target = Target {
-        record: ambient_record_name(node, &who.uid),
-        container: None,
-        netns,
-        recorded_netns,
-        ifname: &ifname,
-    };
+    let record = ambient_record_name(node, &who.uid);
+    if let Some(cookie) = registered_as_wanted(node, &record, netns, ifname.as_str(), &pod)? {
+        return Ok(cookie);
+    }
+    let target = Target { record, container: None, netns, recorded_netns, ifname: &ifname };
     register_capture(node, &target, &pod, who)
 }
 
@@ -416,6 +414,43 @@ fn interface_holding(netns: &Path, addresses: &[std::net::IpAddr]) -> Result<Str
         what: format!("find the pod's interface in {}", netns.display()),
         source: std::io::Error::other(format!("no interface holds any of {addresses:?}")),
     })
+}
+
+/// The pod's cookie if record `name` registers it in this build's set under `netns`
+/// with exactly `pod`'s capture config and inbound config already (the watch and the
+/// plugin add a pod more than once): then only the inbound filter is made sure of
+/// (kept if there), and the set's lock and map writes are spared.
+fn registered_as_wanted(
+    node: &str,
+    name: &str,
+    netns: &Path,
+    ifname: &str,
+    pod: &PodCapture,
+) -> Result<Option<u64>, CniEbpfError> {
+    let Some(record) = PinRecord::load(name) else { return Ok(None) };
+    let (_, key) = node_record(node)?;
+    let cookie = netns_cookie(Some(netns))
+        .map_err(io(format!("read the network namespace cookie of {}", netns.display())))?;
+    if record.netns_cookie != cookie
+        || record.programs.as_deref() != Some(key.as_str())
+        || record.interface.as_deref() != pod.inbound.map(|_| ifname)
+    {
+        return Ok(None);
+    }
+    let dir = set::set_dir(&key);
+    let registered = MapSet::open_pinned(&dir)?.pod_config(cookie)?;
+    if !registered.is_some_and(|c| crate::ebpf::config::same_capture(&c, &pod.config)) {
+        return Ok(None);
+    }
+    let inbound = crate::ebpf::inbound::pod_config(&dir, &record.pin_dir(), cookie)?;
+    if inbound != pod.inbound {
+        return Ok(None);
+    }
+    if pod.inbound.is_some() {
+        let Some(classifier) = crate::ebpf::inbound::NodeClassifier::pinned(&dir) else { return Ok(None) };
+        classifier.attach(netns, ifname)?;
+    }
+    Ok(Some(cookie))
 }
 
 /// Where one registration goes.
