@@ -305,7 +305,8 @@ fn ask_placed(from: Placement<'_>, to: SocketAddr) -> Result<String, String> {
 /// in-pod rule. The client app's connect goes to ztunnel's 15001 (ztunnel reads the
 /// original destination with SO_ORIGINAL_DST from the programs), over HBONE to the
 /// server's ztunnel, which delivers from the client's address; the app's replies go
-/// back to ztunnel by the in-pod route (the inbound guard's 0x111 mark). A plain
+/// back to ztunnel by the in-pod route (the inbound guard's 0x111 mark). DNS to any
+/// server reaches ztunnel's DNS proxy. A plain
 /// client outside the mesh is assigned to the server's ztunnel (15006); kubelet's
 /// probe (169.254.7.127) reaches the app itself. With ztunnel gone both clients fail
 /// closed, never reaching the app around it, and the probe still answers; the agent restarted leaves
@@ -349,7 +350,7 @@ fn ambient_pods_captured_by_ebpf_talk_over_hbone_through_the_real_ztunnel() {
     }
     node.env.extend(
         [
-            ("AMBIENT_DNS_CAPTURE", "false"),
+            ("AMBIENT_DNS_CAPTURE", "true"),
             ("WEIR_AMBIENT_CAPTURE", "auto"),
             ("WEIR_EBPF_NODE_CAPTURE", capture.as_str()),
         ]
@@ -408,6 +409,21 @@ fn ambient_pods_captured_by_ebpf_talk_over_hbone_through_the_real_ztunnel() {
         zt.log().lines().filter(|l| l.contains("connection complete") && l.contains(&hbone)).count() >= 2
     })
     .unwrap_or_else(|e| panic!("{e}\n{}", zt.log()));
+
+    // DNS capture: the app's query to any server goes to ztunnel's DNS proxy (15053),
+    // and the answer comes back from the server the app addressed.
+    let dns = try_run_placed(
+        in_cgroup(&client, 1000),
+        tools::testkit_command(),
+        &["dns-query", "10.96.0.10:53", "ambient.test"],
+    );
+    let dns = dns.unwrap_or_else(|e| panic!("DNS through ztunnel: {e}\nztunnel:\n{}", zt.log()));
+    assert!(dns.ends_with("from 10.96.0.10:53"), "{dns}");
+    let metrics = in_pod(&node.node, "curl", &["-s", "http://127.0.0.1:15020/metrics"]);
+    assert!(
+        metrics.lines().any(|l| l.starts_with("istio_dns_requests_total") && !l.ends_with(" 0")),
+        "ztunnel counted no DNS request:\n{metrics}"
+    );
 
     // A client outside the mesh (a pod not enrolled) to the server pod: assigned to
     // ztunnel's 15006, delivered from the client's address; the app's peer is ztunnel.
