@@ -343,10 +343,14 @@ fn ambient_pods_captured_by_ebpf_talk_over_hbone_through_the_real_ztunnel() {
     let _sandboxes: Vec<_> =
         pods.iter().zip(uids).map(|((pod, _), uid)| node.sandbox(&cgroup, uid, pod).unwrap()).collect();
     node.api.set_namespace(NS, &[("istio.io/dataplane-mode", "ambient")]);
+    // In kubelet's order: a new pod has no address before its ADD (`auto` gives eBPF to
+    // new sandboxes only; a pod found running gets the rules).
     for ((pod, name), uid) in pods.iter().zip(uids) {
         let annotations: &[(&str, &str)] =
             if *name == "kubevirt" { &[("istio.io/reroute-virtual-interfaces", "tap0")] } else { &[] };
-        node.api.set_pod(pod_object(NS, name, uid, IpAddr::V4(pod.ipv4()), &[], annotations));
+        let mut object = pod_object(NS, name, uid, IpAddr::V4(pod.ipv4()), &[], annotations);
+        object["status"] = serde_json::json!({"phase": "Pending"});
+        node.api.set_pod(object);
     }
     node.env.extend(
         [
@@ -361,6 +365,12 @@ fn ambient_pods_captured_by_ebpf_talk_over_hbone_through_the_real_ztunnel() {
     let mut zt =
         Ztunnel::start_in_cgroup(&node.node, &node.zds_socket(), &workloads, Some(&zt_cgroup)).unwrap();
     add_pods(&node, &zt, &pods);
+    for (pod, name) in pods {
+        let ip = pod.ipv4().to_string();
+        node.api.update_pod(NS, name, |p| {
+            p["status"] = serde_json::json!({"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]});
+        });
+    }
     // eBPF for the three that can have it: registered, no in-pod rule, Istio's route.
     for ((pod, name), uid) in pods.iter().zip(uids).take(3) {
         assert!(
@@ -425,12 +435,38 @@ fn ambient_pods_captured_by_ebpf_talk_over_hbone_through_the_real_ztunnel() {
         "ztunnel counted no DNS request:\n{metrics}"
     );
 
-    // A client outside the mesh (a pod not enrolled) to the server pod: assigned to
+    // Every app listener's accepted socket gets 0x111 from ztunnel's delivery, never
+    // ztunnel's own 0x539 (which would pass the app's later connects as ztunnel's):
+    // here one past the pod's 256 guarded listeners, which the guard does not watch.
+    let _marked = start_placed(in_cgroup(&server, 1000), &["serve-mark", "0.0.0.0:8090", "256"]).unwrap();
+    let answer = ask_placed(in_cgroup(&client, 1000), SocketAddr::new(server.ipv4().into(), 8090))
+        .unwrap_or_else(|e| panic!("an unguarded listener through ztunnel: {e}\nztunnel:\n{}", zt.log()));
+    assert_eq!(answer, "mark=0x111", "the app's accepted socket");
+
     // ztunnel's 15006, delivered from the client's address; the app's peer is ztunnel.
     let outsider = mesh.pod("outsider").unwrap();
     let outside = || Placement { netns: Some(outsider.netns()), ..Placement::default() };
     let answer = ask_placed(outside(), to).unwrap_or_else(|e| panic!("{e}\nztunnel:\n{}", zt.log()));
     assert!(answer.contains(&format!("peer={}:", outsider.ipv4())), "{answer}");
+    // An app cannot make its own ztunnel connect somewhere for it: an original
+    // destination left by a connect the kernel failed is not taken for the socket's
+    // next connection (here to its own ztunnel's inbound port, 15006).
+    let _busy = start_in(outsider.netns(), 1000, &["serve-hello", "0.0.0.0:9003", "busy"]).unwrap();
+    let _target = start_in(outsider.netns(), 1000, &["serve-hello", "0.0.0.0:9004", "target"]).unwrap();
+    let planted = try_run_placed(
+        in_cgroup(&client, 1000),
+        tools::testkit_command(),
+        &[
+            "plant-orig",
+            "41234",
+            &format!("{}:9003", outsider.ipv4()),
+            &format!("{}:9004", outsider.ipv4()),
+            &format!("{}:15006", client.ipv4()),
+        ],
+    )
+    .unwrap_or_else(|e| panic!("plant-orig: {e}"));
+    assert!(!planted.contains("hello target"), "the pod's ztunnel connected for the app: {planted}");
+
     // kubelet's probe from the node (SNATed to 169.254.7.127 by the agent's host rule;
     // the pod's route to it goes through the node, as a pod's default route does): not
     // ztunnel's, it reaches the app itself.

@@ -50,12 +50,13 @@ pub fn from_inbound_passthrough(src: u32) -> bool {
     src == INBOUND_PASSTHROUGH_SRC4
 }
 
-/// The loopback kind of an IPv6 `dst` (network order in memory): `::1` is localhost;
-/// `::6`, which Istio's validator dials on IPv6 pods, is another loopback address
-/// (Istio's rule is `-o lo ! -d ::1/128`).
+/// The loopback kind of an IPv6 `dst` (network order in memory): `::1` is localhost,
+/// and so is `::` (the kernel connects it to `::1`); `::6`, which Istio's validator
+/// dials on IPv6 pods, is another loopback address (Istio's rule is `-o lo ! -d
+/// ::1/128`).
 pub fn loopback6(dst: &[u32; 4]) -> Loopback {
     match (dst[0], dst[1], dst[2], dst[3].to_ne_bytes()) {
-        (0, 0, 0, [0, 0, 0, 1]) => Loopback::Localhost,
+        (0, 0, 0, [0, 0, 0, 1] | [0, 0, 0, 0]) => Loopback::Localhost,
         (0, 0, 0, [0, 0, 0, 6]) => Loopback::Other,
         _ => Loopback::No,
     }
@@ -68,11 +69,13 @@ pub fn from_inbound_passthrough6(src: &[u32; 4]) -> bool {
     loopback6(src) == Loopback::Other || (mapped && from_inbound_passthrough(src[3]))
 }
 
-/// The loopback kind of `dst` (network order in memory).
+/// The loopback kind of `dst` (network order in memory). `0.0.0.0` is localhost: the
+/// kernel connects it to the socket's own bound address or 127.0.0.1, never off the
+/// host, and Istio's rules see it as that local address.
 pub fn loopback4(dst: u32) -> Loopback {
     let b = dst.to_ne_bytes();
     match b {
-        [127, 0, 0, 1] => Loopback::Localhost,
+        [127, 0, 0, 1] | [0, 0, 0, 0] => Loopback::Localhost,
         [127, ..] => Loopback::Other,
         _ => Loopback::No,
     }
@@ -409,6 +412,17 @@ mod tests {
         };
         assert_eq!(k.peer().peer(), k);
         assert_eq!(k.peer().local_port, 15001);
+    }
+
+    #[test]
+    fn the_unspecified_address_is_local() {
+        assert_eq!(loopback4(0), Loopback::Localhost);
+        assert_eq!(loopback6(&[0; 4]), Loopback::Localhost);
+        assert_eq!(
+            outbound_tcp(&cfg(ALL), 1000, 1000, 8080, loopback4(0), || DstClass::Other, || true),
+            Verdict::Pass(Reason::Loopback),
+            "connect(0.0.0.0) reaches the pod itself, never another host through the proxy"
+        );
     }
 
     #[test]

@@ -202,6 +202,14 @@ pub fn remove_inpod_ebpf(netns: &Path) -> Result<Action, AmbientError> {
     Ok(action)
 }
 
+/// eBPF capture's own part of the in-pod setup out of `netns` (the pod moves to the
+/// rules, which keep the route): `tcp_fwmark_accept` back to the kernel's default, or
+/// the app's accepted sockets would take ztunnel's mark and pass the rules' exemption.
+pub fn clear_inpod_ebpf(netns: &Path) -> Result<(), AmbientError> {
+    let name = netns.display().to_string();
+    in_netns(netns, || set_fwmark_accept(false)).map_err(|e| AmbientError::from_capture(&name, e))
+}
+
 /// Whether eBPF capture's in-pod part ([`apply_inpod_ebpf`]) is in place in `netns`.
 pub fn verify_inpod_ebpf(netns: &Path, cfg: &InpodConfig) -> Result<bool, AmbientError> {
     let name = netns.display().to_string();

@@ -219,6 +219,13 @@ pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
             metrics: vec![rate, p50, p99, cpu, host],
         })
         .collect();
+    let build = match std::env::var_os("WEIR_ZTUNNEL_BIN") {
+        Some(bin) => format!("the build at {} (WEIR_ZTUNNEL_BIN)", std::path::Path::new(&bin).display()),
+        None => "the test peer's debug build: its own per-connection work is far larger than a release \
+                 build's, so the ztunnel rows overstate what a node pays; the difference between the two \
+                 capture rows is what this table shows (WEIR_ZTUNNEL_BIN names a release build)"
+            .into(),
+    };
     Ok(vec![Table {
         title: "Ambient data path: eBPF capture against the in-pod rules (per connection)".into(),
         columns: vec![
@@ -232,10 +239,8 @@ pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
         notes: vec![format!(
             "{CONNECTIONS} connections per run, one after another (connect, one 8-byte answer, close) from the \
              client pod to the server pod's address, uid 1000, the same load in every rig. The ambient rigs run \
-             the real ztunnel (istio/ztunnel built from shared/peers, a debug build: its own per-connection work \
-             is far larger than a release build's, so the ztunnel rows' totals overstate what a node pays and \
-             the difference between the two capture rows is what this table can show), both ends' ztunnel in \
-             one process as on a node, HBONE mutual TLS between them. pods' CPU is the pods' cgroup (both apps \
+             the real ztunnel (istio/ztunnel at 62d82653, {build}), both ends' ztunnel in one process as on a \
+             node, HBONE mutual TLS between them; every run checks ztunnel counted every connection. pods' CPU is the pods' cgroup (both apps \
              and ztunnel, with the softirq work done in their context); host CPU is every CPU's busy time \
              (/proc/stat, 10 ms ticks). The floor is the same client and server with nothing between them: it \
              is not the same work (no proxy), only the network's own cost. {}",

@@ -34,6 +34,15 @@
 //!                                       verdict (ok, bypass-inbound, bypass-outbound)
 //!   mesh-client <me> <meshed|plain> <interval-ms> <log> <targets...>
 //!                                       connects to the targets in turn, forever
+//!   serve-mark <addr> <extra>           first listens on `extra` more ports (21000 up),
+//!                                       then on addr; replies `mark=<SO_MARK of the
+//!                                       accepted socket, hex>`
+//!   plant-orig <port> <busy> <target> <own15006>
+//!                                       a connect to `target` the kernel fails after the
+//!                                       connect hook (its local port in use towards
+//!                                       `busy`), then the same socket to the pod's own
+//!                                       ztunnel inbound port; prints `answer <line>` or
+//!                                       `closed <why>`
 //!   connect-storm <addr> <count> [<timeout-ms> [<max-other>]]
 //!                                       `count` connects as fast as they fail or succeed
 //!                                       (each bounded by timeout-ms, 100; stops after
@@ -169,6 +178,22 @@ fn main() -> ExitCode {
                     &targets,
                 )
             }
+            "serve-mark" => {
+                let extra: u16 = arg(2)?.parse().map_err(|e| format!("extra: {e}"))?;
+                let _held: Vec<TcpListener> = (0..extra)
+                    .map(|i| {
+                        TcpListener::bind(("0.0.0.0", 21000 + i))
+                            .map_err(|e| format!("listen {}: {e}", 21000 + i))
+                    })
+                    .collect::<Result<_, _>>()?;
+                serve(addr(arg(1)?)?, false, |mut s, _| {
+                    let mark = socket2::SockRef::from(&s)
+                        .mark()
+                        .map_or_else(|e| format!("error {e}"), |m| format!("{m:#x}"));
+                    let _ = s.write_all(format!("mark={mark}\n").as_bytes());
+                })
+            }
+            "plant-orig" => plant_orig(arg(1)?, addr(arg(2)?)?, addr(arg(3)?)?, addr(arg(4)?)?),
             "connect-storm" => {
                 let timeout_ms: u64 = match args.get(3) {
                     Some(t) => t.parse().map_err(|e| format!("timeout_ms: {e}"))?,
@@ -198,6 +223,40 @@ fn main() -> ExitCode {
 }
 
 /// Prints the first line the server sends (waiting 5 s at most): `ask`'s answer.
+/// `plant-orig`: see the usage. Two sockets share a local port (SO_REUSEADDR): the
+/// first connects to `busy`, so the second's connect to `target`, redirected to the
+/// same proxy port, fails in the kernel (EADDRNOTAVAIL) after the connect hook ran;
+/// the second then connects to the pod's own ztunnel inbound port and asks.
+fn plant_orig(port: &str, busy: SocketAddr, target: SocketAddr, own: SocketAddr) -> Result<(), String> {
+    let port: u16 = port.parse().map_err(|e| format!("port: {e}"))?;
+    let bound = || -> Result<Socket, String> {
+        let s = Socket::new(Domain::IPV4, Type::STREAM, None).map_err(|e| format!("socket: {e}"))?;
+        s.set_reuse_address(true).map_err(|e| format!("SO_REUSEADDR: {e}"))?;
+        s.bind(&SocketAddr::from(([0, 0, 0, 0], port)).into()).map_err(|e| format!("bind {port}: {e}"))?;
+        Ok(s)
+    };
+    let first = bound()?;
+    first
+        .connect_timeout(&busy.into(), Duration::from_secs(3))
+        .map_err(|e| format!("connect {busy}: {e}"))?;
+    let second = bound()?;
+    if second.connect_timeout(&target.into(), Duration::from_secs(3)).is_ok() {
+        return Err(format!("the connect to {target} was meant to fail and did not"));
+    }
+    second.connect_timeout(&own.into(), Duration::from_secs(3)).map_err(|e| format!("connect {own}: {e}"))?;
+    let mut s: TcpStream = second.into();
+    let _ = s.write_all(b"x\n");
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok();
+    let mut line = String::new();
+    match BufReader::new(&mut s).read_line(&mut line) {
+        Ok(n) if n > 0 => println!("answer {}", line.trim()),
+        Ok(_) => println!("closed eof"),
+        Err(e) => println!("closed {e}"),
+    }
+    drop(first);
+    Ok(())
+}
+
 fn print_first_line(mut s: TcpStream) -> Result<(), String> {
     s.set_read_timeout(Some(Duration::from_secs(5))).ok();
     let mut line = String::new();

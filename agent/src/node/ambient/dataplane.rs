@@ -201,7 +201,9 @@ impl Dataplane {
                 .map_err(|source| DataplaneError::Annotation { pod: who.clone(), source })?;
         let cfg = self.settings.rules.for_pod(overrides);
         steps.mark("netns");
-        let recorded = netns_path.filter(|p| !p.is_empty()).map(|p| self.settings.host_path(p));
+        // The path as the node names it (records are read on the node, not in this
+        // container).
+        let recorded = netns_path.filter(|p| !p.is_empty()).map(PathBuf::from);
         if let Err(e) = self.apply_capture(pod, &netns, recorded, cfg).await {
             self.zds_forget(pod);
             return Err(e);
@@ -293,6 +295,11 @@ impl Dataplane {
             AmbientCapture::Auto if !ebpf::node_capture_present(&node) => {
                 (false, format!("auto: no eBPF node capture named {node} is attached"))
             }
+            // A pod enrolled while it runs has listeners that predate capture (the
+            // inbound guard records a listener when it starts listening).
+            AmbientCapture::Auto if recorded.is_none() => {
+                (false, "auto: the pod was running before it was enrolled, not a new sandbox".to_string())
+            }
             AmbientCapture::Auto => (true, format!("auto: node capture {node} is attached")),
         };
         if want_ebpf {
@@ -320,6 +327,15 @@ impl Dataplane {
             .await
             .map_err(|e| DataplaneError::Task { pod: who.clone(), message: e.to_string() })?
             .map_err(|source| DataplaneError::Ebpf { pod: who.clone(), source })?;
+            let fd = netns.try_clone().ok();
+            let path = fd_path(netns);
+            tokio::task::spawn_blocking(move || {
+                let _hold = fd;
+                weir_iptables::ambient::clear_inpod_ebpf(&path)
+            })
+            .await
+            .map_err(|e| DataplaneError::Task { pod: who.clone(), message: e.to_string() })?
+            .map_err(|source| DataplaneError::Rules { pod: who.clone(), source: Box::new(source) })?;
             tracing::info!(pod = %who, uid = %pod.uid, "the pod's eBPF registration removed: the rules capture it now");
         }
         Ok("rules")
@@ -363,21 +379,18 @@ impl Dataplane {
         tokio::task::spawn_blocking(move || {
             let path = fd_path(&fd);
             let started = std::time::Instant::now();
-            let before = ebpf::ambient_record_exists(&node, &identity.uid);
-            let checked = started.elapsed();
             ebpf::register_ambient(&node, &path, recorded.as_deref(), &cfg, &identity)
                 .map_err(|source| Box::new(DataplaneError::Ebpf { pod: task_who.clone(), source }))?;
             let registered = started.elapsed();
+            // A failure here keeps the registration: the pod stays captured (its
+            // replies may not find ztunnel yet, which fails closed), never less
+            // captured than before; the add fails and is tried again.
             if let Err(source) = weir_iptables::ambient::apply_inpod_ebpf(&path, &cfg) {
-                if !before {
-                    let _ = ebpf::unregister_ambient(&node, &identity.uid, Some(&path));
-                }
                 return Err(Box::new(DataplaneError::Rules { pod: task_who, source: Box::new(source) }));
             }
             tracing::debug!(
                 pod = %task_who,
-                check_us = checked.as_micros(),
-                register_us = (registered - checked).as_micros(),
+                register_us = registered.as_micros(),
                 inpod_us = (started.elapsed() - registered).as_micros(),
                 "eBPF capture applied"
             );

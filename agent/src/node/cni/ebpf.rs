@@ -331,6 +331,13 @@ pub fn register_ambient(
     cfg: &weir_iptables::ambient::InpodConfig,
     who: &PodIdentity,
 ) -> Result<u64, CniEbpfError> {
+    if who.uid.is_empty() {
+        return Err(crate::ebpf::config::EbpfConfigError {
+            input: "the pod's UID",
+            problem: "empty: an ambient pod's registration is named after it".into(),
+        }
+        .into());
+    }
     check_user_namespace(netns)?;
     let own = pod_own_addresses(netns)?;
     let ifname = interface_holding(netns, &own)?;
@@ -391,29 +398,50 @@ fn pod_own_addresses(netns: &Path) -> Result<Vec<std::net::IpAddr>, CniEbpfError
     own_addresses(&facts).map_err(io(format!("read the addresses in {}", netns.display())))
 }
 
-/// The interface in `netns` that holds one of `addresses` (the pod's own).
+/// The pod's one interface that is up (besides `lo`), which must hold one of `addresses`. The
+/// inbound classifier is attached to one interface: a pod with more (Multus) is
+/// refused, naming them, and `auto` gives it the in-pod rules, which capture on every
+/// interface.
 fn interface_holding(netns: &Path, addresses: &[std::net::IpAddr]) -> Result<String, CniEbpfError> {
-    let wanted = addresses.to_vec();
-    let found = crate::ebpf::netns::in_netns(netns, move || {
+    let listed = crate::ebpf::netns::in_netns(netns, || {
         let addrs = nix::ifaddrs::getifaddrs().map_err(std::io::Error::from)?;
         Ok(addrs
-            .filter(|a| {
-                a.address.as_ref().is_some_and(|s| {
-                    let ip = s
-                        .as_sockaddr_in()
+            .map(|a| {
+                let ip = a.address.as_ref().and_then(|s| {
+                    s.as_sockaddr_in()
                         .map(|v4| std::net::IpAddr::V4(v4.ip()))
-                        .or_else(|| s.as_sockaddr_in6().map(|v6| std::net::IpAddr::V6(v6.ip())));
-                    ip.is_some_and(|ip| wanted.contains(&ip))
-                })
+                        .or_else(|| s.as_sockaddr_in6().map(|v6| std::net::IpAddr::V6(v6.ip())))
+                });
+                (a.interface_name, ip, a.flags.contains(nix::net::if_::InterfaceFlags::IFF_UP))
             })
-            .map(|a| a.interface_name)
-            .next())
+            .collect::<Vec<_>>())
     })
     .map_err(io(format!("list the interfaces in {}", netns.display())))?;
-    found.ok_or_else(|| CniEbpfError::Io {
-        what: format!("find the pod's interface in {}", netns.display()),
-        source: std::io::Error::other(format!("no interface holds any of {addresses:?}")),
-    })
+    // Interfaces that are up: a namespace also holds the fallback devices of tunnel
+    // modules (tunl0, sit0, ...), down and unused.
+    let mut names: Vec<&str> =
+        listed.iter().filter(|(n, _, up)| *up && n != "lo").map(|(n, _, _)| n.as_str()).collect();
+    names.sort_unstable();
+    names.dedup();
+    if names.len() > 1 {
+        return Err(crate::ebpf::config::EbpfConfigError {
+            input: "the pod's interfaces",
+            problem: format!(
+                "{} besides lo ({}); eBPF inbound capture is attached to one (the in-pod rules capture this pod)",
+                names.len(),
+                names.join(", ")
+            ),
+        }
+        .into());
+    }
+    listed
+        .iter()
+        .find(|(_, ip, _)| ip.is_some_and(|ip| addresses.contains(&ip)))
+        .map(|(name, _, _)| name.clone())
+        .ok_or_else(|| CniEbpfError::Io {
+            what: format!("find the pod's interface in {}", netns.display()),
+            source: std::io::Error::other(format!("no interface holds any of {addresses:?}")),
+        })
 }
 
 /// The pod's cookie if record `name` registers it in this build's set under `netns`

@@ -46,6 +46,14 @@ fn redirected(cfg: &PodConfig, to: u16) -> u32 {
     if to == cfg.inbound_port { counter::REDIRECTED_INBOUND } else { counter::REDIRECTED }
 }
 
+/// A connect starts over: an original destination an earlier connect of this socket
+/// recorded (one the kernel then failed, e.g. EADDRNOTAVAIL) must not be taken for
+/// this one's, which may not be redirected at all.
+#[inline(always)]
+fn forget_original_destination(ctx: &SockAddrContext) {
+    let _ = ORIG_BY_COOKIE.remove(&net::socket_cookie(ctx.as_ptr()));
+}
+
 #[cgroup_sock_addr(connect4)]
 pub fn weir_connect4(ctx: SockAddrContext) -> i32 {
     connect4(&ctx)
@@ -59,6 +67,9 @@ fn connect4(ctx: &SockAddrContext) -> i32 {
     let (dst, port_be, sock_type) =
         unsafe { (field!(sa, user_ip4), field!(sa, user_port) as u16, field!(sa, type_)) };
     let port = u16::from_be(port_be);
+    if sock_type == SOCK_STREAM {
+        forget_original_destination(ctx);
+    }
     // ztunnel's own sockets in an ambient pod (marked 0x539), as Istio's in-pod rules
     // return them first.
     if net::proxy_marked(sa, cfg) {
@@ -132,6 +143,9 @@ fn connect6(ctx: &SockAddrContext) -> i32 {
         )
     };
     let port = u16::from_be(port_be);
+    if sock_type == SOCK_STREAM {
+        forget_original_destination(ctx);
+    }
     if net::proxy_marked(sa, cfg) {
         maps::count(cfg, netns, Reason::Proxy.counter());
         return ALLOW;

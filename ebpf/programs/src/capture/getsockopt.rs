@@ -75,6 +75,12 @@ pub fn weir_getsockopt(ctx: SockoptContext) -> i32 {
             remote_port: field!(sk, src_port) as u16,
             family: u32::from(family),
         });
+        // Only the proxy's redirect ports hold redirected connections: a connection
+        // accepted anywhere else (ztunnel's inbound sockets, whose local address is
+        // the original destination already) gets the kernel's own answer.
+        if app.remote_port != cfg.outbound_port && app.remote_port != cfg.inbound_port {
+            return 1;
+        }
         // IPv4 inside IPv6 is answered at SOL_IP only; real IPv6 at SOL_IPV6 only.
         let answer_v4 = app.family == u32::from(AF_INET);
         if answer_v4 != (level == SOL_IP) {

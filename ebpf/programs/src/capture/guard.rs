@@ -70,12 +70,16 @@ pub fn weir_inbound_guard(ctx: SkBuffContext) -> i32 {
     DROP
 }
 
-/// ztunnel (its sockets marked 0x539) delivers a connection to one of an ambient pod's
-/// guarded listeners over loopback, from the client's own address: the packet is marked
-/// 0x111, which the pod's accepted socket takes (`tcp_fwmark_accept`, set in the pod's
+/// ztunnel (its sockets marked 0x539) delivers a connection to an ambient pod's app
+/// over loopback, from the client's own address: the packet is marked 0x111, which
+/// the app's accepted socket takes (`tcp_fwmark_accept`, set in an ambient pod's
 /// namespace at registration), so its replies follow the in-pod rule `fwmark
 /// 0x111/0xfff lookup 100` back to ztunnel instead of out of the pod, as Istio's
-/// connmark does. Only a listening socket's packets, of a pod registered as ambient.
+/// connmark does. Every listening socket that is not ztunnel's own (marked 0x539
+/// itself) gets it, guarded or not: an accepted socket must never inherit ztunnel's
+/// mark, which would let the app's later connects pass as ztunnel's. Elsewhere
+/// (`tcp_fwmark_accept` off, the kernel's default) an accepted socket takes its
+/// listener's mark and this changes nothing.
 #[inline(always)]
 unsafe fn mark_ztunnel_delivery(skb: *mut __sk_buff) {
     unsafe {
@@ -84,13 +88,10 @@ unsafe fn mark_ztunnel_delivery(skb: *mut __sk_buff) {
             return;
         }
         let full = bpf_sk_fullsock(sk);
-        if full.is_null() || field!(full, state) != TCP_LISTEN {
-            return;
-        }
-        let cookie = bpf_get_socket_cookie(skb.cast());
-        let Some(netns) = LISTENERS.get(&cookie) else { return };
-        let Some(ports) = INBOUND_PORTS.get(netns) else { return };
-        if !ports.is_ambient() {
+        if full.is_null()
+            || field!(full, state) != TCP_LISTEN
+            || field!(full, mark) & ambient::MARK_MASK == ambient::ZTUNNEL_MARK
+        {
             return;
         }
         let mark = field!(skb, mark);

@@ -40,14 +40,14 @@ pub fn weir_sk_msg(ctx: SkMsgContext) -> u32 {
         }
     };
     let netns = net::netns_cookie(md.cast());
-    let me = PairKey {
+    let me = net::unmapped_pair(PairKey {
         netns,
         local_addr: local,
         remote_addr: remote,
         local_port: unsafe { field!(md, local_port) } as u16,
         remote_port: u16::from_be((unsafe { field!(md, remote_port) } >> 16) as u16),
         family: u32::from(family),
-    };
+    });
     if unsafe { NO_REDIRECT.get(&me) }.is_some() {
         return SK_PASS;
     }

@@ -90,7 +90,12 @@ fn established(ctx: &SockOpsContext, active: bool) {
         let cookie = net::socket_cookie(ctx.as_ptr());
         if let Some(orig) = unsafe { ORIG_BY_COOKIE.get(&cookie) } {
             let orig = *orig;
-            let _ = ORIG_BY_PAIR.insert(&key, &orig, 0);
+            // Only a connection the connect hook sent to the proxy's own port over
+            // loopback carries an original destination.
+            if is_local(&key) && (key.remote_port == cfg.outbound_port || key.remote_port == cfg.inbound_port)
+            {
+                let _ = ORIG_BY_PAIR.insert(&key, &orig, 0);
+            }
             let _ = ORIG_BY_COOKIE.remove(&cookie);
         }
     }
