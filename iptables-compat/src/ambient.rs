@@ -42,7 +42,7 @@ mod routes;
 
 pub use apply::{
     AmbientError, apply_inpod, apply_inpod_ebpf, clear_inpod_ebpf, program_inpod_iptables, program_inpod_nft,
-    remove_inpod, remove_inpod_ebpf, verify_inpod, verify_inpod_ebpf,
+    remove_inpod, remove_inpod_ebpf, verify_inpod,
 };
 pub use config::{AmbientBackend, AmbientConfig, InpodConfig, PodDns, PodOverrides};
 pub use host::{

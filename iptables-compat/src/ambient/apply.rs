@@ -210,17 +210,6 @@ pub fn clear_inpod_ebpf(netns: &Path) -> Result<(), AmbientError> {
     in_netns(netns, || set_fwmark_accept(false)).map_err(|e| AmbientError::from_capture(&name, e))
 }
 
-/// Whether eBPF capture's in-pod part ([`apply_inpod_ebpf`]) is in place in `netns`.
-pub fn verify_inpod_ebpf(netns: &Path, cfg: &InpodConfig) -> Result<bool, AmbientError> {
-    let name = netns.display().to_string();
-    in_netns(netns, || {
-        let routes = netlink(|nl| async move { routes::present(&nl, cfg.ambient.enable_ipv6).await })?;
-        let accept = std::fs::read_to_string(FWMARK_ACCEPT).is_ok_and(|v| v.trim() == "1");
-        Ok(routes && accept)
-    })
-    .map_err(|e| AmbientError::from_capture(&name, e))
-}
-
 /// The probe, unless legacy iptables is forced (the fast path is iptables-nft's).
 fn probe(cfg: &AmbientConfig) -> Option<fast_path::Probe> {
     if cfg.force_iptables_binary == Some(IptablesBackend::Legacy) {
