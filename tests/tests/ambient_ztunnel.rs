@@ -327,27 +327,38 @@ fn ambient_pods_captured_by_ebpf_talk_over_hbone_through_the_real_ztunnel() {
         cgroup.path().file_name().unwrap().to_string_lossy()
     ))
     .unwrap();
-    let (client, server, extra, kubevirt) = (
+    let (client, server, extra, kubevirt, multus) = (
         mesh.pod("client").unwrap(),
         mesh.pod("server").unwrap(),
         mesh.pod("extra").unwrap(),
         mesh.pod("kubevirt").unwrap(),
+        mesh.pod("multus").unwrap(),
     );
     let uids = [
         "7a1e2d3c-aaaa-bbbb-cccc-00000000000c",
         "7a1e2d3c-aaaa-bbbb-cccc-00000000000d",
         "7a1e2d3c-aaaa-bbbb-cccc-00000000000e",
         "7a1e2d3c-aaaa-bbbb-cccc-00000000000f",
+        "7a1e2d3c-aaaa-bbbb-cccc-000000000010",
     ];
-    let pods = [(&client, "client"), (&server, "server"), (&extra, "extra"), (&kubevirt, "kubevirt")];
+    let pods = [
+        (&client, "client"),
+        (&server, "server"),
+        (&extra, "extra"),
+        (&kubevirt, "kubevirt"),
+        (&multus, "multus"),
+    ];
     let _sandboxes: Vec<_> =
         pods.iter().zip(uids).map(|((pod, _), uid)| node.sandbox(&cgroup, uid, pod).unwrap()).collect();
     node.api.set_namespace(NS, &[("istio.io/dataplane-mode", "ambient")]);
     // In kubelet's order: a new pod has no address before its ADD (`auto` gives eBPF to
     // new sandboxes only; a pod found running gets the rules).
     for ((pod, name), uid) in pods.iter().zip(uids) {
-        let annotations: &[(&str, &str)] =
-            if *name == "kubevirt" { &[("istio.io/reroute-virtual-interfaces", "tap0")] } else { &[] };
+        let annotations: &[(&str, &str)] = match *name {
+            "kubevirt" => &[("istio.io/reroute-virtual-interfaces", "tap0")],
+            "multus" => &[("k8s.v1.cni.cncf.io/networks", "macvlan-conf")],
+            _ => &[],
+        };
         let mut object = pod_object(NS, name, uid, IpAddr::V4(pod.ipv4()), &[], annotations);
         object["status"] = serde_json::json!({"phase": "Pending"});
         node.api.set_pod(object);
@@ -360,6 +371,9 @@ fn ambient_pods_captured_by_ebpf_talk_over_hbone_through_the_real_ztunnel() {
         ]
         .map(|(k, v)| (k.to_string(), v.to_string())),
     );
+    // A pod that turned tcp_fwmark_accept on itself: the rules turn it off (with it, an
+    // accepted socket would take ztunnel's mark and pass the rules' exemption).
+    in_pod(&kubevirt, "sysctl", &["-qw", "net.ipv4.tcp_fwmark_accept=1"]);
     node.start_agent().unwrap();
     let workloads = pods.map(|(pod, name)| workload(pod, name));
     let mut zt =
@@ -383,17 +397,26 @@ fn ambient_pods_captured_by_ebpf_talk_over_hbone_through_the_real_ztunnel() {
         let ip_rules = in_pod(pod, "ip", &["rule"]);
         assert!(ip_rules.contains("fwmark 0x111/0xfff lookup 100"), "{name}: {ip_rules}");
     }
-    // `auto` gives the pod eBPF cannot capture the in-pod rules, and says why.
+    // `auto` gives the pods eBPF cannot capture the in-pod rules, and says why.
     let rules = in_pod(&kubevirt, "iptables-save", &[]);
     assert!(rules.contains("ISTIO_PRERT") && rules.contains("tap0"), "{rules}");
     let log = node.agent_log(1);
-    assert!(
-        log.lines().any(|l| l.contains("ambient capture")
-            && l.contains("kubevirt")
-            && l.contains("rules")
-            && l.contains("istio.io/reroute-virtual-interfaces")),
-        "{log}"
-    );
+    for (name, why) in
+        [("kubevirt", "istio.io/reroute-virtual-interfaces"), ("multus", "k8s.v1.cni.cncf.io/networks")]
+    {
+        assert!(
+            log.lines().any(|l| l.contains("ambient capture")
+                && l.contains(&format!("pod=default/{name} "))
+                && l.contains("capture=\"rules\"")
+                && l.contains(why)),
+            "{name}: {log}"
+        );
+    }
+    assert!(in_pod(&multus, "iptables-save", &[]).contains("ISTIO_PRERT"));
+    let fwmark_accept =
+        |pod: &Pod| in_pod(pod, "sysctl", &["-n", "net.ipv4.tcp_fwmark_accept"]).trim().to_string();
+    assert_eq!(fwmark_accept(&kubevirt), "0", "the rules turn tcp_fwmark_accept off");
+    assert_eq!(fwmark_accept(&client), "1", "eBPF capture's reply path needs it on");
 
     fn placed<'a>(pod: &'a Pod, cgroup: &'a weir_tests::Cgroup, uid: u32) -> Placement<'a> {
         Placement {

@@ -151,7 +151,29 @@ fn add_routes(ipv6: bool) -> Result<(), CaptureError> {
 pub fn apply_inpod(netns: &Path, cfg: &InpodConfig) -> Result<Report, AmbientError> {
     cfg.pod.validate()?;
     let name = netns.display().to_string();
-    in_netns(netns, || match cfg.ambient.backend {
+    in_netns(netns, || {
+        fwmark_accept_off()?;
+        apply_rules_here(cfg, netns)
+    })
+    .map_err(|e| AmbientError::from_capture(&name, e))
+}
+
+/// `tcp_fwmark_accept` off under the rules: with it on, the app's accepted socket for a
+/// connection ztunnel delivers would take ztunnel's mark 0x539, and its later connects
+/// would pass the rules' `! --mark 0x539` exemption (left on by eBPF capture, which
+/// needs it, or set by the pod). Written only when on.
+fn fwmark_accept_off() -> Result<(), CaptureError> {
+    if std::fs::read_to_string(FWMARK_ACCEPT).is_ok_and(|v| v.trim() != "0") {
+        tracing::warn!(
+            "net.ipv4.tcp_fwmark_accept was on in the pod: turned off (the in-pod rules need it off)"
+        );
+        set_fwmark_accept(false)?;
+    }
+    Ok(())
+}
+
+fn apply_rules_here(cfg: &InpodConfig, netns: &Path) -> Result<Report, CaptureError> {
+    match cfg.ambient.backend {
         AmbientBackend::Iptables => {
             let report = apply_iptables_here(cfg, netns)?;
             remove_nft_here()?;
@@ -162,8 +184,7 @@ pub fn apply_inpod(netns: &Path, cfg: &InpodConfig) -> Result<Report, AmbientErr
             remove_iptables_here(&cfg.ambient, netns)?;
             Ok(report)
         }
-    })
-    .map_err(|e| AmbientError::from_capture(&name, e))
+    }
 }
 
 /// `net.ipv4.tcp_fwmark_accept` (it covers IPv6 TCP too): an accepted socket takes

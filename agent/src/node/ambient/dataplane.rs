@@ -100,6 +100,8 @@ pub enum DataplaneError {
 }
 
 const REDIRECTION_ANNOTATION_NAME: &str = super::objects::REDIRECTION_ANNOTATION;
+/// Multus's annotation naming a pod's additional networks.
+const MULTUS_NETWORKS: &str = "k8s.v1.cni.cncf.io/networks";
 
 impl DataplaneError {
     /// Whether trying again can help (Istio's retryable errors: ztunnel, annotations,
@@ -295,6 +297,18 @@ impl Dataplane {
             AmbientCapture::Auto if !ebpf::node_capture_present(&node) => {
                 (false, format!("auto: no eBPF node capture named {node} is attached"))
             }
+            // Multus adds the pod's other networks after this chain's ADD: the classifier
+            // would sit on one interface of several.
+            AmbientCapture::Auto
+                if pod.annotations.iter().any(|(k, v)| k == MULTUS_NETWORKS && !v.trim().is_empty()) =>
+            {
+                (
+                    false,
+                    format!(
+                        "auto: the pod asks for more networks ({MULTUS_NETWORKS}); eBPF inbound capture sits on one interface"
+                    ),
+                )
+            }
             // A pod enrolled while it runs has listeners that predate capture (the
             // inbound guard records a listener when it starts listening).
             AmbientCapture::Auto if recorded.is_none() => {
@@ -316,8 +330,9 @@ impl Dataplane {
         }
         self.apply_rules(&who, netns, cfg).await?;
         tracing::info!(pod = %who, uid = %pod.uid, capture = "rules", reason = %reason, "ambient capture");
-        if has_ebpf {
-            // Captured by eBPF before (WEIR_AMBIENT_CAPTURE changed): the registration goes.
+        if has_ebpf || ebpf::ambient_record_exists(&node, &pod.uid) {
+            // Captured by eBPF before (WEIR_AMBIENT_CAPTURE changed), or registered by the
+            // attempt `auto` fell back from: the registration goes.
             let (uid, path) = (pod.uid.clone(), fd_path(netns));
             let fd = netns.try_clone().ok();
             tokio::task::spawn_blocking(move || {
@@ -357,8 +372,9 @@ impl Dataplane {
 
     /// Registers the pod with the node capture for ztunnel and sets the in-pod part
     /// eBPF capture needs (`weir_iptables::ambient::apply_inpod_ebpf`: the reply route,
-    /// `tcp_fwmark_accept`, no in-pod rules). If the in-pod part fails, a registration
-    /// this call made is taken back.
+    /// `tcp_fwmark_accept`, no in-pod rules). If the in-pod part fails, the registration
+    /// stays (the pod stays captured, its replies may not find ztunnel: closed) and the
+    /// add fails.
     async fn apply_ebpf(
         &self,
         pod: &AmbientPod,

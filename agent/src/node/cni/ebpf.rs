@@ -258,6 +258,14 @@ pub fn detach_node(name: &str) -> Result<(), CniEbpfError> {
     let (pods, retired) = (pod_prefix(name), format!("{name}-set-"));
     for record in PinRecord::load_all().into_iter().filter(|r| r.pod.starts_with(&pods)) {
         record.remove()?;
+        // An ambient pod keeps running uncaptured by eBPF: its accepted sockets must not
+        // take ztunnel's mark any more (a later capture by rules relies on that).
+        if record.pod.starts_with(&format!("{pods}ambient-"))
+            && let Some(netns) = record.netns.as_deref().filter(|p| p.exists())
+            && let Err(e) = weir_iptables::ambient::clear_inpod_ebpf(netns)
+        {
+            tracing::warn!(capture = %record.pod, error = %crate::error_chain(&e), "tcp_fwmark_accept not reset in a detached ambient pod");
+        }
     }
     for record in PinRecord::load_all().into_iter().filter(|r| r.pod.starts_with(&retired)) {
         record.remove()?;
