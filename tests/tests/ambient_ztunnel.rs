@@ -305,7 +305,8 @@ fn ask_placed(from: Placement<'_>, to: SocketAddr) -> Result<String, String> {
 /// in-pod rule. The client app's connect goes to ztunnel's 15001 (ztunnel reads the
 /// original destination with SO_ORIGINAL_DST from the programs), over HBONE to the
 /// server's ztunnel, which delivers from the client's address; the app's replies go
-/// back to ztunnel by the in-pod route (the inbound guard's 0x111 mark). DNS to any
+/// back to ztunnel by the in-pod route (the inbound guard's 0x111 mark), over IPv4
+/// and IPv6. DNS to any
 /// server reaches ztunnel's DNS proxy. A plain
 /// client outside the mesh is assigned to the server's ztunnel (15006); kubelet's
 /// probe (169.254.7.127) reaches the app itself. With ztunnel gone both clients fail
@@ -366,6 +367,7 @@ fn ambient_pods_captured_by_ebpf_talk_over_hbone_through_the_real_ztunnel() {
     node.env.extend(
         [
             ("AMBIENT_DNS_CAPTURE", "true"),
+            ("AMBIENT_IPV6", "true"),
             ("WEIR_AMBIENT_CAPTURE", "auto"),
             ("WEIR_EBPF_NODE_CAPTURE", capture.as_str()),
         ]
@@ -375,7 +377,11 @@ fn ambient_pods_captured_by_ebpf_talk_over_hbone_through_the_real_ztunnel() {
     // accepted socket would take ztunnel's mark and pass the rules' exemption).
     in_pod(&kubevirt, "sysctl", &["-qw", "net.ipv4.tcp_fwmark_accept=1"]);
     node.start_agent().unwrap();
-    let workloads = pods.map(|(pod, name)| workload(pod, name));
+    // Dual-stack workloads: the IPv6 path is checked below.
+    let workloads = pods.map(|(pod, name)| LocalWorkload {
+        ips: vec![pod.ipv4().into(), pod.ipv6().into()],
+        ..workload(pod, name)
+    });
     let mut zt =
         Ztunnel::start_in_cgroup(&node.node, &node.zds_socket(), &workloads, Some(&zt_cgroup)).unwrap();
     add_pods(&node, &zt, &pods);
@@ -442,6 +448,20 @@ fn ambient_pods_captured_by_ebpf_talk_over_hbone_through_the_real_ztunnel() {
         zt.log().lines().filter(|l| l.contains("connection complete") && l.contains(&hbone)).count() >= 2
     })
     .unwrap_or_else(|e| panic!("{e}\n{}", zt.log()));
+
+    // The same over IPv6: connect6 to [::1]:15001, ztunnel's SO_ORIGINAL_DST at
+    // SOL_IPV6, HBONE over IPv6, the reply route of IPv6's table 100.
+    let _hello6 = start_placed(in_cgroup(&server, 1000), &["serve-hello", "[::]:8082", "server6"]).unwrap();
+    let answer = ask_placed(in_cgroup(&client, 1000), SocketAddr::new(server.ipv6().into(), 8082))
+        .unwrap_or_else(|e| panic!("IPv6 through ztunnel: {e}\nztunnel:\n{}", zt.log()));
+    assert!(answer.starts_with("hello server6"), "{answer}");
+    assert!(
+        answer.contains(&format!("peer=[{}]:", client.ipv6())),
+        "the server sees the client pod: {answer}"
+    );
+    let hbone6 = format!("dst.hbone_addr=[{}]:8082", server.ipv6());
+    node.wait("ztunnel's IPv6 access log", PATIENCE, || zt.log().lines().any(|l| l.contains(&hbone6)))
+        .unwrap_or_else(|e| panic!("{e}\n{}", zt.log()));
 
     // DNS capture: the app's query to any server goes to ztunnel's DNS proxy (15053),
     // and the answer comes back from the server the app addressed.
