@@ -477,20 +477,6 @@ fn ambient_pods_captured_by_ebpf_talk_over_hbone_through_the_real_ztunnel() {
         metrics.lines().any(|l| l.starts_with("istio_dns_requests_total") && !l.ends_with(" 0")),
         "ztunnel counted no DNS request:\n{metrics}"
     );
-    // DNS that stays in the pod (a resolver on loopback) is the app's own, as Istio's
-    // `! -o lo` leaves it.
-    let _resolver = start_placed(
-        Placement { netns: Some(client.netns()), cgroup: Some(&cgroup), ..Placement::default() },
-        &["dns-serve", "127.0.0.1:53", "10.9.8.7"],
-    )
-    .unwrap();
-    let local = try_run_placed(
-        in_cgroup(&client, 1000),
-        tools::testkit_command(),
-        &["dns-query", "127.0.0.1:53", "ambient.test"],
-    )
-    .unwrap_or_else(|e| panic!("DNS to a loopback resolver: {e}"));
-    assert_eq!(local, "answer 10.9.8.7 from 127.0.0.1:53", "answered by the pod's own resolver");
 
     // Every app listener's accepted socket gets 0x111 from ztunnel's delivery, never
     // ztunnel's own 0x539 (which would pass the app's later connects as ztunnel's):

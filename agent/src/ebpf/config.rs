@@ -276,9 +276,8 @@ impl PodCapture {
         }
         let mut bits = flags::CAPTURE_ALL_OUTBOUND;
         if cfg.redirect_dns() {
-            // Istio's in-pod rules send DNS to any server to ztunnel, but not what
-            // stays in the pod (`! -o lo`).
-            bits |= flags::REDIRECT_DNS | flags::CAPTURE_ALL_DNS | flags::DNS_NOT_LOCAL;
+            // Istio's in-pod rules send DNS to any server to ztunnel.
+            bits |= flags::REDIRECT_DNS | flags::CAPTURE_ALL_DNS;
         }
         let config = PodConfig {
             proxy_uids: [NO_ID; MAX_IDS],
@@ -437,7 +436,6 @@ mod tests {
         };
         let pod = PodCapture::ambient(&dns, vec![ip]).unwrap();
         assert!(pod.config.has(flags::REDIRECT_DNS) && pod.config.has(flags::CAPTURE_ALL_DNS));
-        assert!(pod.config.has(flags::DNS_NOT_LOCAL));
         // Ingress mode: no inbound capture. Virtual interfaces: the rules' job.
         let ingress = InpodConfig {
             pod: PodOverrides { ingress_mode: true, ..PodOverrides::default() },

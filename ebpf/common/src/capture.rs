@@ -106,9 +106,6 @@ pub mod flags {
     // every socket, on every kernel.
     /// Keep no decision counters for this pod (the benchmark's measure of their cost).
     pub const NO_COUNTERS: u32 = 1 << 5;
-    /// DNS that stays in the pod (a loopback resolver, the pod's own address) is left
-    /// alone: Istio's ambient rule redirects DNS `! -o lo` only.
-    pub const DNS_NOT_LOCAL: u32 = 1 << 6;
 }
 
 /// One pod's capture settings (`POD_CONFIG[netns cookie]`).

@@ -1,25 +1,18 @@
 //! DNS to the agent: a connect or UDP send to port 53 of one of the pod's resolv.conf
 //! servers (or any server, with capture-all) by a non-proxy process goes to the agent's
 //! listener on loopback; `recvmsg` makes the agent's replies appear to come from the
-//! server the app addressed. For an ambient pod, DNS that stays in the pod (a loopback
-//! resolver, the pod's own address) is left alone, as Istio's `! -o lo` rule does.
+//! server the app addressed.
 
 use aya_ebpf::{EbpfContext as _, macros::cgroup_sock_addr, programs::SockAddrContext};
 use weir_ebpf_common::{
-    capture::{OrigDst, PodConfig, counter, flags},
+    capture::{OrigDst, PodConfig, counter},
     policy,
 };
 
 use crate::{
-    maps::{self, DNS_BY_COOKIE, DNS_V4, DNS_V6, EXCLUDE_V4, EXCLUDE_V6, POD_CONFIG},
+    maps::{self, DNS_BY_COOKIE, DNS_V4, DNS_V6, POD_CONFIG},
     net::{self, AF_INET, AF_INET6, ALLOW, LOOPBACK4, SOCK_DGRAM, field},
 };
-
-/// Whether an IPv4 destination stays in the pod: loopback, or the pod's own address.
-#[inline(always)]
-fn stays_in_pod4(cfg: &PodConfig, netns: u64, dst: u32) -> bool {
-    policy::loopback4(dst) != policy::Loopback::No || net::own_address_v4(&EXCLUDE_V4, cfg, netns, dst)
-}
 
 /// Redirects an IPv4 DNS connect or send; true if it did.
 #[inline(always)]
@@ -35,9 +28,6 @@ pub fn redirect_v4(
     tcp: bool,
 ) -> bool {
     if !policy::dns(cfg, uid, gid, port, || net::lookup_v4(&DNS_V4, cfg, netns, dst).is_some()) {
-        return false;
-    }
-    if cfg.has(flags::DNS_NOT_LOCAL) && stays_in_pod4(cfg, netns, dst) {
         return false;
     }
     if !tcp {
@@ -74,16 +64,6 @@ pub fn redirect_v6(
         None => net::lookup_v6(&DNS_V6, cfg, netns, dst).is_some(),
     };
     if !policy::dns(cfg, uid, gid, port, server) {
-        return false;
-    }
-    let local = || match mapped {
-        Some(v4) => stays_in_pod4(cfg, netns, v4),
-        None => {
-            policy::loopback6(dst) != policy::Loopback::No
-                || net::own_address_v6(&EXCLUDE_V6, cfg, netns, dst)
-        }
-    };
-    if cfg.has(flags::DNS_NOT_LOCAL) && local() {
         return false;
     }
     if !tcp {

@@ -123,21 +123,20 @@ pub fn mapped_v4(addr: &[u32; 4]) -> Option<u32> {
     (addr[0] == 0 && addr[1] == 0 && addr[2] == u32::from_ne_bytes([0, 0, 0xff, 0xff])).then_some(addr[3])
 }
 
-/// A per-pod IPv4 trie's key for `addr`: the pod's netns cookie, the generation its
-/// config names, the address.
+/// The value stored for `addr` in a per-pod IPv4 trie (the entries of the generation
+/// the pod's config names), if any prefix matches.
 #[inline(always)]
-fn key_v4(cfg: &PodConfig, netns: u64, addr: u32) -> Key<CidrV4> {
+pub fn lookup_v4(trie: &LpmTrie<CidrV4, u8>, cfg: &PodConfig, netns: u64, addr: u32) -> Option<u8> {
     let data = CidrV4 {
         netns: netns.to_be_bytes(),
         generation: cfg.generation.to_be_bytes(),
         addr: addr.to_ne_bytes(),
     };
-    Key::new(KEY_PREFIX_BITS + 32, data)
+    trie.get(&Key::new(KEY_PREFIX_BITS + 32, data)).copied()
 }
 
-/// As [`key_v4`], for IPv6.
 #[inline(always)]
-fn key_v6(cfg: &PodConfig, netns: u64, addr: &[u32; 4]) -> Key<CidrV6> {
+pub fn lookup_v6(trie: &LpmTrie<CidrV6, u8>, cfg: &PodConfig, netns: u64, addr: &[u32; 4]) -> Option<u8> {
     let mut bytes = [0u8; 16];
     let mut i = 0;
     while i < 4 {
@@ -149,39 +148,7 @@ fn key_v6(cfg: &PodConfig, netns: u64, addr: &[u32; 4]) -> Key<CidrV6> {
         i += 1;
     }
     let data = CidrV6 { netns: netns.to_be_bytes(), generation: cfg.generation.to_be_bytes(), addr: bytes };
-    Key::new(KEY_PREFIX_BITS + 128, data)
-}
-
-/// The value stored for `addr` in a per-pod IPv4 trie (the entries of the generation
-/// the pod's config names), if any prefix matches.
-#[inline(always)]
-pub fn lookup_v4(trie: &LpmTrie<CidrV4, u8>, cfg: &PodConfig, netns: u64, addr: u32) -> Option<u8> {
-    trie.get(&key_v4(cfg, netns, addr)).copied()
-}
-
-#[inline(always)]
-pub fn lookup_v6(trie: &LpmTrie<CidrV6, u8>, cfg: &PodConfig, netns: u64, addr: &[u32; 4]) -> Option<u8> {
-    trie.get(&key_v6(cfg, netns, addr)).copied()
-}
-
-/// Whether `addr` is one of the pod's own addresses (its entry in the exclusion trie).
-/// The value is read in the branch that found it: folded into one expression, LLVM
-/// reads a register the verifier sees as unset when nothing was found.
-#[inline(always)]
-pub fn own_address_v4(trie: &LpmTrie<CidrV4, u8>, cfg: &PodConfig, netns: u64, addr: u32) -> bool {
-    match trie.get(&key_v4(cfg, netns, addr)) {
-        Some(v) => unsafe { core::ptr::read_volatile(v) == OWN_POD_ADDRESS },
-        None => false,
-    }
-}
-
-/// As [`own_address_v4`], for IPv6.
-#[inline(always)]
-pub fn own_address_v6(trie: &LpmTrie<CidrV6, u8>, cfg: &PodConfig, netns: u64, addr: &[u32; 4]) -> bool {
-    match trie.get(&key_v6(cfg, netns, addr)) {
-        Some(v) => unsafe { core::ptr::read_volatile(v) == OWN_POD_ADDRESS },
-        None => false,
-    }
+    trie.get(&Key::new(KEY_PREFIX_BITS + 128, data)).copied()
 }
 
 /// The value a trie holds for the pod's own addresses (as opposed to `-x` entries).
