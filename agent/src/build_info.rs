@@ -32,3 +32,24 @@ impl std::fmt::Display for BuildInfo {
         )
     }
 }
+
+/// `version` (pilot-agent's and weir's): prints the build as `args` asks.
+pub fn print(args: &crate::cli::VersionArgs) -> u8 {
+    if args.short {
+        println!("{}", BUILD_INFO.version);
+        return crate::exit::OK;
+    }
+    match args.output {
+        Some(crate::cli::VersionFormat::Json) => {
+            println!("{}", serde_json::to_string_pretty(&BUILD_INFO).expect("build info serializes"))
+        }
+        Some(crate::cli::VersionFormat::Yaml) => {
+            let value = serde_json::to_value(BUILD_INFO).expect("build info serializes");
+            for (k, v) in value.as_object().into_iter().flatten() {
+                println!("{k}: {}", v.as_str().unwrap_or_default());
+            }
+        }
+        None => println!("{BUILD_INFO}"),
+    }
+    crate::exit::OK
+}

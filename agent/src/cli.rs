@@ -96,6 +96,33 @@ pub enum PilotAgentCommand {
     Version(VersionArgs),
 }
 
+/// `pilot-agent` as the istio-init container runs it (the `weir-init` binary, the
+/// weir-init image's pilot-agent): only the commands an init container runs, so the
+/// per-pod process starts with nothing else to map or build.
+#[derive(Debug, Parser)]
+#[command(
+    name = "pilot-agent",
+    version,
+    about = "Istio pilot-agent compatible (Weir), istio-init's commands",
+    disable_help_subcommand = true
+)]
+pub struct InitCli {
+    #[command(subcommand)]
+    pub command: InitCommand,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum InitCommand {
+    /// Script to set up iptables to divert traffic to Envoy (istio-iptables).
+    #[command(name = "istio-iptables", args_override_self = true)]
+    IstioIptables(Box<IstioIptablesArgs>),
+    /// Print version information.
+    Version(VersionArgs),
+}
+
+/// pilot-agent's commands that `weir-init` leaves to the full binary, for a clear error.
+pub const NOT_IN_INIT: [&str; 3] = ["proxy", "wait", "request"];
+
 /// Arguments taken verbatim; their parser belongs to the command that owns them
 /// (`--help` included: each prints pilot-agent's usage for its flags).
 #[derive(Debug, Args)]

@@ -24,6 +24,7 @@ pub mod http1;
 pub mod identity;
 pub mod istio_iptables;
 pub mod local_cmd;
+pub mod logs;
 pub mod metrics;
 pub mod node;
 pub mod privileges;

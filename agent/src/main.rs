@@ -5,13 +5,8 @@ use std::{ffi::OsString, process::ExitCode};
 
 use clap::Parser as _;
 use weir_agent::{
-    app,
-    build_info::BUILD_INFO,
-    capture_cmd,
-    cli::{
-        Personality, PilotAgentCli, PilotAgentCommand, SandboxCommand, VersionArgs, VersionFormat, WeirCli,
-        WeirCommand,
-    },
+    app, build_info, capture_cmd,
+    cli::{Personality, PilotAgentCli, PilotAgentCommand, SandboxCommand, WeirCli, WeirCommand},
     config, demo, exit, istio_iptables, local_cmd, sandbox,
 };
 
@@ -20,47 +15,14 @@ fn main() -> ExitCode {
     let personality = argv.first().map(Personality::from_argv0).unwrap_or(Personality::Weir);
     // The CNI plugin sets up its logs once it has read its config (plugin_log_level).
     if personality != Personality::Cni {
-        init_tracing(&argv, None);
+        weir_agent::logs::init(&argv, None);
     }
     let code = match personality {
         Personality::Weir => run_weir(WeirCli::parse_from(&argv)),
         Personality::PilotAgent => run_pilot_agent(PilotAgentCli::parse_from(&argv)),
-        Personality::Cni => weir_agent::node::cni::main(|level| init_tracing(&argv, level)),
+        Personality::Cni => weir_agent::node::cni::main(|level| weir_agent::logs::init(&argv, level)),
     };
     ExitCode::from(code)
-}
-
-/// Logs go to stderr. Level: WEIR_LOG, else `level` (the CNI plugin's
-/// `plugin_log_level`), else Istio's `--log_output_level=default:<level>` (which the
-/// injector passes to istio-iptables), else info.
-fn init_tracing(argv: &[OsString], level: Option<&str>) {
-    use tracing_subscriber::{EnvFilter, fmt};
-    let istio_level = argv.iter().filter_map(|a| a.to_str()).find_map(|a| {
-        let spec = a.strip_prefix("--log_output_level=")?;
-        spec.split(',').find_map(|s| {
-            s.strip_prefix("default:").or_else(|| s.strip_prefix("all:")).map(|l| match l {
-                "fatal" | "none" => "error".to_string(),
-                other => other.to_string(),
-            })
-        })
-    });
-    // Istio's level names: debug, info, warn, error, fatal, none.
-    let level = level.map(|l| match l {
-        "fatal" | "none" => "error".to_string(),
-        other => other.to_string(),
-    });
-    let level = level.or(istio_level).unwrap_or_else(|| "info".into());
-    use std::io::IsTerminal as _;
-    let logs =
-        fmt().with_writer(std::io::stderr).with_ansi(std::io::stderr().is_terminal()).with_target(false);
-    // A plain level (every short-lived run: the CNI plugin, istio-iptables) needs no
-    // directive matching: a level filter costs the start-up nothing. WEIR_LOG may
-    // carry per-target directives, and anything that is not a level is read as one.
-    match (EnvFilter::try_from_env("WEIR_LOG"), level.parse::<tracing_subscriber::filter::LevelFilter>()) {
-        (Ok(directives), _) => logs.with_env_filter(directives).init(),
-        (Err(_), Ok(level)) => logs.with_max_level(level).init(),
-        (Err(_), Err(_)) => logs.with_env_filter(EnvFilter::new(level)).init(),
-    }
 }
 
 fn run_weir(cli: WeirCli) -> u8 {
@@ -104,7 +66,7 @@ fn run_weir(cli: WeirCli) -> u8 {
         WeirCommand::Cni(args) => edge(weir_agent::node::command::run(*args)),
         WeirCommand::Demo(args) => edge(demo::run(&args)),
         WeirCommand::Sandbox(args) => edge(run_sandbox(args.command)),
-        WeirCommand::Version(args) => version(&args),
+        WeirCommand::Version(args) => build_info::print(&args),
         WeirCommand::DemoApp { args } => edge(demo::app(&args)),
     }
 }
@@ -115,7 +77,7 @@ fn run_pilot_agent(cli: PilotAgentCli) -> u8 {
         PilotAgentCommand::IstioIptables(args) => istio_iptables::run(&args),
         PilotAgentCommand::Wait(args) => wait(&args.args),
         PilotAgentCommand::Request(args) => request(&args.args),
-        PilotAgentCommand::Version(args) => version(&args),
+        PilotAgentCommand::Version(args) => build_info::print(&args),
     }
 }
 
@@ -232,26 +194,6 @@ fn edge(result: anyhow::Result<()>) -> u8 {
             exit::FAILURE
         }
     }
-}
-
-fn version(args: &VersionArgs) -> u8 {
-    if args.short {
-        println!("{}", BUILD_INFO.version);
-        return exit::OK;
-    }
-    match args.output {
-        Some(VersionFormat::Json) => {
-            println!("{}", serde_json::to_string_pretty(&BUILD_INFO).expect("build info serializes"))
-        }
-        Some(VersionFormat::Yaml) => {
-            let value = serde_json::to_value(BUILD_INFO).expect("build info serializes");
-            for (k, v) in value.as_object().into_iter().flatten() {
-                println!("{k}: {}", v.as_str().unwrap_or_default());
-            }
-        }
-        None => println!("{BUILD_INFO}"),
-    }
-    exit::OK
 }
 
 fn run_sandbox(command: SandboxCommand) -> anyhow::Result<()> {

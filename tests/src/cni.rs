@@ -98,12 +98,12 @@ pub struct CniRuntime<'a> {
 }
 
 impl<'a> CniRuntime<'a> {
-    /// Links `weir` as `istio-cni` and `weir-cni` into a plugin dir ahead of the
-    /// reference plugins.
+    /// Links the plugin binary (`weir-cni`, as `weir cni install` installs it) as
+    /// `istio-cni` and `weir-cni` into a plugin dir ahead of the reference plugins.
     pub fn new(node: &'a NetNs) -> anyhow::Result<Self> {
         let bin = Dir::new("cni-bin")?;
         for name in ["istio-cni", "weir-cni"] {
-            std::os::unix::fs::symlink(tools::weir(), bin.path().join(name))?;
+            std::os::unix::fs::symlink(tools::weir_cni(), bin.path().join(name))?;
         }
         Ok(Self {
             node,

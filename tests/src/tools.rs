@@ -62,6 +62,26 @@ pub fn weir() -> PathBuf {
     WEIR_UNDER_TEST.lock().unwrap_or_else(|e| e.into_inner()).clone().unwrap_or_else(|| binary("weir"))
 }
 
+/// The CNI plugin binary under test: `weir-cni` beside the `weir` under test; for an
+/// older build that has none, that `weir` (the plugin too when named weir-cni).
+pub fn weir_cni() -> PathBuf {
+    companion("weir-cni").unwrap_or_else(weir)
+}
+
+/// The `weir-init` binary under test (pilot-agent as the weir-init image has it), if
+/// the build under test has one.
+pub fn weir_init() -> Option<PathBuf> {
+    companion("weir-init")
+}
+
+/// `name` built with the `weir` under test: beside it.
+fn companion(name: &str) -> Option<PathBuf> {
+    match WEIR_UNDER_TEST.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+        Some(other) => Some(other.with_file_name(name)).filter(|p| p.is_file()),
+        None => Some(binary(name)),
+    }
+}
+
 /// The `weir-testkit` helper's path (TCP/UDP clients and servers for traffic tests).
 pub fn testkit() -> PathBuf {
     binary("weir-testkit")
@@ -88,6 +108,16 @@ pub fn weir_command() -> Command {
 /// A command running `weir` under the name `pilot-agent` (the istio-proxy container's).
 pub fn pilot_agent_command() -> Command {
     let mut cmd = weir_command();
+    cmd.arg0("pilot-agent");
+    cmd
+}
+
+/// A command running pilot-agent as the istio-init container of the weir-init image
+/// does: `weir-init` under test, named `pilot-agent`; for a build without it, `weir`
+/// as `pilot-agent` (what that build's image ran).
+pub fn init_command() -> Command {
+    let Some(path) = weir_init() else { return pilot_agent_command() };
+    let mut cmd = Command::new(path);
     cmd.arg0("pilot-agent");
     cmd
 }

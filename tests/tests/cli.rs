@@ -70,6 +70,48 @@ fn the_cni_personality_speaks_the_cni_protocol() {
     assert_eq!(e["code"], 4, "{e}");
 }
 
+#[test]
+fn the_per_pod_binaries_do_their_one_job() {
+    // weir-cni: the plugin, whatever it is named.
+    let cni = tools::weir_cni();
+    let out = Command::new(&cni).env("CNI_COMMAND", "VERSION").output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["cniVersion"], "1.0.0");
+    let out = Command::new(&cni).env("CNI_COMMAND", "FROB").output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let e: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(e["code"], 4, "{e}");
+
+    // weir-init: pilot-agent's istio-init commands, the same istio-iptables as weir's.
+    let init = tools::weir_init().expect("this checkout builds weir-init");
+    let out = Command::new(&init).args(["version", "--short"]).output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), env!("CARGO_PKG_VERSION"), "{out:?}");
+    let flags: Vec<&str> = weir_tests::inject::ISTIO_INIT_ARGS.iter().copied().chain(["--dry-run"]).collect();
+    let run = |bin: &std::path::Path| {
+        let out = Command::new(bin).args(&flags).env_remove("WEIR_LOG").output().unwrap();
+        assert!(
+            out.status.success(),
+            "{} {flags:?}: {}",
+            bin.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let (small, whole) = (run(&init), run(&tools::weir()));
+    assert!(small.contains("-A ISTIO_REDIRECT -p tcp -j REDIRECT --to-ports 15001"), "{small}");
+    assert_eq!(small, whole, "weir-init and weir plan the same rules from the injector's flags");
+    // The sidecar's commands are weir's: a usage error that says where they are.
+    for command in ["proxy", "wait", "request"] {
+        let out = Command::new(&init).arg(command).output().unwrap();
+        assert_eq!(out.status.code(), Some(64), "{command}: {out:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("not in weir-init") && err.contains("weir-proxy"), "{command}: {err}");
+    }
+    let out = Command::new(&init).arg("demo").output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+}
+
 /// `pilot-agent proxy ...` in an empty pod directory (`etc/istio/proxy` made, as the
 /// injector's emptyDir), with the system roots, a loopback control plane nobody
 /// serves and no status server, plus `env`.

@@ -97,9 +97,11 @@ fn once_writes_the_binary_the_kubeconfig_and_the_chain() {
     assert_eq!(weir["exclude_namespaces"], serde_json::json!(["kube-system", "istio-system"]));
     assert_eq!(weir["cni_agent_run_dir"], host.run.display().to_string());
 
-    // The binary is this weir, executable; the kubeconfig is the service account's.
+    // The binary is the plugin built beside this weir (`weir-cni`, not `weir`),
+    // executable; the kubeconfig is the service account's.
     let bin = host.bin.join("weir-cni");
-    assert_eq!(std::fs::read(&bin).unwrap(), std::fs::read(tools::weir()).unwrap());
+    assert_eq!(std::fs::read(&bin).unwrap(), std::fs::read(tools::weir_cni()).unwrap());
+    assert_ne!(std::fs::read(&bin).unwrap(), std::fs::read(tools::weir()).unwrap());
     use std::os::unix::fs::PermissionsExt as _;
     assert_eq!(std::fs::metadata(&bin).unwrap().permissions().mode() & 0o777, 0o755);
     let kubeconfig = std::fs::read_to_string(host.run.join("istio-cni-kubeconfig")).unwrap();

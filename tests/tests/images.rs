@@ -60,9 +60,17 @@ fn the_init_and_proxy_images_run_an_injected_pod() {
     require_root!();
     let init = UnpackedImage::unpack("weir-init").unwrap_or_else(|e| panic!("{e:#}"));
     let proxy = UnpackedImage::unpack("weir-proxy-standalone").unwrap_or_else(|e| panic!("{e:#}"));
-    // The images are what they say: a static pilot-agent; the proxy image has the
-    // upstream Envoy and no Istio template (pilot-agent's built-in bootstrap is used).
+    // The images are what they say: a static pilot-agent (the init image's is
+    // `weir-init`, istio-init's commands only, the proxy image's the whole `weir`); the
+    // proxy image has the upstream Envoy and no Istio template (pilot-agent's built-in
+    // bootstrap is used).
     assert!(!has_interpreter(&init.path("/usr/local/bin/pilot-agent")), "pilot-agent is static");
+    let init_agent = std::fs::metadata(init.path("/usr/local/bin/pilot-agent")).unwrap().len();
+    let proxy_agent = std::fs::metadata(proxy.path("/usr/local/bin/pilot-agent")).unwrap().len();
+    assert!(
+        init_agent < proxy_agent / 2,
+        "weir-init ({init_agent} bytes) against weir ({proxy_agent} bytes)"
+    );
     assert_eq!(init.entrypoint, ["/usr/local/bin/pilot-agent"]);
     assert_eq!(proxy.entrypoint, ["/usr/local/bin/pilot-agent"]);
     assert_eq!(proxy.user, "1337:1337");
@@ -286,7 +294,11 @@ fn the_cni_image_installs_the_daemonsets_node_agent() {
     assert_eq!(list["plugins"][1]["capture_mode"], env["WEIR_CAPTURE_MODE"].as_str());
     let plugin = host("/opt/cni/bin").join("weir-cni");
     assert!(settles(|| plugin.is_file()), "no plugin binary\n{}", said());
-    assert_eq!(std::fs::read(&plugin).unwrap(), std::fs::read(image.path("/usr/local/bin/weir")).unwrap());
+    // The image's plugin-only binary, not `weir`: the runtime execs it for every pod.
+    assert_eq!(
+        std::fs::read(&plugin).unwrap(),
+        std::fs::read(image.path("/usr/local/bin/weir-cni")).unwrap()
+    );
     assert_eq!(std::fs::metadata(&plugin).unwrap().permissions().mode() & 0o777, 0o755);
     assert!(!has_interpreter(&plugin), "the installed plugin is static");
     let v = Command::new(&plugin).env_clear().env("CNI_COMMAND", "VERSION").output().unwrap();

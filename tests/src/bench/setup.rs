@@ -6,8 +6,10 @@
 //! -f` of its transaction. What Weir adds over that floor is its own start-up, the
 //! flags and environment resolved, the namespace probed, and what it logs.
 //!
-//! Both run in one fresh pod namespace, taking turns in each round (the order
-//! alternating), each started from a thread inside the namespace with its output read
+//! Weir is timed twice: as `weir-init` (the weir-init image's pilot-agent, istio-init's
+//! commands only) and as the whole `weir` (what istio-init runs from a proxy image).
+//! All three run in one fresh pod namespace, taking turns in each round (the order
+//! rotating), each started from a thread inside the namespace with its output read
 //! through pipes as a container runtime reads it; the rules are removed (untimed) after
 //! each, so every apply finds the namespace clean.
 
@@ -21,33 +23,12 @@ use std::{
 use weir_agent::sandbox::{Mesh, Pod};
 use weir_iptables::{detect::SystemFacts, flags::IstioIptablesArgs};
 
+use weir_tests::inject::ISTIO_INIT_ARGS;
+
 use crate::report::{Options, Row, Samples, Table};
 
 /// Applies of each per run.
 const ROUNDS: usize = 20;
-
-/// The injector's istio-init arguments (Istio's injection template, as in
-/// tests/testdata/istio-inject).
-const INJECTOR_ARGS: [&str; 18] = [
-    "istio-iptables",
-    "-p",
-    "15001",
-    "-z",
-    "15006",
-    "-u",
-    "1337",
-    "-m",
-    "REDIRECT",
-    "-i",
-    "*",
-    "-x",
-    "",
-    "-b",
-    "*",
-    "-d",
-    "15090,15021,15020",
-    "--log_output_level=default:info",
-];
 
 /// The same flags as the library reads them.
 fn injector_flags(nftables: bool) -> IstioIptablesArgs {
@@ -129,9 +110,8 @@ fn run_raw(netns: &Path, work: &[Raw]) -> anyhow::Result<f64> {
     Ok(ms)
 }
 
-fn run_weir(netns: &Path, nftables: bool) -> anyhow::Result<f64> {
-    let mut cmd = weir_tests::tools::pilot_agent_command();
-    cmd.args(INJECTOR_ARGS);
+fn run_weir(netns: &Path, nftables: bool, mut cmd: Command) -> anyhow::Result<f64> {
+    cmd.args(ISTIO_INIT_ARGS);
     if nftables {
         cmd.arg("--native-nftables");
     }
@@ -143,66 +123,91 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// One run: `ROUNDS` rounds in a fresh pod namespace; (floor, Weir) medians in ms.
-fn run_once(nftables: bool) -> anyhow::Result<(f64, f64)> {
+/// Who runs the apply in a turn.
+#[derive(Clone, Copy)]
+enum Turn {
+    Floor,
+    /// `weir-init`, the weir-init image's pilot-agent.
+    Init,
+    /// `weir`, the proxy image's pilot-agent (istio-init on Istio's own proxyv2 image).
+    Whole,
+}
+
+/// One run: `ROUNDS` rounds in a fresh pod namespace; (floor, weir-init, weir) medians
+/// in ms.
+fn run_once(nftables: bool) -> anyhow::Result<[f64; 3]> {
     let mesh = Mesh::new("bench-setup")?;
     let pod = mesh.pod("app")?;
     let netns = pod.netns().path().to_path_buf();
     let (apply, remove) = raw_work(&pod, nftables)?;
-    let (mut floor, mut weir) = (Vec::new(), Vec::new());
+    let mut ms = [Vec::new(), Vec::new(), Vec::new()];
+    let order = [Turn::Floor, Turn::Init, Turn::Whole];
     for round in 0..ROUNDS {
-        for weir_turn in if round % 2 == 0 { [false, true] } else { [true, false] } {
-            if weir_turn {
-                weir.push(run_weir(&netns, nftables)?);
-            } else {
-                floor.push(run_raw(&netns, &apply)?);
-            }
+        // Each takes each place in the order in turn.
+        for i in 0..order.len() {
+            let turn = order[(i + round) % order.len()];
+            let took = match turn {
+                Turn::Floor => run_raw(&netns, &apply)?,
+                Turn::Init => run_weir(&netns, nftables, weir_tests::tools::init_command())?,
+                Turn::Whole => run_weir(&netns, nftables, weir_tests::tools::pilot_agent_command())?,
+            };
+            ms[turn as usize].push(took);
             run_raw(&netns, &remove)?;
         }
     }
-    Ok((median(floor), median(weir)))
+    Ok(ms.map(median))
 }
 
 pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
     let mut tables = Vec::new();
     for nftables in [false, true] {
-        let (floor_name, weir_name, title) = if nftables {
+        let (floor_name, command, title) = if nftables {
             (
                 "nft -f of the same transaction, exec → exit (floor)",
-                "pilot-agent istio-iptables --native-nftables, exec → exit",
+                "pilot-agent istio-iptables --native-nftables",
                 "Whole-process setup as kubelet sees it, nftables",
             )
         } else {
             (
                 "iptables-nft-restore --noflush of the same text, exec → exit (floor)",
-                "pilot-agent istio-iptables, exec → exit",
+                "pilot-agent istio-iptables",
                 "Whole-process setup as kubelet sees it, iptables",
             )
         };
-        let (mut floor, mut weir) = (Samples::default(), Samples::default());
+        let mut samples = [Samples::default(), Samples::default(), Samples::default()];
         for run in 0..opts.runs {
             eprintln!("[bench setup] {title}: run {}/{}", run + 1, opts.runs);
-            let (f, w) = run_once(nftables).unwrap_or_else(|e| {
+            let figures = run_once(nftables).unwrap_or_else(|e| {
                 eprintln!("[bench setup] {title} failed: {e:#}");
-                (f64::NAN, f64::NAN)
+                [f64::NAN; 3]
             });
-            floor.0.push(f);
-            weir.0.push(w);
+            for (s, f) in samples.iter_mut().zip(figures) {
+                s.0.push(f);
+            }
         }
+        let [floor, init, whole] = samples;
+        // One name for both builds of an A/B: a build without weir-init runs its weir there.
+        let init_name = format!("{command}, weir-init (the weir-init image's pilot-agent), exec → exit");
         tables.push(Table {
             title: title.into(),
             columns: vec![("apply", "ms", false)],
             rows: vec![
                 Row { name: floor_name.into(), metrics: vec![floor] },
-                Row { name: weir_name.into(), metrics: vec![weir] },
+                Row { name: init_name, metrics: vec![init] },
+                Row {
+                    name: format!("{command}, weir (a proxy image's pilot-agent), exec → exit"),
+                    metrics: vec![whole],
+                },
             ],
             notes: vec![format!(
                 "istio-init's command line as Istio's injector writes it ({}), run inside a fresh pod namespace as \
                  root; the floor runs the kernel's tool on the text Weir restores there (the plan resolved from the \
                  same flags and the pod's addresses). {ROUNDS} applies of each per run, taking turns (order \
-                 alternating), the rules removed (untimed) after each; median of the applies. Goal: ≤ 1.3× the \
-                 floor. {}",
-                INJECTOR_ARGS.join(" ").replace(" -x  ", " -x \"\" "),
+                 rotating), the rules removed (untimed) after each; median of the applies. weir-init is what \
+                 kubelet runs with global.proxy_init.image set to Weir's weir-init; weir is what it runs when \
+                 istio-init uses the proxy image (Istio's default), the same code in the whole binary (a build without weir-init runs its weir in \
+                 that row). Goal: ≤ 1.3× the floor. {}",
+                ISTIO_INIT_ARGS.join(" ").replace(" -x  ", " -x \"\" "),
                 opts.summary()
             )],
         });

@@ -58,7 +58,7 @@ pub struct InstallSettings {
     pub run_dir: PathBuf,
     /// Weir's entry in the chain (type, run dir and options are set by install).
     pub plugin: Map<String, Value>,
-    /// The binary to install (this executable by default).
+    /// The plugin binary to install (`weir-cni` next to this executable by default).
     pub binary: PathBuf,
     pub kubeconfig: KubeconfigSource,
     /// eBPF: attach the node capture (its name) to the pods' cgroup.

@@ -1,0 +1,12 @@
+//! `weir-cni`: the CNI plugin alone, the binary `weir cni install` puts in the node's
+//! CNI bin folder. The runtime execs it for every ADD, DEL and CHECK, so it holds only
+//! the plugin (`weir_agent::node::cni`); `weir` run as `weir-cni` or `istio-cni` is the
+//! same plugin, in a binary that maps and relocates everything else too.
+
+use std::{ffi::OsString, process::ExitCode};
+
+fn main() -> ExitCode {
+    let argv: Vec<OsString> = std::env::args_os().collect();
+    // Logs are set up once the network configuration is read (plugin_log_level).
+    ExitCode::from(weir_agent::node::cni::main(|level| weir_agent::logs::init(&argv, level)))
+}
