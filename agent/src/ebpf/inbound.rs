@@ -346,8 +346,14 @@ impl NodeClassifier {
     /// let the kernel choose) go once this one is in place, so the interface is never
     /// without one and never runs two.
     pub fn attach(&self, netns: &Path, interface: &str) -> Result<(), EbpfError> {
-        let mut program = SchedClassifier::from_pin(self.program_pin())
-            .map_err(|source| EbpfError::Verify { program: inbound::PROG, source })?;
+        // Through its info, not `SchedClassifier::from_pin`: that reads the program's
+        // name as a string, which makes aya probe the kernel's features first (nine BTF
+        // loads, five program loads, three maps and a link: about a fifth of a pod's
+        // registration in the CNI plugin, which runs once per pod).
+        let verify = |source| EbpfError::Verify { program: inbound::PROG, source };
+        let info = aya::programs::ProgramInfo::from_pin(self.program_pin()).map_err(verify)?;
+        let mut program = SchedClassifier::from_program_info(info, std::borrow::Cow::Borrowed(inbound::PROG))
+            .map_err(verify)?;
         let prog_id = program
             .fd()
             .map_err(|source| EbpfError::Verify { program: inbound::PROG, source })
