@@ -33,6 +33,26 @@ impl std::fmt::Display for BuildInfo {
     }
 }
 
+/// What marks a binary as this build (version, commit, eBPF objects), NUL-delimited so
+/// it is found whole in a binary's bytes. `weir cni install` installs the `weir-cni`
+/// beside it only when that file carries this exact marker (the same build: the same
+/// eBPF program set as the node capture it attaches); `weir-cni` keeps it referenced.
+pub const BUILD_MARKER: &str = concat!(
+    "\0weir-build:",
+    env!("CARGO_PKG_VERSION"),
+    ":",
+    env!("WEIR_GIT_SHA"),
+    ":",
+    env!("WEIR_EBPF_OBJECTS_DIGEST"),
+    "\0"
+);
+
+/// Whether `bytes` (a binary's) carry [`BUILD_MARKER`].
+pub fn carries_build_marker(bytes: &[u8]) -> bool {
+    let inner = BUILD_MARKER.trim_matches('\0').as_bytes();
+    bytes.split(|&b| b == 0).any(|segment| segment == inner)
+}
+
 /// `version` (pilot-agent's and weir's): prints the build as `args` asks.
 pub fn print(args: &crate::cli::VersionArgs) -> u8 {
     if args.short {
@@ -52,4 +72,22 @@ pub fn print(args: &crate::cli::VersionArgs) -> u8 {
         None => println!("{BUILD_INFO}"),
     }
     crate::exit::OK
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{BUILD_MARKER, carries_build_marker};
+
+    #[test]
+    fn the_build_marker_is_found_only_whole() {
+        let mut binary = b"\x7fELF junk".to_vec();
+        assert!(!carries_build_marker(&binary));
+        binary.extend_from_slice(BUILD_MARKER.as_bytes());
+        binary.extend_from_slice(b"more");
+        assert!(carries_build_marker(&binary));
+        // Another build's marker (one byte different), or this one cut short, is not it.
+        let other = BUILD_MARKER.replacen("weir-build:", "weir-build:9", 1);
+        assert!(!carries_build_marker(other.as_bytes()));
+        assert!(!carries_build_marker(&BUILD_MARKER.as_bytes()[..BUILD_MARKER.len() - 3]));
+    }
 }

@@ -1,6 +1,7 @@
-//! The command line: one binary, three personalities chosen by argv[0]'s file name.
-//! `weir` (everything), `pilot-agent` (the command lines Istio's injector writes) and,
-//! later, `weir-cni`/`istio-cni` (a CNI plugin). Parsing only; `main.rs` dispatches.
+//! The command line: `weir`'s three personalities chosen by argv[0]'s file name —
+//! `weir` (everything), `pilot-agent` (the command lines Istio's injector writes) and
+//! `weir-cni`/`istio-cni` (the CNI plugin) — and the per-pod `weir-init`'s. Parsing
+//! only; `main.rs` and `bin/` dispatch.
 
 use std::{ffi::OsString, path::Path};
 

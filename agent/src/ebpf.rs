@@ -50,6 +50,14 @@ pub enum EbpfError {
         #[source]
         source: aya::programs::ProgramError,
     },
+    /// A pinned program opened by its info, then by its id (which takes CAP_SYS_ADMIN).
+    #[error("open the pinned program {program} at {path} (by its id: needs CAP_SYS_ADMIN)")]
+    OpenPinned {
+        program: &'static str,
+        path: PathBuf,
+        #[source]
+        source: aya::programs::ProgramError,
+    },
     #[error("open cgroup {path}")]
     OpenCgroup {
         path: PathBuf,

@@ -90,7 +90,12 @@ pub fn istio_iptables(pod: &Pod, args: &[&str], resolv_conf: Option<&Path>) -> O
 
 /// `weir istio-iptables <args>` inside `pod`, placed (user, cgroup) as the caller says.
 pub fn istio_iptables_placed(pod: &Pod, placement: Placement<'_>, args: &[&str]) -> Output {
-    let mut cmd = tools::weir_command();
+    istio_iptables_with(tools::weir_command(), pod, placement, args)
+}
+
+/// `cmd istio-iptables <args>` inside `pod` (`cmd`: `weir`, or `tools::init_command()`
+/// for the weir-init image's pilot-agent).
+pub fn istio_iptables_with(mut cmd: Command, pod: &Pod, placement: Placement<'_>, args: &[&str]) -> Output {
     cmd.arg("istio-iptables")
         .args(args)
         .env("WEIR_LOG", "warn")

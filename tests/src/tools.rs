@@ -113,11 +113,18 @@ pub fn pilot_agent_command() -> Command {
 }
 
 /// A command running pilot-agent as the istio-init container of the weir-init image
-/// does: `weir-init` under test, named `pilot-agent`; for a build without it, `weir`
-/// as `pilot-agent` (what that build's image ran).
+/// does, as any user: `weir-init` under test, named `pilot-agent`; for a build without
+/// it, `weir` as `pilot-agent` (what that build's image ran).
 pub fn init_command() -> Command {
-    let Some(path) = weir_init() else { return pilot_agent_command() };
-    let mut cmd = Command::new(path);
+    static INIT: OnceLock<Executable> = OnceLock::new();
+    let other_build = WEIR_UNDER_TEST.lock().unwrap_or_else(|e| e.into_inner()).is_some();
+    let mut cmd = match (other_build, weir_init()) {
+        (false, Some(_)) => opened(&INIT, "weir-init").command(),
+        (true, Some(other)) => {
+            Executable::open(&other).unwrap_or_else(|e| panic!("open {}: {e}", other.display())).command()
+        }
+        (_, None) => return pilot_agent_command(),
+    };
     cmd.arg0("pilot-agent");
     cmd
 }

@@ -183,14 +183,19 @@ fn validation_passes_with_rules_and_fails_with_126_without() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 
     let probe = ["--skip-rule-apply", "--run-validation", "--probe-timeout", "3s"];
-    let out = istio_iptables(&captured_pod, &probe, None);
-    assert_eq!(out.status.code(), Some(0), "validation with rules: {}", String::from_utf8_lossy(&out.stderr));
-    let out = istio_iptables(&bare_pod, &probe, None);
-    assert_eq!(
-        out.status.code(),
-        Some(126),
-        "validation without rules: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(String::from_utf8_lossy(&out.stderr).contains("validation failed"));
+    // istio-validation runs as istio-proxy (1337), from the init image (weir-init) or
+    // from the proxy image (weir).
+    for (what, cmd) in [
+        ("weir", weir_tests::tools::weir_command as fn() -> _),
+        ("weir-init", weir_tests::tools::init_command),
+    ] {
+        let as_proxy = || weir_tests::Placement { user: Some((1337, 1337)), ..Default::default() };
+        let out = weir_tests::capture::istio_iptables_with(cmd(), &captured_pod, as_proxy(), &probe);
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{what}: validation with rules: {said}");
+        let out = weir_tests::capture::istio_iptables_with(cmd(), &bare_pod, as_proxy(), &probe);
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(126), "{what}: validation without rules: {said}");
+        assert!(said.contains("validation failed"), "{what}: {said}");
+    }
 }

@@ -349,11 +349,14 @@ impl NodeClassifier {
         // Through its info, not `SchedClassifier::from_pin`: that reads the program's
         // name as a string, which makes aya probe the kernel's features first (nine BTF
         // loads, five program loads, three maps and a link: about a fifth of a pod's
-        // registration in the CNI plugin, which runs once per pod).
-        let verify = |source| EbpfError::Verify { program: inbound::PROG, source };
-        let info = aya::programs::ProgramInfo::from_pin(self.program_pin()).map_err(verify)?;
+        // registration in the CNI plugin, which runs once per pod). The program is then
+        // reopened by its id, which takes CAP_SYS_ADMIN: every caller has it (the plugin,
+        // the node agent, `weir capture`), as entering the pod's namespace needs it too.
+        let path = self.program_pin();
+        let open = |source| EbpfError::OpenPinned { program: inbound::PROG, path: path.clone(), source };
+        let info = aya::programs::ProgramInfo::from_pin(&path).map_err(open)?;
         let mut program = SchedClassifier::from_program_info(info, std::borrow::Cow::Borrowed(inbound::PROG))
-            .map_err(verify)?;
+            .map_err(open)?;
         let prog_id = program
             .fd()
             .map_err(|source| EbpfError::Verify { program: inbound::PROG, source })
@@ -366,16 +369,16 @@ impl NodeClassifier {
             path: PathBuf::from(interface),
             source: aya::programs::ProgramError::IOError(e),
         };
-        let filters = in_netns(netns, || weir_filters(interface)).map_err(attach_err)?;
-        if filters
-            .iter()
-            .any(|f| f.prog_id == prog_id && (f.priority, f.handle) == (FILTER_PRIORITY, FILTER_HANDLE))
-        {
-            std::mem::forget(program);
-            return Ok(());
-        }
-        let ours_taken = filters.iter().any(|f| (f.priority, f.handle) == (FILTER_PRIORITY, FILTER_HANDLE));
+        // One visit to the namespace (a thread there) reads its filters and attaches.
         let attached = in_netns(netns, || {
+            let filters = weir_filters(interface)?;
+            let ours = |f: &&weir_iptables::netlink::BpfFilter| {
+                (f.priority, f.handle) == (FILTER_PRIORITY, FILTER_HANDLE)
+            };
+            if filters.iter().filter(ours).any(|f| f.prog_id == prog_id) {
+                return Ok(());
+            }
+            let ours_taken = filters.iter().any(|f| ours(&f));
             let _ = aya::programs::tc::qdisc_add_clsact(interface);
             let id = if ours_taken {
                 let link = SchedClassifierLink::attached(

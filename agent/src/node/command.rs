@@ -339,10 +339,35 @@ impl InstallArgs {
 }
 
 /// The plugin binary shipped with `exe`: `weir-cni` in its folder (the plugin alone,
-/// which starts in a fraction of `weir`'s time), else `exe` itself.
+/// which starts in a fraction of `weir`'s time) when it is this build's (it carries
+/// [`crate::build_info::BUILD_MARKER`]: the same eBPF program set as the node capture
+/// `weir` attaches), owned by `exe`'s owner and writable by no one else; else `exe`
+/// itself, with a warning naming why. A stale or planted file is never installed.
 pub fn default_plugin_binary(exe: &std::path::Path) -> PathBuf {
+    use std::os::unix::fs::MetadataExt as _;
     let small = exe.with_file_name(crate::node::cni::install::PLUGIN_TYPE);
-    if small.is_file() { small } else { exe.to_path_buf() }
+    let refused = |why: String| {
+        tracing::warn!(plugin = %small.display(), installing = %exe.display(), "{why}: installing weir itself as the plugin");
+        exe.to_path_buf()
+    };
+    let Ok(meta) = std::fs::metadata(&small) else { return exe.to_path_buf() };
+    let owner = std::fs::metadata(exe).map(|m| m.uid()).ok();
+    if !meta.is_file() {
+        return refused("not a file".into());
+    }
+    if Some(meta.uid()) != owner || meta.mode() & 0o022 != 0 {
+        return refused(format!(
+            "owned by uid {} with mode {:o}: not {}'s owner's alone",
+            meta.uid(),
+            meta.mode() & 0o7777,
+            exe.display()
+        ));
+    }
+    match std::fs::read(&small) {
+        Ok(bytes) if crate::build_info::carries_build_marker(&bytes) => small,
+        Ok(_) => refused(format!("not this build's ({})", crate::build_info::BUILD_INFO)),
+        Err(e) => refused(format!("unreadable: {e}")),
+    }
 }
 
 /// A node whose kernel cannot run eBPF capture (before 5.15, a cgroup v1 host) still
@@ -498,6 +523,40 @@ pub fn run(args: CniArgs) -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
+    use std::os::unix::fs::PermissionsExt as _;
+
+    /// A folder holding a `weir` and, when given, a `weir-cni` with `bytes` and `mode`.
+    fn layout(companion: Option<(&[u8], u32)>) -> (tempfile::TempDir, std::path::PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let exe = dir.path().join("weir");
+        std::fs::write(&exe, b"weir").unwrap();
+        if let Some((bytes, mode)) = companion {
+            let plugin = dir.path().join("weir-cni");
+            std::fs::write(&plugin, bytes).unwrap();
+            std::fs::set_permissions(&plugin, std::fs::Permissions::from_mode(mode)).unwrap();
+        }
+        (dir, exe)
+    }
+
+    #[test]
+    fn install_takes_the_companion_plugin_only_when_it_is_this_builds() {
+        let this_build = [b"\x7fELF".as_slice(), crate::build_info::BUILD_MARKER.as_bytes()].concat();
+        let (dir, exe) = layout(Some((&this_build, 0o755)));
+        assert_eq!(default_plugin_binary(&exe), dir.path().join("weir-cni"));
+        // None beside it: weir itself (it is the plugin too when named weir-cni).
+        let (_dir, exe) = layout(None);
+        assert_eq!(default_plugin_binary(&exe), exe);
+        // Another build's (an older image layer, a partial rebuild): weir itself.
+        let other = crate::build_info::BUILD_MARKER.replacen("weir-build:", "weir-build:0", 1);
+        let (_dir, exe) = layout(Some((other.as_bytes(), 0o755)));
+        assert_eq!(default_plugin_binary(&exe), exe);
+        // This build's bytes, but writable by others: never installed.
+        let (_dir, exe) = layout(Some((&this_build, 0o757)));
+        assert_eq!(default_plugin_binary(&exe), exe);
+        let (_dir, exe) = layout(Some((&this_build, 0o775)));
+        assert_eq!(default_plugin_binary(&exe), exe);
+    }
+
     use std::{
         sync::{
             Arc,

@@ -446,8 +446,16 @@ pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
                 metrics: vec![Samples(vec![size(&envoy::binary()?)])],
             },
             Row {
-                name: "weir (agent, capture, eBPF objects, CNI plugin, demo: one binary)".into(),
+                name: "weir (agent, capture, eBPF objects, CNI plugin, demo)".into(),
                 metrics: vec![Samples(vec![size(&weir_bin)])],
+            },
+            Row {
+                name: "weir-cni (the CNI plugin alone, exec'd for every pod)".into(),
+                metrics: vec![Samples(vec![size(&weir_tests::tools::weir_cni())])],
+            },
+            Row {
+                name: "weir-init (istio-init's pilot-agent, exec'd for every pod)".into(),
+                metrics: vec![Samples(vec![weir_tests::tools::weir_init().map_or(f64::NAN, |p| size(&p))])],
             },
         ],
         notes: vec![format!("{} as built by scripts/bench (release).", weir_bin.display())],

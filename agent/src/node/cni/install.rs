@@ -311,6 +311,7 @@ pub async fn watch(
                 let repaired = !first;
                 tracing::info!(
                     binary = changes.binary,
+                    from = %s.binary.display(),
                     kubeconfig = changes.kubeconfig,
                     chained_into = ?changes.chained_into.as_ref().map(|p| p.display().to_string()),
                     repaired,
