@@ -43,6 +43,12 @@ impl Family {
 /// `-p 15001 -z 15006 -u 1337 -m REDIRECT -i '*' -x ""` (inbound: `-b`, `-d`).
 pub const INJECTOR_OUTBOUND: [&str; 12] =
     ["-p", "15001", "-z", "15006", "-u", "1337", "-m", "REDIRECT", "-i", "*", "-x", ""];
+/// The whole istio-init command line as Istio's injection template writes it (as in
+/// tests/testdata/istio-inject's injected pods), after `pilot-agent`.
+pub fn injector_istio_init_args() -> Vec<&'static str> {
+    let inbound = ["-b", "*", "-d", "15090,15021,15020", "--log_output_level=default:info"];
+    std::iter::once("istio-iptables").chain(INJECTOR_OUTBOUND).chain(inbound).collect()
+}
 /// Starts a testkit server in `pod` as `uid` and waits for its `listening` line.
 pub fn start_server(pod: &Pod, uid: u32, args: &[&str]) -> PodChild {
     start_server_placed(pod, Placement { user: Some((uid, uid)), ..Placement::default() }, args)

@@ -19,29 +19,6 @@
 //! assert!(pod.remove().is_empty());
 //! ```
 
-/// istio-init's arguments as Istio's injection template writes them (as in
-/// tests/testdata/istio-inject's injected pods).
-pub const ISTIO_INIT_ARGS: [&str; 18] = [
-    "istio-iptables",
-    "-p",
-    "15001",
-    "-z",
-    "15006",
-    "-u",
-    "1337",
-    "-m",
-    "REDIRECT",
-    "-i",
-    "*",
-    "-x",
-    "",
-    "-b",
-    "*",
-    "-d",
-    "15090,15021,15020",
-    "--log_output_level=default:info",
-];
-
 pub mod cluster;
 pub mod env;
 pub mod images;

@@ -148,13 +148,7 @@ fn the_injectors_command_line_programs_istios_rules() {
     let pilot_agent = dir.path().join("pilot-agent");
     symlink(weir_tests::tools::weir(), &pilot_agent).unwrap();
     let mut cmd = Command::new(&pilot_agent);
-    cmd.arg("istio-iptables").args(weir_tests::capture::INJECTOR_OUTBOUND).args([
-        "-b",
-        "*",
-        "-d",
-        "15090,15021,15020",
-        "--log_output_level=default:info",
-    ]);
+    cmd.args(weir_tests::capture::injector_istio_init_args());
     cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
     let out = scene.client.spawn(&mut cmd, 0).unwrap().into_inner().wait_with_output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));

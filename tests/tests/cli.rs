@@ -87,7 +87,8 @@ fn the_per_pod_binaries_do_their_one_job() {
     let init = tools::weir_init().expect("this checkout builds weir-init");
     let out = Command::new(&init).args(["version", "--short"]).output().unwrap();
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), env!("CARGO_PKG_VERSION"), "{out:?}");
-    let flags: Vec<&str> = weir_tests::inject::ISTIO_INIT_ARGS.iter().copied().chain(["--dry-run"]).collect();
+    let flags: Vec<&str> =
+        weir_tests::capture::injector_istio_init_args().into_iter().chain(["--dry-run"]).collect();
     let run = |bin: &std::path::Path| {
         let out = Command::new(bin).args(&flags).env_remove("WEIR_LOG").output().unwrap();
         assert!(

@@ -355,15 +355,9 @@ impl NodeClassifier {
         let path = self.program_pin();
         let open = |source| EbpfError::OpenPinned { program: inbound::PROG, path: path.clone(), source };
         let info = aya::programs::ProgramInfo::from_pin(&path).map_err(open)?;
+        let prog_id = info.id();
         let mut program = SchedClassifier::from_program_info(info, std::borrow::Cow::Borrowed(inbound::PROG))
             .map_err(open)?;
-        let prog_id = program
-            .fd()
-            .map_err(|source| EbpfError::Verify { program: inbound::PROG, source })
-            .and_then(|fd| {
-                super::sys::prog_id(fd.as_fd())
-                    .map_err(|source| EbpfError::Io { what: "read a program's id", source })
-            })?;
         let attach_err = |e: std::io::Error| EbpfError::Attach {
             program: inbound::PROG,
             path: PathBuf::from(interface),

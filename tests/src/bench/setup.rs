@@ -23,7 +23,7 @@ use std::{
 use weir_agent::sandbox::{Mesh, Pod};
 use weir_iptables::{detect::SystemFacts, flags::IstioIptablesArgs};
 
-use weir_tests::inject::ISTIO_INIT_ARGS;
+use weir_tests::capture::injector_istio_init_args;
 
 use crate::report::{Options, Row, Samples, Table};
 
@@ -111,7 +111,7 @@ fn run_raw(netns: &Path, work: &[Raw]) -> anyhow::Result<f64> {
 }
 
 fn run_weir(netns: &Path, nftables: bool, mut cmd: Command) -> anyhow::Result<f64> {
-    cmd.args(ISTIO_INIT_ARGS);
+    cmd.args(injector_istio_init_args());
     if nftables {
         cmd.arg("--native-nftables");
     }
@@ -207,7 +207,7 @@ pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
                  kubelet runs with global.proxy_init.image set to Weir's weir-init; weir is what it runs when \
                  istio-init uses the proxy image (Istio's default), the same code in the whole binary (a build without weir-init runs its weir in \
                  that row). Goal: ≤ 1.3× the floor. {}",
-                ISTIO_INIT_ARGS.join(" ").replace(" -x  ", " -x \"\" "),
+                injector_istio_init_args().join(" ").replace(" -x  ", " -x \"\" "),
                 opts.summary()
             )],
         });
