@@ -687,20 +687,17 @@ impl InjectedPod {
         };
         // Envoy goes with the agent (the parent-death signal is delivered, then Envoy
         // exits: on a loaded machine that can take a moment, in either namespace).
+        // What is reported is what was last seen: read again after the namespace is
+        // gone, its inode number may already be a new namespace's (another test's).
         let settled = Instant::now() + Duration::from_secs(5);
-        while (!self.pod.processes().is_empty() || !processes_in_mount_ns(mount_ns).is_empty())
-            && Instant::now() < settled
-        {
+        let (processes_left, in_mount_ns) = loop {
+            let seen = (self.pod.processes(), processes_in_mount_ns(mount_ns));
+            if (seen.0.is_empty() && seen.1.is_empty()) || Instant::now() >= settled {
+                break seen;
+            }
             std::thread::sleep(Duration::from_millis(50));
-        }
-        Ok(Termination {
-            pre_stop,
-            exit,
-            grace,
-            took: started.elapsed(),
-            processes_left: self.pod.processes(),
-            in_mount_ns: processes_in_mount_ns(mount_ns),
-        })
+        };
+        Ok(Termination { pre_stop, exit, grace, took: started.elapsed(), processes_left, in_mount_ns })
     }
 
     /// Drops the pod and checks that nothing of it is left: its network namespace, its
