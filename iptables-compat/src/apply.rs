@@ -98,11 +98,13 @@ pub enum Action {
 /// How a run read the namespace's state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ApplyPath {
-    /// The iptables fast path ([`crate::fast_path`]): the state probed in process, the
-    /// rules in (or out) with one restore per family.
+    /// The state probed in process, the rules in with one step: for iptables
+    /// ([`crate::fast_path`]) one restore per family (or removal); for nftables, on a
+    /// namespace with no Istio table, one nf_tables batch sent in process
+    /// ([`crate::nft_wire`]), no `nft` run.
     Fast,
     /// Istio's way: the binaries detected, the state saved and verified, then the
-    /// restore (or cleanup); every nftables run and dry run.
+    /// restore (or cleanup); for nftables, `nft -f`; every dry run.
     Full,
 }
 
@@ -334,8 +336,8 @@ pub(crate) fn program_nft_from(
     tracing::info!(?verdict, "nftables state");
     match verdict {
         Verdict::Clean => {
-            n.apply(&tx)?;
-            Ok(report(Some(verdict), Action::Applied))
+            let path = n.apply_new(&tx)?;
+            Ok(Report { path, ..report(Some(verdict), Action::Applied) })
         }
         Verdict::Applied if !opts.force_apply => Ok(report(Some(verdict), Action::AlreadyApplied)),
         Verdict::Applied => {

@@ -20,11 +20,10 @@ pub const NFPROTO_INET: u8 = 1;
 pub const NFPROTO_IPV4: u8 = 2;
 pub const NFPROTO_IPV6: u8 = 10;
 
-const NETLINK_NETFILTER: i32 = 12;
-const NFNL_SUBSYS_NFTABLES: u16 = 10;
-const NLMSG_HDRLEN: usize = 16;
+pub(crate) const NFNL_SUBSYS_NFTABLES: u16 = 10;
+pub(crate) const NLMSG_HDRLEN: usize = 16;
 const NLMSG_NOOP: u16 = 1;
-const NLMSG_ERROR: u16 = 2;
+pub(crate) const NLMSG_ERROR: u16 = 2;
 const NLMSG_DONE: u16 = 3;
 const NLMSG_OVERRUN: u16 = 4;
 /// `NLM_F_DUMP_INTR`: the dump is inconsistent (the ruleset changed during it).
@@ -220,20 +219,26 @@ fn dump(dump: Dump) -> Result<Vec<Object>, ProbeError> {
     Err(ProbeError::Interrupted { dump: dump.name, attempts: DUMP_ATTEMPTS })
 }
 
+/// A NETLINK_NETFILTER socket of the calling thread's network namespace.
+pub(crate) fn netfilter_socket() -> io::Result<std::os::fd::OwnedFd> {
+    const NETLINK_NETFILTER: i32 = 12;
+    // SAFETY: a plain socket(2); the descriptor is owned below.
+    let fd =
+        unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, NETLINK_NETFILTER) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a fresh descriptor nobody else owns.
+    Ok(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) })
+}
+
 /// Sequence numbers of this process's dumps: each request has its own.
 static SEQUENCE: AtomicU32 = AtomicU32::new(1);
 
 /// One dump on a socket of its own; `None` when the kernel marked it interrupted.
 fn dump_once(dump: Dump) -> Result<Option<Vec<Object>>, ProbeError> {
     let what = |step: &str| format!("{step} for the nf_tables {} dump", dump.name);
-    // SAFETY: a plain socket(2); the descriptor is owned below.
-    let fd =
-        unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, NETLINK_NETFILTER) };
-    if fd < 0 {
-        return Err(ProbeError::io(what("open a netfilter netlink socket"))(io::Error::last_os_error()));
-    }
-    // SAFETY: `fd` is a fresh descriptor nobody else owns.
-    let socket = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    let socket = netfilter_socket().map_err(ProbeError::io(what("open a netfilter netlink socket")))?;
     let seq = SEQUENCE.fetch_add(1, Ordering::Relaxed);
     let request = request(dump, seq);
     // SAFETY: sending a buffer we own on our socket.

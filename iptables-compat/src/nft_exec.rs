@@ -7,7 +7,7 @@ use std::{
     process::{Command, Stdio},
 };
 
-use crate::nft::NftTable;
+use crate::{apply::ApplyPath, nft::NftTable, nft_batch, nft_wire};
 
 #[derive(Debug, thiserror::Error)]
 pub enum NftError {
@@ -28,6 +28,11 @@ pub trait Nft {
     fn expected(&mut self, tx: &str) -> Result<String, NftError>;
     /// Applies `tx` as one transaction (`nft -f -`).
     fn apply(&mut self, tx: &str) -> Result<(), NftError>;
+    /// Applies `tx`, which creates tables the namespace does not have, as one
+    /// transaction, and says which way it went in.
+    fn apply_new(&mut self, tx: &str) -> Result<ApplyPath, NftError> {
+        self.apply(tx).map(|()| ApplyPath::Full)
+    }
     fn is_real(&self) -> bool;
 }
 
@@ -167,6 +172,29 @@ impl Nft for SystemNft {
     fn apply(&mut self, tx: &str) -> Result<(), NftError> {
         tracing::info!("nft -f:\n{}", tx.trim());
         nft(&["-f", "-"], Some(tx)).map(drop)
+    }
+
+    /// In process when [`nft_wire`] knows every line: the same messages `nft -f` would
+    /// send, one batch, no process. A batch the kernel refuses changed nothing; `nft -f`
+    /// then runs the same text (and reports in its own words if it fails too).
+    fn apply_new(&mut self, tx: &str) -> Result<ApplyPath, NftError> {
+        match nft_wire::compile(tx) {
+            Ok(batch) => match nft_batch::send(&batch) {
+                Ok(()) => {
+                    tracing::info!(
+                        messages = batch.messages.len(),
+                        "nf_tables batch, in process:\n{}",
+                        tx.trim()
+                    );
+                    return Ok(ApplyPath::Fast);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "the in-process nf_tables batch was refused; running nft")
+                }
+            },
+            Err(why) => tracing::debug!(%why, "running nft"),
+        }
+        self.apply(tx).map(|()| ApplyPath::Full)
     }
 
     fn is_real(&self) -> bool {

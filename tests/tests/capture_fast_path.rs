@@ -199,3 +199,127 @@ fn the_command_logs_the_path_it_took() {
     let removed = line(&run(&["--cleanup-only"]), "capture rules removed");
     assert!(removed.contains("path=fast"), "{removed}");
 }
+
+/// `nft --debug=netlink list ruleset` of a scratch namespace after `f`: every table,
+/// chain, set and rule as the kernel holds it, expression by expression, with handles.
+fn kernel_state_after(f: impl FnOnce() -> Result<(), String> + Send) -> String {
+    weir_iptables::nft_exec::in_scratch_netns(|| {
+        f().map_err(|e| weir_iptables::nft_exec::NftError::Failed { what: "apply".into(), stderr: e })?;
+        let out =
+            std::process::Command::new("nft").args(["--debug=netlink", "list", "ruleset"]).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        Ok(String::from_utf8(out.stdout).unwrap())
+    })
+    .unwrap()
+}
+
+fn nft_f(tx: &str) -> Result<(), String> {
+    use weir_iptables::nft_exec::{Nft as _, SystemNft};
+    SystemNft.apply(tx).map_err(|e| e.to_string())
+}
+
+/// Every nftables golden of Istio's (the transactions Weir's plans render, checked
+/// against them elsewhere) is compiled into one in-process batch, bar those naming a
+/// user or group (nft resolves names; they stay with `nft -f`), and the batch leaves
+/// exactly what `nft -f` of the same text leaves: the same rules, expressions, sets,
+/// and handles, read back from the kernel.
+#[test]
+fn nf_tables_batches_leave_what_nft_leaves_for_every_golden() {
+    require_root!();
+    let dir = weir_tests::tools::workspace().join("iptables-compat/testdata/nftables-capture");
+    let mut goldens: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+    goldens.sort();
+    assert_eq!(goldens.len(), 28, "every golden is read");
+    let (mut compiled, mut declined) = (0, Vec::new());
+    for golden in &goldens {
+        let name = golden.file_stem().unwrap().to_string_lossy().into_owned();
+        let tx = std::fs::read_to_string(golden).unwrap();
+        let batch = match weir_iptables::nft_wire::compile(&tx) {
+            Ok(b) => b,
+            Err(why) => {
+                declined.push(format!("{name}: {why}"));
+                continue;
+            }
+        };
+        compiled += 1;
+        let by_nft = kernel_state_after(|| nft_f(&tx));
+        let by_batch =
+            kernel_state_after(|| weir_iptables::nft_batch::send(&batch).map_err(|e| e.to_string()));
+        assert!(by_nft.contains("[ immediate reg 0"), "{name}: the listing shows expressions:\n{by_nft}");
+        assert_eq!(by_batch, by_nft, "{name}: the batch leaves what nft -f leaves");
+    }
+    assert_eq!(
+        declined,
+        [
+            "ipv6-dns-outbound-owner-groups-exclude: not compiled in process (skgid ftp)",
+            "ipv6-dns-outbound-owner-groups: not compiled in process (skgid java)",
+            "outbound-owner-groups-exclude: not compiled in process (skgid ftp)",
+            "outbound-owner-groups: not compiled in process (skgid java)",
+        ],
+        "only the goldens naming groups are left to nft"
+    );
+    assert_eq!(compiled, 24);
+}
+
+/// A table that appeared between the look and the batch (another writer) makes the
+/// kernel refuse the whole batch, named, and nothing of it is applied; the run then
+/// goes the `nft -f` way, which flushes that table as Istio's does.
+#[test]
+fn an_nf_tables_batch_is_refused_whole_when_a_table_is_already_there() {
+    require_root!();
+    use weir_iptables::nft_exec::{Nft as _, SystemNft};
+    let tx = weir_iptables::nft::render(&weir_iptables::nft::plan(&config(InterceptionMode::Redirect)));
+    let batch = weir_iptables::nft_wire::compile(&tx).unwrap();
+    let theirs = "add table inet istio-proxy-nat\nadd chain inet istio-proxy-nat theirs\n\
+                  add rule inet istio-proxy-nat theirs counter accept\n";
+    let by_nft = kernel_state_after(|| nft_f(&tx));
+    let mut refusal = String::new();
+    let after_refusal = kernel_state_after(|| {
+        nft_f(theirs)?;
+        let err = weir_iptables::nft_batch::send(&batch).unwrap_err();
+        assert_eq!(err.errno(), Some(libc::EEXIST), "{err}");
+        refusal = err.to_string();
+        Ok(())
+    });
+    assert!(refusal.contains("`add table inet istio-proxy-nat`"), "the refused message is named: {refusal}");
+    let theirs_only = kernel_state_after(|| nft_f(theirs));
+    assert_eq!(after_refusal, theirs_only, "nothing of the refused batch was applied");
+    let fallback = kernel_state_after(|| {
+        nft_f(theirs)?;
+        let path = SystemNft.apply_new(&tx).map_err(|e| e.to_string())?;
+        assert_eq!(path, ApplyPath::Full, "refused in process, applied by nft -f");
+        Ok(())
+    });
+    // nft's `flush table` empties the other writer's chain (Istio's plan here accepts
+    // nothing, so an accept left would be theirs).
+    assert!(!fallback.contains("[ immediate reg 0 accept ]"), "{fallback}");
+    assert_eq!(
+        fallback.matches("[ immediate reg 0").count(),
+        by_nft.matches("[ immediate reg 0").count(),
+        "the fallback leaves Istio's rules and none of the other writer's:\n{fallback}"
+    );
+}
+
+/// With `--native-nftables` a fresh pod's namespace is programmed by one in-process
+/// batch (`path` fast), traffic is captured, a second run sees its rules, and removal
+/// leaves nothing.
+#[test]
+fn native_nftables_goes_in_by_one_batch_and_captures() {
+    require_root!();
+    for (i, mode) in [InterceptionMode::Redirect, InterceptionMode::Tproxy].into_iter().enumerate() {
+        let cfg = config(mode);
+        let scene = CaptureScene::new(&format!("{}-{i}", test_name!()), Family::V4, true);
+        let nft = RunOptions { native_nftables: true, ..opts(&scene) };
+        let report = weir_iptables::program(&cfg, &nft).unwrap();
+        assert_eq!((report.action, report.path), (Action::Applied, ApplyPath::Fast), "{mode:?}");
+        assert!(is_captured(&scene), "{mode:?}: traffic captured");
+        assert_eq!(weir_iptables::apply::verify(&cfg, &nft).unwrap(), Verdict::Applied, "{mode:?}");
+        let again = weir_iptables::program(&cfg, &nft).unwrap();
+        assert_eq!((again.action, again.path), (Action::AlreadyApplied, ApplyPath::Full), "{mode:?}");
+        let removed =
+            weir_iptables::program(&cfg, &RunOptions { cleanup_only: true, ..nft.clone() }).unwrap();
+        assert_eq!(removed.action, Action::Cleaned);
+        assert_eq!(in_pod(&scene.client, "nft", &["list", "tables"]).trim(), "", "{mode:?}: nothing remains");
+        assert!(!is_captured(&scene), "{mode:?}: not captured after removal");
+    }
+}
