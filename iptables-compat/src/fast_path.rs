@@ -3,7 +3,9 @@
 //! skips what those reads would only confirm. A namespace with no rule and no user
 //! chain in any ip/ip6 table and no legacy rule is clean for Istio's verify and makes
 //! its binary detection choose iptables-nft; it is programmed with one
-//! `iptables-restore --noflush` per planned family, nothing else spawned. Removal is
+//! `iptables-restore --noflush` per planned family, nothing else spawned, or, for IPv4
+//! rules [`crate::xt_wire`] knows, with one nf_tables batch written in process as
+//! iptables-nft would write it, nothing spawned at all. Removal is
 //! one restore per family of the plan's `-D`/`-F`/`-X` (Istio's chains by name, never
 //! another's), done only where Istio's rules or chains exist and checked by the probe
 //! afterwards. Whatever the probe cannot settle (it failed, legacy rules, other rules
@@ -190,6 +192,13 @@ pub fn apply(plan: &RulePlan, probe: &Probe, lock: Lock) -> Result<Applied, crat
         if text.is_empty() {
             continue;
         }
+        if family == Family::V4 && in_process(text)? {
+            applied.push(family);
+            tracing::info!(
+                "Final iptables state (IPv4), written in process into an empty namespace:\n{text}"
+            );
+            continue;
+        }
         if let Err(e) = x.restore(family, text, true) {
             // Nothing was there before: the snapshot of each applied family is empty. The
             // failing family too: iptables-nft-restore commits table by table, so the
@@ -204,6 +213,28 @@ pub fn apply(plan: &RulePlan, probe: &Probe, lock: Lock) -> Result<Applied, crat
         tracing::info!("Final iptables state ({name}), restored into an empty namespace:\n{text}");
     }
     Ok(Applied::Done(x))
+}
+
+/// Writes one family's restore text as iptables-nft would, in process
+/// ([`crate::xt_wire`]): true when the kernel took it. A text it does not know, or a
+/// batch the kernel refused (it changed nothing), is left to `iptables-restore`; a
+/// batch whose answer was lost may be in, and is an error.
+fn in_process(text: &str) -> Result<bool, crate::apply::CaptureError> {
+    let batch = match crate::xt_wire::compile(text) {
+        Ok(batch) => batch,
+        Err(why) => {
+            tracing::debug!(%why, "running iptables-restore");
+            return Ok(false);
+        }
+    };
+    match crate::nft_batch::send(&batch) {
+        Ok(()) => Ok(true),
+        Err(e) if e.applied_nothing() => {
+            tracing::warn!(error = %e, "the in-process iptables-nft batch did not go in; running iptables-restore");
+            Ok(false)
+        }
+        Err(e) => Err(crate::nft_exec::NftError::from(e).into()),
+    }
 }
 
 /// Removes the plan from the namespace: nothing to do where the probe finds no rule

@@ -25,6 +25,7 @@ pub mod render;
 pub mod routes;
 pub mod state;
 pub mod validation;
+pub mod xt_wire;
 pub mod xtables;
 
 pub use apply::{Action, ApplyPath, Backend, CaptureError, Report, program};

@@ -8,7 +8,7 @@ use std::{io, os::fd::AsRawFd as _, time::Duration};
 
 use crate::{
     nf_probe::{NFNL_SUBSYS_NFTABLES, NLMSG_ERROR, NLMSG_HDRLEN, netfilter_socket},
-    nft_wire::{Batch, FAMILY},
+    nft_wire::Batch,
 };
 
 const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
@@ -24,32 +24,44 @@ const NLMSGERR_ATTR_MSG: u16 = 1;
 /// How long the kernel may take to answer (it answers while the send is processed).
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// Why a batch did not go in, and whether anything of it can be in.
 #[derive(Debug, thiserror::Error)]
 pub enum BatchError {
-    #[error("{what}")]
-    Io {
+    /// Nothing reached the kernel: nothing was applied.
+    #[error("{what}: {source}")]
+    NotSent {
         what: &'static str,
         #[source]
         source: io::Error,
     },
-    #[error("the kernel refused {what}{}", reason.as_ref().map(|r| format!(" ({r})")).unwrap_or_default())]
+    /// The kernel refused a message and aborted the whole batch: nothing was applied.
+    #[error("the kernel refused {what}{}: {source}", reason.as_ref().map(|r| format!(" ({r})")).unwrap_or_default())]
     Refused {
         what: String,
         reason: Option<String>,
         #[source]
         source: io::Error,
     },
-    #[error("malformed answer to the nf_tables batch: {0}")]
-    Malformed(String),
+    /// The batch was sent but its answer could not be read: it may be in.
+    #[error(
+        "the nf_tables batch was sent but its answer could not be read ({why}); whether it was applied is \
+         unknown: run again, the next run reads the namespace"
+    )]
+    Unanswered { why: String },
 }
 
 impl BatchError {
     /// The errno of a refusal (`EEXIST` when a table appeared since it was looked for).
     pub fn errno(&self) -> Option<i32> {
         match self {
-            BatchError::Refused { source, .. } | BatchError::Io { source, .. } => source.raw_os_error(),
-            BatchError::Malformed(_) => None,
+            BatchError::Refused { source, .. } | BatchError::NotSent { source, .. } => source.raw_os_error(),
+            BatchError::Unanswered { .. } => None,
         }
+    }
+
+    /// Whether the kernel certainly applied none of the batch (another way may run).
+    pub fn applied_nothing(&self) -> bool {
+        !matches!(self, BatchError::Unanswered { .. })
     }
 }
 
@@ -72,90 +84,92 @@ fn datagram(batch: &Batch, first: u32) -> Vec<u8> {
     frame(&mut out, NFNL_MSG_BATCH_BEGIN, first);
     for (n, m) in batch.messages.iter().enumerate() {
         let kind = (NFNL_SUBSYS_NFTABLES << 8) | m.kind;
+        // Only the last message asks for an acknowledgement: the kernel answers after the
+        // commit, every answer at once, and one per message would overflow the socket of
+        // a large batch. A refused message is answered whether asked or not.
+        let ack = if n + 1 == batch.messages.len() { NLM_F_ACK } else { 0 };
         header(
             &mut out,
             NLMSG_HDRLEN + 4 + m.attrs.len(),
             kind,
-            NLM_F_REQUEST | NLM_F_ACK | m.flags,
+            NLM_F_REQUEST | ack | m.flags,
             first + 1 + n as u32,
         );
-        out.extend([FAMILY, 0, 0, 0]);
+        out.extend([batch.family, 0, 0, 0]);
         out.extend(&m.attrs);
     }
     frame(&mut out, NFNL_MSG_BATCH_END, first + 1 + batch.messages.len() as u32);
     out
 }
 
-/// Sends `batch` and waits for the kernel's answer to every message.
+/// What the receive buffer is asked to hold: every refusal of a large batch.
+const RECEIVE_BUFFER: libc::c_int = 4 << 20;
+
+fn set_option<T>(fd: i32, level: i32, name: i32, value: &T) -> io::Result<()> {
+    // SAFETY: setsockopt with a value of its own size.
+    let rc = unsafe { libc::setsockopt(fd, level, name, (value as *const T).cast(), size_of::<T>() as u32) };
+    if rc < 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
+}
+
+/// Sends `batch` and waits for the kernel's answer: the acknowledgement of its last
+/// message (sent after the commit), or the first refusal.
 pub fn send(batch: &Batch) -> Result<(), BatchError> {
-    let io = |what| move |source| BatchError::Io { what, source };
-    let socket = netfilter_socket().map_err(io("open a netfilter netlink socket"))?;
-    let fd = socket.as_raw_fd();
-    let on: libc::c_int = 1;
-    for opt in [NETLINK_CAP_ACK, NETLINK_EXT_ACK] {
-        // SAFETY: setsockopt with an int of its size. Either may be missing on an old
-        // kernel: answers are then longer, or carry no reason; both are read.
-        unsafe {
-            libc::setsockopt(
-                fd,
-                SOL_NETLINK,
-                opt,
-                (&on as *const libc::c_int).cast(),
-                size_of::<libc::c_int>() as u32,
-            )
-        };
+    if batch.messages.is_empty() {
+        return Ok(());
     }
+    let not_sent = |what| move |source| BatchError::NotSent { what, source };
+    let socket = netfilter_socket().map_err(not_sent("open a netfilter netlink socket"))?;
+    let fd = socket.as_raw_fd();
+    // Either may be missing on an old kernel: answers are then longer, or carry no
+    // reason; both are read. A smaller buffer than asked is the kernel's cap.
+    let _ = set_option(fd, SOL_NETLINK, NETLINK_CAP_ACK, &1);
+    let _ = set_option(fd, SOL_NETLINK, NETLINK_EXT_ACK, &1);
+    let _ = set_option(fd, libc::SOL_SOCKET, libc::SO_RCVBUF, &RECEIVE_BUFFER);
     let timeout =
         libc::timeval { tv_sec: ANSWER_TIMEOUT.as_secs() as libc::time_t, tv_usec: 0 as libc::suseconds_t };
-    // SAFETY: setsockopt with a timeval of its size.
-    if unsafe {
-        libc::setsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_RCVTIMEO,
-            (&timeout as *const libc::timeval).cast(),
-            size_of::<libc::timeval>() as u32,
-        )
-    } < 0
-    {
-        return Err(io("set the netlink socket's receive timeout")(io::Error::last_os_error()));
-    }
+    set_option(fd, libc::SOL_SOCKET, libc::SO_RCVTIMEO, &timeout)
+        .map_err(not_sent("set the netlink socket's receive timeout"))?;
     let first = std::process::id().wrapping_mul(0x9e37_79b9) ^ 0x5745_4952;
     let bytes = datagram(batch, first);
     // SAFETY: sending a buffer we own on our socket.
-    let sent = unsafe { libc::send(socket.as_raw_fd(), bytes.as_ptr().cast(), bytes.len(), 0) };
+    let sent = unsafe { libc::send(fd, bytes.as_ptr().cast(), bytes.len(), 0) };
     if sent < 0 {
-        return Err(io("send the nf_tables batch")(io::Error::last_os_error()));
+        // The kernel processes a batch inside the send: a failed send ran none of it.
+        return Err(not_sent("send the nf_tables batch")(io::Error::last_os_error()));
     }
+    let unanswered = |why: String| BatchError::Unanswered { why };
     if sent as usize != bytes.len() {
-        return Err(BatchError::Malformed(format!("sent {sent} of {} bytes", bytes.len())));
+        return Err(unanswered(format!("sent {sent} of {} bytes", bytes.len())));
     }
-    let mut acked = vec![false; batch.messages.len()];
     let mut buf = vec![0u8; 64 * 1024];
-    while acked.iter().any(|a| !a) {
+    loop {
         // SAFETY: receiving into a buffer we own, of its length; MSG_TRUNC makes the
         // result the datagram's real length, so a cut one is seen.
-        let n =
-            unsafe { libc::recv(socket.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_TRUNC) };
-        let n = usize::try_from(n).map_err(|_| io("read the kernel's answer")(io::Error::last_os_error()))?;
+        let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_TRUNC) };
+        let n = usize::try_from(n)
+            .map_err(|_| unanswered(format!("read the kernel's answer: {}", io::Error::last_os_error())))?;
         if n > buf.len() {
-            return Err(BatchError::Malformed(format!("a {n}-byte answer")));
+            return Err(unanswered(format!("a {n}-byte answer")));
         }
-        read_answer(&buf[..n], batch, first, &mut acked)?;
+        if read_answer(&buf[..n], batch, first)? {
+            return Ok(());
+        }
     }
-    Ok(())
 }
 
-/// One datagram of answers: acknowledgements are recorded; the first error is returned,
-/// named by the message it answers.
-fn read_answer(mut rest: &[u8], batch: &Batch, first: u32, acked: &mut [bool]) -> Result<(), BatchError> {
-    let bad = |why: String| BatchError::Malformed(why);
+/// One datagram of answers: true once the last message is acknowledged; the first
+/// refusal is returned, named by the message it answers.
+fn read_answer(rest: &[u8], batch: &Batch, first: u32) -> Result<bool, BatchError> {
+    let bad = |why: String| BatchError::Unanswered { why };
     let u32_at = |b: &[u8], at: usize| b.get(at..at + 4).map(|s| u32::from_ne_bytes(s.try_into().unwrap()));
     let u16_at = |b: &[u8], at: usize| b.get(at..at + 2).map(|s| u16::from_ne_bytes(s.try_into().unwrap()));
     if rest.is_empty() {
-        return Err(bad("the socket closed before every message was answered".into()));
+        return Err(bad("the socket closed before the batch was answered".into()));
     }
-    while !rest.is_empty() {
+    let last = batch.messages.len();
+    // Only refusals and the last message's acknowledgement are ever sent: the first
+    // message of the datagram decides.
+    {
         let (Some(len), Some(kind), Some(flags), Some(seq)) =
             (u32_at(rest, 0), u16_at(rest, 4), u16_at(rest, 6), u32_at(rest, 8))
         else {
@@ -170,14 +184,12 @@ fn read_answer(mut rest: &[u8], batch: &Batch, first: u32, acked: &mut [bool]) -
         }
         let payload = &rest[NLMSG_HDRLEN..len];
         let code = u32_at(payload, 0).ok_or_else(|| bad("an answer without its code".into()))? as i32;
-        let index = seq.wrapping_sub(first).wrapping_sub(1) as usize;
-        let what =
-            match seq.wrapping_sub(first) {
-                0 => "the batch".to_string(),
-                _ => batch.messages.get(index).map(|m| format!("`{}`", m.what)).ok_or_else(|| {
-                    bad(format!("an answer to message {seq}, which this batch did not send"))
-                })?,
-            };
+        let index = seq.wrapping_sub(first) as usize;
+        let what = match index {
+            0 => "the batch".to_string(),
+            i if i <= last => format!("`{}`", batch.messages[i - 1].what),
+            _ => return Err(bad(format!("an answer to message {seq}, which this batch did not send"))),
+        };
         if code != 0 {
             let Some(errno) = code.checked_neg().filter(|e| *e > 0) else {
                 return Err(bad(format!("an error code of {code}")));
@@ -188,13 +200,11 @@ fn read_answer(mut rest: &[u8], batch: &Batch, first: u32, acked: &mut [bool]) -
                 source: io::Error::from_raw_os_error(errno),
             });
         }
-        match acked.get_mut(index) {
-            Some(a) => *a = true,
-            None => return Err(bad(format!("an acknowledgement of {what}, which asked for none"))),
+        if index != last {
+            return Err(bad(format!("an acknowledgement of {what}, which asked for none")));
         }
-        rest = rest.get((len + 3) & !3..).unwrap_or_default();
+        Ok(true)
     }
-    Ok(())
 }
 
 /// The kernel's own words for an error (`NLMSGERR_ATTR_MSG`), when it gave them.
@@ -216,4 +226,56 @@ fn ext_ack_message(payload: &[u8], flags: u16) -> Option<String> {
         tlvs = tlvs.get((len + 3) & !3..)?;
     }
     None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nft_wire::Message;
+
+    const FIRST: u32 = 100;
+
+    fn batch(n: usize) -> Batch {
+        let messages = (0..n)
+            .map(|i| Message { kind: 6, flags: 0, attrs: Vec::new(), what: format!("rule {i}") })
+            .collect();
+        Batch { family: 1, messages }
+    }
+
+    /// An NLMSG_ERROR answering `seq` with `code` (capped, no TLVs).
+    fn answer(seq: u32, code: i32) -> Vec<u8> {
+        let mut m = Vec::new();
+        header(&mut m, NLMSG_HDRLEN + 4 + NLMSG_HDRLEN, NLMSG_ERROR, NLM_F_CAPPED, seq);
+        m.extend(code.to_ne_bytes());
+        header(&mut m, NLMSG_HDRLEN, 0, 0, seq);
+        m
+    }
+
+    #[test]
+    fn only_the_last_message_asks_for_an_answer() {
+        let bytes = datagram(&batch(3), FIRST);
+        let flags: Vec<u16> =
+            (0..5).map(|i| u16::from_ne_bytes([bytes[i * 20 + 6], bytes[i * 20 + 7]])).collect();
+        assert_eq!(flags.iter().filter(|f| *f & NLM_F_ACK != 0).count(), 1);
+        assert_ne!(flags[3] & NLM_F_ACK, 0, "the last message before the batch end");
+    }
+
+    #[test]
+    fn the_last_acknowledgement_ends_it_and_a_refusal_names_its_message() {
+        let b = batch(3);
+        assert!(read_answer(&answer(FIRST + 3, 0), &b, FIRST).unwrap());
+        let refused = read_answer(&answer(FIRST + 2, -libc::EEXIST), &b, FIRST).unwrap_err();
+        assert!(refused.applied_nothing());
+        assert_eq!(refused.errno(), Some(libc::EEXIST));
+        assert!(refused.to_string().contains("`rule 1`"), "{refused}");
+        let whole = read_answer(&answer(FIRST, -libc::EPERM), &b, FIRST).unwrap_err();
+        assert!(whole.to_string().contains("the batch"), "{whole}");
+        // Anything else is an answer not understood: the batch may be in.
+        for odd in
+            [answer(FIRST + 1, 0), answer(FIRST + 9, 0), answer(FIRST + 3, 5), Vec::new(), vec![1, 2, 3]]
+        {
+            let e = read_answer(&odd, &b, FIRST).unwrap_err();
+            assert!(!e.applied_nothing(), "{e}");
+        }
+    }
 }

@@ -17,6 +17,8 @@ pub enum NftError {
     Spawn(#[source] std::io::Error),
     #[error("create a scratch network namespace to evaluate the plan")]
     Scratch(#[source] std::io::Error),
+    #[error(transparent)]
+    Batch(#[from] nft_batch::BatchError),
 }
 
 /// Executes nft for one namespace.
@@ -176,7 +178,8 @@ impl Nft for SystemNft {
 
     /// In process when [`nft_wire`] knows every line: the same messages `nft -f` would
     /// send, one batch, no process. A batch the kernel refuses changed nothing; `nft -f`
-    /// then runs the same text (and reports in its own words if it fails too).
+    /// then runs the same text (and reports in its own words if it fails too). A batch
+    /// whose answer was lost may be in: that is an error, never a second try on top.
     fn apply_new(&mut self, tx: &str) -> Result<ApplyPath, NftError> {
         match nft_wire::compile(tx) {
             Ok(batch) => match nft_batch::send(&batch) {

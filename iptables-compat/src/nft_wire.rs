@@ -17,7 +17,7 @@ use crate::nf_probe::{NFPROTO_INET, NFPROTO_IPV4, NFPROTO_IPV6};
 #[error("not compiled in process ({0})")]
 pub struct Unsupported(pub String);
 
-fn unsupported<T>(why: impl Into<String>) -> Result<T, Unsupported> {
+pub(crate) fn unsupported<T>(why: impl Into<String>) -> Result<T, Unsupported> {
     Err(Unsupported(why.into()))
 }
 
@@ -34,9 +34,12 @@ pub struct Message {
     pub what: String,
 }
 
-/// A transaction's messages, in the order they go between batch begin and end.
+/// A transaction's messages, in the order they go between batch begin and end, all of
+/// one nf_tables family.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Batch {
+    /// `NFPROTO_*` of every message.
+    pub family: u8,
     pub messages: Vec<Message>,
 }
 
@@ -46,9 +49,9 @@ pub const NFT_MSG_NEWRULE: u16 = 6;
 pub const NFT_MSG_NEWSET: u16 = 9;
 pub const NFT_MSG_NEWSETELEM: u16 = 12;
 
-const NLM_F_EXCL: u16 = 0x200;
-const NLM_F_CREATE: u16 = 0x400;
-const NLM_F_APPEND: u16 = 0x800;
+pub(crate) const NLM_F_EXCL: u16 = 0x200;
+pub(crate) const NLM_F_CREATE: u16 = 0x400;
+pub(crate) const NLM_F_APPEND: u16 = 0x800;
 const NLA_F_NESTED: u16 = 0x8000;
 
 /// The largest batch sent in process; a bigger one goes to `nft -f`.
@@ -63,10 +66,10 @@ const NFTA_LIST_ELEM: u16 = 1;
 const NFTA_EXPR_NAME: u16 = 1;
 const NFTA_EXPR_DATA: u16 = 2;
 
-const NF_DROP: i32 = 0;
-const NF_ACCEPT: i32 = 1;
-const NFT_JUMP: i32 = -3;
-const NFT_RETURN: i32 = -5;
+pub(crate) const NF_DROP: i32 = 0;
+pub(crate) const NF_ACCEPT: i32 = 1;
+pub(crate) const NFT_JUMP: i32 = -3;
+pub(crate) const NFT_RETURN: i32 = -5;
 
 const NFT_REG_VERDICT: u32 = 0;
 /// nft's first 16-byte data register; every load and store here uses it.
@@ -74,32 +77,32 @@ const NFT_REG_1: u32 = 1;
 
 // meta keys
 const NFT_META_MARK: u32 = 3;
-const NFT_META_IIFNAME: u32 = 6;
-const NFT_META_OIFNAME: u32 = 7;
+pub(crate) const NFT_META_IIFNAME: u32 = 6;
+pub(crate) const NFT_META_OIFNAME: u32 = 7;
 const NFT_META_SKUID: u32 = 10;
 const NFT_META_SKGID: u32 = 11;
 const NFT_META_NFPROTO: u32 = 15;
-const NFT_META_L4PROTO: u32 = 16;
+pub(crate) const NFT_META_L4PROTO: u32 = 16;
 // ct keys
 const NFT_CT_STATE: u32 = 0;
 const NFT_CT_MARK: u32 = 3;
 const NFT_CT_ZONE: u32 = 17;
 // payload bases
 const NFT_PAYLOAD_NETWORK_HEADER: u32 = 1;
-const NFT_PAYLOAD_TRANSPORT_HEADER: u32 = 2;
-const NFT_CMP_EQ: u32 = 0;
-const NFT_CMP_NEQ: u32 = 1;
+pub(crate) const NFT_PAYLOAD_TRANSPORT_HEADER: u32 = 2;
+pub(crate) const NFT_CMP_EQ: u32 = 0;
+pub(crate) const NFT_CMP_NEQ: u32 = 1;
 const NFT_LOOKUP_F_INV: u32 = 1;
 /// `NF_NAT_RANGE_PROTO_SPECIFIED`.
 const NF_NAT_RANGE_PROTO_SPECIFIED: u32 = 2;
 
-const IPPROTO_TCP: u8 = 6;
-const IPPROTO_UDP: u8 = 17;
+pub(crate) const IPPROTO_TCP: u8 = 6;
+pub(crate) const IPPROTO_UDP: u8 = 17;
 const IFNAMSIZ: usize = 16;
 
 /// One expression of a rule; every load and store uses [`NFT_REG_1`].
 #[derive(Debug, Clone, PartialEq, Eq)]
-enum Expr {
+pub(crate) enum Expr {
     MetaLoad(u32),
     MetaSet(u32),
     CtLoad(u32),
@@ -135,6 +138,20 @@ enum Expr {
     Tproxy {
         family: u8,
     },
+    /// A counter with its packets and bytes given (zero), as iptables-nft sends it.
+    CounterZeroed,
+    /// An x_tables match (`-m owner`) by name, revision and its kernel struct.
+    XtMatch {
+        name: &'static str,
+        rev: u32,
+        info: Vec<u8>,
+    },
+    /// An x_tables target (`-j REDIRECT`) by name, revision and its kernel struct.
+    XtTarget {
+        name: &'static str,
+        rev: u32,
+        info: Vec<u8>,
+    },
 }
 
 /// An anonymous set of `tcp dport` values a rule looks up.
@@ -157,6 +174,8 @@ struct Rule<'a> {
     table: &'a str,
     chain: &'a str,
     expr: &'a str,
+    /// The line as written (`add rule ...` or `insert rule ... index i ...`).
+    line: &'a str,
     /// For an insert: the rule (by its number in the transaction) it goes before.
     before: Option<usize>,
     /// Whether a later insert names this rule's position (it then carries an id).
@@ -180,8 +199,7 @@ enum Line {
 pub fn compile(tx: &str) -> Result<Batch, Unsupported> {
     let mut lines: Vec<Line> = Vec::new();
     let mut rules: Vec<Rule> = Vec::new();
-    // Each chain's rules (numbers into `rules`) in their order after each line.
-    let mut order: Vec<((String, String), Vec<usize>)> = Vec::new();
+    let mut order = RuleOrder::default();
     let declared = |lines: &[Line], table: &str, chain: Option<&str>| {
         lines.iter().any(|l| match l {
             Line::Table(t) => chain.is_none() && t == table,
@@ -226,49 +244,29 @@ pub fn compile(tx: &str) -> Result<Batch, Unsupported> {
                     return unsupported(format!("rule in chain {table} {chain} this batch does not create"));
                 }
                 let index = match *verb {
-                    "insert" => match (words.get(5), words.get(6).map(|w| w.parse::<usize>())) {
-                        (Some(&"index"), Some(Ok(i))) => Some(i),
+                    "insert" => match (words.get(5), words.get(6).and_then(|w| decimal::<usize>(w))) {
+                        (Some(&"index"), Some(i)) => Some(i),
                         _ => return unsupported(format!("`{line}`")),
                     },
                     _ => None,
                 };
                 let expr = rest_after_words(line, if index.is_some() { 7 } else { 5 });
-                let key = (table.to_string(), chain.to_string());
-                let slot = match order.iter().position(|(k, _)| *k == key) {
-                    Some(i) => i,
-                    None => {
-                        order.push((key, Vec::new()));
-                        order.len() - 1
-                    }
-                };
                 let number = rules.len();
-                let list = &mut order[slot].1;
-                let before = match index {
-                    Some(i) if i < list.len() => {
-                        let target = list[i];
-                        list.insert(i, number);
-                        Some(target)
-                    }
-                    // nft refuses an index past the chain's end; so does this.
-                    Some(i) => return unsupported(format!("index {i} past the end of {table} {chain}")),
-                    None => {
-                        list.push(number);
-                        None
-                    }
-                };
+                // nft refuses an index at or past the chain's end; so does this.
+                let before = order
+                    .place((table.to_string(), chain.to_string()), number, index, false)
+                    .map_err(|_| Unsupported(format!("`{line}`: index past the end of {table} {chain}")))?;
                 if let Some(target) = before {
                     rules[target].referenced = true;
                 }
-                rules.push(Rule { table, chain, expr, before, referenced: false });
+                rules.push(Rule { table, chain, expr, line, before, referenced: false });
                 lines.push(Line::Rule(number));
             }
             _ => return unsupported(format!("`{line}`")),
         }
     }
-    let mut batch = Batch::default();
+    let mut batch = Batch { family: NFPROTO_INET, messages: Vec::new() };
     let mut next_set_id = 1;
-    // nft's rule ids: 1, 2, ... for the rules that need one, by their number.
-    let rule_id = |n: usize| n as u32 + 1;
     for line in &lines {
         match line {
             Line::Table(table) => batch.messages.push(Message {
@@ -285,7 +283,7 @@ pub fn compile(tx: &str) -> Result<Batch, Unsupported> {
             Line::Chain(chain) => batch.messages.push(chain_message(chain)),
             Line::Rule(n) => {
                 let rule = &rules[*n];
-                let what = format!("add rule inet {} {} {}", rule.table, rule.chain, rule.expr);
+                let what = rule.line.to_string();
                 let (exprs, sets) = compile_rule(rule.expr, &mut next_set_id)?;
                 for set in &sets {
                     batch.messages.extend(set_messages(rule.table, set, &what));
@@ -298,16 +296,7 @@ pub fn compile(tx: &str) -> Result<Batch, Unsupported> {
                         encode(list, e);
                     }
                 });
-                if rule.referenced {
-                    put_u32(&mut a, NFTA_RULE_ID, rule_id(*n));
-                }
-                let flags = match rule.before {
-                    Some(target) => {
-                        put_u32(&mut a, NFTA_RULE_POSITION_ID, rule_id(target));
-                        NLM_F_CREATE
-                    }
-                    None => NLM_F_CREATE | NLM_F_APPEND,
-                };
+                let flags = position(&mut a, *n, rule.referenced, rule.before);
                 batch.messages.push(Message { kind: NFT_MSG_NEWRULE, flags, attrs: a, what });
             }
         }
@@ -321,8 +310,66 @@ pub fn compile(tx: &str) -> Result<Batch, Unsupported> {
 const NFTA_RULE_ID: u16 = 9;
 const NFTA_RULE_POSITION_ID: u16 = 10;
 
+/// Each chain's rules, by their number in the transaction, in the order the lines so
+/// far leave them: where an insert goes, as the kernel tools place it.
+#[derive(Default)]
+pub(crate) struct RuleOrder<K> {
+    chains: Vec<(K, Vec<usize>)>,
+}
+
+impl<K: PartialEq> RuleOrder<K> {
+    /// Places rule `number` in `chain`: appended without `index`; with it, before the
+    /// rule now at that position (returned), or appended at the end when
+    /// `index_may_append` (iptables' `-I` one past the last). Err: past the end.
+    pub(crate) fn place(
+        &mut self,
+        chain: K,
+        number: usize,
+        index: Option<usize>,
+        index_may_append: bool,
+    ) -> Result<Option<usize>, ()> {
+        let slot = match self.chains.iter().position(|(k, _)| *k == chain) {
+            Some(i) => i,
+            None => {
+                self.chains.push((chain, Vec::new()));
+                self.chains.len() - 1
+            }
+        };
+        let list = &mut self.chains[slot].1;
+        match index {
+            Some(i) if i < list.len() => {
+                let target = list[i];
+                list.insert(i, number);
+                Ok(Some(target))
+            }
+            Some(i) if i > list.len() || !index_may_append => Err(()),
+            _ => {
+                list.push(number);
+                Ok(None)
+            }
+        }
+    }
+}
+
+/// A new rule's place, as the tools send it: an id when a later insert names it
+/// (`NFTA_RULE_ID`, the rule's number + 1), and for an insert the id of the rule it
+/// goes before (`NFTA_RULE_POSITION_ID`, no append). Returns the message's flags.
+pub(crate) fn position(attrs: &mut Vec<u8>, number: usize, referenced: bool, before: Option<usize>) -> u16 {
+    let rule_id = |n: usize| n as u32 + 1;
+    if referenced {
+        put_u32(attrs, NFTA_RULE_ID, rule_id(number));
+    }
+    match before {
+        Some(target) => {
+            put_u32(attrs, NFTA_RULE_POSITION_ID, rule_id(target));
+            NLM_F_CREATE
+        }
+        None => NLM_F_CREATE | NLM_F_APPEND,
+    }
+}
+
 /// `line` after its first `n` words.
-fn rest_after_words(line: &str, n: usize) -> &str {
+pub(crate) fn rest_after_words(line: &str, n: usize) -> &str {
     let mut rest = line.trim_start();
     for _ in 0..n {
         rest = rest.trim_start();
@@ -406,11 +453,86 @@ struct Context {
     l4proto: Option<u8>,
 }
 
+/// A number written one way only: plain decimal digits, no sign and no leading zero
+/// (nft and iptables read `010` as octal, Rust as ten; such text is left to them).
+pub(crate) fn decimal<T: std::str::FromStr>(word: &str) -> Option<T> {
+    let digits = !word.is_empty() && word.bytes().all(|b| b.is_ascii_digit());
+    (digits && (word == "0" || !word.starts_with('0'))).then(|| word.parse().ok()).flatten()
+}
+
+/// A mark, uid or gid: [`decimal`], or `0x` and lowercase hex digits as nft reads them.
 fn number(word: &str) -> Option<u32> {
     match word.strip_prefix("0x") {
-        Some(hex) => u32::from_str_radix(hex, 16).ok(),
-        None => word.parse().ok(),
+        Some(hex) if !hex.is_empty() && hex.bytes().all(|b| b.is_ascii_hexdigit()) => {
+            u32::from_str_radix(hex, 16).ok()
+        }
+        Some(_) => None,
+        None => decimal(word),
     }
+}
+
+/// nft's own words that hold a digit, a dash, a dot or an underscore: unquoted, as the
+/// rendered text writes interface names, nft reads them as keywords and refuses the
+/// rule, so such a name is left to it.
+const NFT_KEYWORDS_LIKE_NAMES: &[&str] = &[
+    "cgroupv2",
+    "ip6",
+    "icmpv6",
+    "sack0",
+    "sack1",
+    "sack2",
+    "sack3",
+    "md5sig",
+    "rt0",
+    "rt2",
+    "reserved2",
+    "l3proto",
+    "l4proto",
+    "ipv4",
+    "ipv6",
+    "auto-merge",
+    "gc-interval",
+    "frag-off",
+    "param-problem",
+    "max-delay",
+    "sack-permitted",
+    "init-ack",
+    "heartbeat-ack",
+    "shutdown-ack",
+    "cookie-echo",
+    "cookie-ack",
+    "shutdown-complete",
+    "asconf-ack",
+    "forward-tsn",
+    "init-tag",
+    "a-rwnd",
+    "num-outbound-streams",
+    "num-inbound-streams",
+    "initial-tsn",
+    "cum-tsn-ack",
+    "num-gap-ack-blocks",
+    "num-dup-tsns",
+    "lowest-tsn",
+    "new-cum-tsn",
+    "seg-left",
+    "last-entry",
+    "more-fragments",
+    "proto-src",
+    "proto-dst",
+    "queue-threshold",
+    "fully-random",
+];
+
+/// An interface name nft reads as a name when written bare: `lo`, or letters first
+/// with a digit, dash, dot or underscore in it (`eth0`, `net1`, `not-istio-nic`), and
+/// none of nft's words. A bare word without one (`counter`, `tcp`, `docker`) may be a
+/// keyword; nft decides those.
+pub(crate) fn plain_interface(name: &str) -> bool {
+    let chars_ok = name.len() < IFNAMSIZ
+        && name.starts_with(|c: char| c.is_ascii_alphabetic())
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+    let marked = name == "lo" || name.chars().any(|c| c.is_ascii_digit() || matches!(c, '.' | '_' | '-'));
+    chars_ok && marked && !NFT_KEYWORDS_LIKE_NAMES.contains(&name)
 }
 
 fn compile_rule(expr: &str, next_set_id: &mut u32) -> Result<(Vec<Expr>, Vec<PortSet>), Unsupported> {
@@ -485,8 +607,7 @@ fn compile_rule(expr: &str, next_set_id: &mut u32) -> Result<(Vec<Expr>, Vec<Por
                 let op = op_at(&mut i);
                 let name = at(i);
                 i += 1;
-                let plain = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
-                if name.is_empty() || name.len() >= IFNAMSIZ || !name.chars().all(plain) {
+                if !plain_interface(name) {
                     return unsupported(format!("interface {name:?}"));
                 }
                 let mut data = name.as_bytes().to_vec();
@@ -539,7 +660,7 @@ fn compile_rule(expr: &str, next_set_id: &mut u32) -> Result<(Vec<Expr>, Vec<Por
                     let close = words[i..].iter().position(|w| *w == "}").map(|p| p + i);
                     let Some(close) = close else { return unsupported(format!("`{expr}`")) };
                     let ports: Option<Vec<u16>> =
-                        words[i + 1..close].join(" ").split(',').map(|p| p.trim().parse().ok()).collect();
+                        words[i + 1..close].join(" ").split(',').map(|p| decimal(p.trim())).collect();
                     i = close + 1;
                     match ports {
                         Some(ports) if proto == IPPROTO_TCP && offset == 2 && ports.len() >= 2 => {
@@ -551,7 +672,7 @@ fn compile_rule(expr: &str, next_set_id: &mut u32) -> Result<(Vec<Expr>, Vec<Por
                         _ => return unsupported(format!("the set in `{expr}`")),
                     }
                 } else {
-                    let port: u16 = at(i).parse().map_err(|_| Unsupported(format!("port {}", at(i))))?;
+                    let port: u16 = decimal(at(i)).ok_or_else(|| Unsupported(format!("port {}", at(i))))?;
                     i += 1;
                     out.push(Expr::Cmp { op, data: port.to_be_bytes().to_vec() });
                 }
@@ -590,8 +711,8 @@ fn compile_rule(expr: &str, next_set_id: &mut u32) -> Result<(Vec<Expr>, Vec<Por
                         out.push(Expr::Cmp { op, data: v.to_ne_bytes().to_vec() });
                     }
                     "zone" if at(i) == "set" => {
-                        let zone: u16 =
-                            at(i + 1).parse().map_err(|_| Unsupported(format!("ct zone {}", at(i + 1))))?;
+                        let zone: u16 = decimal(at(i + 1))
+                            .ok_or_else(|| Unsupported(format!("ct zone {}", at(i + 1))))?;
                         i += 2;
                         out.push(Expr::Data(zone.to_ne_bytes().to_vec()));
                         out.push(Expr::CtSet(NFT_CT_ZONE));
@@ -642,12 +763,12 @@ fn l4(word: &str) -> Result<u8, Unsupported> {
 }
 
 fn port_after_colon(word: &str) -> Result<u16, Unsupported> {
-    word.strip_prefix(':').and_then(|p| p.parse().ok()).ok_or_else(|| Unsupported(format!("port {word}")))
+    word.strip_prefix(':').and_then(decimal).ok_or_else(|| Unsupported(format!("port {word}")))
 }
 
 fn address(word: &str, v6: bool) -> Result<(Vec<u8>, u32), Unsupported> {
     let (addr, prefix) = match word.split_once('/') {
-        Some((a, p)) => (a, p.parse::<u32>().ok()),
+        Some((a, p)) => (a, decimal::<u32>(p)),
         None => (word, None),
     };
     let bad = || Unsupported(format!("address {word}"));
@@ -670,7 +791,7 @@ fn address(word: &str, v6: bool) -> Result<(Vec<u8>, u32), Unsupported> {
 
 /// An address match as nft compiles it: a byte-aligned prefix loads only its bytes; any
 /// other loads the whole address and masks it.
-fn prefix_match(addr: &[u8], prefix: u32, offset: u32, op: u32) -> Result<Vec<Expr>, Unsupported> {
+pub(crate) fn prefix_match(addr: &[u8], prefix: u32, offset: u32, op: u32) -> Result<Vec<Expr>, Unsupported> {
     let full = addr.len() as u32;
     if prefix.is_multiple_of(8) {
         let len = prefix / 8;
@@ -691,7 +812,7 @@ fn prefix_match(addr: &[u8], prefix: u32, offset: u32, op: u32) -> Result<Vec<Ex
     ])
 }
 
-fn put(buf: &mut Vec<u8>, kind: u16, value: &[u8]) {
+pub(crate) fn put(buf: &mut Vec<u8>, kind: u16, value: &[u8]) {
     let len = 4 + value.len();
     buf.extend((len as u16).to_ne_bytes());
     buf.extend(kind.to_ne_bytes());
@@ -701,18 +822,18 @@ fn put(buf: &mut Vec<u8>, kind: u16, value: &[u8]) {
     }
 }
 
-fn put_str(buf: &mut Vec<u8>, kind: u16, value: &str) {
+pub(crate) fn put_str(buf: &mut Vec<u8>, kind: u16, value: &str) {
     let mut v = value.as_bytes().to_vec();
     v.push(0);
     put(buf, kind, &v);
 }
 
 /// A netlink u32 of nf_tables: big endian.
-fn put_u32(buf: &mut Vec<u8>, kind: u16, value: u32) {
+pub(crate) fn put_u32(buf: &mut Vec<u8>, kind: u16, value: u32) {
     put(buf, kind, &value.to_be_bytes());
 }
 
-fn nest(buf: &mut Vec<u8>, kind: u16, f: impl FnOnce(&mut Vec<u8>)) {
+pub(crate) fn nest(buf: &mut Vec<u8>, kind: u16, f: impl FnOnce(&mut Vec<u8>)) {
     let mut inner = Vec::new();
     f(&mut inner);
     let len = 4 + inner.len();
@@ -732,7 +853,7 @@ fn expression(list: &mut Vec<u8>, name: &str, f: impl FnOnce(&mut Vec<u8>)) {
     });
 }
 
-fn encode(list: &mut Vec<u8>, e: &Expr) {
+pub(crate) fn encode(list: &mut Vec<u8>, e: &Expr) {
     match e {
         Expr::MetaLoad(key) => expression(list, "meta", |d| {
             put_u32(d, 2, *key);
@@ -800,11 +921,22 @@ fn encode(list: &mut Vec<u8>, e: &Expr) {
             put_u32(d, 1, u32::from(*family));
             put_u32(d, 3, NFT_REG_1);
         }),
+        Expr::CounterZeroed => expression(list, "counter", |d| {
+            put(d, 1, &0u64.to_be_bytes());
+            put(d, 2, &0u64.to_be_bytes());
+        }),
+        Expr::XtMatch { name, rev, info } => expression(list, "match", |d| {
+            put_str(d, 1, name);
+            put_u32(d, 2, *rev);
+            put(d, 3, info);
+        }),
+        Expr::XtTarget { name, rev, info } => expression(list, "target", |d| {
+            put_str(d, 1, name);
+            put_u32(d, 2, *rev);
+            put(d, 3, info);
+        }),
     }
 }
-
-/// The family every message of a compiled batch carries.
-pub const FAMILY: u8 = NFPROTO_INET;
 
 #[cfg(test)]
 mod tests {
@@ -859,13 +991,35 @@ mod tests {
     }
 
     #[test]
+    fn numbers_and_names_nft_could_read_otherwise_are_left_to_it() {
+        // nft reads 01337 as octal and refuses +1337; Rust would read both as 1337.
+        for rule in [
+            "skuid 01337 counter return",
+            "skuid +1337 counter return",
+            "meta mark set 0x counter",
+            "tcp dport 015008 counter return",
+            "oifname counter counter return",
+            "oifname docker counter return",
+            "oifname ip6 counter return",
+            "oifname fully-random counter return",
+            "oifname 1eth counter return",
+        ] {
+            assert!(compile_rule(rule, &mut 1).is_err(), "{rule}");
+        }
+        for rule in ["skuid 0 counter return", "meta mark set 0x539", "oifname eth0 counter return"] {
+            assert!(compile_rule(rule, &mut 1).is_ok(), "{rule}");
+        }
+        assert!(plain_interface("lo") && plain_interface("not-istio-nic") && plain_interface("net1"));
+    }
+
+    #[test]
     fn inserts_land_where_nft_puts_them() {
         let tx = "add table inet t\nadd chain inet t c\nadd rule inet t c counter return\n\
                   add rule inet t c counter accept\ninsert rule inet t c index 1 counter drop\n";
         let b = compile(tx).unwrap();
         let rules: Vec<&Message> = b.messages.iter().filter(|m| m.kind == NFT_MSG_NEWRULE).collect();
         // In the text's order; the insert names the rule it goes before by its id.
-        assert_eq!(rules[2].what, "add rule inet t c counter drop");
+        assert_eq!(rules[2].what, "insert rule inet t c index 1 counter drop");
         let mut id = Vec::new();
         put_u32(&mut id, NFTA_RULE_ID, 2);
         assert!(rules[1].attrs.ends_with(&id), "the rule an insert names carries an id");

@@ -192,11 +192,19 @@ fn the_command_logs_the_path_it_took() {
         log
     };
     let line = |log: &str, what: &str| log.lines().find(|l| l.contains(what)).unwrap_or_default().to_string();
-    let applied = line(&run(&[]), "capture rules applied");
+    let log = run(&[]);
+    let applied = line(&log, "capture rules applied");
     assert!(applied.contains("path=fast"), "{applied}");
+    // REDIRECT's nat rules are written in process, no iptables-restore run.
+    assert!(log.contains("Final iptables state (IPv4), written in process"), "{log}");
     let again = line(&run(&[]), "capture rules already in place");
     assert!(again.contains("path=full"), "a namespace with rules is read the full way: {again}");
     let removed = line(&run(&["--cleanup-only"]), "capture rules removed");
+    assert!(removed.contains("path=fast"), "{removed}");
+    // TPROXY's mangle rules are not known in process: one restore.
+    let log = run(&["-m", "TPROXY"]);
+    assert!(log.contains("Final iptables state (IPv4), restored into an empty namespace"), "{log}");
+    let removed = line(&run(&["-m", "TPROXY", "--cleanup-only"]), "capture rules removed");
     assert!(removed.contains("path=fast"), "{removed}");
 }
 
@@ -321,5 +329,179 @@ fn native_nftables_goes_in_by_one_batch_and_captures() {
         assert_eq!(removed.action, Action::Cleaned);
         assert_eq!(in_pod(&scene.client, "nft", &["list", "tables"]).trim(), "", "{mode:?}: nothing remains");
         assert!(!is_captured(&scene), "{mode:?}: not captured after removal");
+    }
+}
+
+/// A namespace's IPv4 iptables-nft state, read both ways: `iptables-nft-save` (what
+/// Istio's verify and Weir's removal read) and the kernel's expressions
+/// (`nft --debug=netlink list ruleset`, rule handles left out: iptables-nft numbers
+/// its messages differently, and no reader uses them).
+fn iptables_state() -> String {
+    let run = |program: &str, args: &[&str]| {
+        let out = std::process::Command::new(program).args(args).output().unwrap();
+        assert!(out.status.success(), "{program}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let save: String = run("iptables-nft-save", &[])
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let kernel: String = run("nft", &["--debug=netlink", "list", "ruleset"])
+        .lines()
+        .map(|l| match l.starts_with("ip ") {
+            true => l.split_whitespace().filter(|w| w.parse::<u64>().is_err()).collect::<Vec<_>>().join(" "),
+            false => l.to_string(),
+        })
+        .map(|l| format!("{l}\n"))
+        .collect();
+    format!("{save}{kernel}")
+}
+
+fn iptables_nft_restore(text: &str) -> Result<(), String> {
+    use std::io::Write as _;
+    let mut child = std::process::Command::new("iptables-nft-restore")
+        .arg("--noflush")
+        .stdin(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| e.to_string())?;
+    child.stdin.take().unwrap().write_all(text.as_bytes()).map_err(|e| e.to_string())?;
+    let out = child.wait_with_output().map_err(|e| e.to_string())?;
+    out.status.success().then_some(()).ok_or_else(|| String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// The IPv4 restore text of every iptables golden of Istio's that the in-process
+/// writer knows (the nat table of REDIRECT mode) leaves, written as one batch, what
+/// `iptables-nft-restore --noflush` of the same text leaves: the same
+/// `iptables-nft-save` and the same kernel expressions. The others are named.
+#[test]
+fn iptables_nft_batches_leave_what_iptables_nft_restore_leaves_for_every_golden() {
+    require_root!();
+    let dir = weir_tests::tools::workspace().join("iptables-compat/testdata/iptables-capture");
+    let mut goldens: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+    goldens.sort();
+    assert_eq!(goldens.len(), 27, "every golden is read");
+    let (mut compiled, mut declined) = (Vec::new(), Vec::new());
+    for golden in &goldens {
+        let name = golden.file_stem().unwrap().to_string_lossy().into_owned();
+        // Its restore blocks; the IPv4 ones hold no IPv6 address.
+        let text = std::fs::read_to_string(golden).unwrap();
+        let mut v4 = String::new();
+        let mut block = String::new();
+        for line in text.lines() {
+            if line.starts_with("* ") || !block.is_empty() {
+                block.push_str(line);
+                block.push('\n');
+            }
+            if line == "COMMIT" {
+                if !block.contains("::") {
+                    v4.push_str(&block);
+                }
+                block.clear();
+            }
+        }
+        assert!(v4.contains("COMMIT"), "{name}: an IPv4 restore is read");
+        let batch = match weir_iptables::xt_wire::compile(&v4) {
+            Ok(b) => b,
+            Err(why) => {
+                declined.push(format!("{name}: {}", why.0));
+                continue;
+            }
+        };
+        let by_restore = kernel_state_after_xt(|| iptables_nft_restore(&v4));
+        let by_batch =
+            kernel_state_after_xt(|| weir_iptables::nft_batch::send(&batch).map_err(|e| e.to_string()));
+        assert!(by_restore.contains("-A ISTIO_OUTPUT"), "{name}: the state is read:\n{by_restore}");
+        assert_eq!(by_batch, by_restore, "{name}: the batch leaves what iptables-nft-restore leaves");
+        compiled.push(name);
+    }
+    // Left to iptables-restore: the other tables (TPROXY's mangle, DNS's raw conntrack
+    // zones) and group names (the kernel tool resolves them).
+    assert_eq!(
+        declined,
+        [
+            "dns-uid-gid: `* raw`",
+            "drop-invalid: `* mangle`",
+            "inbound-ports-tproxy: `* mangle`",
+            "inbound-ports-wildcard-tproxy: `* mangle`",
+            "ip-range: `* raw`",
+            "ipv6-dns-outbound-owner-groups-exclude: owner ftp in `-A ISTIO_OUTPUT -m owner --gid-owner ftp -j RETURN`",
+            "ipv6-dns-outbound-owner-groups: owner java in \
+             `-A ISTIO_OUTPUT -m owner ! --gid-owner java -m owner ! --gid-owner 202 -j RETURN`",
+            "loopback-outbound-iprange: `* raw`",
+            "outbound-owner-groups-exclude: owner ftp in `-A ISTIO_OUTPUT -m owner --gid-owner ftp -j RETURN`",
+            "outbound-owner-groups: owner java in \
+             `-A ISTIO_OUTPUT -m owner ! --gid-owner java -m owner ! --gid-owner 202 -j RETURN`",
+            "tproxy: `* mangle`",
+        ]
+    );
+    assert!(compiled.contains(&"empty".to_string()), "the injector's default is written in process");
+    assert_eq!(compiled.len(), 16);
+
+    // A builtin chain already there (the probe allows one with no rule) keeps its own
+    // policy, as it does under iptables-nft-restore.
+    let v4 =
+        weir_iptables::render::restore(&weir_iptables::plan::plan(&config(InterceptionMode::Redirect)).v4);
+    let batch = weir_iptables::xt_wire::compile(&v4).unwrap();
+    let theirs =
+        "add table ip nat\nadd chain ip nat OUTPUT { type nat hook output priority -100 ; policy drop ; }\n";
+    let by_restore = kernel_state_after_xt(|| nft_f(theirs).and_then(|()| iptables_nft_restore(&v4)));
+    let by_batch = kernel_state_after_xt(|| {
+        nft_f(theirs)?;
+        weir_iptables::nft_batch::send(&batch).map_err(|e| e.to_string())
+    });
+    assert!(by_restore.contains(":OUTPUT DROP"), "{by_restore}");
+    assert_eq!(by_batch, by_restore);
+}
+
+fn kernel_state_after_xt(f: impl FnOnce() -> Result<(), String> + Send) -> String {
+    weir_iptables::nft_exec::in_scratch_netns(|| {
+        f().map_err(|e| weir_iptables::nft_exec::NftError::Failed { what: "apply".into(), stderr: e })?;
+        Ok(iptables_state())
+    })
+    .unwrap()
+}
+
+/// Beyond the goldens: prefixes off byte boundaries (masked loads), IPv6 ones, and a
+/// plan of over 300 rules (more answers than a socket holds, were each message
+/// acknowledged). Each is compiled in process, for nftables and for iptables-nft, and
+/// leaves what the kernel tool leaves.
+#[test]
+fn in_process_batches_match_the_kernel_tools_beyond_the_goldens() {
+    require_root!();
+    use weir_iptables::config::parse_exclude_ranges;
+    let many: Vec<String> =
+        (0..300).map(|i| format!("10.{}.{}.0/23", 100 + i / 128, (i % 128) * 2)).collect();
+    let cases = [
+        (
+            "masked prefixes",
+            "10.96.0.0/12,172.16.0.0/13,192.168.3.128/25,fd00::/9,2001:db8:8000::/33".to_string(),
+        ),
+        ("300 exclusions", many.join(",")),
+    ];
+    for (what, exclude) in cases {
+        let cfg = CaptureConfig {
+            outbound_ip_ranges_exclude: parse_exclude_ranges("-x", &exclude).unwrap(),
+            enable_ipv6: true,
+            ..config(InterceptionMode::Redirect)
+        };
+        let tx = weir_iptables::nft::render(&weir_iptables::nft::plan(&cfg));
+        let batch = weir_iptables::nft_wire::compile(&tx).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let by_nft = kernel_state_after(|| nft_f(&tx));
+        let by_batch =
+            kernel_state_after(|| weir_iptables::nft_batch::send(&batch).map_err(|e| e.to_string()));
+        assert!(by_nft.contains("bitwise") || what != "masked prefixes", "{what}: masked loads are compared");
+        assert_eq!(by_batch, by_nft, "{what}: nftables");
+
+        let v4 = weir_iptables::render::restore(&weir_iptables::plan::plan(&cfg).v4);
+        let batch = weir_iptables::xt_wire::compile(&v4).unwrap_or_else(|e| panic!("{what}: {e}"));
+        if what == "300 exclusions" {
+            assert!(batch.messages.len() > 300, "{}", batch.messages.len());
+        }
+        let by_restore = kernel_state_after_xt(|| iptables_nft_restore(&v4));
+        let by_batch =
+            kernel_state_after_xt(|| weir_iptables::nft_batch::send(&batch).map_err(|e| e.to_string()));
+        assert_eq!(by_batch, by_restore, "{what}: iptables-nft");
     }
 }

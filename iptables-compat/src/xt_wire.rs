@@ -1,0 +1,390 @@
+//! iptables-nft's rules made in process: the IPv4 `iptables-restore` text Weir renders
+//! for a namespace the probe found clean ([`crate::fast_path`]) compiled into the
+//! nf_tables messages `iptables-nft-restore --noflush` sends for it (family ip, table
+//! nat): user chains created exclusively, builtin chains created as iptables-nft
+//! creates them (hook, priority; a new one's policy is accept), each rule as iptables-nft encodes it
+//! (interfaces, protocol, addresses, then the matches in order, a counter, the target;
+//! `-m owner` and `-j REDIRECT` as x_tables structs, the rule's protocol in
+//! `NFTA_RULE_COMPAT`), so `iptables-nft-save`, `-C` and `-D` read them as their own.
+//! A pure function; [`crate::nft_batch`] sends the result. Only the nat table's forms
+//! REDIRECT mode uses are known; the mangle and raw tables (TPROXY, DNS conntrack
+//! zones), IPv6, multiport, marks and the rest are [`Unsupported`] and go to
+//! `iptables-restore` as before.
+
+use crate::{
+    nf_probe::NFPROTO_IPV4,
+    nft_wire::{
+        Batch, Expr, IPPROTO_TCP, IPPROTO_UDP, Message, NF_ACCEPT, NF_DROP, NFT_CMP_EQ, NFT_CMP_NEQ,
+        NFT_JUMP, NFT_META_IIFNAME, NFT_META_L4PROTO, NFT_META_OIFNAME, NFT_MSG_NEWCHAIN, NFT_MSG_NEWRULE,
+        NFT_MSG_NEWTABLE, NFT_PAYLOAD_TRANSPORT_HEADER, NFT_RETURN, NLM_F_CREATE, NLM_F_EXCL, RuleOrder,
+        Unsupported, decimal, encode, nest, position, prefix_match, put_str, put_u32, unsupported,
+    },
+};
+
+/// The nat table's builtin chains: hook number and priority, as iptables-nft makes them.
+fn nat_builtin(chain: &str) -> Option<(u32, i32)> {
+    match chain {
+        "PREROUTING" => Some((0, -100)),
+        "INPUT" => Some((1, 100)),
+        "OUTPUT" => Some((3, -100)),
+        "POSTROUTING" => Some((4, 100)),
+        _ => None,
+    }
+}
+
+const TABLE: &str = "nat";
+/// `NFTA_RULE_COMPAT`: the rule's `-p` for x_tables extensions.
+const NFTA_RULE_COMPAT: u16 = 5;
+/// `XT_OWNER_UID`, `XT_OWNER_GID`.
+const XT_OWNER_UID: u8 = 1;
+const XT_OWNER_GID: u8 = 2;
+/// `NF_NAT_RANGE_PROTO_SPECIFIED`.
+const NF_NAT_RANGE_PROTO_SPECIFIED: u32 = 2;
+const IFNAMSIZ: usize = 16;
+
+/// One rule line: its chain, arguments, and where it goes.
+struct Rule<'a> {
+    chain: &'a str,
+    args: Vec<&'a str>,
+    line: &'a str,
+    before: Option<usize>,
+    referenced: bool,
+}
+
+enum Line<'a> {
+    UserChain(&'a str),
+    Rule(usize),
+}
+
+/// Compiles one family's restore text (IPv4) into the batch iptables-nft-restore
+/// would send on a namespace without Istio's chains.
+pub fn compile(text: &str) -> Result<Batch, Unsupported> {
+    let mut lines = Vec::new();
+    let mut rules: Vec<Rule> = Vec::new();
+    let mut user_chains: Vec<&str> = Vec::new();
+    let mut order = RuleOrder::default();
+    let mut in_nat = false;
+    for line in text.lines().map(str::trim).filter(|l| !l.is_empty()) {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            ["*", "nat"] | ["*nat"] if !in_nat => in_nat = true,
+            ["COMMIT"] if in_nat => in_nat = false,
+            ["-N", chain] if in_nat => {
+                if nat_builtin(chain).is_some() || user_chains.contains(chain) {
+                    return unsupported(format!("`{line}`"));
+                }
+                user_chains.push(chain);
+                lines.push(Line::UserChain(chain));
+            }
+            [verb @ ("-A" | "-I"), chain, rest @ ..] if in_nat => {
+                if nat_builtin(chain).is_none() && !user_chains.contains(chain) {
+                    return unsupported(format!("rule in chain {chain} this batch does not create"));
+                }
+                let (index, args) = match (*verb, rest) {
+                    ("-I", [n, args @ ..]) => match decimal::<usize>(n) {
+                        Some(n) if n >= 1 => (Some(n - 1), args),
+                        _ => return unsupported(format!("`{line}`")),
+                    },
+                    _ => (None, rest),
+                };
+                let number = rules.len();
+                let before = order
+                    .place(*chain, number, index, true)
+                    .map_err(|()| Unsupported(format!("`{line}`: index past the chain's end")))?;
+                if let Some(target) = before {
+                    rules[target].referenced = true;
+                }
+                rules.push(Rule { chain, args: args.to_vec(), line, before, referenced: false });
+                lines.push(Line::Rule(number));
+            }
+            _ => return unsupported(format!("`{line}`")),
+        }
+    }
+    if in_nat {
+        return unsupported("a table without COMMIT");
+    }
+    let mut batch = Batch { family: NFPROTO_IPV4, messages: Vec::new() };
+    if rules.is_empty() && user_chains.is_empty() {
+        return Ok(batch);
+    }
+    let mut table = Vec::new();
+    put_str(&mut table, 1, TABLE);
+    batch.messages.push(Message {
+        kind: NFT_MSG_NEWTABLE,
+        flags: NLM_F_CREATE,
+        attrs: table,
+        what: "table ip nat".into(),
+    });
+    let mut builtins_made: Vec<&str> = Vec::new();
+    for line in &lines {
+        match line {
+            Line::UserChain(chain) => {
+                let mut a = Vec::new();
+                put_str(&mut a, 1, TABLE);
+                put_str(&mut a, 3, chain);
+                batch.messages.push(Message {
+                    kind: NFT_MSG_NEWCHAIN,
+                    flags: NLM_F_EXCL,
+                    attrs: a,
+                    what: format!("-t nat -N {chain}"),
+                });
+            }
+            Line::Rule(n) => {
+                let rule = &rules[*n];
+                if let Some((hooknum, prio)) = nat_builtin(rule.chain)
+                    && !builtins_made.contains(&rule.chain)
+                {
+                    builtins_made.push(rule.chain);
+                    let mut a = Vec::new();
+                    put_str(&mut a, 1, TABLE);
+                    put_str(&mut a, 3, rule.chain);
+                    nest(&mut a, 4, |h| {
+                        put_u32(h, 1, hooknum);
+                        put_u32(h, 2, prio as u32);
+                    });
+                    // No policy: a new chain's is accept, as iptables-nft makes it, and
+                    // one already there (the probe allows builtin chains) keeps its own.
+                    put_str(&mut a, 7, TABLE);
+                    batch.messages.push(Message {
+                        kind: NFT_MSG_NEWCHAIN,
+                        flags: NLM_F_CREATE,
+                        attrs: a,
+                        what: format!("the builtin chain nat {}", rule.chain),
+                    });
+                }
+                let (exprs, proto) = compile_rule(&rule.args, &user_chains)
+                    .map_err(|Unsupported(why)| Unsupported(format!("{why} in `{}`", rule.line)))?;
+                let mut a = Vec::new();
+                put_str(&mut a, 1, TABLE);
+                put_str(&mut a, 2, rule.chain);
+                nest(&mut a, 4, |list| {
+                    for e in &exprs {
+                        encode(list, e);
+                    }
+                });
+                nest(&mut a, NFTA_RULE_COMPAT, |c| {
+                    put_u32(c, 1, u32::from(proto));
+                    put_u32(c, 2, 0);
+                });
+                let flags = position(&mut a, *n, rule.referenced, rule.before);
+                batch.messages.push(Message {
+                    kind: NFT_MSG_NEWRULE,
+                    flags,
+                    attrs: a,
+                    what: format!("-t nat {}", rule.line),
+                });
+            }
+        }
+    }
+    Ok(batch)
+}
+
+/// An interface match as iptables-nft makes it: the name and its terminating NUL.
+fn interface(key: u32, name: &str, invert: bool) -> Result<[Expr; 2], Unsupported> {
+    let plain = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
+    if !name.starts_with(|c: char| c.is_ascii_alphabetic())
+        || name.len() >= IFNAMSIZ
+        || !name.chars().all(plain)
+    {
+        return unsupported(format!("interface {name:?}"));
+    }
+    let mut data = name.as_bytes().to_vec();
+    data.push(0);
+    Ok([Expr::MetaLoad(key), Expr::Cmp { op: if invert { NFT_CMP_NEQ } else { NFT_CMP_EQ }, data }])
+}
+
+fn address(word: &str, offset: u32, invert: bool) -> Result<Vec<Expr>, Unsupported> {
+    let (addr, prefix) = match word.split_once('/') {
+        Some((a, p)) => (a, decimal::<u32>(p).ok_or_else(|| Unsupported(format!("address {word}")))?),
+        None => (word, 32),
+    };
+    let addr: std::net::Ipv4Addr = addr.parse().map_err(|_| Unsupported(format!("address {word}")))?;
+    if prefix == 0 || prefix > 32 {
+        return unsupported(format!("address {word}"));
+    }
+    prefix_match(&addr.octets(), prefix, offset, if invert { NFT_CMP_NEQ } else { NFT_CMP_EQ })
+}
+
+/// `struct xt_owner_match_info` (XT_ALIGNed to 24 bytes).
+fn owner_info(uid: Option<u32>, gid: Option<u32>, invert: bool) -> Vec<u8> {
+    let mut info = Vec::with_capacity(24);
+    for v in [uid, uid, gid, gid] {
+        info.extend(v.unwrap_or(0).to_ne_bytes());
+    }
+    let kind = if uid.is_some() { XT_OWNER_UID } else { XT_OWNER_GID };
+    info.push(kind);
+    info.push(if invert { kind } else { 0 });
+    info.resize(24, 0);
+    info
+}
+
+/// `struct nf_nat_ipv4_multi_range_compat` with one port (XT_ALIGNed to 24 bytes).
+fn redirect_info(port: u16) -> Vec<u8> {
+    let mut info = Vec::with_capacity(24);
+    info.extend(1u32.to_ne_bytes());
+    info.extend(NF_NAT_RANGE_PROTO_SPECIFIED.to_ne_bytes());
+    info.extend([0u8; 8]);
+    info.extend(port.to_be_bytes());
+    info.extend(port.to_be_bytes());
+    info.resize(24, 0);
+    info
+}
+
+/// One rule's arguments (after `-A CHAIN` / `-I CHAIN N`) as iptables-nft's
+/// expressions, and the rule's protocol (0 without `-p`).
+fn compile_rule(args: &[&str], user_chains: &[&str]) -> Result<(Vec<Expr>, u8), Unsupported> {
+    let (mut iif, mut oif, mut proto) = (None, None, 0u8);
+    let (mut saddr, mut daddr) = (None, None);
+    let mut matches: Vec<Expr> = Vec::new();
+    let mut target: Option<Expr> = None;
+    let mut invert = false;
+    let mut i = 0;
+    let at = |i: usize| args.get(i).copied().unwrap_or("");
+    while i < args.len() {
+        let word = args[i];
+        i += 1;
+        if target.is_some() {
+            return unsupported(format!("`{word}` after the target"));
+        }
+        let inv = std::mem::take(&mut invert);
+        match word {
+            "!" if !inv => invert = true,
+            "-p" if !inv && proto == 0 => {
+                proto = match at(i) {
+                    "tcp" => IPPROTO_TCP,
+                    "udp" => IPPROTO_UDP,
+                    other => return unsupported(format!("-p {other}")),
+                };
+                i += 1;
+            }
+            "-i" if iif.is_none() => {
+                iif = Some(interface(NFT_META_IIFNAME, at(i), inv)?);
+                i += 1;
+            }
+            "-o" if oif.is_none() => {
+                oif = Some(interface(NFT_META_OIFNAME, at(i), inv)?);
+                i += 1;
+            }
+            "-s" if saddr.is_none() => {
+                saddr = Some(address(at(i), 12, inv)?);
+                i += 1;
+            }
+            "-d" if daddr.is_none() => {
+                daddr = Some(address(at(i), 16, inv)?);
+                i += 1;
+            }
+            "--dport" | "--sport" if proto != 0 => {
+                let port: u16 = decimal(at(i)).ok_or_else(|| Unsupported(format!("{word} {}", at(i))))?;
+                i += 1;
+                let offset = if word == "--sport" { 0 } else { 2 };
+                matches.push(Expr::Payload { base: NFT_PAYLOAD_TRANSPORT_HEADER, offset, len: 2 });
+                let op = if inv { NFT_CMP_NEQ } else { NFT_CMP_EQ };
+                matches.push(Expr::Cmp { op, data: port.to_be_bytes().to_vec() });
+            }
+            "-m" if !inv && at(i) == "owner" => {
+                // Exactly one [!] --uid-owner N or --gid-owner N.
+                let mut j = i + 1;
+                let negated = at(j) == "!";
+                if negated {
+                    j += 1;
+                }
+                let id: u32 =
+                    decimal(at(j + 1)).ok_or_else(|| Unsupported(format!("owner {}", at(j + 1))))?;
+                let info = match at(j) {
+                    "--uid-owner" => owner_info(Some(id), None, negated),
+                    "--gid-owner" => owner_info(None, Some(id), negated),
+                    other => return unsupported(format!("-m owner {other}")),
+                };
+                i = j + 2;
+                matches.push(Expr::XtMatch { name: "owner", rev: 1, info });
+            }
+            "-j" if !inv => {
+                let name = at(i);
+                i += 1;
+                target = Some(match name {
+                    "RETURN" => Expr::Verdict { code: NFT_RETURN, chain: None },
+                    "ACCEPT" => Expr::Verdict { code: NF_ACCEPT, chain: None },
+                    "DROP" => Expr::Verdict { code: NF_DROP, chain: None },
+                    "REDIRECT" if at(i) == "--to-ports" => {
+                        let port: u16 = decimal(at(i + 1))
+                            .ok_or_else(|| Unsupported(format!("--to-ports {}", at(i + 1))))?;
+                        i += 2;
+                        Expr::XtTarget { name: "REDIRECT", rev: 0, info: redirect_info(port) }
+                    }
+                    chain if user_chains.contains(&chain) => {
+                        Expr::Verdict { code: NFT_JUMP, chain: Some(chain.to_string()) }
+                    }
+                    other => return unsupported(format!("-j {other}")),
+                });
+            }
+            other => return unsupported(format!("`{other}`")),
+        }
+    }
+    if invert {
+        return unsupported("a trailing `!`");
+    }
+    let mut out = Vec::new();
+    for part in [iif, oif].into_iter().flatten() {
+        out.extend(part);
+    }
+    if proto != 0 {
+        out.push(Expr::MetaLoad(NFT_META_L4PROTO));
+        out.push(Expr::Cmp { op: NFT_CMP_EQ, data: vec![proto] });
+    }
+    for part in [saddr, daddr].into_iter().flatten() {
+        out.extend(part);
+    }
+    out.extend(matches);
+    out.push(Expr::CounterZeroed);
+    out.extend(target);
+    Ok((out, proto))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rule(args: &str) -> Result<(Vec<Expr>, u8), Unsupported> {
+        let args: Vec<&str> = args.split_whitespace().collect();
+        compile_rule(&args, &["ISTIO_IN_REDIRECT"])
+    }
+
+    #[test]
+    fn fields_go_in_iptables_nft_order_whatever_the_argument_order() {
+        let (e, proto) = rule(
+            "-o lo ! -d 127.0.0.1/32 -p tcp ! --dport 15008 -m owner --uid-owner 1337 -j ISTIO_IN_REDIRECT",
+        )
+        .unwrap();
+        assert_eq!(proto, IPPROTO_TCP);
+        assert_eq!(e[0], Expr::MetaLoad(NFT_META_OIFNAME));
+        assert_eq!(e[1], Expr::Cmp { op: NFT_CMP_EQ, data: b"lo\0".to_vec() });
+        assert_eq!(e[2], Expr::MetaLoad(NFT_META_L4PROTO));
+        assert_eq!(e[5], Expr::Cmp { op: NFT_CMP_NEQ, data: vec![127, 0, 0, 1] });
+        assert_eq!(e[7], Expr::Cmp { op: NFT_CMP_NEQ, data: 15008u16.to_be_bytes().to_vec() });
+        assert!(
+            matches!(&e[8], Expr::XtMatch { name: "owner", info, .. } if info[16] == XT_OWNER_UID && info[17] == 0)
+        );
+        assert_eq!(e[9], Expr::CounterZeroed);
+    }
+
+    #[test]
+    fn what_it_does_not_know_is_left_to_iptables_restore() {
+        for args in [
+            "-p tcp -m multiport --dports 1,2 -j RETURN",
+            "-o eth+ -j RETURN",
+            "-m owner --uid-owner envoy -j RETURN",
+            "-p tcp -j TPROXY --on-port 15006",
+            "-j MARK --set-mark 1337",
+            "! -p tcp -j RETURN",
+            "-j NOT_A_CHAIN",
+            "-d ::1/128 -j RETURN",
+            "-j RETURN -o lo",
+        ] {
+            assert!(rule(args).is_err(), "{args}");
+        }
+        assert!(compile("* mangle\n-N ISTIO_DIVERT\nCOMMIT\n").is_err());
+        assert!(compile("* nat\n-A ISTIO_OUTPUT -j RETURN\nCOMMIT\n").is_err(), "an undeclared chain");
+        assert!(compile("* nat\n-N X\n-I X 2 -j RETURN\nCOMMIT\n").is_err(), "past the end");
+        assert!(compile("").unwrap().messages.is_empty());
+    }
+}
