@@ -125,8 +125,7 @@ pub fn send(batch: &Batch) -> Result<(), BatchError> {
     let _ = set_option(fd, SOL_NETLINK, NETLINK_CAP_ACK, &1);
     let _ = set_option(fd, SOL_NETLINK, NETLINK_EXT_ACK, &1);
     let _ = set_option(fd, libc::SOL_SOCKET, libc::SO_RCVBUF, &RECEIVE_BUFFER);
-    let timeout =
-        libc::timeval { tv_sec: ANSWER_TIMEOUT.as_secs() as libc::time_t, tv_usec: 0 as libc::suseconds_t };
+    let timeout = libc::timeval { tv_sec: ANSWER_TIMEOUT.as_secs() as _, tv_usec: 0 };
     set_option(fd, libc::SOL_SOCKET, libc::SO_RCVTIMEO, &timeout)
         .map_err(not_sent("set the netlink socket's receive timeout"))?;
     let first = std::process::id().wrapping_mul(0x9e37_79b9) ^ 0x5745_4952;

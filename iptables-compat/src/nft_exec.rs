@@ -191,9 +191,10 @@ impl Nft for SystemNft {
                     );
                     return Ok(ApplyPath::Fast);
                 }
-                Err(e) => {
-                    tracing::warn!(error = %e, "the in-process nf_tables batch was refused; running nft")
+                Err(e) if e.applied_nothing() => {
+                    tracing::warn!(error = %e, "the in-process nf_tables batch did not go in; running nft")
                 }
+                Err(e) => return Err(e.into()),
             },
             Err(why) => tracing::debug!(%why, "running nft"),
         }

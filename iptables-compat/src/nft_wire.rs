@@ -301,8 +301,14 @@ pub fn compile(tx: &str) -> Result<Batch, Unsupported> {
             }
         }
     }
-    if batch.messages.iter().map(|m| m.attrs.len() + 20).sum::<usize>() > MAX_BATCH_BYTES {
-        return unsupported(format!("a batch over {MAX_BATCH_BYTES} bytes"));
+    within_size(batch)
+}
+
+/// `batch` if one send can carry it; a bigger one is left to the kernel tool.
+pub(crate) fn within_size(batch: Batch) -> Result<Batch, Unsupported> {
+    let bytes: usize = batch.messages.iter().map(|m| m.attrs.len() + 20).sum();
+    if bytes > MAX_BATCH_BYTES {
+        return unsupported(format!("a batch of {bytes} bytes, over {MAX_BATCH_BYTES}"));
     }
     Ok(batch)
 }

@@ -152,7 +152,7 @@ pub fn compile(text: &str) -> Result<Batch, Unsupported> {
                         what: format!("the builtin chain nat {}", rule.chain),
                     });
                 }
-                let (exprs, proto) = compile_rule(&rule.args, &user_chains)
+                let (exprs, proto) = compile_rule(rule.chain, &rule.args, &user_chains)
                     .map_err(|Unsupported(why)| Unsupported(format!("{why} in `{}`", rule.line)))?;
                 let mut a = Vec::new();
                 put_str(&mut a, 1, TABLE);
@@ -176,7 +176,7 @@ pub fn compile(text: &str) -> Result<Batch, Unsupported> {
             }
         }
     }
-    Ok(batch)
+    crate::nft_wire::within_size(batch)
 }
 
 /// An interface match as iptables-nft makes it: the name and its terminating NUL.
@@ -232,7 +232,7 @@ fn redirect_info(port: u16) -> Vec<u8> {
 
 /// One rule's arguments (after `-A CHAIN` / `-I CHAIN N`) as iptables-nft's
 /// expressions, and the rule's protocol (0 without `-p`).
-fn compile_rule(args: &[&str], user_chains: &[&str]) -> Result<(Vec<Expr>, u8), Unsupported> {
+fn compile_rule(chain: &str, args: &[&str], user_chains: &[&str]) -> Result<(Vec<Expr>, u8), Unsupported> {
     let (mut iif, mut oif, mut proto) = (None, None, 0u8);
     let (mut saddr, mut daddr) = (None, None);
     let mut matches: Vec<Expr> = Vec::new();
@@ -257,11 +257,13 @@ fn compile_rule(args: &[&str], user_chains: &[&str]) -> Result<(Vec<Expr>, u8), 
                 };
                 i += 1;
             }
-            "-i" if iif.is_none() => {
+            // iptables refuses an input interface where packets have none yet, and an
+            // output one where they have none yet.
+            "-i" if iif.is_none() && !matches!(chain, "OUTPUT" | "POSTROUTING") => {
                 iif = Some(interface(NFT_META_IIFNAME, at(i), inv)?);
                 i += 1;
             }
-            "-o" if oif.is_none() => {
+            "-o" if oif.is_none() && !matches!(chain, "PREROUTING" | "INPUT") => {
                 oif = Some(interface(NFT_META_OIFNAME, at(i), inv)?);
                 i += 1;
             }
@@ -305,7 +307,8 @@ fn compile_rule(args: &[&str], user_chains: &[&str]) -> Result<(Vec<Expr>, u8), 
                     "RETURN" => Expr::Verdict { code: NFT_RETURN, chain: None },
                     "ACCEPT" => Expr::Verdict { code: NF_ACCEPT, chain: None },
                     "DROP" => Expr::Verdict { code: NF_DROP, chain: None },
-                    "REDIRECT" if at(i) == "--to-ports" => {
+                    // A port needs a protocol, as iptables says.
+                    "REDIRECT" if at(i) == "--to-ports" && proto != 0 => {
                         let port: u16 = decimal(at(i + 1))
                             .ok_or_else(|| Unsupported(format!("--to-ports {}", at(i + 1))))?;
                         i += 2;
@@ -346,7 +349,7 @@ mod tests {
 
     fn rule(args: &str) -> Result<(Vec<Expr>, u8), Unsupported> {
         let args: Vec<&str> = args.split_whitespace().collect();
-        compile_rule(&args, &["ISTIO_IN_REDIRECT"])
+        compile_rule("ISTIO_OUTPUT", &args, &["ISTIO_IN_REDIRECT"])
     }
 
     #[test]
@@ -379,9 +382,18 @@ mod tests {
             "-j NOT_A_CHAIN",
             "-d ::1/128 -j RETURN",
             "-j RETURN -o lo",
+            "-j REDIRECT --to-ports 15001",
         ] {
             assert!(rule(args).is_err(), "{args}");
         }
+        let args = ["-i", "eth0", "-j", "RETURN"];
+        assert!(
+            compile_rule("OUTPUT", &args, &[]).is_err() && compile_rule("PREROUTING", &args, &[]).is_ok()
+        );
+        let args = ["-o", "lo", "-j", "RETURN"];
+        assert!(
+            compile_rule("PREROUTING", &args, &[]).is_err() && compile_rule("OUTPUT", &args, &[]).is_ok()
+        );
         assert!(compile("* mangle\n-N ISTIO_DIVERT\nCOMMIT\n").is_err());
         assert!(compile("* nat\n-A ISTIO_OUTPUT -j RETURN\nCOMMIT\n").is_err(), "an undeclared chain");
         assert!(compile("* nat\n-N X\n-I X 2 -j RETURN\nCOMMIT\n").is_err(), "past the end");

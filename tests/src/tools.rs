@@ -94,14 +94,20 @@ fn opened(cell: &'static OnceLock<Executable>, name: &str) -> &'static Executabl
 /// A command running `weir`, as any user.
 pub fn weir_command() -> Command {
     static WEIR: OnceLock<Executable> = OnceLock::new();
-    static OTHERS: OnceLock<Mutex<HashMap<PathBuf, Executable>>> = OnceLock::new();
     let Some(path) = WEIR_UNDER_TEST.lock().unwrap_or_else(|e| e.into_inner()).clone() else {
         return opened(&WEIR, "weir").command();
     };
+    other_build_command(&path)
+}
+
+/// A command running a binary of another build (`--against`), opened once and held:
+/// the command runs it through the held descriptor, which must outlive the spawn.
+fn other_build_command(path: &Path) -> Command {
+    static OTHERS: OnceLock<Mutex<HashMap<PathBuf, Executable>>> = OnceLock::new();
     let mut others = OTHERS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
     others
-        .entry(path.clone())
-        .or_insert_with(|| Executable::open(&path).unwrap_or_else(|e| panic!("open {}: {e}", path.display())))
+        .entry(path.to_path_buf())
+        .or_insert_with(|| Executable::open(path).unwrap_or_else(|e| panic!("open {}: {e}", path.display())))
         .command()
 }
 
@@ -120,9 +126,8 @@ pub fn init_command() -> Command {
     let other_build = WEIR_UNDER_TEST.lock().unwrap_or_else(|e| e.into_inner()).is_some();
     let mut cmd = match (other_build, weir_init()) {
         (false, Some(_)) => opened(&INIT, "weir-init").command(),
-        (true, Some(other)) => {
-            Executable::open(&other).unwrap_or_else(|e| panic!("open {}: {e}", other.display())).command()
-        }
+        // Held: a descriptor dropped here would be gone when the command runs.
+        (true, Some(other)) => other_build_command(&other),
         (_, None) => return pilot_agent_command(),
     };
     cmd.arg0("pilot-agent");
