@@ -33,6 +33,8 @@ pub struct Probe {
     rules: Vec<nf_probe::Object>,
     /// User chains (no hook) of the ip and ip6 families: Istio's, or anyone's.
     user_chains: Vec<nf_probe::Object>,
+    /// Builtin chains (hooked) of the ip and ip6 families: an earlier run's, or anyone's.
+    base_chains: Vec<nf_probe::Object>,
     legacy_in_use: Vec<String>,
 }
 
@@ -48,8 +50,8 @@ impl Probe {
             xt(nf_probe::rules()).map_err(|e| Decline(format!("nf_tables rule probe failed: {e}")))?;
         let chains =
             xt(nf_probe::chains()).map_err(|e| Decline(format!("nf_tables chain probe failed: {e}")))?;
-        let user_chains = chains.into_iter().filter(|c| !c.base_chain).collect();
-        Ok(Self { rules, user_chains, legacy_in_use: tables.legacy_in_use })
+        let (base_chains, user_chains) = chains.into_iter().partition(|c| c.base_chain);
+        Ok(Self { rules, user_chains, base_chains, legacy_in_use: tables.legacy_in_use })
     }
 
     /// No legacy table holds a rule: Istio's detection would not pick legacy.
@@ -192,7 +194,7 @@ pub fn apply(plan: &RulePlan, probe: &Probe, lock: Lock) -> Result<Applied, crat
         if text.is_empty() {
             continue;
         }
-        if family == Family::V4 && in_process(text)? {
+        if family == Family::V4 && in_process(text, probe)? {
             applied.push(family);
             tracing::info!(
                 "Final iptables state (IPv4), written in process into an empty namespace:\n{text}"
@@ -219,8 +221,16 @@ pub fn apply(plan: &RulePlan, probe: &Probe, lock: Lock) -> Result<Applied, crat
 /// ([`crate::xt_wire`]): true when the kernel took it. A text it does not know, or a
 /// batch the kernel refused (it changed nothing), is left to `iptables-restore`; a
 /// batch whose answer was lost may be in, and is an error.
-fn in_process(text: &str) -> Result<bool, crate::apply::CaptureError> {
-    let batch = match crate::xt_wire::compile(text) {
+fn in_process(text: &str, probe: &Probe) -> Result<bool, crate::apply::CaptureError> {
+    // iptables-nft leaves a builtin chain it finds alone (sending it again re-registers
+    // its hook: a kernel round of synchronisation, milliseconds); so does this.
+    let existing: Vec<&str> = probe
+        .base_chains
+        .iter()
+        .filter(|c| c.family == NFPROTO_IPV4 && c.table == "nat")
+        .map(|c| c.name.as_str())
+        .collect();
+    let batch = match crate::xt_wire::compile(text, &existing) {
         Ok(batch) => batch,
         Err(why) => {
             tracing::debug!(%why, "running iptables-restore");

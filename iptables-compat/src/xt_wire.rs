@@ -57,8 +57,9 @@ enum Line<'a> {
 }
 
 /// Compiles one family's restore text (IPv4) into the batch iptables-nft-restore
-/// would send on a namespace without Istio's chains.
-pub fn compile(text: &str) -> Result<Batch, Unsupported> {
+/// would send on a namespace without Istio's chains, whose nat table already holds the
+/// builtin chains `existing` (none in a fresh namespace).
+pub fn compile(text: &str, existing: &[&str]) -> Result<Batch, Unsupported> {
     let mut lines = Vec::new();
     let mut rules: Vec<Rule> = Vec::new();
     let mut user_chains: Vec<&str> = Vec::new();
@@ -115,7 +116,7 @@ pub fn compile(text: &str) -> Result<Batch, Unsupported> {
         attrs: table,
         what: "table ip nat".into(),
     });
-    let mut builtins_made: Vec<&str> = Vec::new();
+    let mut builtins_made: Vec<&str> = existing.to_vec();
     for line in &lines {
         match line {
             Line::UserChain(chain) => {
@@ -394,9 +395,9 @@ mod tests {
         assert!(
             compile_rule("PREROUTING", &args, &[]).is_err() && compile_rule("OUTPUT", &args, &[]).is_ok()
         );
-        assert!(compile("* mangle\n-N ISTIO_DIVERT\nCOMMIT\n").is_err());
-        assert!(compile("* nat\n-A ISTIO_OUTPUT -j RETURN\nCOMMIT\n").is_err(), "an undeclared chain");
-        assert!(compile("* nat\n-N X\n-I X 2 -j RETURN\nCOMMIT\n").is_err(), "past the end");
-        assert!(compile("").unwrap().messages.is_empty());
+        assert!(compile("* mangle\n-N ISTIO_DIVERT\nCOMMIT\n", &[]).is_err());
+        assert!(compile("* nat\n-A ISTIO_OUTPUT -j RETURN\nCOMMIT\n", &[]).is_err(), "an undeclared chain");
+        assert!(compile("* nat\n-N X\n-I X 2 -j RETURN\nCOMMIT\n", &[]).is_err(), "past the end");
+        assert!(compile("", &[]).unwrap().messages.is_empty());
     }
 }

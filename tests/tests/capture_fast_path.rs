@@ -402,7 +402,7 @@ fn iptables_nft_batches_leave_what_iptables_nft_restore_leaves_for_every_golden(
             }
         }
         assert!(v4.contains("COMMIT"), "{name}: an IPv4 restore is read");
-        let batch = match weir_iptables::xt_wire::compile(&v4) {
+        let batch = match weir_iptables::xt_wire::compile(&v4, &[]) {
             Ok(b) => b,
             Err(why) => {
                 declined.push(format!("{name}: {}", why.0));
@@ -443,16 +443,18 @@ fn iptables_nft_batches_leave_what_iptables_nft_restore_leaves_for_every_golden(
     // policy, as it does under iptables-nft-restore.
     let v4 =
         weir_iptables::render::restore(&weir_iptables::plan::plan(&config(InterceptionMode::Redirect)).v4);
-    let batch = weir_iptables::xt_wire::compile(&v4).unwrap();
-    let theirs =
-        "add table ip nat\nadd chain ip nat OUTPUT { type nat hook output priority -100 ; policy drop ; }\n";
-    let by_restore = kernel_state_after_xt(|| nft_f(theirs).and_then(|()| iptables_nft_restore(&v4)));
-    let by_batch = kernel_state_after_xt(|| {
-        nft_f(theirs)?;
-        weir_iptables::nft_batch::send(&batch).map_err(|e| e.to_string())
-    });
-    assert!(by_restore.contains(":OUTPUT DROP"), "{by_restore}");
-    assert_eq!(by_batch, by_restore);
+    // Told it is there (as the probe tells it), or not: the chain is kept either way.
+    for existing in [&["OUTPUT"][..], &[]] {
+        let batch = weir_iptables::xt_wire::compile(&v4, existing).unwrap();
+        let theirs = "add table ip nat\nadd chain ip nat OUTPUT { type nat hook output priority -100 ; policy drop ; }\n";
+        let by_restore = kernel_state_after_xt(|| nft_f(theirs).and_then(|()| iptables_nft_restore(&v4)));
+        let by_batch = kernel_state_after_xt(|| {
+            nft_f(theirs)?;
+            weir_iptables::nft_batch::send(&batch).map_err(|e| e.to_string())
+        });
+        assert!(by_restore.contains(":OUTPUT DROP"), "{by_restore}");
+        assert_eq!(by_batch, by_restore, "{existing:?}");
+    }
 }
 
 fn kernel_state_after_xt(f: impl FnOnce() -> Result<(), String> + Send) -> String {
@@ -495,7 +497,7 @@ fn in_process_batches_match_the_kernel_tools_beyond_the_goldens() {
         assert_eq!(by_batch, by_nft, "{what}: nftables");
 
         let v4 = weir_iptables::render::restore(&weir_iptables::plan::plan(&cfg).v4);
-        let batch = weir_iptables::xt_wire::compile(&v4).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let batch = weir_iptables::xt_wire::compile(&v4, &[]).unwrap_or_else(|e| panic!("{what}: {e}"));
         if what == "300 exclusions" {
             assert!(batch.messages.len() > 300, "{}", batch.messages.len());
         }
