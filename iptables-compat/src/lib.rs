@@ -18,6 +18,7 @@ pub mod netlink;
 pub mod nf_probe;
 pub mod nft;
 pub mod nft_batch;
+pub mod nft_encode;
 pub mod nft_exec;
 pub mod nft_wire;
 pub mod plan;

@@ -13,7 +13,7 @@
 
 use crate::{
     nf_probe::NFPROTO_IPV4,
-    nft_wire::{
+    nft_encode::{
         Batch, Expr, IPPROTO_TCP, IPPROTO_UDP, Message, NF_ACCEPT, NF_DROP, NFT_CMP_EQ, NFT_CMP_NEQ,
         NFT_JUMP, NFT_META_IIFNAME, NFT_META_L4PROTO, NFT_META_OIFNAME, NFT_MSG_NEWCHAIN, NFT_MSG_NEWRULE,
         NFT_MSG_NEWTABLE, NFT_PAYLOAD_TRANSPORT_HEADER, NFT_RETURN, NLM_F_CREATE, NLM_F_EXCL, RuleOrder,
@@ -177,7 +177,7 @@ pub fn compile(text: &str, existing: &[&str]) -> Result<Batch, Unsupported> {
             }
         }
     }
-    crate::nft_wire::within_size(batch)
+    crate::nft_encode::within_size(batch)
 }
 
 /// An interface match as iptables-nft makes it: the name and its terminating NUL.
