@@ -4,7 +4,7 @@
 //! [`crate::xt_wire`] (iptables-nft's) compile into these; [`crate::nft_batch`] sends
 //! them.
 
-/// Why a transaction is left to `nft -f`.
+/// Why a transaction is left to the kernel tool (`nft -f`, `iptables-restore`).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("not compiled in process ({0})")]
 pub struct Unsupported(pub String);
@@ -22,7 +22,7 @@ pub struct Message {
     pub flags: u16,
     /// Attributes after the nfgenmsg header.
     pub attrs: Vec<u8>,
-    /// What the message is, as nft text (`add rule inet t c ...`).
+    /// What the message is, as the tool's text (`add rule inet t c ...`, `-t nat -A ...`).
     pub what: String,
 }
 
@@ -46,7 +46,7 @@ pub(crate) const NLM_F_CREATE: u16 = 0x400;
 pub(crate) const NLM_F_APPEND: u16 = 0x800;
 pub(crate) const NLA_F_NESTED: u16 = 0x8000;
 
-/// The largest batch sent in process; a bigger one goes to `nft -f`.
+/// The largest batch sent in process; a bigger one goes to the kernel tool.
 pub const MAX_BATCH_BYTES: usize = 128 * 1024;
 
 // nft_data / verdicts
