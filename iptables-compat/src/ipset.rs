@@ -10,11 +10,10 @@
 use std::{
     io,
     net::IpAddr,
-    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+    os::fd::{AsRawFd as _, OwnedFd},
     sync::atomic::{AtomicU32, Ordering},
 };
 
-const NETLINK_NETFILTER: i32 = 12;
 const NFNL_SUBSYS_IPSET: u16 = 6;
 const NLMSG_HDRLEN: usize = 16;
 const NLMSG_ERROR: u16 = 2;
@@ -161,17 +160,8 @@ fn message(cmd: u16, flags: u16, family: u8, attrs: &Attrs, seq: u32) -> Vec<u8>
 }
 
 fn socket(what: &str) -> Result<OwnedFd, IpsetError> {
-    // SAFETY: a plain socket(2); the descriptor is owned below.
-    let fd =
-        unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, NETLINK_NETFILTER) };
-    if fd < 0 {
-        return Err(IpsetError::Io {
-            what: format!("{what}: open a netfilter netlink socket"),
-            source: io::Error::last_os_error(),
-        });
-    }
-    // SAFETY: `fd` is a fresh descriptor nobody else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    crate::nf_probe::netfilter_socket()
+        .map_err(|source| IpsetError::Io { what: format!("{what}: open a netfilter netlink socket"), source })
 }
 
 /// Sends one request and reads its answer: the ack (`Ok(vec![])`) or, for a dump, every

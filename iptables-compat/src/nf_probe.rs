@@ -406,15 +406,7 @@ mod tests {
 
     const SEQ: u32 = 7;
 
-    fn attr(p: &mut Vec<u8>, kind: u16, value: &[u8]) {
-        let len = 4 + value.len();
-        p.extend((len as u16).to_ne_bytes());
-        p.extend(kind.to_ne_bytes());
-        p.extend(value);
-        while !p.len().is_multiple_of(4) {
-            p.push(0);
-        }
-    }
+    use crate::nft_encode::put as attr;
 
     /// A chain message's payload: nfgenmsg, table, handle, name, and a hook if `base`.
     fn chain(family: u8, table: &str, name: &str, base: bool) -> Vec<u8> {

@@ -322,9 +322,7 @@ const NFT_KEYWORDS_LIKE_NAMES: &[&str] = &[
 /// none of nft's words. A bare word without one (`counter`, `tcp`, `docker`) may be a
 /// keyword; nft decides those.
 pub(crate) fn plain_interface(name: &str) -> bool {
-    let chars_ok = name.len() < IFNAMSIZ
-        && name.starts_with(|c: char| c.is_ascii_alphabetic())
-        && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+    let chars_ok = crate::config::check_interface_name("", name).is_ok();
     let marked = name == "lo" || name.chars().any(|c| c.is_ascii_digit() || matches!(c, '.' | '_' | '-'));
     chars_ok && marked && !NFT_KEYWORDS_LIKE_NAMES.contains(&name)
 }
@@ -418,15 +416,7 @@ fn compile_rule(expr: &str, next_set_id: &mut u32) -> Result<(Vec<Expr>, Vec<Por
                 let (addr, prefix) = address(at(i), v6)?;
                 i += 1;
                 let family = if v6 { NFPROTO_IPV6 } else { NFPROTO_IPV4 };
-                match cx.nfproto {
-                    None => {
-                        out.push(Expr::MetaLoad(NFT_META_NFPROTO));
-                        out.push(Expr::Cmp { op: NFT_CMP_EQ, data: vec![family] });
-                        cx.nfproto = Some(family);
-                    }
-                    Some(f) if f == family => {}
-                    Some(_) => return unsupported(format!("`{expr}`")),
-                }
+                depend(&mut out, &mut cx.nfproto, NFT_META_NFPROTO, family, expr)?;
                 let offset = match (v6, field) {
                     (false, "saddr") => 12,
                     (false, _) => 16,
@@ -439,15 +429,7 @@ fn compile_rule(expr: &str, next_set_id: &mut u32) -> Result<(Vec<Expr>, Vec<Por
                 let proto = if word == "tcp" { IPPROTO_TCP } else { IPPROTO_UDP };
                 let offset = if at(i) == "sport" { 0 } else { 2 };
                 i += 1;
-                match cx.l4proto {
-                    None => {
-                        out.push(Expr::MetaLoad(NFT_META_L4PROTO));
-                        out.push(Expr::Cmp { op: NFT_CMP_EQ, data: vec![proto] });
-                        cx.l4proto = Some(proto);
-                    }
-                    Some(p) if p == proto => {}
-                    Some(_) => return unsupported(format!("`{expr}`")),
-                }
+                depend(&mut out, &mut cx.l4proto, NFT_META_L4PROTO, proto, expr)?;
                 let op = op_at(&mut i);
                 out.push(Expr::Payload { base: NFT_PAYLOAD_TRANSPORT_HEADER, offset, len: 2 });
                 if at(i) == "{" {
@@ -546,6 +528,28 @@ fn compile_rule(expr: &str, next_set_id: &mut u32) -> Result<(Vec<Expr>, Vec<Por
         }
     }
     Ok((out, sets))
+}
+
+/// nft's implicit dependency: `meta <key> <value>` before the first match that needs
+/// it (`ip daddr` needs nfproto ipv4, `tcp dport` l4proto tcp), nothing once the rule
+/// has it, and a conflicting one (nft's error) left to nft.
+fn depend(
+    out: &mut Vec<Expr>,
+    have: &mut Option<u8>,
+    key: u32,
+    value: u8,
+    expr: &str,
+) -> Result<(), Unsupported> {
+    match *have {
+        None => {
+            out.push(Expr::MetaLoad(key));
+            out.push(Expr::Cmp { op: NFT_CMP_EQ, data: vec![value] });
+            *have = Some(value);
+            Ok(())
+        }
+        Some(v) if v == value => Ok(()),
+        Some(_) => unsupported(format!("`{expr}`")),
+    }
 }
 
 fn l4(word: &str) -> Result<u8, Unsupported> {

@@ -40,7 +40,6 @@ const XT_OWNER_UID: u8 = 1;
 const XT_OWNER_GID: u8 = 2;
 /// `NF_NAT_RANGE_PROTO_SPECIFIED`.
 const NF_NAT_RANGE_PROTO_SPECIFIED: u32 = 2;
-const IFNAMSIZ: usize = 16;
 
 /// One rule line: its chain, arguments, and where it goes.
 struct Rule<'a> {
@@ -182,11 +181,8 @@ pub fn compile(text: &str, existing: &[&str]) -> Result<Batch, Unsupported> {
 
 /// An interface match as iptables-nft makes it: the name and its terminating NUL.
 fn interface(key: u32, name: &str, invert: bool) -> Result<[Expr; 2], Unsupported> {
-    let plain = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
-    if !name.starts_with(|c: char| c.is_ascii_alphabetic())
-        || name.len() >= IFNAMSIZ
-        || !name.chars().all(plain)
-    {
+    // Istio's form (the one the flags were checked against); the wildcard `+` is not in it.
+    if crate::config::check_interface_name("", name).is_err() {
         return unsupported(format!("interface {name:?}"));
     }
     let mut data = name.as_bytes().to_vec();

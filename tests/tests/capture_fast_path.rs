@@ -208,17 +208,42 @@ fn the_command_logs_the_path_it_took() {
     assert!(removed.contains("path=fast"), "{removed}");
 }
 
-/// `nft --debug=netlink list ruleset` of a scratch namespace after `f`: every table,
-/// chain, set and rule as the kernel holds it, expression by expression, with handles.
-fn kernel_state_after(f: impl FnOnce() -> Result<(), String> + Send) -> String {
+/// `nft --debug=netlink list ruleset`: every table, chain, set and rule as the kernel
+/// holds it, expression by expression, with handles.
+fn nft_state() -> String {
+    let out =
+        std::process::Command::new("nft").args(["--debug=netlink", "list", "ruleset"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// What `read` sees in a scratch namespace after `f` ran there.
+fn state_after(read: fn() -> String, f: impl FnOnce() -> Result<(), String> + Send) -> String {
     weir_iptables::nft_exec::in_scratch_netns(|| {
         f().map_err(|e| weir_iptables::nft_exec::NftError::Failed { what: "apply".into(), stderr: e })?;
-        let out =
-            std::process::Command::new("nft").args(["--debug=netlink", "list", "ruleset"]).output().unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        Ok(String::from_utf8(out.stdout).unwrap())
+        Ok(read())
     })
     .unwrap()
+}
+
+fn kernel_state_after(f: impl FnOnce() -> Result<(), String> + Send) -> String {
+    state_after(nft_state, f)
+}
+
+fn send(batch: &weir_iptables::nft_wire::Batch) -> Result<(), String> {
+    weir_iptables::nft_batch::send(batch).map_err(|e| e.to_string())
+}
+
+/// Istio's goldens under `dir` of testdata, by name and text, sorted; all `count`.
+fn goldens(dir: &str, count: usize) -> Vec<(String, String)> {
+    let dir = weir_tests::tools::workspace().join("iptables-compat/testdata").join(dir);
+    let mut paths: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+    paths.sort();
+    assert_eq!(paths.len(), count, "every golden under {} is read", dir.display());
+    paths
+        .iter()
+        .map(|p| (p.file_stem().unwrap().to_string_lossy().into_owned(), std::fs::read_to_string(p).unwrap()))
+        .collect()
 }
 
 fn nft_f(tx: &str) -> Result<(), String> {
@@ -234,14 +259,8 @@ fn nft_f(tx: &str) -> Result<(), String> {
 #[test]
 fn nf_tables_batches_leave_what_nft_leaves_for_every_golden() {
     require_root!();
-    let dir = weir_tests::tools::workspace().join("iptables-compat/testdata/nftables-capture");
-    let mut goldens: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
-    goldens.sort();
-    assert_eq!(goldens.len(), 28, "every golden is read");
     let (mut compiled, mut declined) = (0, Vec::new());
-    for golden in &goldens {
-        let name = golden.file_stem().unwrap().to_string_lossy().into_owned();
-        let tx = std::fs::read_to_string(golden).unwrap();
+    for (name, tx) in goldens("nftables-capture", 28) {
         let batch = match weir_iptables::nft_wire::compile(&tx) {
             Ok(b) => b,
             Err(why) => {
@@ -251,8 +270,7 @@ fn nf_tables_batches_leave_what_nft_leaves_for_every_golden() {
         };
         compiled += 1;
         let by_nft = kernel_state_after(|| nft_f(&tx));
-        let by_batch =
-            kernel_state_after(|| weir_iptables::nft_batch::send(&batch).map_err(|e| e.to_string()));
+        let by_batch = kernel_state_after(|| send(&batch));
         assert!(by_nft.contains("[ immediate reg 0"), "{name}: the listing shows expressions:\n{by_nft}");
         assert_eq!(by_batch, by_nft, "{name}: the batch leaves what nft -f leaves");
     }
@@ -378,15 +396,9 @@ fn iptables_nft_restore(text: &str) -> Result<(), String> {
 #[test]
 fn iptables_nft_batches_leave_what_iptables_nft_restore_leaves_for_every_golden() {
     require_root!();
-    let dir = weir_tests::tools::workspace().join("iptables-compat/testdata/iptables-capture");
-    let mut goldens: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
-    goldens.sort();
-    assert_eq!(goldens.len(), 27, "every golden is read");
     let (mut compiled, mut declined) = (Vec::new(), Vec::new());
-    for golden in &goldens {
-        let name = golden.file_stem().unwrap().to_string_lossy().into_owned();
+    for (name, text) in goldens("iptables-capture", 27) {
         // Its restore blocks; the IPv4 ones hold no IPv6 address.
-        let text = std::fs::read_to_string(golden).unwrap();
         let mut v4 = String::new();
         let mut block = String::new();
         for line in text.lines() {
@@ -410,8 +422,7 @@ fn iptables_nft_batches_leave_what_iptables_nft_restore_leaves_for_every_golden(
             }
         };
         let by_restore = kernel_state_after_xt(|| iptables_nft_restore(&v4));
-        let by_batch =
-            kernel_state_after_xt(|| weir_iptables::nft_batch::send(&batch).map_err(|e| e.to_string()));
+        let by_batch = kernel_state_after_xt(|| send(&batch));
         assert!(by_restore.contains("-A ISTIO_OUTPUT"), "{name}: the state is read:\n{by_restore}");
         assert_eq!(by_batch, by_restore, "{name}: the batch leaves what iptables-nft-restore leaves");
         compiled.push(name);
@@ -450,7 +461,7 @@ fn iptables_nft_batches_leave_what_iptables_nft_restore_leaves_for_every_golden(
         let by_restore = kernel_state_after_xt(|| nft_f(theirs).and_then(|()| iptables_nft_restore(&v4)));
         let by_batch = kernel_state_after_xt(|| {
             nft_f(theirs)?;
-            weir_iptables::nft_batch::send(&batch).map_err(|e| e.to_string())
+            send(&batch)
         });
         assert!(by_restore.contains(":OUTPUT DROP"), "{by_restore}");
         assert_eq!(by_batch, by_restore, "{existing:?}");
@@ -458,11 +469,7 @@ fn iptables_nft_batches_leave_what_iptables_nft_restore_leaves_for_every_golden(
 }
 
 fn kernel_state_after_xt(f: impl FnOnce() -> Result<(), String> + Send) -> String {
-    weir_iptables::nft_exec::in_scratch_netns(|| {
-        f().map_err(|e| weir_iptables::nft_exec::NftError::Failed { what: "apply".into(), stderr: e })?;
-        Ok(iptables_state())
-    })
-    .unwrap()
+    state_after(iptables_state, f)
 }
 
 /// Beyond the goldens: prefixes off byte boundaries (masked loads), IPv6 ones, and a
@@ -491,8 +498,7 @@ fn in_process_batches_match_the_kernel_tools_beyond_the_goldens() {
         let tx = weir_iptables::nft::render(&weir_iptables::nft::plan(&cfg));
         let batch = weir_iptables::nft_wire::compile(&tx).unwrap_or_else(|e| panic!("{what}: {e}"));
         let by_nft = kernel_state_after(|| nft_f(&tx));
-        let by_batch =
-            kernel_state_after(|| weir_iptables::nft_batch::send(&batch).map_err(|e| e.to_string()));
+        let by_batch = kernel_state_after(|| send(&batch));
         assert!(by_nft.contains("bitwise") || what != "masked prefixes", "{what}: masked loads are compared");
         assert_eq!(by_batch, by_nft, "{what}: nftables");
 
@@ -502,8 +508,7 @@ fn in_process_batches_match_the_kernel_tools_beyond_the_goldens() {
             assert!(batch.messages.len() > 300, "{}", batch.messages.len());
         }
         let by_restore = kernel_state_after_xt(|| iptables_nft_restore(&v4));
-        let by_batch =
-            kernel_state_after_xt(|| weir_iptables::nft_batch::send(&batch).map_err(|e| e.to_string()));
+        let by_batch = kernel_state_after_xt(|| send(&batch));
         assert_eq!(by_batch, by_restore, "{what}: iptables-nft");
     }
 }
