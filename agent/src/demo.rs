@@ -222,7 +222,9 @@ impl Demo {
                         name: format!("demo/{name}"),
                         uid: String::new(),
                     };
-                    crate::node::cni::ebpf::register(&node, name, pod.netns().path(), "eth0", &cfg, &who)?;
+                    let netns = pod.netns().path();
+                    let facts = crate::node::cni::ebpf::read_facts(netns)?;
+                    crate::node::cni::ebpf::register(&node, name, netns, "eth0", &cfg, &who, &facts)?;
                 }
             }
             Backend::Nftables | Backend::Iptables => {

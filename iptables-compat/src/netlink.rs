@@ -29,6 +29,12 @@ pub enum NetlinkError {
     #[error("no network interface named {0:?} in this namespace")]
     NoLink(String),
     #[error("netlink: {op}")]
+    Dump {
+        op: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("netlink: {op}")]
     Op {
         op: String,
         #[source]
@@ -334,7 +340,6 @@ pub struct BpfFilter {
 impl Netlink {
     /// The bpf filters on `name`'s ingress, in the order the kernel lists them.
     pub async fn ingress_bpf_filters(&self, name: &str) -> Result<Vec<BpfFilter>> {
-        use netlink_packet_route::tc::{TcAttribute, TcFilterBpfOption, TcOption};
         let index = self.link_index(name).await?;
         let messages: Vec<_> = self
             .handle
@@ -345,39 +350,91 @@ impl Netlink {
             .try_collect()
             .await
             .map_err(op(format!("tc filter show dev {name} ingress")))?;
-        let mut out = Vec::new();
-        for m in messages {
-            if !m.attributes.iter().any(|a| matches!(a, TcAttribute::Kind(k) if k == "bpf")) {
-                continue;
-            }
-            let mut filter = BpfFilter {
-                priority: (m.header.info >> 16) as u16,
-                handle: m.header.handle.into(),
-                name: String::new(),
-                prog_id: 0,
-            };
-            for option in m
-                .attributes
-                .iter()
-                .filter_map(|a| match a {
-                    TcAttribute::Options(o) => Some(o),
-                    _ => None,
-                })
-                .flatten()
-            {
-                match option {
-                    TcOption::Bpf(TcFilterBpfOption::ProgName(n)) => filter.name = n.clone(),
-                    TcOption::Bpf(TcFilterBpfOption::ProgId(id)) => filter.prog_id = *id,
-                    _ => {}
-                }
-            }
-            // A dump lists each filter's chain head (no program) too.
-            if !filter.name.is_empty() || filter.prog_id != 0 {
-                out.push(filter);
-            }
-        }
-        Ok(out)
+        Ok(messages.iter().filter_map(bpf_filter).collect())
     }
+}
+
+/// [`Netlink::ingress_bpf_filters`] without a runtime: one blocking dump on a socket in
+/// the calling thread's namespace, for one-shot callers (the CNI plugin registers a pod
+/// in about a millisecond; a runtime and its connection task would add a fifth).
+pub fn ingress_bpf_filters_blocking(name: &str) -> Result<Vec<BpfFilter>> {
+    use netlink_packet_route::{
+        RouteNetlinkMessage,
+        tc::{TcHandle, TcMessage},
+    };
+    use rtnetlink::packet_core::{NLM_F_DUMP, NLM_F_REQUEST, NetlinkMessage, NetlinkPayload};
+    use rtnetlink::sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
+    let what = || format!("tc filter show dev {name} ingress");
+    let io = |source: std::io::Error| NetlinkError::Dump { op: what(), source };
+    let index = nix::net::if_::if_nametoindex(name).map_err(|_| NetlinkError::NoLink(name.to_string()))?;
+    let mut request = TcMessage::with_index(index as i32);
+    request.header.parent = TcHandle { major: 0xffff, minor: TcHandle::MIN_INGRESS };
+    let mut message = NetlinkMessage::from(RouteNetlinkMessage::GetTrafficFilter(request));
+    message.header.flags = NLM_F_REQUEST | NLM_F_DUMP;
+    message.header.sequence_number = 1;
+    message.finalize();
+    let mut bytes = vec![0u8; message.buffer_len()];
+    message.serialize(&mut bytes);
+    let mut socket = Socket::new(NETLINK_ROUTE).map_err(NetlinkError::Open)?;
+    socket.bind_auto().map_err(NetlinkError::Open)?;
+    socket.connect(&SocketAddr::new(0, 0)).map_err(NetlinkError::Open)?;
+    socket.send(&bytes, 0).map_err(io)?;
+    let mut out = Vec::new();
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let len = socket.recv(&mut &mut buf[..], 0).map_err(io)?;
+        let mut at = 0;
+        while at < len {
+            let reply = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&buf[at..len])
+                .map_err(|e| io(std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string())))?;
+            let size = reply.header.length as usize;
+            match reply.payload {
+                NetlinkPayload::Done(_) => return Ok(out),
+                NetlinkPayload::Error(e) => {
+                    return Err(NetlinkError::Op { op: what(), source: rtnetlink::Error::NetlinkError(e) });
+                }
+                NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewTrafficFilter(m)) => {
+                    out.extend(bpf_filter(&m));
+                }
+                _ => {}
+            }
+            if size == 0 {
+                break;
+            }
+            at += (size + 3) & !3;
+        }
+    }
+}
+
+/// A tc filter's priority, handle and bpf program, when it is a bpf filter with one.
+fn bpf_filter(m: &netlink_packet_route::tc::TcMessage) -> Option<BpfFilter> {
+    use netlink_packet_route::tc::{TcAttribute, TcFilterBpfOption, TcOption};
+    if !m.attributes.iter().any(|a| matches!(a, TcAttribute::Kind(k) if k == "bpf")) {
+        return None;
+    }
+    let mut filter = BpfFilter {
+        priority: (m.header.info >> 16) as u16,
+        handle: m.header.handle.into(),
+        name: String::new(),
+        prog_id: 0,
+    };
+    for option in m
+        .attributes
+        .iter()
+        .filter_map(|a| match a {
+            TcAttribute::Options(o) => Some(o),
+            _ => None,
+        })
+        .flatten()
+    {
+        match option {
+            TcOption::Bpf(TcFilterBpfOption::ProgName(n)) => filter.name = n.clone(),
+            TcOption::Bpf(TcFilterBpfOption::ProgId(id)) => filter.prog_id = *id,
+            _ => {}
+        }
+    }
+    // A dump lists each filter's chain head (no program) too.
+    (!filter.name.is_empty() || filter.prog_id != 0).then_some(filter)
 }
 
 fn route_table(route: &RouteMessage) -> u32 {

@@ -146,19 +146,16 @@ impl BusyNode {
             let _ = repair.kill();
             let _ = repair.wait();
         }
-        let dir = |d: &str| self.host.path().join(d);
-        let mut cmd = self.weir(set);
-        cmd.args(["cni", "install", "--interval", "500ms", "--ebpf-name", &self.capture])
-            .arg("--ebpf-cgroup")
-            .arg(self.kubepods.path())
-            .arg("--cni-net-dir")
-            .arg(dir("net.d"))
-            .arg("--cni-bin-dir")
-            .arg(dir("bin"))
-            .arg("--run-dir")
-            .arg(dir("run"))
-            .arg("--kubeconfig")
-            .arg(self.run_dir.path().join("istio-cni-kubeconfig"))
+        let mut cmd = crate::cni::node_agent_command(
+            "install",
+            self.host.path(),
+            self.kubepods.path(),
+            &self.capture,
+            &self.run_dir.path().join("istio-cni-kubeconfig"),
+        );
+        cmd.env(weir_agent::ebpf::set::SET_ENV, set)
+            .env("WEIR_LOG", "info")
+            .args(["--interval", "500ms"])
             .stdout(Stdio::null())
             .stderr(self.log_file("agent.log")?);
         let ready = |log: &str| log.matches("node agent ready").count();

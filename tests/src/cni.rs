@@ -245,6 +245,25 @@ impl<'a> CniRuntime<'a> {
     }
 }
 
+/// `weir cni <verb>` (install, uninstall, ...) as a node's DaemonSet agent runs it,
+/// the build under test's: node capture `name` on `cgroup`, the host's CNI folders
+/// under `host` (`net.d`, `bin`, `run`), the plugin's kubeconfig from `kubeconfig`.
+pub fn node_agent_command(verb: &str, host: &Path, cgroup: &Path, name: &str, kubeconfig: &Path) -> Command {
+    let mut cmd = tools::weir_command();
+    cmd.args(["cni", verb, "--ebpf-name", name])
+        .arg("--ebpf-cgroup")
+        .arg(cgroup)
+        .arg("--cni-net-dir")
+        .arg(host.join("net.d"))
+        .arg("--cni-bin-dir")
+        .arg(host.join("bin"))
+        .arg("--run-dir")
+        .arg(host.join("run"))
+        .arg("--kubeconfig")
+        .arg(kubeconfig);
+    cmd
+}
+
 /// `bridge` + `host-local` (state in `ipam_dir`) then Weir as `istio-cni` with `weir`'s
 /// fields: a cluster's conflist with Istio chained last.
 pub fn conflist(subnet: &str, ipam_dir: &Path, weir: Value) -> Value {

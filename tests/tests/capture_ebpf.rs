@@ -507,3 +507,40 @@ fn a_raw_key_of_the_wrong_length_deletes_nothing() {
         "an absent key of the right length"
     );
 }
+
+/// A visit to a pod's namespace runs on the calling thread, which comes back: the
+/// visit sees the pod's namespace, the caller its own afterwards, also when the visit
+/// fails or panics, and a visit inside a visit comes back to the outer one.
+#[test]
+fn a_namespace_visit_returns_the_thread_to_its_own_namespace() {
+    require_root!();
+    use weir_agent::ebpf::netns::{NetnsFacts, in_netns};
+    let pod = weir_agent::sandbox::NetNs::create(&weir_agent::sandbox::unique_name("visit")).unwrap();
+    let other = weir_agent::sandbox::NetNs::create(&weir_agent::sandbox::unique_name("visit-2")).unwrap();
+    let home = netns_cookie(None).unwrap();
+    let (pod_cookie, other_cookie) =
+        (netns_cookie(Some(pod.path())).unwrap(), netns_cookie(Some(other.path())).unwrap());
+    assert!(home != pod_cookie && pod_cookie != other_cookie && home != other_cookie);
+    let thread = std::thread::current().id();
+    let seen = in_netns(pod.path(), || {
+        assert_eq!(std::thread::current().id(), thread, "the visit runs on the caller's thread");
+        let inner = in_netns(other.path(), || netns_cookie(None))?;
+        Ok((netns_cookie(None)?, inner, netns_cookie(None)?))
+    })
+    .unwrap();
+    assert_eq!(seen, (pod_cookie, other_cookie, pod_cookie), "inside, and back from the inner visit");
+    assert_eq!(netns_cookie(None).unwrap(), home, "back home");
+    let failed: std::io::Result<()> = in_netns(pod.path(), || Err(std::io::Error::other("no")));
+    assert!(failed.is_err());
+    assert_eq!(netns_cookie(None).unwrap(), home, "back home after an error");
+    let panicked =
+        std::panic::catch_unwind(|| in_netns(pod.path(), || -> std::io::Result<()> { panic!("inside") }));
+    assert!(panicked.is_err());
+    assert_eq!(netns_cookie(None).unwrap(), home, "back home after a panic");
+    // The facts of a namespace come from one visit: its cookie and its loopback.
+    let facts = NetnsFacts::read(pod.path()).unwrap();
+    assert_eq!(facts.cookie, pod_cookie);
+    assert!(facts.interfaces.iter().any(|i| i.name == "lo"), "{facts:?}");
+    assert!(facts.own_addresses().is_empty(), "a fresh namespace has only loopback: {facts:?}");
+    assert!(facts.mac("eth0").is_err());
+}

@@ -353,21 +353,15 @@ impl NodeAgent {
     }
 
     fn command(&self, verb: &str, once: &[&str]) -> Command {
-        let dir = |d: &str| self.host.path().join(d);
-        let mut cmd = tools::weir_command();
-        cmd.args(["cni", verb])
-            .args(once)
-            .args(["--ebpf-cgroup", &self.cgroup, "--ebpf-name", &self.name])
-            .arg("--cni-net-dir")
-            .arg(dir("net.d"))
-            .arg("--cni-bin-dir")
-            .arg(dir("bin"))
-            .arg("--run-dir")
-            .arg(dir("run"))
-            .arg("--kubeconfig")
-            .arg(&self.kubeconfig)
-            // The tests read the agent's info lines (the kernel matrix's VM sets warn).
-            .env("WEIR_LOG", "info");
+        let mut cmd = weir_tests::cni::node_agent_command(
+            verb,
+            self.host.path(),
+            Path::new(&self.cgroup),
+            &self.name,
+            &self.kubeconfig,
+        );
+        // The tests read the agent's info lines (the kernel matrix's VM sets warn).
+        cmd.args(once).env("WEIR_LOG", "info");
         cmd
     }
 
@@ -510,6 +504,32 @@ fn ebpf_capture_registers_pods_with_the_node_capture() {
     let pod = pod_netns(&rt, "web-1");
     let (list, a, result, ip) = add_auto(&node, &rt, &pod, &name);
     assert_eq!(istio_rules(&pod), "", "auto picked eBPF: no netfilter rules");
+
+    // The plugin lists the interface's tc filters with one blocking netlink dump (no
+    // runtime): it reads what the runtime-driven listing reads, and Weir's one filter
+    // is there at Weir's priority and handle. An unknown interface is named.
+    let (blocking, with_runtime, unknown) = weir_agent::ebpf::netns::in_netns(pod.path(), || {
+        let blocking =
+            weir_iptables::netlink::ingress_bpf_filters_blocking("eth0").map_err(std::io::Error::other)?;
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        let with_runtime = runtime.block_on(async {
+            let nl = weir_iptables::netlink::Netlink::open().map_err(std::io::Error::other)?;
+            nl.ingress_bpf_filters("eth0").await.map_err(std::io::Error::other)
+        })?;
+        let unknown =
+            weir_iptables::netlink::ingress_bpf_filters_blocking("nosuch0").unwrap_err().to_string();
+        Ok((blocking, with_runtime, unknown))
+    })
+    .unwrap();
+    assert_eq!(blocking, with_runtime);
+    use weir_agent::ebpf::inbound::{FILTER_HANDLE, FILTER_PRIORITY};
+    assert_eq!(
+        blocking.iter().map(|f| (f.priority, f.handle)).collect::<Vec<_>>(),
+        [(FILTER_PRIORITY, FILTER_HANDLE)],
+        "{blocking:?}"
+    );
+    assert!(blocking[0].prog_id != 0 && !blocking[0].name.is_empty(), "{blocking:?}");
+    assert!(unknown.contains("nosuch0"), "{unknown}");
 
     // Processes in the pods' cgroup and the pod's namespace are captured.
     let placed = |uid: u32| placed(&pod, Some(&cgroup), uid);

@@ -363,9 +363,20 @@ impl NodeClassifier {
             path: PathBuf::from(interface),
             source: aya::programs::ProgramError::IOError(e),
         };
-        // One visit to the namespace (a thread there) reads its filters and attaches.
+        // One visit to the namespace reads its filters and attaches.
         let attached = in_netns(netns, || {
-            let filters = weir_filters(interface)?;
+            // Filters hang off the clsact (or ingress) qdisc: when this call creates it
+            // (exclusively), the interface had none, so no filter to keep or replace
+            // (every new pod), and the listing is spared.
+            let filters = match aya::programs::tc::qdisc_add_clsact(interface) {
+                Ok(()) => Vec::new(),
+                Err(aya::programs::tc::TcError::NetlinkError(e))
+                    if e.raw_os_error() == Some(libc::EEXIST) =>
+                {
+                    weir_filters(interface)?
+                }
+                Err(e) => return Err(std::io::Error::other(e)),
+            };
             let ours = |f: &&weir_iptables::netlink::BpfFilter| {
                 (f.priority, f.handle) == (FILTER_PRIORITY, FILTER_HANDLE)
             };
@@ -373,7 +384,6 @@ impl NodeClassifier {
                 return Ok(());
             }
             let ours_taken = filters.iter().any(|f| ours(&f));
-            let _ = aya::programs::tc::qdisc_add_clsact(interface);
             let id = if ours_taken {
                 let link = SchedClassifierLink::attached(
                     interface,
@@ -425,12 +435,9 @@ pub const FILTER_HANDLE: u32 = 0x5745_4952;
 /// Weir's bpf filters on `interface`'s ingress (programs named as Weir's classifiers),
 /// in the calling thread's namespace.
 pub fn weir_filters(interface: &str) -> std::io::Result<Vec<weir_iptables::netlink::BpfFilter>> {
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    runtime.block_on(async {
-        let nl = weir_iptables::netlink::Netlink::open().map_err(std::io::Error::other)?;
-        let filters = nl.ingress_bpf_filters(interface).await.map_err(std::io::Error::other)?;
-        Ok(filters.into_iter().filter(|f| inbound::PROGS.iter().any(|p| f.name == *p)).collect())
-    })
+    let filters =
+        weir_iptables::netlink::ingress_bpf_filters_blocking(interface).map_err(std::io::Error::other)?;
+    Ok(filters.into_iter().filter(|f| inbound::PROGS.iter().any(|p| f.name == *p)).collect())
 }
 
 /// The tc inbound classifier attached to one pod interface (its own loaded copy and

@@ -4,70 +4,191 @@
 
 use std::{
     fs::File,
-    os::{fd::AsFd as _, unix::fs::MetadataExt as _},
+    net::IpAddr,
+    os::{
+        fd::{AsFd as _, AsRawFd as _, FromRawFd as _, OwnedFd},
+        unix::fs::MetadataExt as _,
+    },
     path::{Path, PathBuf},
 };
 
 /// The network-namespace cookie of the namespace at `netns` (or the caller's), as the
 /// programs see it (`SO_NETNS_COOKIE`, Linux 5.14+).
 pub fn netns_cookie(netns: Option<&Path>) -> std::io::Result<u64> {
-    let read = || -> std::io::Result<u64> {
-        // An unbound socket: a fresh pod namespace may not have `lo` up yet.
-        use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
-        // SAFETY: socket(2) returns a new descriptor or -1.
-        let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: `fd` is a descriptor we own from here on.
-        let sock = unsafe { OwnedFd::from_raw_fd(fd) };
-        let mut cookie: u64 = 0;
-        let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
-        // SAFETY: getsockopt into a u64 with its size.
-        let rc = unsafe {
-            libc::getsockopt(
-                sock.as_raw_fd(),
-                libc::SOL_SOCKET,
-                71, /* SO_NETNS_COOKIE */
-                (&raw mut cookie).cast(),
-                &mut len,
-            )
-        };
-        if rc != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(cookie)
-    };
     match netns {
-        None => read(),
-        Some(path) => in_netns(path, read),
+        None => cookie_here(),
+        Some(path) => in_netns(path, cookie_here),
     }
 }
 
-/// Runs `f` on a thread inside the network namespace at `path`.
+/// The cookie of the calling thread's network namespace.
+fn cookie_here() -> std::io::Result<u64> {
+    // An unbound socket: a fresh pod namespace may not have `lo` up yet.
+    let sock = datagram_socket()?;
+    let mut cookie: u64 = 0;
+    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+    // SAFETY: getsockopt into a u64 with its size.
+    let rc = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            71, /* SO_NETNS_COOKIE */
+            (&raw mut cookie).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(cookie)
+}
+
+fn datagram_socket() -> std::io::Result<OwnedFd> {
+    // SAFETY: socket(2) returns a new descriptor or -1.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a descriptor we own from here on.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Moves the calling thread into the network namespace at `path`, for good: only for a
+/// thread made for the visit.
+pub fn enter(path: &Path) -> std::io::Result<()> {
+    let file = File::open(path)?;
+    nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from)
+}
+
+/// Runs `f` inside the network namespace at `path`: on the calling thread, which
+/// enters it and comes back (a network namespace is a thread's own; a few microseconds,
+/// where a thread made for the visit takes about fifty), or, where this process cannot
+/// come back to its namespace (no CAP_SYS_ADMIN over the namespace's owner), on a
+/// thread made for the visit. `f` must not hand work to other threads that expects
+/// the namespace, nor wait on async tasks.
 pub fn in_netns<T: Send>(path: &Path, f: impl FnOnce() -> std::io::Result<T> + Send) -> std::io::Result<T> {
     let file = File::open(path)?;
-    std::thread::scope(|s| {
-        s.spawn(|| {
-            nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)?;
-            f()
-        })
-        .join()
-        .unwrap_or_else(|_| Err(std::io::Error::other("namespace thread panicked")))
+    if !can_return() {
+        return std::thread::scope(|s| {
+            s.spawn(|| {
+                nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)?;
+                f()
+            })
+            .join()
+            .unwrap_or_else(|_| Err(std::io::Error::other("namespace thread panicked")))
+        });
+    }
+    let home = File::open("/proc/thread-self/ns/net")?;
+    nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)?;
+    let _back = Return(home);
+    f()
+}
+
+/// Takes the calling thread back to its namespace, also when `f` panics. A thread that
+/// cannot go back would go on in a pod's namespace (the next rules it writes, the next
+/// socket it opens, would be the pod's): the process stops instead.
+struct Return(File);
+
+impl Drop for Return {
+    fn drop(&mut self) {
+        if let Err(e) = nix::sched::setns(self.0.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET) {
+            eprintln!("weir: cannot return to this thread's network namespace after entering a pod's: {e}");
+            std::process::abort();
+        }
+    }
+}
+
+/// Whether this process may enter its own network namespace again (probed once, by
+/// entering the one it is in): then [`in_netns`] returns the calling thread to it.
+fn can_return() -> bool {
+    static CAN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *CAN.get_or_init(|| {
+        File::open("/proc/thread-self/ns/net")
+            .is_ok_and(|f| nix::sched::setns(f.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).is_ok())
     })
+}
+
+/// What registering a pod reads inside its network namespace, in one visit (each visit
+/// is a thread entering it): the namespace's cookie, its addresses, and its interfaces
+/// with their hardware addresses.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NetnsFacts {
+    pub cookie: u64,
+    /// Every address, loopback included, in the kernel's dump order with IPv4 first (as
+    /// `weir_iptables::detect::SystemFacts` lists them).
+    pub addresses: Vec<IpAddr>,
+    pub interfaces: Vec<Interface>,
+}
+
+/// One interface of a namespace, as `getifaddrs` lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Interface {
+    pub name: String,
+    pub up: bool,
+    pub mac: Option<[u8; 6]>,
+    pub addresses: Vec<IpAddr>,
+}
+
+impl NetnsFacts {
+    /// The facts of the namespace at `netns`.
+    pub fn read(netns: &Path) -> std::io::Result<Self> {
+        in_netns(netns, Self::read_here)
+    }
+
+    /// The facts of the calling thread's namespace.
+    pub fn read_here() -> std::io::Result<Self> {
+        let mut facts = Self { cookie: cookie_here()?, ..Self::default() };
+        let mut v6 = Vec::new();
+        for ifa in nix::ifaddrs::getifaddrs().map_err(std::io::Error::from)? {
+            let index = match facts.interfaces.iter().position(|i| i.name == ifa.interface_name) {
+                Some(i) => i,
+                None => {
+                    facts.interfaces.push(Interface {
+                        name: ifa.interface_name.clone(),
+                        up: false,
+                        mac: None,
+                        addresses: Vec::new(),
+                    });
+                    facts.interfaces.len() - 1
+                }
+            };
+            let interface = &mut facts.interfaces[index];
+            interface.up |= ifa.flags.contains(nix::net::if_::InterfaceFlags::IFF_UP);
+            let Some(addr) = ifa.address else { continue };
+            if let Some(v4) = addr.as_sockaddr_in() {
+                interface.addresses.push(IpAddr::V4(v4.ip()));
+                facts.addresses.push(IpAddr::V4(v4.ip()));
+            } else if let Some(v6_addr) = addr.as_sockaddr_in6() {
+                interface.addresses.push(IpAddr::V6(v6_addr.ip()));
+                v6.push(IpAddr::V6(v6_addr.ip()));
+            } else if let Some(link) = addr.as_link_addr() {
+                interface.mac = interface.mac.or(link.addr());
+            }
+        }
+        facts.addresses.extend(v6);
+        Ok(facts)
+    }
+
+    /// The addresses other than loopback (the pod's own).
+    pub fn own_addresses(&self) -> Vec<IpAddr> {
+        self.addresses.iter().copied().filter(|a| !a.is_loopback()).collect()
+    }
+
+    /// The hardware address of `interface`.
+    pub fn mac(&self, interface: &str) -> std::io::Result<[u8; 6]> {
+        self.interfaces.iter().find(|i| i.name == interface).and_then(|i| i.mac).ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                format!("no interface {interface:?} with a hardware address in the namespace"),
+            )
+        })
+    }
 }
 
 /// The MAC address of `interface` in the namespace at `netns`.
 pub fn interface_mac(netns: &Path, interface: &str) -> std::io::Result<[u8; 6]> {
     in_netns(netns, || {
-        use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
-        // SAFETY: socket(2) returns a new descriptor or -1.
-        let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: `fd` is a descriptor we own from here on.
-        let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+        let sock = datagram_socket()?;
         // SAFETY: ifreq is plain data; zeroed is a valid value.
         let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
         let name = interface.as_bytes();
@@ -141,7 +262,6 @@ const NS_GET_USERNS: libc::Ioctl = 0xb701;
 /// is in (for a node agent, the node's). A pod with `hostUsers: false` has its own: the
 /// ids its processes run as are not the ids eBPF programs see.
 pub fn owned_by_this_user_namespace(netns: &Path) -> std::io::Result<bool> {
-    use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
     let file = File::open(netns)?;
     // SAFETY: NS_GET_USERNS takes no argument and returns a new descriptor or -1.
     let fd = unsafe { libc::ioctl(file.as_raw_fd(), NS_GET_USERNS) };

@@ -11,7 +11,7 @@ use super::{
     bpffs::unpin,
     config::PodCapture,
     record::{PinRecord, pin_dir},
-    set::NodePrograms,
+    set::{NodePrograms, PodInterface},
 };
 
 /// Where one pod is captured.
@@ -64,7 +64,12 @@ pub fn capture_in_set(
     };
     let dir = pin_dir(&target.name);
     let netns = target.netns_path();
-    let registration = match set.register(cookie, pod, Some((&netns, &target.interface)), None) {
+    let registration = match set.register(
+        cookie,
+        pod,
+        Some(PodInterface { netns: &netns, name: &target.interface, mac: None }),
+        None,
+    ) {
         Ok(r) => r,
         Err(e) => {
             let _ = set.release();
@@ -107,7 +112,8 @@ pub fn update(record: &PinRecord, pod: &PodCapture) -> Result<PinRecord, EbpfErr
                 source: std::io::Error::new(std::io::ErrorKind::NotFound, "the pod's program set is gone"),
             })?;
             let netns = record.netns.clone().unwrap_or_else(|| PathBuf::from("/proc/self/ns/net"));
-            let inbound = record.interface.as_deref().map(|i| (netns.as_path(), i));
+            let inbound =
+                record.interface.as_deref().map(|name| PodInterface { netns: &netns, name, mac: None });
             let registration =
                 set.register(record.netns_cookie, pod, inbound, record.registration.as_ref())?;
             record.registration = Some(registration);

@@ -36,6 +36,24 @@ use super::{
     sys,
 };
 
+/// The interface a pod's inbound classifier runs on, in the pod's namespace, and its
+/// hardware address (the classifier's key) when the caller has read it already.
+#[derive(Debug, Clone, Copy)]
+pub struct PodInterface<'a> {
+    pub netns: &'a Path,
+    pub name: &'a str,
+    pub mac: Option<[u8; 6]>,
+}
+
+impl PodInterface<'_> {
+    fn mac(&self) -> std::io::Result<[u8; 6]> {
+        match self.mac {
+            Some(mac) => Ok(mac),
+            None => netns::interface_mac(self.netns, self.name),
+        }
+    }
+}
+
 /// Where node program sets live, one folder per key.
 pub const PROGRAMS_DIR: &str = "/sys/fs/bpf/weir/programs";
 
@@ -90,8 +108,15 @@ pub fn present(key: &str) -> bool {
 }
 
 fn complete(dir: &Path) -> bool {
-    SET_PROGRAMS.iter().all(|p| dir.join("progs").join(p).exists())
-        && weir_ebpf_common::capture::map::ALL.iter().all(|m| dir.join("maps").join(m).exists())
+    // One listing per folder, not a lookup per pin (the CNI plugin asks once per pod).
+    let names = |sub: &str| -> std::collections::BTreeSet<std::ffi::OsString> {
+        std::fs::read_dir(dir.join(sub))
+            .map(|d| d.flatten().map(|e| e.file_name()).collect())
+            .unwrap_or_default()
+    };
+    let (progs, maps) = (names("progs"), names("maps"));
+    SET_PROGRAMS.iter().all(|p| progs.contains(std::ffi::OsStr::new(p)))
+        && weir_ebpf_common::capture::map::ALL.iter().all(|m| maps.contains(std::ffi::OsStr::new(m)))
 }
 
 /// Programs loaded and verified but not pinned yet: what detection loaded, kept for the
@@ -260,7 +285,6 @@ impl LockedSet {
 pub struct NodePrograms {
     set: LockedSet,
     maps: MapSet,
-    programs: BTreeMap<&'static str, OwnedFd>,
     inbound: Option<NodeClassifier>,
     /// The node classifier's maps, open for raw operations (registrations).
     inbound_maps: BTreeMap<&'static str, OwnedFd>,
@@ -299,12 +323,9 @@ impl NodePrograms {
         }
     }
 
+    /// Opens the set's maps (its programs are opened when used: registering a pod, what
+    /// the CNI plugin does once per pod, needs none of them).
     fn open(key: &str, dir: PathBuf, lock: Flock<File>) -> Result<Self, EbpfError> {
-        let mut programs = BTreeMap::new();
-        for name in SET_PROGRAMS {
-            let path = dir.join("progs").join(name);
-            programs.insert(*name, link::obj_get(&path).map_err(pin_error(&path))?);
-        }
         let maps = MapSet::open_pinned(&dir)?;
         let inbound = NodeClassifier::pinned(&dir);
         let mut inbound_maps = BTreeMap::new();
@@ -315,7 +336,7 @@ impl NodePrograms {
             }
         }
         let set = LockedSet { key: key.to_string(), dir, _lock: lock };
-        Ok(Self { set, maps, programs, inbound, inbound_maps })
+        Ok(Self { set, maps, inbound, inbound_maps })
     }
 
     pub fn key(&self) -> &str {
@@ -339,11 +360,17 @@ impl NodePrograms {
         &mut self.maps
     }
 
+    /// One of the set's capture programs, opened from its pin.
+    fn program(&self, name: &str) -> Result<OwnedFd, EbpfError> {
+        let path = self.set.dir.join("progs").join(name);
+        link::obj_get(&path).map_err(pin_error(&path))
+    }
+
     /// Kernel ids of the set's capture programs, by name.
     pub fn program_ids(&self) -> Result<BTreeMap<&'static str, u32>, EbpfError> {
         let mut out = BTreeMap::new();
-        for (name, fd) in &self.programs {
-            let id = link::prog_id(fd.as_fd())
+        for name in SET_PROGRAMS {
+            let id = link::prog_id(self.program(name)?.as_fd())
                 .map_err(|source| EbpfError::Io { what: "read a program's id", source })?;
             out.insert(*name, id);
         }
@@ -356,7 +383,7 @@ impl NodePrograms {
         let target = super::open_cgroup2(cgroup)?;
         let mut links: Vec<(&'static str, CgroupLink)> = Vec::new();
         for (name, kind) in cgroup_hooks() {
-            let program = self.programs.get(name).expect("every hook is in the set");
+            let program = self.program(name)?;
             let link =
                 CgroupLink::create(program.as_fd(), target.as_fd(), kind).map_err(|e| EbpfError::Attach {
                     program: name,
@@ -395,7 +422,7 @@ impl NodePrograms {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(pin_error(&path)(e)),
                 _ => {}
             }
-            let program = self.programs.get(name).expect("every hook is in the set");
+            let program = self.program(name)?;
             let link =
                 CgroupLink::create(program.as_fd(), target.as_fd(), kind).map_err(|e| EbpfError::Attach {
                     program: name,
@@ -418,15 +445,15 @@ impl NodePrograms {
         &mut self,
         cookie: u64,
         pod: &PodCapture,
-        inbound: Option<(&Path, &str)>,
+        inbound: Option<PodInterface<'_>>,
         previous: Option<&Registration>,
     ) -> Result<Registration, EbpfError> {
         let staged = self.maps.stage(cookie, pod)?;
         let staged_inbound = match (&self.inbound, &pod.inbound, inbound) {
-            (Some(classifier), Some(config), Some((netns, interface))) => {
-                let mac = netns::interface_mac(netns, interface).map_err(|e| EbpfError::Attach {
+            (Some(classifier), Some(config), Some(interface)) => {
+                let mac = interface.mac().map_err(|e| EbpfError::Attach {
                     program: weir_ebpf_common::inbound::PROG,
-                    path: PathBuf::from(interface),
+                    path: PathBuf::from(interface.name),
                     source: aya::programs::ProgramError::IOError(e),
                 });
                 match mac.and_then(|mac| classifier.stage(cookie, mac, &pod.own_addresses, config)) {
@@ -507,8 +534,8 @@ impl NodePrograms {
 
     /// Removes the set if nothing uses it; returns whether it did.
     pub fn release(self) -> Result<bool, EbpfError> {
-        let Self { set, maps, programs, inbound, inbound_maps } = self;
-        drop((maps, programs, inbound, inbound_maps));
+        let Self { set, maps, inbound, inbound_maps } = self;
+        drop((maps, inbound, inbound_maps));
         set.release()
     }
 }

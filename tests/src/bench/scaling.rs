@@ -123,7 +123,8 @@ fn register_once(node: &Node, i: usize) -> anyhow::Result<f64> {
     let id = format!("reg-{i}");
     let who = weir_agent::node::cni::ebpf::PodIdentity { name: format!("bench/r{i}"), uid: String::new() };
     let started = Instant::now();
-    weir_agent::node::cni::ebpf::register(&node.capture, &id, pod.path(), "lo", &cfg, &who)?;
+    let facts = weir_agent::node::cni::ebpf::read_facts(pod.path())?;
+    weir_agent::node::cni::ebpf::register(&node.capture, &id, pod.path(), "lo", &cfg, &who, &facts)?;
     let ms = started.elapsed().as_secs_f64() * 1000.0;
     weir_agent::node::cni::ebpf::unregister(&node.capture, &id)?;
     Ok(ms)

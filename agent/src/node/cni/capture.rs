@@ -6,7 +6,9 @@
 
 use std::{net::IpAddr, path::Path};
 
-use weir_iptables::{CaptureConfig, RunOptions, detect::HostFacts as _, state::Verdict};
+use weir_iptables::{CaptureConfig, RunOptions, state::Verdict};
+
+use crate::ebpf::netns::NetnsFacts;
 
 use super::{
     pod::{self, PodInfo},
@@ -51,16 +53,25 @@ pub(super) fn ebpf_error(what: String) -> impl FnOnce(super::ebpf::CniEbpfError)
     move |e| CniError::new(code::CAPTURE_FAILED, what, crate::error_chain(&e))
 }
 
-/// The addresses inside the pod's network namespace (read there).
-pub fn pod_addresses(netns: &Path) -> Result<Vec<IpAddr>, CniError> {
-    let facts = weir_iptables::detect::SystemFacts { netns: Some(netns.into()) };
-    facts.addresses().map_err(|e| {
+/// What capture reads inside the pod's network namespace (its addresses; for eBPF
+/// also its cookie and interfaces), in one visit.
+pub fn pod_netns(netns: &Path) -> Result<NetnsFacts, CniError> {
+    NetnsFacts::read(netns).map_err(netns_error(netns))
+}
+
+/// [`pod_netns`] from a thread already inside the namespace.
+pub fn pod_netns_here(netns: &Path) -> Result<NetnsFacts, CniError> {
+    NetnsFacts::read_here().map_err(netns_error(netns))
+}
+
+fn netns_error(netns: &Path) -> impl FnOnce(std::io::Error) -> CniError + '_ {
+    move |e| {
         CniError::new(
             code::IO_FAILURE,
             format!("cannot read the addresses in network namespace {}", netns.display()),
             e.to_string(),
         )
-    })
+    }
 }
 
 /// The capture config and run options for `pod` in `netns`, whose addresses are
@@ -151,25 +162,25 @@ pub fn capture(
     container_id: &str,
     ifname: &str,
 ) -> Result<(), CniError> {
-    capture_with(conf, pod, netns, &pod_addresses(netns)?, container_id, ifname)
+    capture_with(conf, pod, netns, &pod_netns(netns)?, container_id, ifname)
 }
 
-/// [`capture`], with the addresses in `netns` read already.
+/// [`capture`], with the namespace read already.
 pub fn capture_with(
     conf: &NetConf,
     pod: &PodInfo,
     netns: &Path,
-    addresses: &[IpAddr],
+    facts: &NetnsFacts,
     container_id: &str,
     ifname: &str,
 ) -> Result<(), CniError> {
-    let (mode, cfg, opts) = plan(conf, pod, netns, addresses)?;
+    let (mode, cfg, opts) = plan(conf, pod, netns, &facts.addresses)?;
     super::phases::mark("plan");
     let who = format!("{}/{}", pod.namespace, pod.name);
     if mode == CaptureMode::Ebpf {
         let node = node_capture(conf);
         let identity = super::ebpf::PodIdentity { name: who.clone(), uid: pod.uid.clone() };
-        match super::ebpf::register(node, container_id, netns, ifname, &cfg, &identity) {
+        match super::ebpf::register(node, container_id, netns, ifname, &cfg, &identity, facts) {
             Ok(cookie) => {
                 super::phases::mark("capture");
                 tracing::info!(pod = %who, netns = %netns.display(), backend = "ebpf", node_capture = node, netns_cookie = cookie, "pod captured");
@@ -219,7 +230,7 @@ pub fn missing_capture(
     netns: &Path,
     container_id: &str,
 ) -> Result<Option<String>, CniError> {
-    let (mode, cfg, opts) = plan(conf, pod, netns, &pod_addresses(netns)?)?;
+    let (mode, cfg, opts) = plan(conf, pod, netns, &pod_netns(netns)?.addresses)?;
     if mode == CaptureMode::Ebpf {
         let node = node_capture(conf);
         let what = format!("cannot check the eBPF capture in {}", netns.display());

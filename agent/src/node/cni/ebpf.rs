@@ -24,12 +24,12 @@ use weir_iptables::CaptureConfig;
 use crate::ebpf::{
     bpffs,
     capture::MapSet,
-    config::{EbpfOptions, PodCapture, own_addresses},
+    config::{EbpfOptions, PodCapture},
     health, link,
-    netns::{netns_cookie, owned_by_this_user_namespace},
+    netns::{NetnsFacts, netns_cookie, owned_by_this_user_namespace},
     record::{PinRecord, RECORD_DIR, pin_dir},
     registration::Registration,
-    set::{self, LockedSet, NodePrograms},
+    set::{self, LockedSet, NodePrograms, PodInterface},
 };
 
 /// The node capture's default name (its pins and record).
@@ -315,9 +315,10 @@ pub fn register(
     ifname: &str,
     cfg: &CaptureConfig,
     who: &PodIdentity,
+    facts: &NetnsFacts,
 ) -> Result<u64, CniEbpfError> {
     check_user_namespace(netns)?;
-    let pod = PodCapture::new(cfg, pod_own_addresses(netns)?, EbpfOptions::default())?;
+    let pod = PodCapture::new(cfg, facts.own_addresses(), EbpfOptions::default())?;
     let target = Target {
         record: pod_record_name(node, container_id),
         container: Some(container_id),
@@ -325,7 +326,7 @@ pub fn register(
         recorded_netns: Some(netns),
         ifname,
     };
-    register_capture(node, &target, &pod, who)
+    register_capture(node, &target, &pod, who, facts)
 }
 
 /// An ambient pod, registered by the node agent for ztunnel
@@ -347,15 +348,16 @@ pub fn register_ambient(
         .into());
     }
     check_user_namespace(netns)?;
-    let own = pod_own_addresses(netns)?;
-    let ifname = interface_holding(netns, &own)?;
+    let facts = read_facts(netns)?;
+    let own = facts.own_addresses();
+    let ifname = interface_holding(netns, &facts, &own)?;
     let pod = PodCapture::ambient(cfg, own)?;
     let record = ambient_record_name(node, &who.uid);
-    if let Some(cookie) = registered_as_wanted(node, &record, netns, ifname.as_str(), &pod)? {
+    if let Some(cookie) = registered_as_wanted(node, &record, netns, ifname.as_str(), &pod, facts.cookie)? {
         return Ok(cookie);
     }
     let target = Target { record, container: None, netns, recorded_netns, ifname: &ifname };
-    register_capture(node, &target, &pod, who)
+    register_capture(node, &target, &pod, who, &facts)
 }
 
 /// Takes an ambient pod's registration away (idempotent); `netns`, when the namespace
@@ -401,36 +403,25 @@ fn check_user_namespace(netns: &Path) -> Result<(), CniEbpfError> {
     Ok(())
 }
 
-fn pod_own_addresses(netns: &Path) -> Result<Vec<std::net::IpAddr>, CniEbpfError> {
-    let facts = weir_iptables::detect::SystemFacts { netns: Some(netns.into()) };
-    own_addresses(&facts).map_err(io(format!("read the addresses in {}", netns.display())))
+/// The pod's namespace as registration needs it, read in one visit.
+pub fn read_facts(netns: &Path) -> Result<NetnsFacts, CniEbpfError> {
+    NetnsFacts::read(netns).map_err(io(format!("read the network namespace {}", netns.display())))
 }
 
 /// The pod's one interface that is up (besides `lo`), which must hold one of `addresses`. The
 /// inbound classifier is attached to one interface: a pod with more (Multus) is
 /// refused, naming them, and `auto` gives it the in-pod rules, which capture on every
 /// interface.
-fn interface_holding(netns: &Path, addresses: &[std::net::IpAddr]) -> Result<String, CniEbpfError> {
-    let listed = crate::ebpf::netns::in_netns(netns, || {
-        let addrs = nix::ifaddrs::getifaddrs().map_err(std::io::Error::from)?;
-        Ok(addrs
-            .map(|a| {
-                let ip = a.address.as_ref().and_then(|s| {
-                    s.as_sockaddr_in()
-                        .map(|v4| std::net::IpAddr::V4(v4.ip()))
-                        .or_else(|| s.as_sockaddr_in6().map(|v6| std::net::IpAddr::V6(v6.ip())))
-                });
-                (a.interface_name, ip, a.flags.contains(nix::net::if_::InterfaceFlags::IFF_UP))
-            })
-            .collect::<Vec<_>>())
-    })
-    .map_err(io(format!("list the interfaces in {}", netns.display())))?;
+fn interface_holding(
+    netns: &Path,
+    facts: &NetnsFacts,
+    addresses: &[std::net::IpAddr],
+) -> Result<String, CniEbpfError> {
     // Interfaces that are up: a namespace also holds the fallback devices of tunnel
     // modules (tunl0, sit0, ...), down and unused.
     let mut names: Vec<&str> =
-        listed.iter().filter(|(n, _, up)| *up && n != "lo").map(|(n, _, _)| n.as_str()).collect();
+        facts.interfaces.iter().filter(|i| i.up && i.name != "lo").map(|i| i.name.as_str()).collect();
     names.sort_unstable();
-    names.dedup();
     if names.len() > 1 {
         return Err(crate::ebpf::config::EbpfConfigError {
             input: "the pod's interfaces",
@@ -442,10 +433,11 @@ fn interface_holding(netns: &Path, addresses: &[std::net::IpAddr]) -> Result<Str
         }
         .into());
     }
-    listed
+    facts
+        .interfaces
         .iter()
-        .find(|(_, ip, _)| ip.is_some_and(|ip| addresses.contains(&ip)))
-        .map(|(name, _, _)| name.clone())
+        .find(|i| i.addresses.iter().any(|a| addresses.contains(a)))
+        .map(|i| i.name.clone())
         .ok_or_else(|| CniEbpfError::Io {
             what: format!("find the pod's interface in {}", netns.display()),
             source: std::io::Error::other(format!("no interface holds any of {addresses:?}")),
@@ -462,11 +454,10 @@ fn registered_as_wanted(
     netns: &Path,
     ifname: &str,
     pod: &PodCapture,
+    cookie: u64,
 ) -> Result<Option<u64>, CniEbpfError> {
     let Some(record) = PinRecord::load(name) else { return Ok(None) };
     let (_, key) = node_record(node)?;
-    let cookie = netns_cookie(Some(netns))
-        .map_err(io(format!("read the network namespace cookie of {}", netns.display())))?;
     if record.netns_cookie != cookie
         || record.programs.as_deref() != Some(key.as_str())
         || record.interface.as_deref() != pod.inbound.map(|_| ifname)
@@ -506,11 +497,11 @@ fn register_capture(
     target: &Target<'_>,
     pod: &PodCapture,
     who: &PodIdentity,
+    facts: &NetnsFacts,
 ) -> Result<u64, CniEbpfError> {
     let Target { netns, ifname, .. } = *target;
     let (node_record, key) = node_record(node)?;
-    let cookie = netns_cookie(Some(netns))
-        .map_err(io(format!("read the network namespace cookie of {}", netns.display())))?;
+    let cookie = facts.cookie;
     let name = target.record.clone();
     let mut record = PinRecord {
         pod: name.clone(),
@@ -545,7 +536,8 @@ fn register_capture(
         None => (None, None),
     };
     let was_captured = previous.is_some() || other_build.is_some();
-    let registration = set.register(cookie, pod, Some((netns, ifname)), previous.as_ref())?;
+    let interface = PodInterface { netns, name: ifname, mac: facts.mac(ifname).ok() };
+    let registration = set.register(cookie, pod, Some(interface), previous.as_ref())?;
     // After the switch: a failure takes back a new pod's registration, and leaves a pod
     // that was captured before captured (its new registration, or the other build's).
     let undo = |set: &mut NodePrograms, registration: &Registration| {

@@ -15,7 +15,7 @@ use crate::ebpf::{netns::netns_cookie, record::PinRecord};
 
 use super::{
     capture::{
-        capture_with, ebpf_error, missing_capture, node_capture, pod_addresses, repair_container_id_for_uid,
+        capture_with, ebpf_error, missing_capture, node_capture, pod_netns_here, repair_container_id_for_uid,
     },
     kube::{KubeClient, KubeError},
     pod::{self, PodInfo, Skip},
@@ -175,22 +175,32 @@ fn netns_of(inv: &Invocation) -> Result<PathBuf, CniError> {
 
 fn add(conf: &NetConf, inv: &Invocation) -> Result<(), CniError> {
     let netns = netns_of(inv)?;
-    // The pod's addresses are read inside its namespace while the API server answers
-    // (only a sidecar pod needs them, and only then their error).
-    let (target, addresses) = std::thread::scope(|s| {
-        let addresses = s.spawn(|| pod_addresses(&netns));
+    // The pod's namespace is read (addresses; cookie and interfaces for eBPF) by a
+    // thread that enters it while the API server answers (only a sidecar pod needs
+    // them, and only then their error).
+    let (target, facts) = std::thread::scope(|s| {
+        let facts = s.spawn(|| {
+            crate::ebpf::netns::enter(&netns).map_err(|e| {
+                CniError::new(
+                    code::IO_FAILURE,
+                    format!("cannot enter network namespace {}", netns.display()),
+                    e.to_string(),
+                )
+            })?;
+            pod_netns_here(&netns)
+        });
         let target = target(conf, inv);
-        (target, addresses.join())
+        (target, facts.join())
     });
     match target? {
         Target::Skip => Ok(()),
         Target::Ambient(pod) => super::ambient::hand_over(conf, inv, &pod),
         Target::Sidecar(pod) => {
-            let addresses = addresses.unwrap_or_else(|_| {
-                Err(CniError::new(code::IO_FAILURE, "the address reader panicked", ""))
+            let facts = facts.unwrap_or_else(|_| {
+                Err(CniError::new(code::IO_FAILURE, "the namespace reader panicked", ""))
             })?;
             super::phases::mark("netns");
-            capture_with(conf, &pod, &netns, &addresses, &inv.container_id, &inv.ifname)
+            capture_with(conf, &pod, &netns, &facts, &inv.container_id, &inv.ifname)
         }
     }
 }
