@@ -362,10 +362,8 @@ pub fn ingress_bpf_filters_blocking(name: &str) -> Result<Vec<BpfFilter>> {
         RouteNetlinkMessage,
         tc::{TcHandle, TcMessage},
     };
-    use rtnetlink::packet_core::{NLM_F_DUMP, NLM_F_REQUEST, NetlinkMessage, NetlinkPayload};
-    use rtnetlink::sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
+    use rtnetlink::packet_core::{NLM_F_DUMP, NLM_F_REQUEST, NetlinkMessage};
     let what = || format!("tc filter show dev {name} ingress");
-    let io = |source: std::io::Error| NetlinkError::Dump { op: what(), source };
     let index = nix::net::if_::if_nametoindex(name).map_err(|_| NetlinkError::NoLink(name.to_string()))?;
     let mut request = TcMessage::with_index(index as i32);
     request.header.parent = TcHandle { major: 0xffff, minor: TcHandle::MIN_INGRESS };
@@ -375,31 +373,63 @@ pub fn ingress_bpf_filters_blocking(name: &str) -> Result<Vec<BpfFilter>> {
     message.finalize();
     let mut bytes = vec![0u8; message.buffer_len()];
     message.serialize(&mut bytes);
+    // A dump the kernel marks interrupted (the filters changed while it was read) is
+    // read again.
+    for _ in 0..3 {
+        if let Some(filters) = dump_once(&bytes, &what)? {
+            return Ok(filters);
+        }
+    }
+    Err(NetlinkError::Dump {
+        op: what(),
+        source: std::io::Error::other("the dump was interrupted three times (the filters keep changing)"),
+    })
+}
+
+/// One dump: the filters, or `None` when the kernel says it was interrupted.
+fn dump_once(request: &[u8], what: &dyn Fn() -> String) -> Result<Option<Vec<BpfFilter>>> {
+    use netlink_packet_route::RouteNetlinkMessage;
+    use rtnetlink::packet_core::{NLM_F_DUMP_INTR, NetlinkMessage, NetlinkPayload};
+    use rtnetlink::sys::{Socket, SocketAddr, protocols::NETLINK_ROUTE};
+    let io = |source: std::io::Error| NetlinkError::Dump { op: what(), source };
+    let invalid = |text: String| io(std::io::Error::new(std::io::ErrorKind::InvalidData, text));
     let mut socket = Socket::new(NETLINK_ROUTE).map_err(NetlinkError::Open)?;
     socket.bind_auto().map_err(NetlinkError::Open)?;
     socket.connect(&SocketAddr::new(0, 0)).map_err(NetlinkError::Open)?;
-    socket.send(&bytes, 0).map_err(io)?;
+    socket.send(request, 0).map_err(io)?;
     let mut out = Vec::new();
+    let mut interrupted = false;
     let mut buf = vec![0u8; 64 * 1024];
     loop {
         let len = socket.recv(&mut &mut buf[..], 0).map_err(io)?;
         let mut at = 0;
         while at < len {
-            let reply = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&buf[at..len])
-                .map_err(|e| io(std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string())))?;
-            let size = reply.header.length as usize;
-            match reply.payload {
-                NetlinkPayload::Done(_) => return Ok(out),
-                NetlinkPayload::Error(e) => {
-                    return Err(NetlinkError::Op { op: what(), source: rtnetlink::Error::NetlinkError(e) });
+            // Each message's length, from its header: a message this crate cannot
+            // decode (a filter kind it does not know) is skipped, as the runtime-driven
+            // listing skips it, never taken for the end of the dump.
+            let size = buf
+                .get(at..at + 4)
+                .map(|b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]]) as usize)
+                .filter(|&n| n >= 16 && at + n <= len)
+                .ok_or_else(|| invalid(format!("a truncated netlink message at byte {at} of {len}")))?;
+            if let Ok(reply) = NetlinkMessage::<RouteNetlinkMessage>::deserialize(&buf[at..at + size]) {
+                interrupted |= reply.header.flags & NLM_F_DUMP_INTR != 0;
+                match reply.payload {
+                    NetlinkPayload::Done(done) if done.code != 0 => {
+                        return Err(io(std::io::Error::from_raw_os_error(-done.code)));
+                    }
+                    NetlinkPayload::Done(_) => return Ok((!interrupted).then_some(out)),
+                    NetlinkPayload::Error(e) => {
+                        return Err(NetlinkError::Op {
+                            op: what(),
+                            source: rtnetlink::Error::NetlinkError(e),
+                        });
+                    }
+                    NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewTrafficFilter(m)) => {
+                        out.extend(bpf_filter(&m));
+                    }
+                    _ => {}
                 }
-                NetlinkPayload::InnerMessage(RouteNetlinkMessage::NewTrafficFilter(m)) => {
-                    out.extend(bpf_filter(&m));
-                }
-                _ => {}
-            }
-            if size == 0 {
-                break;
             }
             at += (size + 3) & !3;
         }

@@ -539,7 +539,7 @@ fn a_namespace_visit_returns_the_thread_to_its_own_namespace() {
     assert_eq!(netns_cookie(None).unwrap(), home, "back home after a panic");
     // The facts of a namespace come from one visit: its cookie and its loopback.
     let facts = NetnsFacts::read(pod.path()).unwrap();
-    assert_eq!(facts.cookie, pod_cookie);
+    assert_eq!(facts.cookie, Some(pod_cookie));
     assert!(facts.interfaces.iter().any(|i| i.name == "lo"), "{facts:?}");
     assert!(facts.own_addresses().is_empty(), "a fresh namespace has only loopback: {facts:?}");
     assert!(facts.mac("eth0").is_err());

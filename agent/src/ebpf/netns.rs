@@ -108,12 +108,14 @@ fn can_return() -> bool {
     })
 }
 
-/// What registering a pod reads inside its network namespace, in one visit (each visit
-/// is a thread entering it): the namespace's cookie, its addresses, and its interfaces
-/// with their hardware addresses.
+/// What capturing a pod reads inside its network namespace, in one visit: its
+/// addresses, its interfaces with their hardware addresses, and (for eBPF) the
+/// namespace's cookie.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct NetnsFacts {
-    pub cookie: u64,
+    /// `None` where the kernel has no `SO_NETNS_COOKIE` (before 5.14): only eBPF
+    /// capture needs it, and it cannot run there.
+    pub cookie: Option<u64>,
     /// Every address, loopback included, in the kernel's dump order with IPv4 first (as
     /// `weir_iptables::detect::SystemFacts` lists them).
     pub addresses: Vec<IpAddr>,
@@ -137,7 +139,7 @@ impl NetnsFacts {
 
     /// The facts of the calling thread's namespace.
     pub fn read_here() -> std::io::Result<Self> {
-        let mut facts = Self { cookie: cookie_here()?, ..Self::default() };
+        let mut facts = Self { cookie: cookie_here().ok(), ..Self::default() };
         let mut v6 = Vec::new();
         for ifa in nix::ifaddrs::getifaddrs().map_err(std::io::Error::from)? {
             let index = match facts.interfaces.iter().position(|i| i.name == ifa.interface_name) {

@@ -353,7 +353,9 @@ pub fn register_ambient(
     let ifname = interface_holding(netns, &facts, &own)?;
     let pod = PodCapture::ambient(cfg, own)?;
     let record = ambient_record_name(node, &who.uid);
-    if let Some(cookie) = registered_as_wanted(node, &record, netns, ifname.as_str(), &pod, facts.cookie)? {
+    if let Some(cookie) =
+        registered_as_wanted(node, &record, netns, ifname.as_str(), &pod, cookie_of(netns, &facts)?)?
+    {
         return Ok(cookie);
     }
     let target = Target { record, container: None, netns, recorded_netns, ifname: &ifname };
@@ -401,6 +403,16 @@ fn check_user_namespace(netns: &Path) -> Result<(), CniEbpfError> {
         return Err(CniEbpfError::UserNamespace { netns: netns.into() });
     }
     Ok(())
+}
+
+/// The namespace's cookie, as read with its facts; where that read failed, read again
+/// for the kernel's reason.
+fn cookie_of(netns: &Path, facts: &NetnsFacts) -> Result<u64, CniEbpfError> {
+    match facts.cookie {
+        Some(cookie) => Ok(cookie),
+        None => netns_cookie(Some(netns))
+            .map_err(io(format!("read the network namespace cookie of {}", netns.display()))),
+    }
 }
 
 /// The pod's namespace as registration needs it, read in one visit.
@@ -501,7 +513,7 @@ fn register_capture(
 ) -> Result<u64, CniEbpfError> {
     let Target { netns, ifname, .. } = *target;
     let (node_record, key) = node_record(node)?;
-    let cookie = facts.cookie;
+    let cookie = cookie_of(netns, facts)?;
     let name = target.record.clone();
     let mut record = PinRecord {
         pod: name.clone(),
