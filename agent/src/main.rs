@@ -106,13 +106,28 @@ fn proxy(args: &[String]) -> u8 {
         tracing::warn!(flag, "ignoring unknown flag (as pilot-agent does)");
     }
     tracing::info!("Effective config:\n{}", config.to_yaml());
-    let Some(runtime) = runtime(2) else { return exit::FAILURE };
+    let Some(runtime) = agent_runtime() else { return exit::FAILURE };
     let result = runtime.block_on(async move { app::Agent::new(config)?.run().await });
     match result {
         Ok(()) => exit::OK,
         Err(e) => {
             eprintln!("weir: {}", weir_agent::error_chain(&e));
             exit::FAILURE
+        }
+    }
+}
+
+/// The agent's runtime: one thread for every task. A relayed message passes from the
+/// upstream connection's task to the relay's and on to Envoy's connection without
+/// waking another thread (with two workers, a push and its ACK woke threads about four
+/// times); work that takes a CPU for long (key generation, file reads) runs on the
+/// blocking pool.
+fn agent_runtime() -> Option<tokio::runtime::Runtime> {
+    match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(r) => Some(r),
+        Err(e) => {
+            eprintln!("weir: cannot start the runtime: {e}");
+            None
         }
     }
 }
