@@ -132,7 +132,7 @@ impl StatusServer {
     /// 200 when ready; else 503 with the reason (and a log line on each change).
     async fn ready(&self) -> Response<MergedBody> {
         let mut verdict = self.readiness.check().await;
-        if verdict.is_ok() && self.dns.as_ref().is_some_and(|d| d.name_table().is_none()) {
+        if verdict.is_ok() && self.dns.as_ref().is_some_and(|d| !d.is_ready()) {
             verdict = Err("DNS name table not received from XDS server (NDS) yet".into());
         }
         match verdict {

@@ -375,10 +375,17 @@ impl SecretManager {
         };
         // As pilot-agent: files that cannot be written are logged, and Envoy is served
         // regardless (a full disk must not cost the pod its certificate).
-        if let Some(dir) = &self.inner.output_dir
-            && let Err((path, e)) = write_output(dir, &secret)
-        {
-            tracing::error!(path = %path.display(), error = %e, "cannot write OUTPUT_CERTS; the files keep their previous contents");
+        // On the blocking pool: three synced writes, which slow storage makes long, would
+        // hold every other task of the agent's one thread.
+        if let Some(dir) = self.inner.output_dir.clone() {
+            let written = secret.clone();
+            match tokio::task::spawn_blocking(move || write_output(&dir, &written)).await {
+                Ok(Ok(())) => {}
+                Ok(Err((path, e))) => {
+                    tracing::error!(path = %path.display(), error = %e, "cannot write OUTPUT_CERTS; the files keep their previous contents");
+                }
+                Err(e) => tracing::error!(error = %e, "cannot write OUTPUT_CERTS: the writer stopped"),
+            }
         }
         tracing::info!(
             resource = names::WORKLOAD,
