@@ -120,26 +120,18 @@ fn proxy(args: &[String]) -> u8 {
 /// The agent's runtime: one thread for every task. A relayed message passes from the
 /// upstream connection's task to the relay's and on to Envoy's connection without
 /// waking another thread (with two workers, a push and its ACK woke threads about four
-/// times); work that takes a CPU for long (key generation, file reads) runs on the
-/// blocking pool.
+/// times); work that takes a CPU for long (key generation, file reads and writes) runs
+/// on the blocking pool.
 fn agent_runtime() -> Option<tokio::runtime::Runtime> {
-    match tokio::runtime::Builder::new_current_thread().enable_all().build() {
-        Ok(r) => Some(r),
-        Err(e) => {
-            eprintln!("weir: cannot start the runtime: {e}");
-            None
-        }
-    }
+    started(tokio::runtime::Builder::new_current_thread().enable_all().build())
 }
 
 fn runtime(workers: usize) -> Option<tokio::runtime::Runtime> {
-    match tokio::runtime::Builder::new_multi_thread().worker_threads(workers).enable_all().build() {
-        Ok(r) => Some(r),
-        Err(e) => {
-            eprintln!("weir: cannot start the runtime: {e}");
-            None
-        }
-    }
+    started(tokio::runtime::Builder::new_multi_thread().worker_threads(workers).enable_all().build())
+}
+
+fn started(built: std::io::Result<tokio::runtime::Runtime>) -> Option<tokio::runtime::Runtime> {
+    built.inspect_err(|e| eprintln!("weir: cannot start the runtime: {e}")).ok()
 }
 
 /// A local command's parsed arguments; else the exit code once help (0) or the error

@@ -337,26 +337,10 @@ pub struct BpfFilter {
     pub prog_id: u32,
 }
 
-impl Netlink {
-    /// The bpf filters on `name`'s ingress, in the order the kernel lists them.
-    pub async fn ingress_bpf_filters(&self, name: &str) -> Result<Vec<BpfFilter>> {
-        let index = self.link_index(name).await?;
-        let messages: Vec<_> = self
-            .handle
-            .traffic_filter(index as i32)
-            .get()
-            .ingress()
-            .execute()
-            .try_collect()
-            .await
-            .map_err(op(format!("tc filter show dev {name} ingress")))?;
-        Ok(messages.iter().filter_map(bpf_filter).collect())
-    }
-}
-
-/// [`Netlink::ingress_bpf_filters`] without a runtime: one blocking dump on a socket in
-/// the calling thread's namespace, for one-shot callers (the CNI plugin registers a pod
-/// in about a millisecond; a runtime and its connection task would add a fifth).
+/// The bpf filters on `name`'s ingress, in the order the kernel lists them
+/// (`tc filter show dev <name> ingress`): one blocking dump on a socket in the calling
+/// thread's namespace, no runtime (the CNI plugin registers a pod in about a
+/// millisecond; a runtime and its connection task would add a fifth).
 pub fn ingress_bpf_filters_blocking(name: &str) -> Result<Vec<BpfFilter>> {
     use netlink_packet_route::{
         RouteNetlinkMessage,

@@ -506,22 +506,38 @@ fn ebpf_capture_registers_pods_with_the_node_capture() {
     assert_eq!(istio_rules(&pod), "", "auto picked eBPF: no netfilter rules");
 
     // The plugin lists the interface's tc filters with one blocking netlink dump (no
-    // runtime): it reads what the runtime-driven listing reads, and Weir's one filter
-    // is there at Weir's priority and handle. An unknown interface is named.
-    let (blocking, with_runtime, unknown) = weir_agent::ebpf::netns::in_netns(pod.path(), || {
+    // runtime): it reads what `tc filter show` reads (priority, handle, program id), and
+    // Weir's one filter is there at Weir's priority and handle. An unknown interface is
+    // named.
+    let (blocking, unknown) = weir_agent::ebpf::netns::in_netns(pod.path(), || {
         let blocking =
             weir_iptables::netlink::ingress_bpf_filters_blocking("eth0").map_err(std::io::Error::other)?;
-        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-        let with_runtime = runtime.block_on(async {
-            let nl = weir_iptables::netlink::Netlink::open().map_err(std::io::Error::other)?;
-            nl.ingress_bpf_filters("eth0").await.map_err(std::io::Error::other)
-        })?;
         let unknown =
             weir_iptables::netlink::ingress_bpf_filters_blocking("nosuch0").unwrap_err().to_string();
-        Ok((blocking, with_runtime, unknown))
+        Ok((blocking, unknown))
     })
     .unwrap();
-    assert_eq!(blocking, with_runtime);
+    let tc = run_in(&pod, None, Command::new("tc"), &["filter", "show", "dev", "eth0", "ingress"]);
+    let from_tc: Vec<(u16, u32, u32)> = tc
+        .lines()
+        .filter(|l| l.contains(" bpf ") && l.contains(" handle "))
+        .map(|l| {
+            let words: Vec<&str> = l.split_whitespace().collect();
+            let after = |key: &str| {
+                words[words.iter().position(|w| *w == key).unwrap_or_else(|| panic!("{key} in {l}")) + 1]
+            };
+            (
+                after("pref").parse().unwrap(),
+                u32::from_str_radix(after("handle").trim_start_matches("0x"), 16).unwrap(),
+                after("id").parse().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        blocking.iter().map(|f| (f.priority, f.handle, f.prog_id)).collect::<Vec<_>>(),
+        from_tc,
+        "{tc}"
+    );
     use weir_agent::ebpf::inbound::{FILTER_HANDLE, FILTER_PRIORITY};
     assert_eq!(
         blocking.iter().map(|f| (f.priority, f.handle)).collect::<Vec<_>>(),

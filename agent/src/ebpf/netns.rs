@@ -56,7 +56,11 @@ fn datagram_socket() -> std::io::Result<OwnedFd> {
 /// Moves the calling thread into the network namespace at `path`, for good: only for a
 /// thread made for the visit.
 pub fn enter(path: &Path) -> std::io::Result<()> {
-    let file = File::open(path)?;
+    setns(&File::open(path)?)
+}
+
+/// Moves the calling thread into the network namespace `file` names.
+fn setns(file: &File) -> std::io::Result<()> {
     nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).map_err(std::io::Error::from)
 }
 
@@ -71,7 +75,7 @@ pub fn in_netns<T: Send>(path: &Path, f: impl FnOnce() -> std::io::Result<T> + S
     if !can_return() {
         return std::thread::scope(|s| {
             s.spawn(|| {
-                nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)?;
+                setns(&file)?;
                 f()
             })
             .join()
@@ -79,7 +83,7 @@ pub fn in_netns<T: Send>(path: &Path, f: impl FnOnce() -> std::io::Result<T> + S
         });
     }
     let home = File::open("/proc/thread-self/ns/net")?;
-    nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)?;
+    setns(&file)?;
     let _back = Return(home);
     f()
 }
@@ -91,7 +95,7 @@ struct Return(File);
 
 impl Drop for Return {
     fn drop(&mut self) {
-        if let Err(e) = nix::sched::setns(self.0.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET) {
+        if let Err(e) = setns(&self.0) {
             eprintln!("weir: cannot return to this thread's network namespace after entering a pod's: {e}");
             std::process::abort();
         }
@@ -102,10 +106,7 @@ impl Drop for Return {
 /// entering the one it is in): then [`in_netns`] returns the calling thread to it.
 fn can_return() -> bool {
     static CAN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *CAN.get_or_init(|| {
-        File::open("/proc/thread-self/ns/net")
-            .is_ok_and(|f| nix::sched::setns(f.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).is_ok())
-    })
+    *CAN.get_or_init(|| File::open("/proc/thread-self/ns/net").is_ok_and(|f| setns(&f).is_ok()))
 }
 
 /// What capturing a pod reads inside its network namespace, in one visit: its
