@@ -124,7 +124,7 @@ impl StatusServer {
                 let outcome = self.probes.probe(p, req.headers()).await;
                 respond(outcome.status, "text/plain; charset=utf-8", outcome.body)
             }
-            "/debug/ndsz" => self.ndsz(),
+            "/debug/ndsz" => self.ndsz().await,
             _ => text(StatusCode::NOT_FOUND, "not found\n".into()),
         }
     }
@@ -150,29 +150,34 @@ impl StatusServer {
         }
     }
 
-    fn ndsz(&self) -> Response<MergedBody> {
-        match self.dns.as_ref().map(|d| d.name_table()) {
-            None => text(StatusCode::NOT_FOUND, "DNS proxy is off\n".into()),
-            Some(None) => respond(StatusCode::OK, "application/json", Bytes::from_static(b"{}\n")),
-            Some(Some(table)) => {
-                let hosts: serde_json::Map<String, serde_json::Value> = table
-                    .table
-                    .iter()
-                    .map(|(host, info)| {
-                        (
-                            host.clone(),
-                            serde_json::json!({
-                                "ips": info.ips,
-                                "registry": info.registry,
-                                "shortname": info.shortname,
-                                "namespace": info.namespace,
-                            }),
-                        )
-                    })
-                    .collect();
-                let body = serde_json::to_string_pretty(&serde_json::json!({ "table": hosts }))
-                    .expect("json serializes");
-                respond(StatusCode::OK, "application/json", Bytes::from(body))
+    /// The whole name table as JSON; rendered on the blocking pool (a table of tens
+    /// of thousands of services would otherwise hold the agent's one thread).
+    async fn ndsz(&self) -> Response<MergedBody> {
+        let table = match self.dns.as_ref().map(|d| d.name_table()) {
+            None => return text(StatusCode::NOT_FOUND, "DNS proxy is off\n".into()),
+            Some(None) => return respond(StatusCode::OK, "application/json", Bytes::from_static(b"{}\n")),
+            Some(Some(table)) => table,
+        };
+        let render = move || {
+            let hosts: serde_json::Map<String, serde_json::Value> = table
+                .table
+                .iter()
+                .map(|(host, info)| {
+                    let info = serde_json::json!({
+                        "ips": info.ips,
+                        "registry": info.registry,
+                        "shortname": info.shortname,
+                        "namespace": info.namespace,
+                    });
+                    (host.clone(), info)
+                })
+                .collect();
+            serde_json::to_string_pretty(&serde_json::json!({ "table": hosts })).expect("json serializes")
+        };
+        match tokio::task::spawn_blocking(render).await {
+            Ok(body) => respond(StatusCode::OK, "application/json", Bytes::from(body)),
+            Err(e) => {
+                text(StatusCode::INTERNAL_SERVER_ERROR, format!("rendering the name table failed: {e}\n"))
             }
         }
     }

@@ -40,7 +40,7 @@ async fn setup() -> Setup {
     let addr = listener.local_addr().unwrap();
     let stop = CancellationToken::new();
     tokio::spawn(ads.clone().serve(listener, None, stop.clone().cancelled_owned()));
-    let nds: Handler = Arc::new(|_| Ok(()));
+    let nds: Handler = Arc::new(|_| Box::pin(async { Ok(()) }));
     let proxy = XdsProxy::new(
         UpstreamConfig::plaintext(addr.to_string()),
         HashMap::from([(type_url::NAME_TABLE.to_string(), nds)]),

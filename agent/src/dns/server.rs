@@ -164,7 +164,7 @@ impl DnsConfig {
 pub struct DnsProxy {
     config: DnsConfig,
     table: RwLock<Option<Arc<LookupTable>>>,
-    name_table: RwLock<Option<NameTable>>,
+    name_table: RwLock<Option<Arc<NameTable>>>,
     metrics: Arc<Metrics>,
     forwards: Arc<Semaphore>,
     /// UDP queries dropped because `max_forwards` were in flight.
@@ -197,29 +197,38 @@ impl DnsProxy {
     }
 
     /// Installs a new NDS table.
-    pub fn update(&self, table: &NameTable) {
-        let built = LookupTable::build(table, &self.config.scope);
+    pub fn update(&self, table: NameTable) {
+        let built = LookupTable::build(&table, &self.config.scope);
         tracing::debug!(hosts = built.len(), "DNS lookup table updated");
         *self.table.write().expect("table lock") = Some(Arc::new(built));
-        *self.name_table.write().expect("table lock") = Some(table.clone());
+        *self.name_table.write().expect("table lock") = Some(Arc::new(table));
     }
 
     /// The relay's handler for NDS responses: decodes the `NameTable` and installs it;
-    /// a table that does not decode is NACKed with the decode error.
+    /// a table that does not decode is NACKed with the decode error. Decoding and
+    /// building a table of tens of thousands of services takes long enough to stall
+    /// the agent's one thread, so both run on the blocking pool.
     pub fn nds_handler(self: &Arc<Self>) -> crate::xds::Handler {
         let me = self.clone();
         Arc::new(move |resource| {
-            if resource.type_url != weir_proto::type_url::NAME_TABLE {
-                return Err(format!(
-                    "expected a {} resource, got {}",
-                    weir_proto::type_url::NAME_TABLE,
-                    resource.type_url
-                ));
-            }
-            let table = <NameTable as prost::Message>::decode(resource.value.as_slice())
-                .map_err(|e| format!("NameTable does not decode: {e}"))?;
-            me.update(&table);
-            Ok(())
+            let me = me.clone();
+            Box::pin(async move {
+                if resource.type_url != weir_proto::type_url::NAME_TABLE {
+                    return Err(format!(
+                        "expected a {} resource, got {}",
+                        weir_proto::type_url::NAME_TABLE,
+                        resource.type_url
+                    ));
+                }
+                tokio::task::spawn_blocking(move || {
+                    let table = <NameTable as prost::Message>::decode(resource.value.as_slice())
+                        .map_err(|e| format!("NameTable does not decode: {e}"))?;
+                    me.update(table);
+                    Ok(())
+                })
+                .await
+                .map_err(|e| format!("installing the NameTable failed: {e}"))?
+            })
         })
     }
 
@@ -229,7 +238,7 @@ impl DnsProxy {
     }
 
     /// The last NDS table (for /debug/ndsz).
-    pub fn name_table(&self) -> Option<NameTable> {
+    pub fn name_table(&self) -> Option<Arc<NameTable>> {
         self.name_table.read().expect("table lock").clone()
     }
 
@@ -606,7 +615,7 @@ mod tests {
             c.upstream_timeout = Duration::from_secs(3);
         })
         .await;
-        p.update(&table(3));
+        p.update(table(3));
         let (rss_before, fds_before) = (self_status_kib("VmRSS:"), open_fds());
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let floods: Vec<_> = (0..2u16)
@@ -711,7 +720,7 @@ mod tests {
         let r = Message::from_vec(&p.answer(&query("big.app.", RecordType::A, None), false).await.unwrap())
             .unwrap();
         assert_eq!(r.metadata.response_code, ResponseCode::ServFail);
-        p.update(&table(3));
+        p.update(table(3));
         assert!(p.is_ready());
         let r = Message::from_vec(&p.answer(&query("big.app.", RecordType::A, None), false).await.unwrap())
             .unwrap();
@@ -722,10 +731,51 @@ mod tests {
         assert!(r.answers.iter().all(|a| a.ttl == 30 && matches!(a.data, RData::A(_))));
     }
 
+    /// The agent runs on one thread: installing an NDS table must let the queries (and
+    /// the relay, SDS, probes) waiting on that thread run while the table is decoded
+    /// and built, instead of after it.
+    #[tokio::test(flavor = "current_thread")]
+    async fn an_nds_table_is_installed_off_the_agents_thread() {
+        let p = proxy(vec![]);
+        let mut nt = NameTable::default();
+        for i in 0..20_000 {
+            let info = NameInfo {
+                ips: vec![format!("10.{}.{}.1", i / 250, i % 250)],
+                registry: "Kubernetes".into(),
+                shortname: format!("s{i}"),
+                namespace: "app".into(),
+                ..Default::default()
+            };
+            nt.table.insert(format!("s{i}.app.svc.cluster.local"), info);
+        }
+        let resource = prost_types::Any {
+            type_url: weir_proto::type_url::NAME_TABLE.into(),
+            value: prost::Message::encode_to_vec(&nt),
+        };
+        // Ready before the push arrives; it can run only when the handler yields.
+        let query_task = {
+            let p = p.clone();
+            tokio::spawn(async move { p.answer(&query("s7.app.", RecordType::A, None), false).await })
+        };
+        p.nds_handler()(resource).await.unwrap();
+        assert!(query_task.is_finished(), "a query waited for the whole table to be built");
+        let r =
+            Message::from_vec(&p.answer(&query("s19999.app.", RecordType::A, None), false).await.unwrap())
+                .unwrap();
+        assert_eq!(r.metadata.response_code, ResponseCode::NoError);
+        assert_eq!(r.answers.len(), 1);
+        assert_eq!(p.name_table().unwrap().table.len(), 20_000);
+        let wrong = prost_types::Any { type_url: "type.googleapis.com/other".into(), value: vec![] };
+        assert!(p.nds_handler()(wrong).await.unwrap_err().contains("expected a"));
+        let garbage =
+            prost_types::Any { type_url: weir_proto::type_url::NAME_TABLE.into(), value: vec![0xff; 3] };
+        assert!(p.nds_handler()(garbage).await.unwrap_err().contains("NameTable does not decode"));
+    }
+
     #[tokio::test]
     async fn udp_replies_fit_the_clients_size() {
         let p = proxy(vec![]);
-        p.update(&table(100));
+        p.update(table(100));
         let small = p.answer(&query("big.app.", RecordType::A, None), false).await.unwrap();
         assert!(small.len() <= 512);
         let r = Message::from_vec(&small).unwrap();
@@ -741,7 +791,7 @@ mod tests {
         // A bound but silent UDP socket: the upstream times out.
         let silent = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
         let p = proxy(vec![silent.local_addr().unwrap()]);
-        p.update(&table(1));
+        p.update(table(1));
         let r = Message::from_vec(
             &p.answer(&query("www.example.org.", RecordType::A, None), false).await.unwrap(),
         )

@@ -112,8 +112,10 @@ impl ModuleCache {
         self.options.dir.join(format!("{sha256}.wasm"))
     }
 
-    /// The local file holding `module`, fetched if need be.
-    pub async fn get(&self, module: &RemoteModule) -> Result<PathBuf, FetchError> {
+    /// The local file holding `module`, fetched if need be. The fetched module is
+    /// hashed, stored and the cache's bound kept on the blocking pool: a module of up
+    /// to 64 MiB would otherwise hold the agent's one thread.
+    pub async fn get(self: &std::sync::Arc<Self>, module: &RemoteModule) -> Result<PathBuf, FetchError> {
         // The checksum names a file in the cache, so it is checked before any use (as
         // Istio's API checks a WasmPlugin's `sha256`).
         if !module.sha256.is_empty() && !is_sha256_hex(&module.sha256) {
@@ -145,9 +147,38 @@ impl ModuleCache {
             count("fetch_failure");
             return Err(FetchError::NotWasm { uri: module.uri.clone() });
         }
-        let actual = hex(ring::digest::digest(&ring::digest::SHA256, &bytes).as_ref());
+        let me = self.clone();
+        let checked = module.clone();
+        let stored =
+            tokio::task::spawn_blocking(move || me.check_and_store(&checked, &bytes)).await.map_err(|e| {
+                FetchError::Fetch { uri: module.uri.clone(), message: format!("storing failed: {e}") }
+            })?;
+        let (path, actual, size) = stored.inspect_err(|e| {
+            if matches!(e, FetchError::Checksum { .. }) {
+                count("checksum_mismatched");
+            }
+        })?;
+        count("success");
+        tracing::info!(
+            resource = %module.resource,
+            uri = %module.uri,
+            sha256 = %actual,
+            size,
+            latency = ?started.elapsed(),
+            "fetched Wasm module"
+        );
+        Ok(path)
+    }
+
+    /// Checks a fetched module against istiod's checksum, stores it under its own, and
+    /// keeps the cache within its bound (blocking: hashing and file writes).
+    fn check_and_store(
+        &self,
+        module: &RemoteModule,
+        bytes: &[u8],
+    ) -> Result<(PathBuf, String, usize), FetchError> {
+        let actual = hex(ring::digest::digest(&ring::digest::SHA256, bytes).as_ref());
         if !module.sha256.is_empty() && module.sha256 != actual {
-            count("checksum_mismatched");
             return Err(FetchError::Checksum {
                 uri: module.uri.clone(),
                 expected: module.sha256.clone(),
@@ -155,23 +186,14 @@ impl ModuleCache {
             });
         }
         let path = self.path_of(&actual);
-        self.store(&path, &bytes)?;
-        count("success");
+        self.store(&path, bytes)?;
         self.by_url
             .lock()
             .expect("cache lock")
             .insert(module.uri.clone(), ByUrl { sha256: actual.clone(), fetched: Instant::now() });
         self.last_used.lock().expect("cache lock").insert(actual.clone(), Instant::now());
-        tracing::info!(
-            resource = %module.resource,
-            uri = %module.uri,
-            sha256 = %actual,
-            size = bytes.len(),
-            latency = ?started.elapsed(),
-            "fetched Wasm module"
-        );
         self.evict_over_bound(&actual);
-        Ok(path)
+        Ok((path, actual, bytes.len()))
     }
 
     /// Writes the module whole or not at all: through a temporary file that a failed
@@ -271,13 +293,15 @@ impl ModuleCache {
         }
     }
 
-    /// Purges every `WASM_PURGE_INTERVAL` until the task is dropped.
-    pub async fn purge_forever(&self) {
+    /// Purges every `WASM_PURGE_INTERVAL` until the task is dropped (each purge on the
+    /// blocking pool: it removes files).
+    pub async fn purge_forever(self: std::sync::Arc<Self>) {
         let mut ticker = tokio::time::interval(self.options.purge_interval);
         ticker.tick().await;
         loop {
             ticker.tick().await;
-            let removed = self.purge();
+            let me = self.clone();
+            let Ok(removed) = tokio::task::spawn_blocking(move || me.purge()).await else { continue };
             if removed > 0 {
                 tracing::info!(removed, "purged expired Wasm modules");
             }
@@ -303,7 +327,7 @@ mod tests {
     async fn unsupported_schemes_and_bad_urls_are_named() {
         let dir = tempfile::tempdir().unwrap();
         let options = CacheOptions { dir: dir.path().into(), max_retries: 0, ..Default::default() };
-        let cache = ModuleCache::new(options, Default::default());
+        let cache = std::sync::Arc::new(ModuleCache::new(options, Default::default()));
         let module = |uri: &str| RemoteModule {
             resource: "r".into(),
             uri: uri.into(),
@@ -325,7 +349,7 @@ mod tests {
         std::fs::create_dir(&dir).unwrap();
         std::fs::write(outside.path().join("planted.wasm"), b"\0asm-not-from-this-cache").unwrap();
         let options = CacheOptions { dir, max_retries: 0, ..Default::default() };
-        let cache = ModuleCache::new(options, Default::default());
+        let cache = std::sync::Arc::new(ModuleCache::new(options, Default::default()));
         for sha256 in ["../planted", "/etc/x", "ABCD", &"a".repeat(63), &"g".repeat(64), &"a".repeat(65)] {
             let module = RemoteModule {
                 resource: "extenstions.istio.io/wasmplugin/app.plugin".into(),
@@ -350,7 +374,7 @@ mod tests {
             max_bytes: 10,
             ..Default::default()
         };
-        let cache = ModuleCache::new(options, Default::default());
+        let cache = std::sync::Arc::new(ModuleCache::new(options, Default::default()));
         let now = Instant::now();
         for (sha, age) in [("old", 7200), ("mid", 60), ("new", 0)] {
             std::fs::write(cache.path_of(sha), b"\0asm1234").unwrap();

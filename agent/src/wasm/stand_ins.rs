@@ -77,7 +77,7 @@ fn sha256(bytes: &[u8]) -> String {
     super::fetch::hex(ring::digest::digest(&ring::digest::SHA256, bytes).as_ref())
 }
 
-fn cache(dir: &tempfile::TempDir, insecure_registries: Vec<String>) -> ModuleCache {
+fn cache(dir: &tempfile::TempDir, insecure_registries: Vec<String>) -> std::sync::Arc<ModuleCache> {
     let options = CacheOptions {
         dir: dir.path().into(),
         insecure_registries,
@@ -85,7 +85,7 @@ fn cache(dir: &tempfile::TempDir, insecure_registries: Vec<String>) -> ModuleCac
         http_timeout: Duration::from_secs(5),
         ..Default::default()
     };
-    ModuleCache::new(options, Default::default())
+    std::sync::Arc::new(ModuleCache::new(options, Default::default()))
 }
 
 fn remote(uri: &str, sha256: &str) -> RemoteModule {

@@ -56,8 +56,9 @@ pub trait Flavor: Send + Sync + 'static {
     /// The agent's own initial subscription to `type_url` (NDS).
     fn subscribe(type_url: &str) -> Self::Request;
     fn health(health: &Health) -> Self::Request;
-    /// The first resource of a response (agent-internal types are singletons).
-    fn first_resource(r: &Self::Response) -> Option<&Any>;
+    /// Takes the first resource out of a response (agent-internal types are
+    /// singletons; the response is then only ACKed, never forwarded).
+    fn take_first_resource(r: &mut Self::Response) -> Option<Any>;
     /// Every resource of a response, to rewrite in place (Wasm modules).
     fn resources_mut(r: &mut Self::Response) -> Vec<&mut Any>;
     /// ACK (no error) or NACK for a response the agent consumed itself.
@@ -98,8 +99,8 @@ impl Flavor for Sotw {
             ..Default::default()
         }
     }
-    fn first_resource(r: &DiscoveryResponse) -> Option<&Any> {
-        r.resources.first()
+    fn take_first_resource(r: &mut DiscoveryResponse) -> Option<Any> {
+        r.resources.first_mut().map(std::mem::take)
     }
     fn resources_mut(r: &mut DiscoveryResponse) -> Vec<&mut Any> {
         r.resources.iter_mut().collect()
@@ -151,8 +152,8 @@ impl Flavor for Delta {
             ..Default::default()
         }
     }
-    fn first_resource(r: &DeltaDiscoveryResponse) -> Option<&Any> {
-        r.resources.first().and_then(|r| r.resource.as_ref())
+    fn take_first_resource(r: &mut DeltaDiscoveryResponse) -> Option<Any> {
+        r.resources.first_mut().and_then(|r| r.resource.take())
     }
     fn resources_mut(r: &mut DeltaDiscoveryResponse) -> Vec<&mut Any> {
         r.resources.iter_mut().filter_map(|r| r.resource.as_mut()).collect()

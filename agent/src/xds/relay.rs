@@ -42,8 +42,10 @@ use super::{
 };
 use crate::metrics::{CANCELLED, ERROR, Metrics, Termination};
 
-/// Consumes one agent-internal resource; an `Err` becomes the NACK's message.
-pub type Handler = Arc<dyn Fn(&Any) -> Result<(), String> + Send + Sync>;
+/// Consumes one agent-internal resource; an `Err` becomes the NACK's message. The
+/// pump awaits it before reading the next response (pilot-agent handles these in its
+/// receive loop too), so a handler with heavy work does it off the runtime's thread.
+pub type Handler = Arc<dyn Fn(Any) -> futures::future::BoxFuture<'static, Result<(), String>> + Send + Sync>;
 
 /// The stream Envoy reads responses from.
 pub type ResponseStream<F> = ReceiverStream<Result<<F as Flavor>::Response, Status>>;
@@ -303,25 +305,29 @@ async fn pump_upstream<F: Flavor>(
             }
         };
         inner.metrics.xds_proxy_responses.inc();
-        {
-            let type_url = F::response_type(&response);
-            tracing::debug!(
-                r#type = short_type(type_url),
-                resources = F::resource_count(&response),
-                nonce = F::response_nonce(&response),
-                "upstream response"
-            );
-            if let Some(handler) = inner.handlers.get(type_url) {
-                let error = F::first_resource(&response).and_then(|resource| match handler(resource) {
-                    Ok(()) => None,
-                    Err(message) => {
-                        tracing::warn!(r#type = short_type(type_url), error = %message, "NACK: agent rejected a resource");
-                        Some(internal(message))
-                    }
-                });
-                inner.send_upstream::<F>(&req_tx, F::ack(&response, error));
-                continue;
-            }
+        let type_url = F::response_type(&response);
+        tracing::debug!(
+            r#type = short_type(type_url),
+            resources = F::resource_count(&response),
+            nonce = F::response_nonce(&response),
+            "upstream response"
+        );
+        if let Some(handler) = inner.handlers.get(type_url).cloned() {
+            let mut response = response;
+            let outcome = match F::take_first_resource(&mut response) {
+                None => Ok(()),
+                Some(resource) => tokio::select! {
+                    _ = stop.cancelled() => break,
+                    outcome = handler(resource) => outcome,
+                },
+            };
+            let error = outcome.err().map(|message| {
+                let r#type = short_type(F::response_type(&response));
+                tracing::warn!(r#type, error = %message, "NACK: agent rejected a resource");
+                internal(message)
+            });
+            inner.send_upstream::<F>(&req_tx, F::ack(&response, error));
+            continue;
         }
         // ECDS waits for its Wasm modules on its own task, in order; the rest flows on.
         if F::response_type(&response) == type_url::EXTENSION_CONFIG
@@ -330,7 +336,6 @@ async fn pump_upstream<F: Flavor>(
             let _ = extensions.send(response);
             continue;
         }
-        let type_url = F::response_type(&response);
         if !is_envoy_type(type_url) {
             tracing::error!(
                 type_url,

@@ -97,7 +97,7 @@ pub fn dns_proxy() -> std::sync::Arc<weir_agent::dns::DnsProxy> {
         "big.example.com".into(),
         info(&(0..200).map(|_| "10.0.0.3").collect::<Vec<_>>(), "External", ""),
     );
-    proxy.update(&table);
+    proxy.update(table);
     proxy
 }
 
