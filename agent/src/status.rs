@@ -36,6 +36,8 @@ pub struct StatusServer {
     pub merge: MetricsMerge,
     pub probes: AppProber,
     last_ready: Arc<AtomicBool>,
+    /// One /debug/ndsz render at a time (each copies the whole table into JSON).
+    ndsz_render: Arc<tokio::sync::Semaphore>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -56,7 +58,15 @@ impl StatusServer {
         merge: MetricsMerge,
         probes: AppProber,
     ) -> Self {
-        Self { dns, readiness, lifecycle, merge, probes, last_ready: Arc::default() }
+        Self {
+            dns,
+            readiness,
+            lifecycle,
+            merge,
+            probes,
+            last_ready: Arc::default(),
+            ndsz_render: Arc::new(tokio::sync::Semaphore::new(1)),
+        }
     }
 
     /// Listens on `port` as pilot-agent's `net.Listen("tcp", ":port")` does: one
@@ -151,14 +161,22 @@ impl StatusServer {
     }
 
     /// The whole name table as JSON; rendered on the blocking pool (a table of tens
-    /// of thousands of services would otherwise hold the agent's one thread).
+    /// of thousands of services would otherwise hold the agent's one thread), one
+    /// render at a time (503 while one runs, as for metrics scrapes).
     async fn ndsz(&self) -> Response<MergedBody> {
         let table = match self.dns.as_ref().map(|d| d.name_table()) {
             None => return text(StatusCode::NOT_FOUND, "DNS proxy is off\n".into()),
             Some(None) => return respond(StatusCode::OK, "application/json", Bytes::from_static(b"{}\n")),
             Some(Some(table)) => table,
         };
+        let Ok(permit) = self.ndsz_render.clone().try_acquire_owned() else {
+            let mut busy = text(StatusCode::SERVICE_UNAVAILABLE, "a name table render is running\n".into());
+            busy.headers_mut().insert("retry-after", hyper::header::HeaderValue::from_static("1"));
+            return busy;
+        };
         let render = move || {
+            // Held until the render ends, even if the client has gone.
+            let _permit = permit;
             let hosts: serde_json::Map<String, serde_json::Value> = table
                 .table
                 .iter()
@@ -322,5 +340,43 @@ mod tests {
         let e = StatusServer::bind(port).await.unwrap_err();
         assert_eq!(e.to_string(), format!("status server cannot listen on :{port}"));
         assert_eq!(e.source.kind(), std::io::ErrorKind::AddrInUse);
+    }
+
+    /// /debug/ndsz renders the table off the thread, one render at a time: a second
+    /// request while one runs is told to come back, not queued behind it.
+    #[tokio::test]
+    async fn ndsz_renders_the_table_and_one_render_at_a_time() {
+        use http_body_util::BodyExt as _;
+        use weir_proto::istio::networking::nds::v1::{NameTable, name_table::NameInfo};
+        let config = crate::dns::DnsConfig::resolve("", "app", "app.svc.cluster.local", "", false).unwrap();
+        let dns = DnsProxy::new(config, Arc::new(crate::metrics::Metrics::new()));
+        let mut table = NameTable::default();
+        let info =
+            NameInfo { ips: vec!["10.0.0.7".into()], registry: "Kubernetes".into(), ..Default::default() };
+        table.table.insert("reviews.app.svc.cluster.local".into(), info);
+        dns.update(table);
+        let server = StatusServer::new(
+            Some(dns),
+            Arc::new(Readiness::new(None)),
+            LifecycleControl::new(None, false),
+            merging(9),
+            AppProber::new(AppProbers::default(), std::net::Ipv4Addr::LOCALHOST.into()),
+        );
+        let body = |r: Response<MergedBody>| async move {
+            (
+                r.status(),
+                String::from_utf8(r.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap(),
+            )
+        };
+        let (status, json) = body(server.ndsz().await).await;
+        assert_eq!(status, StatusCode::OK);
+        let json: serde_json::Value = serde_json::from_str(&json).unwrap();
+        assert_eq!(json["table"]["reviews.app.svc.cluster.local"]["ips"][0], "10.0.0.7");
+        let running = server.ndsz_render.clone().try_acquire_owned().unwrap();
+        let busy = server.ndsz().await;
+        assert_eq!(busy.headers()["retry-after"], "1");
+        assert_eq!(body(busy).await.0, StatusCode::SERVICE_UNAVAILABLE);
+        drop(running);
+        assert_eq!(body(server.ndsz().await).await.0, StatusCode::OK);
     }
 }

@@ -88,7 +88,13 @@ pub struct ModuleCache {
     /// system's roots has no place at start-up.
     client: std::sync::OnceLock<Result<Client, String>>,
     by_url: Mutex<HashMap<String, ByUrl>>,
+    /// When each cached module was last handed out. A module leaves the cache only
+    /// under this lock, and a hit is handed out only under it, so a purge or an
+    /// eviction never deletes a file a hit has just returned.
     last_used: Mutex<HashMap<String, Instant>>,
+    /// Held by every store and every purge (both on the blocking pool, never on the
+    /// agent's thread): one at a time, as Istio's cache holds one lock for both.
+    store_lock: Mutex<()>,
     metrics: std::sync::Arc<crate::metrics::Metrics>,
 }
 
@@ -104,6 +110,7 @@ impl ModuleCache {
             client: std::sync::OnceLock::new(),
             by_url: Mutex::default(),
             last_used: Mutex::default(),
+            store_lock: Mutex::default(),
         }
     }
 
@@ -132,9 +139,11 @@ impl ModuleCache {
         };
         if let Some(sha) = known {
             let path = self.path_of(&sha);
+            let mut used = self.last_used.lock().expect("cache lock");
             if path.is_file() {
+                used.insert(sha, Instant::now());
+                drop(used);
                 tracing::debug!(uri = %module.uri, path = %path.display(), "Wasm module cache hit");
-                self.last_used.lock().expect("cache lock").insert(sha, Instant::now());
                 return Ok(path);
             }
         }
@@ -142,21 +151,23 @@ impl ModuleCache {
         let count = |result: &'static str| {
             self.metrics.wasm_remote_fetches.get_or_create(&crate::metrics::FetchResult { result }).inc();
         };
-        let bytes = self.fetch(module).await.inspect_err(|_| count("download_failure"))?;
-        if !bytes.starts_with(WASM_MAGIC) {
-            count("fetch_failure");
-            return Err(FetchError::NotWasm { uri: module.uri.clone() });
-        }
+        let (bytes, layer) = self.fetch(module).await.inspect_err(|_| count("download_failure"))?;
         let me = self.clone();
         let checked = module.clone();
         let stored =
-            tokio::task::spawn_blocking(move || me.check_and_store(&checked, &bytes)).await.map_err(|e| {
-                FetchError::Fetch { uri: module.uri.clone(), message: format!("storing failed: {e}") }
-            })?;
-        let (path, actual, size) = stored.inspect_err(|e| {
-            if matches!(e, FetchError::Checksum { .. }) {
-                count("checksum_mismatched");
-            }
+            tokio::task::spawn_blocking(move || me.check_and_store(&checked, &bytes, layer.as_ref()))
+                .await
+                .unwrap_or_else(|e| {
+                    Err(FetchError::Fetch {
+                        uri: module.uri.clone(),
+                        message: format!("storing failed: {e}"),
+                    })
+                });
+        let (path, actual, size) = stored.inspect_err(|e| match e {
+            FetchError::Checksum { .. } => count("checksum_mismatched"),
+            FetchError::Fetch { .. } => count("download_failure"),
+            FetchError::NotWasm { .. } => count("fetch_failure"),
+            _ => {}
         })?;
         count("success");
         tracing::info!(
@@ -170,14 +181,23 @@ impl ModuleCache {
         Ok(path)
     }
 
-    /// Checks a fetched module against istiod's checksum, stores it under its own, and
-    /// keeps the cache within its bound (blocking: hashing and file writes).
+    /// Checks a fetched module (the layer digest its OCI manifest gave, the `\0asm`
+    /// magic, istiod's checksum: one SHA-256 for both), stores it under its own
+    /// checksum, and keeps the cache within its bound. Blocking: hashing and file
+    /// writes, on the blocking pool.
     fn check_and_store(
         &self,
         module: &RemoteModule,
         bytes: &[u8],
+        layer: Option<&oci::LayerDigest>,
     ) -> Result<(PathBuf, String, usize), FetchError> {
         let actual = hex(ring::digest::digest(&ring::digest::SHA256, bytes).as_ref());
+        if let Some(message) = layer.and_then(|layer| layer.mismatch(&actual)) {
+            return Err(FetchError::Fetch { uri: module.uri.clone(), message });
+        }
+        if !bytes.starts_with(WASM_MAGIC) {
+            return Err(FetchError::NotWasm { uri: module.uri.clone() });
+        }
         if !module.sha256.is_empty() && module.sha256 != actual {
             return Err(FetchError::Checksum {
                 uri: module.uri.clone(),
@@ -185,6 +205,7 @@ impl ModuleCache {
                 actual,
             });
         }
+        let _one_at_a_time = self.store_lock.lock().expect("store lock");
         let path = self.path_of(&actual);
         self.store(&path, bytes)?;
         self.by_url
@@ -196,17 +217,30 @@ impl ModuleCache {
         Ok((path, actual, bytes.len()))
     }
 
-    /// Writes the module whole or not at all: through a temporary file that a failed
-    /// write (a full disk) does not leave behind.
+    /// Writes the module whole or not at all: through a temporary file of its own
+    /// (created new, never followed) that a failed write (a full disk) does not leave
+    /// behind. A module already in place (named by its checksum, renamed in whole) is
+    /// kept as it is.
     fn store(&self, path: &Path, bytes: &[u8]) -> Result<(), FetchError> {
-        use std::os::unix::fs::PermissionsExt as _;
+        use std::{io::Write as _, os::unix::fs::OpenOptionsExt as _};
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let err = |source| FetchError::Store { path: path.into(), source };
+        if path.is_file() {
+            return Ok(());
+        }
         std::fs::create_dir_all(&self.options.dir).map_err(err)?;
-        let tmp = path.with_extension("wasm.tmp");
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = path.with_extension(format!("wasm.{}.{n}.tmp", std::process::id()));
         let written = (|| {
-            std::fs::write(&tmp, bytes)?;
             // Envoy may run as another user than the agent.
-            std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o644))?;
+            let mut file = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o644)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+                .open(&tmp)?;
+            file.write_all(bytes)?;
+            drop(file);
             std::fs::rename(&tmp, path)
         })();
         if written.is_err() {
@@ -224,7 +258,8 @@ impl ModuleCache {
             .map_err(Clone::clone)
     }
 
-    async fn fetch(&self, module: &RemoteModule) -> Result<Bytes, FetchError> {
+    /// The module's bytes, and for an OCI image the digest its manifest gives the layer.
+    async fn fetch(&self, module: &RemoteModule) -> Result<(Bytes, Option<oci::LayerDigest>), FetchError> {
         let fail = |message: String| FetchError::Fetch { uri: module.uri.clone(), message };
         let timeout = module.timeout.unwrap_or(self.options.http_timeout);
         if let Some(reference) = module.uri.strip_prefix("oci://") {
@@ -245,49 +280,58 @@ impl ModuleCache {
             .await
             .map_err(|e| fail(e.to_string()))?;
         match answer.status {
-            StatusCode::OK => Ok(answer.body),
+            StatusCode::OK => Ok((answer.body, None)),
             status => Err(fail(format!("HTTP status {}", status.as_u16()))),
         }
     }
 
     /// Removes modules unused for `WASM_MODULE_EXPIRY`; returns how many.
     pub fn purge(&self) -> usize {
+        let _one_at_a_time = self.store_lock.lock().expect("store lock");
         let expiry = self.options.module_expiry;
-        let stale: Vec<String> = {
+        let stale: Vec<(String, Instant)> = {
             let used = self.last_used.lock().expect("cache lock");
-            used.iter().filter(|(_, t)| t.elapsed() >= expiry).map(|(s, _)| s.clone()).collect()
+            used.iter().filter(|(_, t)| t.elapsed() >= expiry).map(|(s, t)| (s.clone(), *t)).collect()
         };
-        for sha in &stale {
-            self.remove(sha);
-        }
-        stale.len()
+        stale.iter().filter(|(sha, seen)| self.remove_unless_used_since(sha, *seen)).count()
     }
 
-    fn remove(&self, sha: &str) {
-        let _ = std::fs::remove_file(self.path_of(sha));
-        self.last_used.lock().expect("cache lock").remove(sha);
+    /// Removes the module `sha` unless it was handed out after `seen` (a hit since the
+    /// caller looked); true if removed. The file goes under the lock a hit takes.
+    fn remove_unless_used_since(&self, sha: &str, seen: Instant) -> bool {
+        {
+            let mut used = self.last_used.lock().expect("cache lock");
+            if used.get(sha).is_some_and(|t| *t > seen) {
+                return false;
+            }
+            used.remove(sha);
+            let _ = std::fs::remove_file(self.path_of(sha));
+        }
         self.by_url.lock().expect("cache lock").retain(|_, e| e.sha256 != sha);
         tracing::info!(sha256 = sha, "removed Wasm module from the cache");
+        true
     }
 
     /// Keeps the cache within its bound, least recently used first (never `keep`).
     fn evict_over_bound(&self, keep: &str) {
-        let mut entries: Vec<(String, Instant, u64)> = {
+        let seen: Vec<(String, Instant)> = {
             let used = self.last_used.lock().expect("cache lock");
-            used.iter()
-                .map(|(s, t)| {
-                    (s.clone(), *t, std::fs::metadata(self.path_of(s)).map(|m| m.len()).unwrap_or(0))
-                })
-                .collect()
+            used.iter().map(|(s, t)| (s.clone(), *t)).collect()
         };
+        let mut entries: Vec<(String, Instant, u64)> = seen
+            .into_iter()
+            .map(|(s, t)| {
+                let size = std::fs::metadata(self.path_of(&s)).map(|m| m.len()).unwrap_or(0);
+                (s, t, size)
+            })
+            .collect();
         let mut total: u64 = entries.iter().map(|e| e.2).sum();
         entries.sort_by_key(|e| e.1);
-        for (sha, _, size) in entries {
+        for (sha, seen, size) in entries {
             if total <= self.options.max_bytes {
                 break;
             }
-            if sha != keep {
-                self.remove(&sha);
+            if sha != keep && self.remove_unless_used_since(&sha, seen) {
                 total -= size;
             }
         }
@@ -301,9 +345,10 @@ impl ModuleCache {
         loop {
             ticker.tick().await;
             let me = self.clone();
-            let Ok(removed) = tokio::task::spawn_blocking(move || me.purge()).await else { continue };
-            if removed > 0 {
-                tracing::info!(removed, "purged expired Wasm modules");
+            match tokio::task::spawn_blocking(move || me.purge()).await {
+                Ok(0) => {}
+                Ok(removed) => tracing::info!(removed, "purged expired Wasm modules"),
+                Err(e) => tracing::warn!(error = %e, "purging expired Wasm modules failed"),
             }
         }
     }
@@ -363,6 +408,34 @@ mod tests {
             };
             assert!(e.contains(&format!("{sha256:?}")) && e.contains("64 lowercase hex"), "{e}");
         }
+    }
+
+    /// A purge or an eviction looks at the cache, then removes; a hit in between hands
+    /// the module out, and that module must stay. Also, a store leaves a module already
+    /// in place as it is, and no temporary file behind.
+    #[test]
+    fn a_module_handed_out_after_a_purge_looked_stays() {
+        let dir = tempfile::tempdir().unwrap();
+        let options =
+            CacheOptions { dir: dir.path().into(), module_expiry: Duration::ZERO, ..Default::default() };
+        let cache = std::sync::Arc::new(ModuleCache::new(options, Default::default()));
+        let sha = "a".repeat(64);
+        cache.store(&cache.path_of(&sha), b"\0asm first").unwrap();
+        let looked = Instant::now() - Duration::from_secs(1);
+        cache.last_used.lock().unwrap().insert(sha.clone(), looked);
+        // The hit, after the purge looked.
+        cache.last_used.lock().unwrap().insert(sha.clone(), Instant::now());
+        assert!(!cache.remove_unless_used_since(&sha, looked));
+        assert!(cache.path_of(&sha).is_file(), "a module just handed out was deleted");
+        // Unused since: it goes.
+        let seen = cache.last_used.lock().unwrap()[&sha];
+        assert!(cache.remove_unless_used_since(&sha, seen));
+        assert!(!cache.path_of(&sha).exists());
+        cache.store(&cache.path_of(&sha), b"\0asm second").unwrap();
+        cache.store(&cache.path_of(&sha), b"\0asm third").unwrap();
+        assert_eq!(std::fs::read(cache.path_of(&sha)).unwrap(), b"\0asm second");
+        let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names, [std::ffi::OsString::from(format!("{sha}.wasm"))]);
     }
 
     #[test]

@@ -11,7 +11,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use reqwest::StatusCode;
 
-use super::fetch::{Answer, Client, MAX_MODULE, hex};
+use super::fetch::{Answer, Client, MAX_MODULE};
 
 /// The OCI artifact layer that holds the module (Wasm OCI image spec).
 pub const WASM_LAYER: &str = "application/vnd.module.wasm.content.layer.v1+wasm";
@@ -64,6 +64,21 @@ pub struct Pull<'a> {
     token: Option<String>,
 }
 
+/// The SHA-256 a manifest gives the module's layer, and where the layer came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayerDigest {
+    pub sha256: String,
+    pub url: String,
+}
+
+impl LayerDigest {
+    /// The blob does not hash to what the manifest promised.
+    pub fn mismatch(&self, actual: &str) -> Option<String> {
+        (self.sha256 != actual)
+            .then(|| format!("blob {} has digest sha256:{actual}, not sha256:{}", self.url, self.sha256))
+    }
+}
+
 impl<'a> Pull<'a> {
     /// `plain_http`: the registry is in `WASM_INSECURE_REGISTRIES`.
     pub fn new(client: &'a Client, image: &'a Reference, plain_http: bool, timeout: Duration) -> Self {
@@ -77,8 +92,9 @@ impl<'a> Pull<'a> {
         }
     }
 
-    /// The module's bytes.
-    pub async fn module(mut self) -> Result<Bytes, String> {
+    /// The module's bytes, and the digest its manifest gives the layer: the caller
+    /// checks it when it hashes the module (once, off the agent's thread).
+    pub async fn module(mut self) -> Result<(Bytes, Option<LayerDigest>), String> {
         let mut manifest = self.manifest(&self.image.reference.clone()).await?;
         if is_index(&manifest) {
             let digest = choose_from_index(&manifest, &self.image.reference)?;
@@ -87,13 +103,8 @@ impl<'a> Pull<'a> {
         let digest = wasm_layer(&manifest, &self.image.reference)?;
         let url = format!("{}/blobs/{digest}", self.base);
         let blob = self.get(&url, "", MAX_MODULE).await?;
-        if let Some(expected) = digest.strip_prefix("sha256:") {
-            let actual = hex(ring::digest::digest(&ring::digest::SHA256, &blob).as_ref());
-            if actual != expected {
-                return Err(format!("blob {url} has digest sha256:{actual}, not {digest}"));
-            }
-        }
-        Ok(blob)
+        let layer = digest.strip_prefix("sha256:").map(|sha256| LayerDigest { sha256: sha256.into(), url });
+        Ok((blob, layer))
     }
 
     async fn manifest(&mut self, reference: &str) -> Result<serde_json::Value, String> {

@@ -197,6 +197,39 @@ async fn a_module_is_pulled_from_a_token_protected_registry_through_an_index() {
     assert_eq!(storage_seen[0].authorization, None, "the registry's token went to storage elsewhere");
 }
 
+/// A layer whose bytes do not hash to the digest its manifest gives is refused, naming
+/// both digests, and nothing is stored.
+#[tokio::test]
+async fn a_layer_that_does_not_match_its_manifest_digest_is_refused() {
+    let module = module_bytes("tampered on the way");
+    let promised = sha256(&module_bytes("what the manifest promised"));
+    let manifest = serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": "sha256:c", "size": 2},
+        "layers": [{"mediaType": super::oci::WASM_LAYER, "digest": format!("sha256:{promised}"), "size": module.len()}],
+    })
+    .to_string();
+    let blob_path = format!("/v2/org/filter/blobs/sha256:{promised}");
+    let (registry, _) = stand_in(move |r| match r.path.as_str() {
+        "/v2/org/filter/manifests/v1" => {
+            answer(200, &[("content-type", "application/vnd.oci.image.manifest.v1+json")], manifest.clone())
+        }
+        p if p == blob_path => answer(200, &[], module.clone()),
+        _ => answer(404, &[], ""),
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let err = cache(&dir, vec!["*".into()])
+        .get(&remote(&format!("oci://{registry}/org/filter:v1"), ""))
+        .await
+        .unwrap_err()
+        .to_string();
+    let actual = sha256(&module_bytes("tampered on the way"));
+    assert!(err.contains(&format!("has digest sha256:{actual}, not sha256:{promised}")), "{err}");
+    assert_eq!(std::fs::read_dir(dir.path()).map(|d| d.count()).unwrap_or(0), 0, "something was stored");
+}
+
 /// A registry that wants credentials the agent does not have says so by name.
 #[tokio::test]
 async fn a_registry_refusing_the_token_is_named() {
