@@ -290,11 +290,12 @@ impl Figures {
     }
 }
 
-const COLUMNS: [(&str, &str, bool); 8] = [
+const COLUMNS: [(&str, &str, bool); 9] = [
     ("push→ACK p50", "ms", false),
     ("push→ACK p50 over direct, same round", "µs", false),
     ("push→ACK p99", "ms", false),
     ("10 000 clusters→ACK", "ms", false),
+    ("10 000 clusters→ACK ÷ direct, same round", "×", false),
     ("agent CPU per small push", "µs", false),
     ("agent context switches per small push", "switches", false),
     ("agent CPU, 10 000 clusters", "ms", false),
@@ -311,26 +312,28 @@ pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
             figures.push(run_once(*path), *path);
         }
     }
-    // The relay's added time, paired round by round with the floor measured in the same
-    // round: the machine's drift between rounds falls on both sides of each difference.
+    // The relay's added time and its 10 000-cluster ratio, paired round by round with
+    // the floor measured in the same round: the machine's drift between rounds falls on
+    // both sides of each difference.
     let direct_p50 = figures[0].0[0].0.clone();
+    let direct_big = figures[0].0[2].0.clone();
+    let paired = |relay: &Samples, direct: &[f64], pair: fn(f64, f64) -> f64| {
+        Samples(relay.0.iter().zip(direct).map(|(r, d)| pair(*r, *d)).collect())
+    };
     let rows = paths
         .iter()
         .zip(figures)
         .map(|(path, f)| {
-            let added = match path {
-                Path::Direct => Samples::default(),
-                Path::Relay { .. } => Samples(
-                    f.0[0]
-                        .0
-                        .iter()
-                        .zip(&direct_p50)
-                        .map(|(relay, direct)| (relay - direct) * 1000.0)
-                        .collect(),
+            let (added, big_ratio) = match path {
+                Path::Direct => (Samples::default(), Samples::default()),
+                Path::Relay { .. } => (
+                    paired(&f.0[0], &direct_p50, |relay, direct| (relay - direct) * 1000.0),
+                    paired(&f.0[2], &direct_big, |relay, direct| relay / direct),
                 ),
             };
             let mut metrics: Vec<Samples> = f.0.into();
             metrics.insert(1, added);
+            metrics.insert(4, big_ratio);
             Row { name: path.name().into(), metrics }
         })
         .collect();
@@ -338,7 +341,8 @@ pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
         "{SMALL_PUSHES} endpoint pushes per run, each sent after the previous ACK; then one {BIG}-cluster CDS push. \
          Timed once the agent has settled after its start-up work (its workload key, RSA 2048). \
          \"Over direct, same round\": the relay's p50 less the floor's p50 of the same round, a median of those \
-         differences. \
+         differences; \"÷ direct, same round\": the relay's 10 000-cluster time over the floor's of the same \
+         round, a median of those ratios. \
          Control plane: Weir's test ADS server over TLS (token + ClusterID checked). The agent's figures are \
          `weir proxy sidecar`'s, from its threads' schedstat (CPU time in ns) and context switches (each wait for \
          a message is one: a relay that hands a message between more threads shows more per push, and on an idle \
