@@ -590,6 +590,32 @@ fn ebpf_capture_registers_pods_with_the_node_capture() {
     assert_eq!(web2["counters"]["inbound_assigned"], 0, "{web2}");
     let web1 = of(pod.path()).unwrap_or_else(|| panic!("web-1 in capture status: {status:?}"));
     assert_eq!(web1["counters"]["inbound_assigned"], 1, "{web1}");
+    // A check that cannot be made is not read as "nothing wrong": with web-2's
+    // interface renamed, its inbound filters cannot be listed under the recorded name,
+    // and CHECK and status say so. Before, a failed listing counted as a filter found.
+    let rename = |from: &str, to: &str| {
+        for args in [
+            vec!["link", "set", from, "down"],
+            vec!["link", "set", from, "name", to],
+            vec!["link", "set", to, "up"],
+        ] {
+            run_in(&bare, None, Command::new("ip"), &args);
+        }
+    };
+    rename("eth0", "weir-renamed0");
+    // Weir's CHECK alone: the bridge plugin's own CHECK would refuse the rename first.
+    let weir_check = CniRuntime::plugin_config(&list, &list["plugins"][1], Some(&bare_result));
+    let e = rt.exec("istio-cni", "CHECK", &b, weir_check.to_string().as_bytes()).unwrap_err();
+    assert!(e.stdout.contains("cannot check the inbound filters on eth0"), "{e}");
+    let web2 = capture_status()
+        .into_iter()
+        .find(|p| p["netns"].as_str().is_some_and(|n| Path::new(n) == bare.path()));
+    let web2 = web2.unwrap_or_else(|| panic!("web-2 in capture status"));
+    assert_eq!(web2["live"], false, "{web2}");
+    assert!(web2["faults"].to_string().contains("cannot check the inbound filters on eth0"), "{web2}");
+    rename("weir-renamed0", "eth0");
+    rt.check(&list, &b, &bare_result).unwrap_or_else(|e| panic!("CHECK with eth0 back: {e}"));
+    rt.exec("istio-cni", "CHECK", &b, weir_check.to_string().as_bytes()).unwrap_or_else(|e| panic!("{e}"));
     rt.del(&list, &b, Some(&bare_result)).unwrap();
 
     // DEL unregisters: the app's connections go where they were sent; CHECK says so.

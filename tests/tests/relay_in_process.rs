@@ -29,6 +29,7 @@ struct Setup {
     log: RequestLog,
     proxy: XdsProxy,
     socket: std::path::PathBuf,
+    metrics: Arc<Metrics>,
     _dir: tempfile::TempDir,
     stop: CancellationToken,
 }
@@ -41,16 +42,17 @@ async fn setup() -> Setup {
     let stop = CancellationToken::new();
     tokio::spawn(ads.clone().serve(listener, None, stop.clone().cancelled_owned()));
     let nds: Handler = Arc::new(|_| Box::pin(async { Ok(()) }));
+    let metrics = Arc::new(Metrics::new());
     let proxy = XdsProxy::new(
         UpstreamConfig::plaintext(addr.to_string()),
         HashMap::from([(type_url::NAME_TABLE.to_string(), nds)]),
-        Arc::new(Metrics::new()),
+        metrics.clone(),
     );
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("XDS");
     let uds = weir_agent::xds::uds::bind(&socket, None).unwrap();
     tokio::spawn(proxy.clone().serve(uds, stop.clone().cancelled_owned()));
-    Setup { ads, log, proxy, socket, _dir: dir, stop }
+    Setup { ads, log, proxy, socket, metrics, _dir: dir, stop }
 }
 
 async fn envoy_client(
@@ -128,6 +130,30 @@ async fn agent_internal_types_never_reach_envoy_and_are_acked_by_the_agent() {
         envoy.stream_aggregated_resources(ReceiverStream::new(rx)).await.unwrap().into_inner();
     let ack = wait_for_request(&s.log, |r| r.type_url == type_url::NAME_TABLE && r.is_ack()).await;
     assert_eq!(ack.version_info, "7", "the agent ACKs NDS with its version");
+    // An empty response of an internal type is nothing to do, and not ACKed (as
+    // pilot-agent): the relay receives version 8 with no table, then ACKs only 9.
+    let received = s.metrics.xds_proxy_responses.get();
+    s.ads.push(Snapshot::new().with(type_url::NAME_TABLE, "8", std::iter::empty::<(&str, _)>()));
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while s.metrics.xds_proxy_responses.get() == received {
+        assert!(tokio::time::Instant::now() < deadline, "the empty NDS response never reached the relay");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    s.ads.push(Snapshot::new().with(
+        type_url::NAME_TABLE,
+        "9",
+        [("", weir_proto::to_any(type_url::NAME_TABLE, &table))],
+    ));
+    wait_for_request(&s.log, |r| r.type_url == type_url::NAME_TABLE && r.is_ack() && r.version_info == "9")
+        .await;
+    let acked: Vec<String> = s
+        .log
+        .requests()
+        .iter()
+        .filter(|r| r.type_url == type_url::NAME_TABLE && !r.nonce.is_empty())
+        .map(|r| r.version_info.clone())
+        .collect();
+    assert_eq!(acked, ["7", "9"], "NDS versions the agent answered");
     // Envoy gets its (empty) listener response and nothing of the agent's types.
     let mut seen = Vec::new();
     while let Ok(Ok(Some(response))) =

@@ -34,6 +34,14 @@ pub enum CaptureFault {
     SetGone(String),
     #[error("its network namespace (cookie {0}) is not registered in the program set's maps")]
     NotRegistered(u64),
+    /// A check that could not be made: reported, never read as "nothing wrong" (a
+    /// capture is live only when every check says so).
+    #[error("cannot check {what}: {error}")]
+    Unchecked { what: String, error: String },
+}
+
+fn unchecked(what: impl Into<String>, error: impl std::fmt::Display) -> CaptureFault {
+    CaptureFault::Unchecked { what: what.into(), error: error.to_string() }
 }
 
 /// The record whose pins hold `record`'s cgroup links: its own, or, for a pod registered
@@ -78,14 +86,20 @@ fn link_faults(holder: &PinRecord) -> Vec<CaptureFault> {
             faults.push(CaptureFault::CgroupGone(holder.cgroup.display().to_string()));
             return faults;
         }
-        Err(_) => return faults,
+        Err(e) => {
+            faults.push(unchecked(format!("its cgroup {}", holder.cgroup.display()), e));
+            return faults;
+        }
     };
-    let detached: Vec<&str> = names
-        .iter()
-        .copied()
-        .filter(|name| !missing.contains(name))
-        .filter(|name| matches!(link::attached_to(&links.join(name), cgroup_id), Ok(false)))
-        .collect();
+    let mut detached = Vec::new();
+    for name in names.iter().copied().filter(|name| !missing.contains(name)) {
+        let pin = links.join(name);
+        match link::attached_to(&pin, cgroup_id) {
+            Ok(true) => {}
+            Ok(false) => detached.push(name),
+            Err(e) => faults.push(unchecked(format!("the link pinned at {}", pin.display()), e)),
+        }
+    }
     if !detached.is_empty() {
         faults.push(CaptureFault::LinksDetached {
             dir: links.display().to_string(),
@@ -104,14 +118,21 @@ fn filter_fault(record: &PinRecord) -> Option<CaptureFault> {
     let own_link = record.pin_dir().join("links").join("inbound");
     if !gone(&own_link) {
         return match link::attached(&own_link) {
+            Ok(true) => None,
             Ok(false) => Some(CaptureFault::FilterGone {
                 interface: interface.into(),
                 netns: netns.display().to_string(),
             }),
-            _ => None,
+            Err(e) => Some(unchecked(format!("the inbound link pinned at {}", own_link.display()), e)),
         };
     }
-    let filters = super::netns::in_netns(netns, || inbound::weir_filters(interface)).ok()?;
+    let filters = match super::netns::in_netns(netns, || inbound::weir_filters(interface)) {
+        Ok(filters) => filters,
+        Err(e) => {
+            let what = format!("the inbound filters on {interface} in {}", netns.display());
+            return Some(unchecked(what, e));
+        }
+    };
     let node_classifier = pod::maps_dir(record).join("progs").join(weir_ebpf_common::inbound::PROG);
     let expected = sys::obj_get(&node_classifier).ok().and_then(|fd| sys::prog_id(fd.as_fd()).ok());
     let present = match expected {

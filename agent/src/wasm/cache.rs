@@ -151,6 +151,11 @@ impl ModuleCache {
         let count = |result: &'static str| {
             self.metrics.wasm_remote_fetches.get_or_create(&crate::metrics::FetchResult { result }).inc();
         };
+        if self.client.get().is_none() {
+            // The first fetch reads the system's roots: a blocking read, done once.
+            let me = self.clone();
+            let _ = tokio::task::spawn_blocking(move || me.client().map(drop)).await;
+        }
         let (bytes, layer) = self.fetch(module).await.inspect_err(|_| count("download_failure"))?;
         let me = self.clone();
         let checked = module.clone();

@@ -57,7 +57,8 @@ pub trait Flavor: Send + Sync + 'static {
     fn subscribe(type_url: &str) -> Self::Request;
     fn health(health: &Health) -> Self::Request;
     /// Takes the first resource out of a response (agent-internal types are
-    /// singletons; the response is then only ACKed, never forwarded).
+    /// singletons; the response is then only ACKed, never forwarded); None when the
+    /// response has no resource.
     fn take_first_resource(r: &mut Self::Response) -> Option<Any>;
     /// Every resource of a response, to rewrite in place (Wasm modules).
     fn resources_mut(r: &mut Self::Response) -> Vec<&mut Any>;
@@ -152,8 +153,10 @@ impl Flavor for Delta {
             ..Default::default()
         }
     }
+    /// A first resource without a body is handed on empty (pilot-agent hands its
+    /// handler nil), for the handler to refuse by its type.
     fn take_first_resource(r: &mut DeltaDiscoveryResponse) -> Option<Any> {
-        r.resources.first_mut().and_then(|r| r.resource.take())
+        r.resources.first_mut().map(|r| r.resource.take().unwrap_or_default())
     }
     fn resources_mut(r: &mut DeltaDiscoveryResponse) -> Vec<&mut Any> {
         r.resources.iter_mut().filter_map(|r| r.resource.as_mut()).collect()

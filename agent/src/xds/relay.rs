@@ -314,12 +314,16 @@ async fn pump_upstream<F: Flavor>(
         );
         if let Some(handler) = inner.handlers.get(type_url).cloned() {
             let mut response = response;
-            let outcome = match F::take_first_resource(&mut response) {
-                None => Ok(()),
-                Some(resource) => tokio::select! {
-                    _ = stop.cancelled() => break,
-                    outcome = handler(resource) => outcome,
-                },
+            let Some(resource) = F::take_first_resource(&mut response) else {
+                // Internal types are singletons: an empty response is nothing to do,
+                // and pilot-agent does not ACK it either.
+                let r#type = short_type(F::response_type(&response));
+                tracing::debug!(r#type, "empty response of an agent-internal type");
+                continue;
+            };
+            let outcome = tokio::select! {
+                _ = stop.cancelled() => break,
+                outcome = handler(resource) => outcome,
             };
             let error = outcome.err().map(|message| {
                 let r#type = short_type(F::response_type(&response));

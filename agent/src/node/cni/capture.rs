@@ -241,7 +241,7 @@ pub fn missing_capture(
         if registered {
             return Ok(None);
         }
-        return Ok((!registered).then(|| format!("not registered with the eBPF node capture {node}")));
+        return Ok(Some(super::ebpf::capture_gap(node, container_id, &pod.uid, netns)));
     }
     let verdict = weir_iptables::apply::verify(&cfg, &opts).map_err(|e| {
         CniError::new(

@@ -614,6 +614,19 @@ pub fn registered_pod(node: &str, uid: &str, netns: &Path) -> Result<Option<PinR
     }
 }
 
+/// Why the container's pod (or the pod `uid`) is not wholly captured through node
+/// capture `node`: the faults of its record, or that it has none (CHECK's message).
+pub fn capture_gap(node: &str, container_id: &str, uid: &str, netns: &Path) -> String {
+    let record = PinRecord::load(&pod_record_name(node, container_id))
+        .or_else(|| pod_record(node, uid, netns).ok().flatten());
+    let faults = record.map(|r| health::faults(&r, &PinRecord::load_all())).unwrap_or_default();
+    if faults.is_empty() {
+        format!("not registered with the eBPF node capture {node}")
+    } else {
+        format!("its eBPF capture through {node} is not whole: {}", health::describe(&faults))
+    }
+}
+
 /// Whether a record's namespace is registered in its set's maps.
 fn is_registered(record: &PinRecord) -> Result<bool, CniEbpfError> {
     let Some(key) = record.programs.as_deref().filter(|k| set::present(k)) else { return Ok(false) };
