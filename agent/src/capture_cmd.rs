@@ -289,6 +289,15 @@ fn ebpf(run: &RunArgs) -> anyhow::Result<()> {
             eprintln!("weir: eBPF capture of {name} updated in place");
             return Ok(());
         }
+        // Repair tears the capture down before capturing again: only for a fault
+        // known, never for a check that could not be made (the capture may be live,
+        // and capturing again may fail for the same reason, leaving nothing).
+        if faults.iter().all(health::CaptureFault::is_unchecked) {
+            bail!(
+                "cannot confirm the eBPF capture of {name} ({}); it is left as it is: fix what stops the check, or remove it with `weir capture clean --pod {name}` and capture again",
+                health::describe(&faults)
+            );
+        }
         repair(&record, run.netns.as_deref(), cookie, &faults);
     }
     if run.foreground {

@@ -164,15 +164,15 @@ impl StatusServer {
     /// of thousands of services would otherwise hold the agent's one thread), one
     /// render at a time (503 while one runs, as for metrics scrapes).
     async fn ndsz(&self) -> Response<MergedBody> {
-        let table = match self.dns.as_ref().map(|d| d.name_table()) {
-            None => return text(StatusCode::NOT_FOUND, "DNS proxy is off\n".into()),
-            Some(None) => return respond(StatusCode::OK, "application/json", Bytes::from_static(b"{}\n")),
-            Some(Some(table)) => table,
-        };
+        let Some(dns) = &self.dns else { return text(StatusCode::NOT_FOUND, "DNS proxy is off\n".into()) };
+        // The permit first: a refused request never holds (and so never frees) a table.
         let Ok(permit) = self.ndsz_render.clone().try_acquire_owned() else {
             let mut busy = text(StatusCode::SERVICE_UNAVAILABLE, "a name table render is running\n".into());
             busy.headers_mut().insert("retry-after", hyper::header::HeaderValue::from_static("1"));
             return busy;
+        };
+        let Some(table) = dns.name_table() else {
+            return respond(StatusCode::OK, "application/json", Bytes::from_static(b"{}\n"));
         };
         let render = move || {
             // Held until the render ends, even if the client has gone.

@@ -776,6 +776,32 @@ fn removed_pins_and_an_unmounted_bpffs_are_reported_and_capture_apply_repairs_th
     assert!(outbound_captured() && inbound_captured(), "repaired");
     live("after the repair of a deleted filter");
 
+    // 5. A check that cannot be made: the pod's interface renamed (its filter follows
+    // it and still captures, but cannot be listed under the recorded name). Status
+    // says the capture cannot be confirmed; capturing again refuses to tear down a
+    // capture it could not check, and leaves it live. Before, a failed listing read as
+    // "filter found"; and a repair for it would have torn the capture down and then
+    // failed to attach to eth0, leaving the pod uncaptured.
+    let rename = |from: &str, to: &str| {
+        for args in [
+            vec!["link", "set", from, "down"],
+            vec!["link", "set", from, "name", to],
+            vec!["link", "set", to, "up"],
+        ] {
+            weir_tests::cni::run_in(s.client.netns(), None, Command::new("ip"), &args);
+        }
+    };
+    rename("eth0", "weir-renamed0");
+    let (exit0, mine) = mounts.status(&pod);
+    assert!(!exit0 && mine["live"] == false, "{mine}");
+    assert!(mine["faults"].to_string().contains("cannot check the inbound filters on eth0"), "{mine}");
+    let out = mounts.weir(&with(&["capture", "ebpf"]));
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && said.contains("cannot confirm the eBPF capture"), "{said}");
+    assert!(outbound_captured() && inbound_captured(), "a capture that could not be checked was torn down");
+    rename("weir-renamed0", "eth0");
+    live("with eth0 back");
+
     // Clean removes the repaired capture completely.
     ok(&mounts.weir(&["capture", "clean", "--pod", &pod]), "clean");
     assert!(weir_tests::capture::cgroup_programs(cgroup.path()).is_empty(), "no program left on the cgroup");

@@ -40,6 +40,13 @@ pub enum CaptureFault {
     Unchecked { what: String, error: String },
 }
 
+impl CaptureFault {
+    /// A check that could not be made, not a fault found.
+    pub fn is_unchecked(&self) -> bool {
+        matches!(self, Self::Unchecked { .. })
+    }
+}
+
 fn unchecked(what: impl Into<String>, error: impl std::fmt::Display) -> CaptureFault {
     CaptureFault::Unchecked { what: what.into(), error: error.to_string() }
 }

@@ -227,24 +227,17 @@ impl ModuleCache {
     /// behind. A module already in place (named by its checksum, renamed in whole) is
     /// kept as it is.
     fn store(&self, path: &Path, bytes: &[u8]) -> Result<(), FetchError> {
-        use std::{io::Write as _, os::unix::fs::OpenOptionsExt as _};
-        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        use std::{io::Write as _, os::unix::fs::PermissionsExt as _};
         let err = |source| FetchError::Store { path: path.into(), source };
         if path.is_file() {
             return Ok(());
         }
         std::fs::create_dir_all(&self.options.dir).map_err(err)?;
-        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let tmp = path.with_extension(format!("wasm.{}.{n}.tmp", std::process::id()));
+        let (tmp, mut file) = temp_file(path).map_err(err)?;
         let written = (|| {
-            // Envoy may run as another user than the agent.
-            let mut file = std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o644)
-                .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-                .open(&tmp)?;
             file.write_all(bytes)?;
+            // Envoy may run as another user than the agent (whatever the umask).
+            file.set_permissions(std::fs::Permissions::from_mode(0o644))?;
             drop(file);
             std::fs::rename(&tmp, path)
         })();
@@ -310,7 +303,14 @@ impl ModuleCache {
                 return false;
             }
             used.remove(sha);
-            let _ = std::fs::remove_file(self.path_of(sha));
+            // Out of a hit's sight under the lock (a rename); the unlink of up to
+            // 64 MiB after it, not holding up a hit on the agent's thread.
+            let path = self.path_of(sha);
+            let doomed = temp_name(&path, "removed");
+            if std::fs::rename(&path, &doomed).is_ok() {
+                drop(used);
+                let _ = std::fs::remove_file(&doomed);
+            }
         }
         self.by_url.lock().expect("cache lock").retain(|_, e| e.sha256 != sha);
         tracing::info!(sha256 = sha, "removed Wasm module from the cache");
@@ -345,6 +345,14 @@ impl ModuleCache {
     /// Purges every `WASM_PURGE_INTERVAL` until the task is dropped (each purge on the
     /// blocking pool: it removes files).
     pub async fn purge_forever(self: std::sync::Arc<Self>) {
+        // First what an earlier agent left half done (stores take the same lock, so
+        // none of this one's is in flight).
+        let me = self.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            let _one_at_a_time = me.store_lock.lock().expect("store lock");
+            sweep_temporaries(&me.options.dir);
+        })
+        .await;
         let mut ticker = tokio::time::interval(self.options.purge_interval);
         ticker.tick().await;
         loop {
@@ -355,6 +363,49 @@ impl ModuleCache {
                 Ok(removed) => tracing::info!(removed, "purged expired Wasm modules"),
                 Err(e) => tracing::warn!(error = %e, "purging expired Wasm modules failed"),
             }
+        }
+    }
+}
+
+/// A name next to `path` no other file of this process has had: `<name>.<what>.<pid>.<n>.tmp`.
+fn temp_name(path: &Path, what: &str) -> PathBuf {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(format!(".{what}.{}.{n}.tmp", std::process::id()));
+    path.with_file_name(name)
+}
+
+/// A new temporary file next to `path`, created (never followed, never reused: a name
+/// left by an earlier process with the same pid is skipped, not removed).
+fn temp_file(path: &Path) -> std::io::Result<(PathBuf, std::fs::File)> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut attempts = 0;
+    loop {
+        let tmp = temp_name(path, "partial");
+        let opened = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&tmp);
+        match opened {
+            Ok(file) => return Ok((tmp, file)),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && attempts < 16 => attempts += 1,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Removes what an earlier agent left half done in the cache (`*.tmp`: stores it did
+/// not finish, removals it did not end).
+fn sweep_temporaries(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        if entry.file_name().to_string_lossy().ends_with(".tmp")
+            && entry.file_type().is_ok_and(|t| t.is_file())
+        {
+            let _ = std::fs::remove_file(entry.path());
         }
     }
 }
@@ -441,6 +492,43 @@ mod tests {
         assert_eq!(std::fs::read(cache.path_of(&sha)).unwrap(), b"\0asm second");
         let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(names, [std::ffi::OsString::from(format!("{sha}.wasm"))]);
+        // Readable by Envoy whatever the umask.
+        use std::os::unix::fs::PermissionsExt as _;
+        let mode = std::fs::metadata(cache.path_of(&sha)).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o644);
+    }
+
+    /// What an earlier agent left half done is swept at start; a leftover whose name
+    /// this process would pick next is skipped, not reused or removed in the way.
+    #[tokio::test]
+    async fn leftovers_of_an_earlier_agent_are_swept_and_never_in_the_way() {
+        let dir = tempfile::tempdir().unwrap();
+        let options = CacheOptions { dir: dir.path().into(), ..Default::default() };
+        let cache = std::sync::Arc::new(ModuleCache::new(options, Default::default()));
+        let sha = "b".repeat(64);
+        let path = cache.path_of(&sha);
+        // The next names this process would pick, taken by a "crashed" agent.
+        let taken: Vec<PathBuf> = (0..3).map(|_| temp_name(&path, "partial")).collect();
+        let next = |p: &PathBuf| {
+            let name = p.to_string_lossy().into_owned();
+            let (head, n) = name.trim_end_matches(".tmp").rsplit_once('.').unwrap();
+            PathBuf::from(format!("{head}.{}.tmp", n.parse::<u64>().unwrap() + 1))
+        };
+        for p in &taken {
+            std::fs::write(next(p), b"left").unwrap();
+        }
+        cache.store(&path, b"\0asm whole").unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"\0asm whole");
+        assert!(taken.iter().all(|p| next(p).exists()), "a leftover was removed in the way");
+        std::fs::write(dir.path().join("x.wasm.removed.1.2.tmp"), b"left").unwrap();
+        let purger = tokio::spawn(cache.clone().purge_forever());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::fs::read_dir(dir.path()).unwrap().count() > 1 {
+            assert!(Instant::now() < deadline, "leftovers not swept");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        purger.abort();
+        assert!(path.is_file(), "the module itself was swept");
     }
 
     #[test]
