@@ -1552,6 +1552,48 @@ fn an_api_server_failing_then_recovering_delays_the_add_and_a_refusal_is_named()
     rt.del(&list, &a, None).unwrap_or_else(|e| panic!("DEL after the failed ADD: {e}"));
 }
 
+/// ADD reads a pod's namespace (its cookie) while the API server answers, registers the
+/// pod under that cookie, then enters the namespace by its path again to attach the
+/// node classifier. A path that names another namespace by then (the runtime re-pointed
+/// it) is refused, naming both, and nothing is attached there: the classifier lands only
+/// in the namespace the pod was registered under. Before, it was attached wherever the
+/// path led.
+#[test]
+fn the_classifier_is_attached_only_in_the_namespace_registered() {
+    require_root!();
+    let _bpffs = weir_tests::BpffsUse::acquire().unwrap();
+    let (_cgroup, name, _guard) = attached_node_capture(&test_name!());
+    let key = weir_agent::ebpf::record::PinRecord::load(&name).and_then(|r| r.programs).expect("node record");
+    let classifier = weir_agent::ebpf::inbound::NodeClassifier::pinned(&weir_agent::ebpf::set::set_dir(&key))
+        .expect("the node capture's classifier");
+    let registered = NetNs::create(&unique_name("registered")).unwrap();
+    let other = NetNs::create(&unique_name("other")).unwrap();
+    for ns in [&registered, &other] {
+        run_in(
+            ns,
+            None,
+            Command::new("ip"),
+            &["link", "add", "eth0", "type", "veth", "peer", "name", "peer0"],
+        );
+        run_in(ns, None, Command::new("ip"), &["link", "set", "eth0", "up"]);
+    }
+    let netns = weir_agent::ebpf::netns::netns_cookie;
+    let (cookie, other_cookie) =
+        (netns(Some(registered.path())).unwrap(), netns(Some(other.path())).unwrap());
+    let filters = |ns: &NetNs| {
+        weir_agent::ebpf::netns::in_netns(ns.path(), || weir_agent::ebpf::inbound::weir_filters("eth0"))
+            .unwrap()
+    };
+
+    let e = weir_agent::error_chain(&classifier.attach(other.path(), cookie, "eth0").unwrap_err());
+    assert!(e.contains("now names another network namespace"), "{e}");
+    assert!(e.contains(&format!("cookie {other_cookie}")) && e.contains(&format!("cookie {cookie}")), "{e}");
+    assert!(filters(&other).is_empty(), "attached in a namespace the pod was not registered under");
+
+    classifier.attach(registered.path(), cookie, "eth0").unwrap();
+    assert_eq!(filters(&registered).len(), 1, "the registered namespace gets its filter");
+}
+
 /// The pod's namespace deleted while ADD waits on the API server: a named error for
 /// that namespace, nothing left behind, and DEL of the gone pod succeeds.
 #[test]

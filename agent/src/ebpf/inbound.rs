@@ -345,7 +345,10 @@ impl NodeClassifier {
     /// handle is replaced in one netlink call; Weir filters elsewhere (from builds that
     /// let the kernel choose) go once this one is in place, so the interface is never
     /// without one and never runs two.
-    pub fn attach(&self, netns: &Path, interface: &str) -> Result<(), EbpfError> {
+    ///
+    /// `cookie`: the namespace the pod was registered under; the visit is refused if
+    /// `netns` names another one by now.
+    pub fn attach(&self, netns: &Path, cookie: u64, interface: &str) -> Result<(), EbpfError> {
         // Through its info, not `SchedClassifier::from_pin`: that reads the program's
         // name as a string, which makes aya probe the kernel's features first (nine BTF
         // loads, five program loads, three maps and a link: about a fifth of a pod's
@@ -364,7 +367,7 @@ impl NodeClassifier {
             source: aya::programs::ProgramError::IOError(e),
         };
         // One visit to the namespace reads its filters and attaches.
-        let attached = in_netns(netns, || {
+        let attached = super::netns::in_netns_of(netns, cookie, || {
             // Filters hang off the clsact (or ingress) qdisc: when this call creates it
             // (exclusively), the interface had none, so no filter to keep or replace
             // (every new pod), and the listing is spared.

@@ -88,6 +88,26 @@ pub fn in_netns<T: Send>(path: &Path, f: impl FnOnce() -> std::io::Result<T> + S
     f()
 }
 
+/// [`in_netns`] for the namespace registered under `cookie`: refused, naming both,
+/// when the path now names another namespace (the runtime re-pointed it since it was
+/// read), so nothing meant for the pod lands in another namespace.
+pub fn in_netns_of<T: Send>(
+    path: &Path,
+    cookie: u64,
+    f: impl FnOnce() -> std::io::Result<T> + Send,
+) -> std::io::Result<T> {
+    in_netns(path, || {
+        let here = cookie_here()?;
+        if here != cookie {
+            return Err(std::io::Error::other(format!(
+                "{} now names another network namespace (cookie {here}) than the one registered (cookie {cookie})",
+                path.display()
+            )));
+        }
+        f()
+    })
+}
+
 /// Takes the calling thread back to its namespace, also when `f` panics. A thread that
 /// cannot go back would go on in a pod's namespace (the next rules it writes, the next
 /// socket it opens, would be the pod's): the process stops instead.

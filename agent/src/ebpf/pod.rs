@@ -79,7 +79,7 @@ pub fn capture_in_set(
     record.registration = Some(registration);
     let done = (|| {
         set.attach_cgroup(&target.cgroup, &dir)?;
-        set.attach_inbound(&netns, &target.interface, pod, &dir)?;
+        set.attach_inbound(&netns, cookie, &target.interface, pod, &dir)?;
         record.save().map_err(|source| EbpfError::Io { what: "write the capture record", source })
     })();
     if let Err(e) = done {

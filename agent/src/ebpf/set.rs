@@ -512,13 +512,14 @@ impl NodePrograms {
     pub fn attach_inbound(
         &self,
         netns: &Path,
+        cookie: u64,
         interface: &str,
         pod: &PodCapture,
         dir: &Path,
     ) -> Result<(), EbpfError> {
         let Some(config) = &pod.inbound else { return Ok(()) };
         match &self.inbound {
-            Some(classifier) => classifier.attach(netns, interface),
+            Some(classifier) => classifier.attach(netns, cookie, interface),
             None => InboundProgram::attach(netns, interface, config)?.pin(dir),
         }
     }

@@ -487,7 +487,7 @@ fn registered_as_wanted(
     }
     if pod.inbound.is_some() {
         let Some(classifier) = crate::ebpf::inbound::NodeClassifier::pinned(&dir) else { return Ok(None) };
-        classifier.attach(netns, ifname)?;
+        classifier.attach(netns, cookie, ifname)?;
     }
     Ok(Some(cookie))
 }
@@ -557,7 +557,7 @@ fn register_capture(
             let _ = set.unregister(cookie, Some(registration));
         }
     };
-    if let Err(e) = set.attach_inbound(netns, ifname, pod, &record.pin_dir()) {
+    if let Err(e) = set.attach_inbound(netns, cookie, ifname, pod, &record.pin_dir()) {
         undo(&mut set, &registration);
         return Err(e.into());
     }
