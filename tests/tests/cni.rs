@@ -1482,12 +1482,13 @@ fn repair_with_ebpf_registers_once_and_never_again() {
             .len()
     };
 
+    // Repair's registration of old-ebpf (by its UID; no container record of its own).
+    let repair_registration_whole =
+        || weir_agent::node::cni::ebpf::capture_gap(&name, "", "uid-old-ebpf", old.path()).unwrap().is_none();
     let out = repair();
     assert!(out.contains("repaired shop/old-ebpf"), "{out}");
     assert!(!out.contains("new-ebpf"), "ADD captured it: {out}");
-    assert!(
-        weir_agent::node::cni::ebpf::registered_pod(&name, "uid-old-ebpf", old.path()).unwrap().is_some()
-    );
+    assert!(repair_registration_whole());
     for _ in 0..2 {
         let out = repair();
         assert!(!out.contains("repaired"), "{out}");
@@ -1502,14 +1503,11 @@ fn repair_with_ebpf_registers_once_and_never_again() {
     let e = Attachment::pod("c-old-ebpf-earlier", earlier.path(), "shop", "old-ebpf");
     rt.exec("istio-cni", "DEL", &e, conf.to_string().as_bytes()).unwrap_or_else(|e| panic!("DEL: {e}"));
     assert!(
-        weir_agent::node::cni::ebpf::registered_pod(&name, "uid-old-ebpf", old.path()).unwrap().is_some(),
+        repair_registration_whole(),
         "a DEL of an earlier sandbox took the running sandbox's repair registration"
     );
     rt.exec("istio-cni", "DEL", &a, conf.to_string().as_bytes()).unwrap_or_else(|e| panic!("DEL: {e}"));
-    assert!(
-        weir_agent::node::cni::ebpf::registered_pod(&name, "uid-old-ebpf", old.path()).unwrap().is_none(),
-        "DEL left the repair registration"
-    );
+    assert!(!repair_registration_whole(), "DEL left the repair registration");
     rt.del(&weir, &b, Some(&new_result)).unwrap_or_else(|e| panic!("DEL: {e}"));
 }
 

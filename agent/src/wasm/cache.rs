@@ -474,7 +474,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let options =
             CacheOptions { dir: dir.path().into(), module_expiry: Duration::ZERO, ..Default::default() };
-        let cache = std::sync::Arc::new(ModuleCache::new(options, Default::default()));
+        let cache = ModuleCache::new(options, Default::default());
         let sha = "a".repeat(64);
         cache.store(&cache.path_of(&sha), b"\0asm first").unwrap();
         let looked = Instant::now() - Duration::from_secs(1);
@@ -540,7 +540,7 @@ mod tests {
             max_bytes: 10,
             ..Default::default()
         };
-        let cache = std::sync::Arc::new(ModuleCache::new(options, Default::default()));
+        let cache = ModuleCache::new(options, Default::default());
         let now = Instant::now();
         for (sha, age) in [("old", 7200), ("mid", 60), ("new", 0)] {
             std::fs::write(cache.path_of(sha), b"\0asm1234").unwrap();

@@ -312,7 +312,7 @@ async fn pump_upstream<F: Flavor>(
             nonce = F::response_nonce(&response),
             "upstream response"
         );
-        if let Some(handler) = inner.handlers.get(type_url).cloned() {
+        if let Some(handler) = inner.handlers.get(type_url) {
             let mut response = response;
             let Some(resource) = F::take_first_resource(&mut response) else {
                 // Internal types are singletons: an empty response is nothing to do,

@@ -234,14 +234,7 @@ pub fn missing_capture(
     if mode == CaptureMode::Ebpf {
         let node = node_capture(conf);
         let what = format!("cannot check the eBPF capture in {}", netns.display());
-        // ADD's registration (by container), or repair's (by pod UID).
-        let registered = super::ebpf::registered(node, container_id, netns)
-            .map_err(ebpf_error(what.clone()))?
-            || super::ebpf::registered_pod(node, &pod.uid, netns).map_err(ebpf_error(what))?.is_some();
-        if registered {
-            return Ok(None);
-        }
-        return Ok(Some(super::ebpf::capture_gap(node, container_id, &pod.uid, netns)));
+        return super::ebpf::capture_gap(node, container_id, &pod.uid, netns).map_err(ebpf_error(what));
     }
     let verdict = weir_iptables::apply::verify(&cfg, &opts).map_err(|e| {
         CniError::new(

@@ -601,48 +601,39 @@ pub fn pod_record(node: &str, uid: &str, netns: &Path) -> Result<Option<PinRecor
     Ok(pod_records(node).into_iter().find(|r| r.pod_uid.as_deref() == Some(uid) && r.netns_cookie == cookie))
 }
 
-/// The pod with UID `uid` as registered through node capture `node`, if its capture in
-/// namespace `netns` is whole (registered, links attached, inbound filter in place).
-pub fn registered_pod(node: &str, uid: &str, netns: &Path) -> Result<Option<PinRecord>, CniEbpfError> {
-    match pod_record(node, uid, netns)? {
-        Some(record)
-            if is_registered(&record)? && health::faults(&record, &PinRecord::load_all()).is_empty() =>
-        {
-            Ok(Some(record))
-        }
-        _ => Ok(None),
-    }
-}
-
-/// Why the container's pod (or the pod `uid`) is not wholly captured through node
-/// capture `node`: the faults of its record, or that it has none (CHECK's message).
-pub fn capture_gap(node: &str, container_id: &str, uid: &str, netns: &Path) -> String {
-    let record = PinRecord::load(&pod_record_name(node, container_id))
-        .or_else(|| pod_record(node, uid, netns).ok().flatten());
-    let faults = record.map(|r| health::faults(&r, &PinRecord::load_all())).unwrap_or_default();
-    if faults.is_empty() {
-        format!("not registered with the eBPF node capture {node}")
-    } else {
-        format!("its eBPF capture through {node} is not whole: {}", health::describe(&faults))
-    }
-}
-
 /// Whether a record's namespace is registered in its set's maps.
 fn is_registered(record: &PinRecord) -> Result<bool, CniEbpfError> {
     let Some(key) = record.programs.as_deref().filter(|k| set::present(k)) else { return Ok(false) };
     Ok(MapSet::open_pinned(&set::set_dir(key))?.pods()?.contains(&record.netns_cookie))
 }
 
-/// CHECK: the container's pod is registered under its namespace's cookie, and its
-/// capture is whole (links attached, inbound filter in place).
-pub fn registered(node: &str, container_id: &str, netns: &Path) -> Result<bool, CniEbpfError> {
-    let Some(record) = PinRecord::load(&pod_record_name(node, container_id)) else { return Ok(false) };
+/// CHECK: what keeps the pod from being wholly captured through node capture `node`
+/// in namespace `netns` (registered under its cookie, links attached, inbound filter in
+/// place), by ADD's record (the container's) or repair's (the pod UID's); None when
+/// either is whole.
+pub fn capture_gap(
+    node: &str,
+    container_id: &str,
+    uid: &str,
+    netns: &Path,
+) -> Result<Option<String>, CniEbpfError> {
     let cookie = netns_cookie(Some(netns))
         .map_err(io(format!("read the network namespace cookie of {}", netns.display())))?;
-    if cookie != record.netns_cookie || !is_registered(&record)? {
-        return Ok(false);
+    let by_container = PinRecord::load(&pod_record_name(node, container_id));
+    let mut broken = None;
+    for record in by_container.into_iter().chain(pod_record(node, uid, netns)?) {
+        if record.netns_cookie != cookie || !is_registered(&record)? {
+            continue;
+        }
+        let faults = health::faults(&record, &PinRecord::load_all());
+        if faults.is_empty() {
+            return Ok(None);
+        }
+        broken.get_or_insert_with(|| {
+            format!("its eBPF capture through {node} is not whole: {}", health::describe(&faults))
+        });
     }
-    Ok(health::faults(&record, &PinRecord::load_all()).is_empty())
+    Ok(Some(broken.unwrap_or_else(|| format!("not registered with the eBPF node capture {node}"))))
 }
 
 #[cfg(test)]
