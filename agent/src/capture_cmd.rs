@@ -298,7 +298,21 @@ fn ebpf(run: &RunArgs) -> anyhow::Result<()> {
                 health::describe(&faults)
             );
         }
-        repair(&record, run.netns.as_deref(), cookie, &faults);
+        // The same pod in this build's set is made whole in place: what still runs
+        // keeps running, and a failure leaves it as it was. Anything else (another
+        // build's set, a capture of its own maps) is taken down first.
+        let same_pod = record.cgroup == run.cgroup
+            && record.netns_cookie == cookie
+            && record.programs.as_deref() == Some(set::version_key().as_str());
+        if same_pod && set::present(&set::version_key()) {
+            let why = health::describe(&faults);
+            tracing::warn!(pod = %name, faults = %why, "eBPF capture broken: capturing it again in place");
+            eprintln!(
+                "weir: eBPF capture of {name} was broken ({why}): capturing it again in place (what still runs is kept)"
+            );
+        } else {
+            repair(&record, run.netns.as_deref(), cookie, &faults);
+        }
     }
     if run.foreground {
         return foreground(run, &name, cookie, &pod);
@@ -522,6 +536,11 @@ fn collect_gone() {
     let (view, removed) = crate::ebpf::gc::collect_gone_pods(Path::new("/proc"));
     if let Err(e) = &view {
         tracing::debug!(reason = %e, "gone pods judged on their namespace paths only");
+    }
+    match crate::ebpf::gc::collect_unrecorded(&view) {
+        Ok(0) => {}
+        Ok(n) => eprintln!("weir: removed {n} registrations of gone pods that had no record"),
+        Err(e) => eprintln!("weir: registrations without a record not collected: {}", crate::error_chain(&e)),
     }
     for (pod, result) in removed {
         match result {

@@ -75,7 +75,7 @@ impl Drop for Demo {
         }
         self.apps.clear();
         if let Some(node) = &self.ebpf_node {
-            let _ = crate::node::cni::ebpf::detach_node(node);
+            let _ = crate::node::cni::node_capture::detach_node(node);
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
@@ -215,7 +215,7 @@ impl Demo {
         match choice.backend {
             Backend::Ebpf => {
                 let node = unique_name("demo-node");
-                crate::node::cni::ebpf::attach_node(&node, self.cgroup.path())?;
+                crate::node::cni::node_capture::attach_node(&node, self.cgroup.path())?;
                 self.ebpf_node = Some(node.clone());
                 for (pod, name) in [(&self.client, "client"), (&self.server, "server")] {
                     let who = crate::node::cni::ebpf::PodIdentity {

@@ -14,6 +14,7 @@ pub mod live_netns;
 pub mod metrics;
 pub mod netns;
 pub mod objects;
+pub mod pins;
 pub mod pod;
 pub mod probe;
 pub mod record;
@@ -105,6 +106,11 @@ pub enum EbpfError {
          pod (network namespace cookie {owner}): two pods on a node cannot share an address and a MAC address"
     )]
     AddressTaken { address: std::net::IpAddr, mac: String, owner: u64 },
+    #[error(
+        "{path} holds a link this capture did not make ({what}); it is left attached. Remove it with \
+         `weir capture clean` (or `weir cni uninstall --detach-running-pods` for a node capture) if it is no longer wanted"
+    )]
+    ForeignPin { path: PathBuf, what: String },
 }
 
 /// Opens `path` for attaching cgroup programs, refusing anything that is not a cgroup v2

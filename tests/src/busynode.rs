@@ -146,18 +146,7 @@ impl BusyNode {
             let _ = repair.kill();
             let _ = repair.wait();
         }
-        let mut cmd = crate::cni::node_agent_command(
-            "install",
-            self.host.path(),
-            self.kubepods.path(),
-            &self.capture,
-            &self.run_dir.path().join("istio-cni-kubeconfig"),
-        );
-        cmd.env(weir_agent::ebpf::set::SET_ENV, set)
-            .env("WEIR_LOG", "info")
-            .args(["--interval", "500ms"])
-            .stdout(Stdio::null())
-            .stderr(self.log_file("agent.log")?);
+        let mut cmd = self.install_command(set)?;
         let ready = |log: &str| log.matches("node agent ready").count();
         let ready_before = ready(&self.agent_log());
         self.agent = Some(cmd.spawn()?);
@@ -180,6 +169,65 @@ impl BusyNode {
         })
         .with_context(|| format!("the node agent never said it was ready: {}", self.agent_log()))?;
         self.start_repair()
+    }
+
+    /// `weir cni install` as the DaemonSet's container runs it, as build `set`, logging
+    /// to agent.log.
+    fn install_command(&self, set: &str) -> anyhow::Result<Command> {
+        let mut cmd = crate::cni::node_agent_command(
+            "install",
+            self.host.path(),
+            self.kubepods.path(),
+            &self.capture,
+            &self.run_dir.path().join("istio-cni-kubeconfig"),
+        );
+        cmd.env(weir_agent::ebpf::set::SET_ENV, set)
+            .env("WEIR_LOG", "info")
+            .args(["--interval", "500ms"])
+            .stdout(Stdio::null())
+            .stderr(self.log_file("agent.log")?);
+        Ok(cmd)
+    }
+
+    /// Starts the agent as build `set` expecting it to refuse to start: returns what it
+    /// logged once it exited non-zero; an error if it started or exited 0.
+    pub fn start_agent_refused(&mut self, set: &str) -> anyhow::Result<String> {
+        let before = self.agent_log().len();
+        let mut child = self.install_command(set)?.spawn()?;
+        let status =
+            crate::control_plane::eventually(Duration::from_secs(180), || child.try_wait().ok().flatten());
+        let log = self.agent_log().get(before..).unwrap_or_default().to_string();
+        match status {
+            None => {
+                let _ = child.kill();
+                let _ = child.wait();
+                bail!("the node agent did not refuse to start: {log}")
+            }
+            Some(s) if s.success() => bail!("the node agent exited 0 instead of refusing: {log}"),
+            Some(_) => Ok(log),
+        }
+    }
+
+    /// `weir cni uninstall` (with `--detach-running-pods` when asked) as build `set`
+    /// of the running agent: what it said; an error if it failed.
+    pub fn uninstall(&self, detach_running_pods: bool) -> anyhow::Result<String> {
+        let mut cmd = crate::cni::node_agent_command(
+            "uninstall",
+            self.host.path(),
+            self.kubepods.path(),
+            &self.capture,
+            &self.run_dir.path().join("istio-cni-kubeconfig"),
+        );
+        cmd.env(weir_agent::ebpf::set::SET_ENV, &self.set).env("WEIR_LOG", "info");
+        if detach_running_pods {
+            cmd.arg("--detach-running-pods");
+        }
+        let out = cmd.output()?;
+        let said = String::from_utf8_lossy(&out.stderr).into_owned();
+        if !out.status.success() {
+            bail!("weir cni uninstall failed ({}): {said}", out.status);
+        }
+        Ok(said)
     }
 
     /// The DaemonSet's repair container: `weir cni repair` every second.
@@ -421,7 +469,7 @@ impl Drop for BusyNode {
         }
         // Processes first, then each pod's sandbox, cgroup and namespace.
         self.pods.clear();
-        let _ = weir_agent::node::cni::ebpf::detach_node(&self.capture);
+        let _ = weir_agent::node::cni::node_capture::detach_node(&self.capture);
         for key in weir_agent::ebpf::set::pinned_keys() {
             if self.sets.iter().any(|s| key.ends_with(s.as_str()))
                 && let Ok(Some(set)) = weir_agent::ebpf::set::LockedSet::open(&key)

@@ -276,7 +276,7 @@ impl NodeCapture {
     pub fn attach(tag: &str, cgroup: &std::path::Path) -> anyhow::Result<Self> {
         let name = weir_agent::sandbox::unique_name(tag);
         let guard = Self(name.clone());
-        weir_agent::node::cni::ebpf::attach_node(&name, cgroup)?;
+        weir_agent::node::cni::node_capture::attach_node(&name, cgroup)?;
         Ok(guard)
     }
 
@@ -287,6 +287,6 @@ impl NodeCapture {
 
 impl Drop for NodeCapture {
     fn drop(&mut self) {
-        let _ = weir_agent::node::cni::ebpf::detach_node(&self.0);
+        let _ = weir_agent::node::cni::node_capture::detach_node(&self.0);
     }
 }

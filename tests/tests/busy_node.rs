@@ -1,7 +1,8 @@
 //! Capture on a busy node (tests/src/busynode.rs): 62 pods under one `kubepods`
 //! cgroup, two thirds meshed and captured by the CNI node agent with eBPF, a third
 //! plain, every pod's client connecting to others all along. One after another: the
-//! agent stopped, killed, rolled to another build and back; a sidecar killed and a
+//! agent stopped, killed, started again after its record was lost, rolled to another
+//! build and back; a sidecar killed and a
 //! pod whose sidecar never listens; 20 pods added and deleted; a pod asking to exclude
 //! 20 000 ranges; a connect storm; crafted SYNs; a link detached and a tc filter
 //! deleted. After each: no connection got past a sidecar (checked at both ends), and
@@ -139,6 +140,14 @@ fn events(node: &mut BusyNode, old: &str, new: &str, round: usize) {
         n.stop_agent(libc::SIGKILL).unwrap();
         std::thread::sleep(Duration::from_millis(500));
         n.start_agent(old).unwrap();
+    });
+    // A new DaemonSet version that mounts another /run/weir: the node capture's record
+    // is gone, its pins are not. The start adopts them; nothing is detached.
+    event(node, "agent stopped, its record lost, started again", &[], |n| {
+        n.stop_agent(libc::SIGTERM).unwrap();
+        std::fs::remove_file(weir_agent::ebpf::record::PinRecord::path(&n.capture)).unwrap();
+        n.start_agent(old).unwrap();
+        assert!(n.agent_log().contains("without its record: adopted"), "{}", n.agent_log());
     });
     let newcomer = format!("m-new{round}");
     event(node, "rolled to another build, a pod added", &[&newcomer], |n| {

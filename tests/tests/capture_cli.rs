@@ -810,3 +810,64 @@ fn removed_pins_and_an_unmounted_bpffs_are_reported_and_capture_apply_repairs_th
     let out = mounts.weir(&["capture", "status", "--json"]);
     assert_eq!(ok(&out, "status after clean").trim(), "[]");
 }
+
+/// A pod's capture whose record was lost (another /run/weir, `/run` cleaned) while its
+/// pins stayed: capturing the pod again takes the live links up (the same link ids,
+/// ten programs, not twenty), keeps it registered and writes its record again; pins
+/// of this name that attach elsewhere are refused and left. Before, the second run
+/// attached ten more links, failed to pin them (EEXIST), and its error path removed
+/// every pin under the pod's folder and the pod's registration: the pod uncaptured.
+#[test]
+fn a_pod_capture_found_without_its_record_is_taken_up_not_torn_down() {
+    require_root!();
+    let _bpffs = weir_tests::BpffsUse::acquire().unwrap();
+    let test = test_name!();
+    let cgroup = test_cgroup(&test);
+    let s = CaptureScene::in_cgroup(&test, Family::V4, &cgroup);
+    let pod = cgroup.path().file_name().unwrap().to_string_lossy().into_owned();
+    let _pins = PinnedCapture(pod.clone());
+    let (cg, netns) = (cgroup.path().to_str().unwrap(), s.client.netns().path().to_str().unwrap());
+    let app = Placement { user: Some((1000, 1000)), cgroup: Some(&cgroup), ..Placement::default() };
+    let server = s.addr(&s.server, 8080);
+    let outbound =
+        || captured(&ask_placed(&s.client, app, server)).map(|(_, o)| o) == Some(server.to_string());
+    let inbound = || weir_tests::capture::ask(&s.server, 0, s.addr(&s.client, 8080)).starts_with("captured ");
+    ok(&weir(&attach_args(cg, netns)), "weir capture ebpf");
+    assert!(outbound() && inbound(), "captured");
+    let ids = |hook: &str| attached_id(cgroup.path(), hook);
+    let before: Vec<u32> =
+        ["weir_connect4", "weir_sockops", "weir_getsockopt"].iter().map(|h| ids(h)).collect();
+
+    let record = weir_agent::ebpf::record::PinRecord::path(&pod);
+    std::fs::remove_file(&record).unwrap();
+    let out = weir(&attach_args(cg, netns));
+    ok(&out, "weir capture ebpf with the record lost");
+    assert!(outbound() && inbound(), "still captured: {}", String::from_utf8_lossy(&out.stderr));
+    let after: Vec<u32> =
+        ["weir_connect4", "weir_sockops", "weir_getsockopt"].iter().map(|h| ids(h)).collect();
+    assert_eq!(before, after, "the same programs on the cgroup");
+    assert_eq!(weir_tests::capture::cgroup_programs(cgroup.path()).len(), 10, "ten hooks, not twenty");
+    assert!(record.exists(), "the record written again");
+    assert!(weir(&["capture", "status", "--pod", &pod]).status.success(), "status: live");
+
+    // The same name on another cgroup: the pins attach elsewhere; refused, left as they are.
+    std::fs::remove_file(&record).unwrap();
+    let other = test_cgroup(&format!("{test}-other"));
+    let out = weir(
+        &attach_args(other.path().to_str().unwrap(), netns)
+            .into_iter()
+            .chain(["--pod", &pod])
+            .collect::<Vec<_>>(),
+    );
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "another cgroup's capture under the same name: {said}");
+    assert!(
+        said.contains(&format!("/sys/fs/bpf/weir/{pod}/links/")) && said.contains("did not make"),
+        "{said}"
+    );
+    assert!(
+        weir_tests::capture::cgroup_programs(other.path()).is_empty(),
+        "nothing attached to the other cgroup"
+    );
+    assert!(outbound() && inbound(), "the pod keeps its capture");
+}

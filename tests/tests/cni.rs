@@ -378,7 +378,7 @@ fn attached_node_capture(test: &str) -> (weir_tests::Cgroup, String, NodeCapture
     let cgroup = test_cgroup(test);
     let name = unique_name("cni-node");
     let guard = NodeCapture(name.clone());
-    weir_agent::node::cni::ebpf::attach_node(&name, cgroup.path()).unwrap();
+    weir_agent::node::cni::node_capture::attach_node(&name, cgroup.path()).unwrap();
     (cgroup, name, guard)
 }
 
@@ -477,7 +477,7 @@ struct NodeCapture(String);
 
 impl Drop for NodeCapture {
     fn drop(&mut self) {
-        let _ = weir_agent::node::cni::ebpf::detach_node(&self.0);
+        let _ = weir_agent::node::cni::node_capture::detach_node(&self.0);
     }
 }
 
@@ -1435,7 +1435,7 @@ fn repair_with_ebpf_registers_once_and_never_again() {
     let kubepods = test_cgroup(&format!("{}-kubepods", test_name!()));
     let name = unique_name("cni-node");
     let _guard = NodeCapture(name.clone());
-    weir_agent::node::cni::ebpf::attach_node(&name, kubepods.path()).unwrap();
+    weir_agent::node::cni::node_capture::attach_node(&name, kubepods.path()).unwrap();
     let kubeconfig = node.run_dir.path().join("istio-cni-kubeconfig").display().to_string();
     let repair = || {
         let args = [

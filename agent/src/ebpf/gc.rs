@@ -140,6 +140,51 @@ pub fn collect_gone(records: Vec<PinRecord>, view: &NodeView) -> Vec<(String, Re
     out
 }
 
+/// Whether the namespace registered as `cookie` is gone, on positive evidence only
+/// (the view of the whole node says no process or mount holds it; a process under
+/// `cgroup`, where the pod's processes run, whose namespace cannot be read may).
+pub fn cookie_gone(view: &NodeView, cookie: u64, cgroup: &Path) -> bool {
+    match view.as_ref().map(|live| live.existence(cookie, cgroup)) {
+        Ok(Existence::Gone) => true,
+        Ok(Existence::CannotTell(why)) => {
+            tracing::debug!(netns_cookie = cookie, reason = %why, "cannot tell whether a registered namespace is gone");
+            false
+        }
+        _ => false,
+    }
+}
+
+/// The namespaces registered in this build's set that no record names (a record lost
+/// with the pod still registered): those shown gone are unregistered by cookie, so a
+/// lost record never keeps a gone pod in the node's maps. Returns how many went.
+pub fn collect_unrecorded(view: &NodeView) -> Result<usize, EbpfError> {
+    let Some(mut set) = set::NodePrograms::open_existing(&set::version_key())? else { return Ok(0) };
+    let records = PinRecord::load_all();
+    let recorded: std::collections::HashSet<u64> = records.iter().map(|r| r.netns_cookie).collect();
+    // Where pods registered in this set run: its node captures' cgroups (or anywhere).
+    let key = set.key().to_string();
+    let mut cgroups: Vec<&Path> = records
+        .iter()
+        .filter(|r| r.netns_cookie == 0 && r.programs.as_deref() == Some(key.as_str()))
+        .map(|r| r.cgroup.as_path())
+        .collect();
+    if cgroups.is_empty() {
+        cgroups.push(Path::new("/"));
+    }
+    let mut removed = 0;
+    for cookie in set.maps().pods()? {
+        if !recorded.contains(&cookie) && cgroups.iter().all(|cg| cookie_gone(view, cookie, cg)) {
+            tracing::info!(
+                netns_cookie = cookie,
+                "a registration without a record whose namespace is gone: removed"
+            );
+            set.unregister(cookie, None)?;
+            removed += 1;
+        }
+    }
+    Ok(removed)
+}
+
 /// Removes list entries no registration owns from this build's program set; returns
 /// how many.
 pub fn collect_orphans() -> Result<usize, EbpfError> {

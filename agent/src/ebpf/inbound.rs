@@ -348,7 +348,9 @@ impl NodeClassifier {
     ///
     /// `cookie`: the namespace the pod was registered under; the visit is refused if
     /// `netns` names another one by now.
-    pub fn attach(&self, netns: &Path, cookie: u64, interface: &str) -> Result<(), EbpfError> {
+    /// Returns whether the interface had no Weir filter before (one this call added,
+    /// which an undo may take away again).
+    pub fn attach(&self, netns: &Path, cookie: u64, interface: &str) -> Result<bool, EbpfError> {
         // Through its info, not `SchedClassifier::from_pin`: that reads the program's
         // name as a string, which makes aya probe the kernel's features first (nine BTF
         // loads, five program loads, three maps and a link: about a fifth of a pod's
@@ -384,7 +386,7 @@ impl NodeClassifier {
                 (f.priority, f.handle) == (FILTER_PRIORITY, FILTER_HANDLE)
             };
             if filters.iter().filter(ours).any(|f| f.prog_id == prog_id) {
-                return Ok(());
+                return Ok(false);
             }
             let ours_taken = filters.iter().any(|f| ours(&f));
             let id = if ours_taken {
@@ -423,7 +425,7 @@ impl NodeClassifier {
                     tracing::warn!(interface, priority = f.priority, error = %e, "an older Weir inbound filter not removed");
                 }
             }
-            Ok(())
+            Ok(filters.is_empty())
         });
         // A legacy filter holds the program itself; the handle must not detach it.
         std::mem::forget(program);

@@ -8,7 +8,6 @@ use std::path::PathBuf;
 
 use super::{
     EbpfError,
-    bpffs::unpin,
     config::PodCapture,
     record::{PinRecord, pin_dir},
     set::{NodePrograms, PodInterface},
@@ -34,7 +33,10 @@ impl PodTarget {
 }
 
 /// Captures the pod registered as `cookie` with `pod`'s settings; returns its record.
-/// On failure nothing of it stays (and a set it loaded goes again).
+/// What is live already is kept and only what is missing is added: a capture of this
+/// set found under the name (its record, or pins whose record was lost) is made whole
+/// in place. On failure only what this call added goes (and a set it loaded, if
+/// nothing else uses it); a pod that was captured stays captured.
 pub fn capture(target: &PodTarget, cookie: u64, pod: &PodCapture) -> Result<PinRecord, EbpfError> {
     capture_in_set(&super::set::version_key(), target, cookie, pod)
 }
@@ -50,6 +52,12 @@ pub fn capture_in_set(
     super::record::check_name(&target.name)
         .map_err(|e| EbpfError::Io { what: "name the capture", source: std::io::Error::other(e) })?;
     let mut set = NodePrograms::acquire_key(key)?;
+    // This pod's registration in the set, by its record (replaced in one switch), or
+    // without one (a record lost: its entries are orphans the collector takes).
+    let previous = PinRecord::load(&target.name)
+        .filter(|r| r.netns_cookie == cookie && r.programs.as_deref() == Some(set.key()))
+        .and_then(|r| r.registration);
+    let was_registered = previous.is_some() || set.maps().pod_config(cookie)?.is_some();
     let mut record = PinRecord {
         pod: target.name.clone(),
         cgroup: target.cgroup.clone(),
@@ -64,11 +72,17 @@ pub fn capture_in_set(
     };
     let dir = pin_dir(&target.name);
     let netns = target.netns_path();
+    // Pins under the name that are not this set's hooks on this cgroup are refused
+    // before the pod's registration is touched.
+    if let Err(e) = set.check_cgroup_pins(&target.cgroup, &dir) {
+        let _ = set.release();
+        return Err(e);
+    }
     let registration = match set.register(
         cookie,
         pod,
         Some(PodInterface { netns: &netns, name: &target.interface, mac: None }),
-        None,
+        previous.as_ref(),
     ) {
         Ok(r) => r,
         Err(e) => {
@@ -77,15 +91,22 @@ pub fn capture_in_set(
         }
     };
     record.registration = Some(registration);
+    let mut attached = Vec::new();
+    let mut filter_added = false;
     let done = (|| {
-        set.attach_cgroup(&target.cgroup, &dir)?;
-        set.attach_inbound(&netns, cookie, &target.interface, pod, &dir)?;
+        attached = set.ensure_cgroup(&target.cgroup, &dir)?;
+        filter_added = set.attach_inbound(&netns, cookie, &target.interface, pod, &dir)?;
         record.save().map_err(|source| EbpfError::Io { what: "write the capture record", source })
     })();
     if let Err(e) = done {
-        let _ = set.unregister(cookie, record.registration.as_ref());
-        let _ = unpin(&dir);
-        if let Some(interface) = &record.interface {
+        // Exactly what this call added goes; what was live before stays.
+        if !was_registered {
+            let _ = set.unregister(cookie, record.registration.as_ref());
+        }
+        for hook in &attached {
+            let _ = std::fs::remove_file(dir.join("links").join(hook));
+        }
+        if filter_added && let Some(interface) = &record.interface {
             super::inbound::detach_inbound(Some(&netns), interface, cookie);
         }
         let _ = set.release();
@@ -96,6 +117,7 @@ pub fn capture_in_set(
         cgroup = %target.cgroup.display(),
         netns_cookie = cookie,
         program_set = set.key(),
+        hooks_attached = attached.len(),
         "pod captured with the node's eBPF programs"
     );
     Ok(record)

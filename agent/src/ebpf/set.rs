@@ -26,7 +26,7 @@ use nix::fcntl::{Flock, FlockArg};
 
 use super::{
     EbpfError,
-    bpffs::{PIN_ROOT, create_dir, mount_bpffs, pin_error, remove_empty_parents, unpin},
+    bpffs::{PIN_ROOT, create_dir, mount_bpffs, pin_error, remove_empty_parents},
     capture::{CapturePrograms, MapSet, SET_PROGRAMS, cgroup_hooks},
     config::PodCapture,
     inbound::{InboundProgram, NodeClassifier},
@@ -236,6 +236,15 @@ impl LockedSet {
         Ok(count as usize)
     }
 
+    /// The network-namespace cookies registered in the set's maps (its POD_CONFIG's
+    /// keys, read raw: any build's set).
+    pub fn pod_cookies(&self) -> Result<Vec<u64>, EbpfError> {
+        let Some(fd) = self.map_fd(weir_ebpf_common::capture::map::POD_CONFIG) else { return Ok(Vec::new()) };
+        let keys = sys::keys_raw(fd.as_fd(), 8)
+            .map_err(|source| EbpfError::Io { what: "list the pods registered in a program set", source })?;
+        Ok(keys.iter().filter_map(|k| Some(u64::from_ne_bytes(k.as_slice().try_into().ok()?))).collect())
+    }
+
     /// Kernel ids of every program pinned in the set.
     fn program_ids(&self) -> Vec<u32> {
         let Ok(entries) = std::fs::read_dir(self.dir.join("progs")) else { return Vec::new() };
@@ -377,62 +386,122 @@ impl NodePrograms {
         Ok(out)
     }
 
-    /// Attaches the cgroup hooks to `cgroup` and pins the links at `dir/links/<program>`
-    /// (which keeps them after this process exits). On failure nothing stays attached.
-    pub fn attach_cgroup(&self, cgroup: &Path, dir: &Path) -> Result<(), EbpfError> {
-        let target = super::open_cgroup2(cgroup)?;
-        let mut links: Vec<(&'static str, CgroupLink)> = Vec::new();
-        for (name, kind) in cgroup_hooks() {
-            let program = self.program(name)?;
+    /// Makes every cgroup hook of the set run on `cgroup` through a link pinned at
+    /// `dir/links/<hook>`, and returns the hooks attached now. A pin already there that
+    /// attaches this set's program to `cgroup` is kept (a hook that runs never stops);
+    /// one whose link is detached (`bpftool link detach`, its cgroup removed) captures
+    /// nothing and is replaced; one holding anything else is refused before anything is
+    /// attached ([`EbpfError::ForeignPin`]). On failure only what this call attached
+    /// and pinned goes: a pin it found is never removed.
+    pub fn ensure_cgroup(&self, cgroup: &Path, dir: &Path) -> Result<Vec<&'static str>, EbpfError> {
+        let (target, wanted) = self.cgroup_plan(cgroup, dir)?;
+        let links_dir = dir.join("links");
+        // Every link first (dropped unpinned on failure: detached again), then the pins.
+        let mut links: Vec<(&'static str, bool, CgroupLink)> = Vec::new();
+        for (name, kind, program, replaces_dead) in wanted {
             let link =
                 CgroupLink::create(program.as_fd(), target.as_fd(), kind).map_err(|e| EbpfError::Attach {
                     program: name,
                     path: cgroup.to_path_buf(),
                     source: aya::programs::ProgramError::IOError(e),
                 })?;
-            links.push((name, link));
+            links.push((name, replaces_dead, link));
         }
-        create_dir(&dir.join("links"))?;
-        for (name, link) in links {
-            let path = dir.join("links").join(name);
+        if links.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (made_parent, made_dir) = (!dir.exists(), !links_dir.exists());
+        create_dir(&links_dir)?;
+        let mut pinned: Vec<&'static str> = Vec::new();
+        let undo = |pinned: &[&'static str]| {
+            for name in pinned {
+                let _ = std::fs::remove_file(links_dir.join(name));
+            }
+            if made_dir {
+                let _ = std::fs::remove_dir(&links_dir);
+            }
+            if made_parent {
+                let _ = std::fs::remove_dir(dir);
+            }
+        };
+        for (name, replaces_dead, link) in links {
+            let path = links_dir.join(name);
+            if replaces_dead {
+                // A detached link runs nothing: its pin gives way to the new one.
+                match std::fs::remove_file(&path) {
+                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                        undo(&pinned);
+                        return Err(pin_error(&path)(e));
+                    }
+                    _ => {}
+                }
+            }
             if let Err(e) = link.pin(&path) {
-                let _ = unpin(dir);
+                undo(&pinned);
                 return Err(pin_error(&path)(e));
             }
+            pinned.push(name);
         }
-        Ok(())
+        Ok(pinned)
     }
 
-    /// Attaches again, in place, the hooks whose links under `dir/links` are gone or no
-    /// longer attached to `cgroup` (`bpftool link detach`, ...), leaving live ones
-    /// alone: hooks that still run never stop. Returns the hooks attached again.
-    pub fn reattach_cgroup(&self, cgroup: &Path, dir: &Path) -> Result<Vec<&'static str>, EbpfError> {
+    /// Refuses pins at `dir/links` that this set cannot take as its hooks on `cgroup`
+    /// ([`EbpfError::ForeignPin`]), before anything is registered or attached.
+    pub fn check_cgroup_pins(&self, cgroup: &Path, dir: &Path) -> Result<(), EbpfError> {
+        self.cgroup_plan(cgroup, dir).map(drop)
+    }
+
+    /// The cgroup, open, and the hooks [`Self::ensure_cgroup`] must attach (program,
+    /// attach type, and whether a detached link's pin gives way); a pin it cannot take
+    /// is an error.
+    #[expect(clippy::type_complexity, reason = "one private step of ensure_cgroup")]
+    fn cgroup_plan(
+        &self,
+        cgroup: &Path,
+        dir: &Path,
+    ) -> Result<(File, Vec<(&'static str, u32, OwnedFd, bool)>), EbpfError> {
         let target = super::open_cgroup2(cgroup)?;
         let id = link::cgroup_id(cgroup)
             .map_err(|e| EbpfError::OpenCgroup { path: cgroup.to_path_buf(), source: e })?;
-        create_dir(&dir.join("links"))?;
-        let mut attached = Vec::new();
+        let links_dir = dir.join("links");
+        let mut wanted = Vec::new();
         for (name, kind) in cgroup_hooks() {
-            let path = dir.join("links").join(name);
-            if matches!(link::attached_to(&path, id), Ok(true)) {
-                continue;
-            }
-            // A dead link (or none): nothing it held acts any more.
-            match std::fs::remove_file(&path) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(pin_error(&path)(e)),
-                _ => {}
-            }
+            let path = links_dir.join(name);
             let program = self.program(name)?;
-            let link =
-                CgroupLink::create(program.as_fd(), target.as_fd(), kind).map_err(|e| EbpfError::Attach {
-                    program: name,
-                    path: cgroup.to_path_buf(),
-                    source: aya::programs::ProgramError::IOError(e),
-                })?;
-            link.pin(&path).map_err(pin_error(&path))?;
-            attached.push(name);
+            let prog_id = link::prog_id(program.as_fd())
+                .map_err(|source| EbpfError::Io { what: "read a program's id", source })?;
+            let found = match sys::obj_get(&path) {
+                Ok(fd) => match sys::link_info(fd.as_fd()) {
+                    Ok(info) => Some(info),
+                    Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => {
+                        return Err(EbpfError::ForeignPin { path, what: e.to_string() });
+                    }
+                    Err(e) => return Err(pin_error(&path)(e)),
+                },
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+                Err(e) => return Err(pin_error(&path)(e)),
+            };
+            match found {
+                None => wanted.push((name, kind, program, false)),
+                Some(info) if info.link_type == sys::link_type::CGROUP && info.target == 0 => {
+                    wanted.push((name, kind, program, true))
+                }
+                Some(info)
+                    if info.link_type == sys::link_type::CGROUP
+                        && info.target == id
+                        && info.prog_id == prog_id => {}
+                Some(info) => {
+                    return Err(EbpfError::ForeignPin {
+                        path,
+                        what: format!(
+                            "link type {}, program id {} (this set's {name} is {prog_id}), target {} (the cgroup's id is {id})",
+                            info.link_type, info.prog_id, info.target
+                        ),
+                    });
+                }
+            }
         }
-        Ok(attached)
+        Ok((target, wanted))
     }
 
     /// Registers (or replaces) a pod in one switch: its lists and, for the node
@@ -508,7 +577,8 @@ impl NodePrograms {
     /// Attaches inbound capture to `interface` in `netns` and keeps it: the node
     /// classifier as a tc filter (the pod's config was written by [`Self::register`]);
     /// or, in a set without one, a copy of its own (a TCX link pinned at
-    /// `dir/links/inbound`).
+    /// `dir/links/inbound`, kept when one is attached there already). Returns whether
+    /// the interface had no Weir inbound capture before (what an undo may take away).
     pub fn attach_inbound(
         &self,
         netns: &Path,
@@ -516,11 +586,18 @@ impl NodePrograms {
         interface: &str,
         pod: &PodCapture,
         dir: &Path,
-    ) -> Result<(), EbpfError> {
-        let Some(config) = &pod.inbound else { return Ok(()) };
+    ) -> Result<bool, EbpfError> {
+        let Some(config) = &pod.inbound else { return Ok(false) };
         match &self.inbound {
             Some(classifier) => classifier.attach(netns, cookie, interface),
-            None => InboundProgram::attach(netns, interface, config)?.pin(dir),
+            None => {
+                let pin = dir.join("links").join("inbound");
+                if link::attached(&pin).unwrap_or(false) {
+                    return Ok(false);
+                }
+                InboundProgram::attach(netns, interface, config)?.pin(dir)?;
+                Ok(true)
+            }
         }
     }
 

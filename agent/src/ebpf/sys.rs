@@ -82,7 +82,17 @@ pub struct LinkInfo {
     pub target: u64,
 }
 
+/// What the kernel says of the link open as `link`; an error (`InvalidInput`) when the
+/// descriptor is another kind of BPF object (a map or program pinned where a link was
+/// expected, whose info would otherwise be read as a link's).
 pub fn link_info(link: BorrowedFd<'_>) -> std::io::Result<LinkInfo> {
+    let kind = std::fs::read_link(format!("/proc/self/fd/{}", link.as_raw_fd()))?;
+    if kind.as_os_str() != "anon_inode:bpf-link" {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("not a BPF link ({})", kind.display()),
+        ));
+    }
     // type, id, prog_id, padding, then the union (8-aligned): cgroup_id (u64) or
     // tcx's ifindex (u32).
     let w = info::<8>(link)?;

@@ -13,6 +13,7 @@ pub mod capture;
 pub mod ebpf;
 pub mod install;
 pub mod kube;
+pub mod node_capture;
 pub mod phases;
 pub mod plugin;
 pub mod pod;

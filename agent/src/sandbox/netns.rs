@@ -26,11 +26,39 @@ pub struct NetNs {
     owned: bool,
 }
 
+/// Makes /run/netns a shared mount, as `ip netns add` does: a namespace bound under it
+/// later then shows in mount namespaces made before (a container's `HostToContainer`
+/// mount of it, a private mount namespace a test runs a command in). Without it, such
+/// a path is an empty file there and entering it fails with EINVAL.
+fn shared_run_dir() -> Result<(), SandboxError> {
+    use nix::mount::{MsFlags, mount};
+    let shared = || {
+        mount(None::<&str>, NETNS_RUN_DIR, Some("none"), MsFlags::MS_SHARED | MsFlags::MS_REC, None::<&str>)
+    };
+    match shared() {
+        Ok(()) => Ok(()),
+        // Not a mount point yet: bound onto itself first.
+        Err(nix::errno::Errno::EINVAL) => {
+            mount(
+                Some(NETNS_RUN_DIR),
+                NETNS_RUN_DIR,
+                Some("none"),
+                MsFlags::MS_BIND | MsFlags::MS_REC,
+                None::<&str>,
+            )
+            .map_err(|e| SandboxError::sys(format!("bind-mount {NETNS_RUN_DIR} on itself"))(e.into()))?;
+            shared().map_err(|e| SandboxError::sys(format!("make {NETNS_RUN_DIR} shared"))(e.into()))
+        }
+        Err(e) => Err(SandboxError::sys(format!("make {NETNS_RUN_DIR} shared"))(e.into())),
+    }
+}
+
 impl NetNs {
     /// Creates `/run/netns/<name>` holding a fresh, empty network namespace (only `lo`,
     /// down).
     pub fn create(name: &str) -> Result<Self, SandboxError> {
         fs::create_dir_all(NETNS_RUN_DIR).map_err(SandboxError::io("create", NETNS_RUN_DIR))?;
+        shared_run_dir()?;
         let path = Path::new(NETNS_RUN_DIR).join(name);
         File::options()
             .write(true)

@@ -58,7 +58,7 @@ impl Node {
         let ipam = Dir::new("bench-scale-ipam")?;
         let cgroup = Cgroup::create(&unique_name("bench-scale"))?;
         let capture = unique_name("bench-scale-capture");
-        weir_agent::node::cni::ebpf::attach_node(&capture, cgroup.path())?;
+        weir_agent::node::cni::node_capture::attach_node(&capture, cgroup.path())?;
         let weir = json!({"cni_agent_run_dir": run_dir.path(), "capture_mode": "ebpf", "ebpf_node_capture": capture});
         let list = conflist("10.90.0.0/16", ipam.path(), weir);
         let mut primary = list.clone();
@@ -99,7 +99,7 @@ impl Node {
 
 impl Drop for Node {
     fn drop(&mut self) {
-        let _ = weir_agent::node::cni::ebpf::detach_node(&self.capture);
+        let _ = weir_agent::node::cni::node_capture::detach_node(&self.capture);
     }
 }
 

@@ -1,7 +1,7 @@
 //! eBPF capture from the CNI plugin. The node side (`weir cni install
-//! --ebpf-cgroup`) links the node program set (`ebpf::set`, loaded once per node) to
-//! the cgroup that holds the node's pods and pins the links (`<bpffs>/weir/<node
-//! capture>/links`); each ADD then registers the pod's network-namespace cookie with
+//! --ebpf-cgroup`, [`super::node_capture`]) links the node program set (`ebpf::set`,
+//! loaded once per node) to the cgroup that holds the node's pods and pins the links
+//! (`<bpffs>/weir/<node capture>/links`); each ADD then registers the pod's network-namespace cookie with
 //! its capture config in the set's maps and attaches the set's inbound classifier to
 //! the pod's interface, DEL unregisters it (from a record, so it works after the
 //! namespace is gone), CHECK looks it up. Nothing is loaded per pod.
@@ -10,26 +10,21 @@
 //! agent of another Weir build takes over a node (an upgrade, a rollback), the set the
 //! node capture ran is kept attached as `<node>-set-<key>` for the pods registered
 //! with it, which stay captured by it until they go; the set and its links go with its
-//! last pod ([`collect_retired`]). Taking capture away from running pods is only ever
-//! [`detach_node`], which `weir cni uninstall --detach-running-pods` asks for.
+//! last pod ([`super::node_capture::collect_retired`]). Taking capture away from running
+//! pods is only ever [`super::node_capture::detach_node`], which `weir cni uninstall --detach-running-pods` asks for.
 
-use std::{
-    fs::File,
-    path::{Path, PathBuf},
-};
+use std::path::{Path, PathBuf};
 
-use nix::fcntl::{Flock, FlockArg};
 use weir_iptables::CaptureConfig;
 
 use crate::ebpf::{
-    bpffs,
     capture::MapSet,
     config::{EbpfOptions, PodCapture},
-    health, link,
+    health,
     netns::{NetnsFacts, netns_cookie, owned_by_this_user_namespace},
-    record::{PinRecord, RECORD_DIR, pin_dir},
+    record::{PinRecord, RECORD_DIR},
     registration::Registration,
-    set::{self, LockedSet, NodePrograms, PodInterface},
+    set::{self, NodePrograms, PodInterface},
 };
 
 /// The node capture's default name (its pins and record).
@@ -48,6 +43,20 @@ pub enum CniEbpfError {
          and this build's programs are not attached on this node: the node agent of this build has not started here yet"
     )]
     OtherVersion { name: String, attached: String, this: String },
+    #[error(
+        "the node capture {name} has pins under {} ({record} under {RECORD_DIR}) that are not a capture of {} Weir can take up: \
+         {why}. They are left attached and this agent does not start. `weir cni uninstall --ebpf-name {name} --ebpf-cgroup {} \
+         --detach-running-pods` removes them (and capture from the pods that use them); then start again",
+        dir.display(), cgroup.display(), cgroup.display()
+    )]
+    PinsRefused { name: String, dir: PathBuf, cgroup: PathBuf, record: &'static str, why: String },
+    #[error(
+        "the cgroup {} is captured already by the node capture {other} (links {hooks} pinned under {}): a second node \
+         capture there would run every hook twice. Start with --ebpf-name {other} to take that capture up, or remove it with \
+         `weir cni uninstall --ebpf-name {other} --ebpf-cgroup {} --detach-running-pods` (which takes capture away from its pods)",
+        cgroup.display(), dir.display(), cgroup.display()
+    )]
+    OtherName { name: String, other: String, dir: PathBuf, cgroup: PathBuf, hooks: String },
     #[error(
         "the pod's network namespace {netns} belongs to a user namespace of its own (hostUsers: false): eBPF \
          capture tells Envoy's connections apart by user id as the node sees it, which differs there"
@@ -71,7 +80,7 @@ impl From<crate::ebpf::EbpfError> for CniEbpfError {
     }
 }
 
-fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> CniEbpfError {
+pub(crate) fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> CniEbpfError {
     let what = what.into();
     move |source| CniEbpfError::Io { what, source }
 }
@@ -84,21 +93,6 @@ pub fn node_capture_present(name: &str) -> bool {
 /// The name a set of another build keeps while pods registered with it remain.
 pub fn retired_name(node: &str, key: &str) -> String {
     format!("{node}-set-{key}")
-}
-
-/// Serialises attaching, retiring and collecting a node's captures (a DaemonSet
-/// rollout may run two agents at once).
-fn node_lock(name: &str) -> Result<Flock<File>, CniEbpfError> {
-    std::fs::create_dir_all(RECORD_DIR).map_err(io(format!("create {RECORD_DIR}")))?;
-    let path = Path::new(RECORD_DIR).join(format!(".{name}.lock"));
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .map_err(io(format!("open {}", path.display())))?;
-    Flock::lock(file, FlockArg::LockExclusive)
-        .map_err(|(_, e)| io(format!("lock {}", path.display()))(std::io::Error::from(e)))
 }
 
 /// The attachment this build registers pods with: the node capture when it runs this
@@ -124,166 +118,13 @@ fn node_record(name: &str) -> Result<(PinRecord, String), CniEbpfError> {
     })
 }
 
-/// Whether every cgroup link of a node capture still attaches its program to its cgroup.
-fn links_live(record: &PinRecord) -> bool {
-    let Ok(id) = link::cgroup_id(&record.cgroup) else { return false };
-    let links = record.pin_dir().join("links");
-    crate::ebpf::capture::cgroup_hooks()
-        .iter()
-        .all(|(name, _)| link::attached_to(&links.join(name), id).unwrap_or(false))
-}
-
-/// Moves a node capture's record and link pins to `to` (the links stay attached: each
-/// is pinned at its new place before its old pin goes).
-fn rename_capture(record: &PinRecord, to: &str) -> Result<PinRecord, CniEbpfError> {
-    let mut moved = record.clone();
-    moved.pod = to.to_string();
-    let (from_links, to_links) = (record.pin_dir().join("links"), moved.pin_dir().join("links"));
-    bpffs::create_dir(&to_links)?;
-    for entry in
-        std::fs::read_dir(&from_links).map_err(io(format!("read {}", from_links.display())))?.flatten()
-    {
-        link::move_pin(&entry.path(), &to_links.join(entry.file_name()))
-            .map_err(io(format!("move the pin {}", entry.path().display())))?;
-    }
-    moved.save().map_err(io("write the node capture record"))?;
-    bpffs::unpin(&record.pin_dir())?;
-    let _ = std::fs::remove_file(PinRecord::path(&record.pod));
-    Ok(moved)
-}
-
-/// Links the node program set to `cgroup` and pins the links; an existing node
-/// capture of this build on the same cgroup is kept (its links attached again if they
-/// were detached). Another build's node capture is kept attached, renamed for its set,
-/// while its pods remain. Returns whether anything was attached now.
-pub fn attach_node(name: &str, cgroup: &Path) -> Result<bool, CniEbpfError> {
-    let _lock = node_lock(name)?;
-    let this = set::version_key();
-    if let Some(record) = PinRecord::load(name).filter(|r| r.pin_dir().exists()) {
-        if record.cgroup != cgroup {
-            return Err(CniEbpfError::OtherCgroup {
-                name: name.into(),
-                existing: record.cgroup,
-                wanted: cgroup.into(),
-            });
-        }
-        if record.programs.as_deref() == Some(this.as_str()) {
-            if links_live(&record) {
-                return Ok(false);
-            }
-            let set = NodePrograms::open_existing(&this)?
-                .ok_or_else(|| CniEbpfError::NoNodeCapture { name: name.into() })?;
-            let hooks = set.reattach_cgroup(cgroup, &record.pin_dir())?;
-            tracing::warn!(node_capture = name, hooks = %hooks.join(","), "the node capture's links were detached or gone: attached again");
-            return Ok(true);
-        }
-        let key = record.programs.clone().unwrap_or_default();
-        let retired = retired_name(name, &key);
-        if PinRecord::load(&retired).is_some() {
-            // That set is attached under its retired name already: one attachment.
-            PinRecord { pod: name.into(), ..record }.remove_pins_only()?;
-        } else {
-            rename_capture(&record, &retired)?;
-        }
-        tracing::info!(node_capture = name, program_set = %key, kept_as = %retired, "another build's node capture kept for its pods");
-    }
-    if let Some(retired) = PinRecord::load(&retired_name(name, &this)).filter(|r| r.pin_dir().exists()) {
-        // Rolled back to a build whose set is still attached: it becomes the node
-        // capture again, never attached twice.
-        let record = rename_capture(&retired, name)?;
-        if !links_live(&record) {
-            let set = NodePrograms::open_existing(&this)?
-                .ok_or_else(|| CniEbpfError::NoNodeCapture { name: name.into() })?;
-            set.reattach_cgroup(cgroup, &record.pin_dir())?;
-        }
-        tracing::info!(node_capture = name, program_set = %this, "this build's node capture taken up again");
-        return Ok(true);
-    }
-    let set = NodePrograms::acquire()?;
-    let record = PinRecord {
-        pod: name.into(),
-        cgroup: cgroup.into(),
-        netns: None,
-        netns_cookie: 0,
-        interface: None,
-        programs: Some(set.key().to_string()),
-        registration: None,
-        k8s_pod: None,
-        pod_uid: None,
-        container: None,
-    };
-    set.attach_cgroup(cgroup, &record.pin_dir())?;
-    if let Err(e) = record.save() {
-        let _ = bpffs::unpin(&record.pin_dir());
-        let _ = set.release();
-        return Err(io("write the node capture record")(e));
-    }
-    Ok(true)
-}
-
-impl PinRecord {
-    /// Removes a node capture's pins and record, leaving its set and registrations.
-    fn remove_pins_only(&self) -> Result<(), CniEbpfError> {
-        bpffs::unpin(&self.pin_dir())?;
-        let _ = std::fs::remove_file(PinRecord::path(&self.pod));
-        Ok(())
-    }
-}
-
-/// Removes the retired attachments of node capture `name` whose sets no pod uses any
-/// more (no pod registered in their maps); returns their names.
-pub fn collect_retired(name: &str) -> Result<Vec<String>, CniEbpfError> {
-    let _lock = node_lock(name)?;
-    let prefix = format!("{name}-set-");
-    let mut removed = Vec::new();
-    for record in PinRecord::load_all().into_iter().filter(|r| r.pod.starts_with(&prefix)) {
-        let Some(key) = record.programs.clone() else { continue };
-        let pods = match LockedSet::open(&key)? {
-            Some(set) => set.pod_count()?,
-            None => 0,
-        };
-        if pods == 0 {
-            record.remove()?;
-            tracing::info!(node_capture = name, program_set = %key, "another build's node capture removed with its last pod");
-            removed.push(record.pod);
-        }
-    }
-    Ok(removed)
-}
-
-/// Detaches the node capture, every attachment it kept for other builds' sets, and
-/// every pod record made against them: capture is taken away from the node's pods.
-pub fn detach_node(name: &str) -> Result<(), CniEbpfError> {
-    let _lock = node_lock(name)?;
-    let (pods, retired) = (pod_prefix(name), format!("{name}-set-"));
-    for record in PinRecord::load_all().into_iter().filter(|r| r.pod.starts_with(&pods)) {
-        record.remove()?;
-        // An ambient pod keeps running uncaptured by eBPF: its accepted sockets must not
-        // take ztunnel's mark any more (a later capture by rules relies on that).
-        if record.pod.starts_with(&format!("{pods}ambient-"))
-            && let Some(netns) = record.netns.as_deref().filter(|p| p.exists())
-            && let Err(e) = weir_iptables::ambient::clear_inpod_ebpf(netns)
-        {
-            tracing::warn!(capture = %record.pod, error = %crate::error_chain(&e), "tcp_fwmark_accept not reset in a detached ambient pod");
-        }
-    }
-    for record in PinRecord::load_all().into_iter().filter(|r| r.pod.starts_with(&retired)) {
-        record.remove()?;
-    }
-    match PinRecord::load(name) {
-        Some(record) => record.remove()?,
-        None => bpffs::unpin(&pin_dir(name))?,
-    }
-    Ok(())
-}
-
 /// The pods registered through node capture `name` (their records).
 pub fn pod_records(name: &str) -> Vec<PinRecord> {
     let prefix = pod_prefix(name);
     PinRecord::load_all().into_iter().filter(|r| r.pod.starts_with(&prefix)).collect()
 }
 
-fn pod_prefix(node: &str) -> String {
+pub(crate) fn pod_prefix(node: &str) -> String {
     format!("{node}-pod-")
 }
 
@@ -547,7 +388,10 @@ fn register_capture(
         }
         None => (None, None),
     };
-    let was_captured = previous.is_some() || other_build.is_some();
+    // Registered already without a record this call can see (a record lost): captured
+    // before this call, so never unregistered by its undo.
+    let was_captured =
+        previous.is_some() || other_build.is_some() || set.maps().pod_config(cookie)?.is_some();
     let interface = PodInterface { netns, name: ifname, mac: facts.mac(ifname).ok() };
     let registration = set.register(cookie, pod, Some(interface), previous.as_ref())?;
     // After the switch: a failure takes back a new pod's registration, and leaves a pod
@@ -576,18 +420,13 @@ fn register_capture(
     Ok(cookie)
 }
 
-/// DEL: unregisters the container's pod (idempotent; works without the namespace), then
-/// removes another build's attachment if this was its last pod.
-pub fn unregister(node: &str, container_id: &str) -> Result<(), CniEbpfError> {
-    let Some(record) = PinRecord::load(&pod_record_name(node, container_id)) else { return Ok(()) };
+/// DEL: unregisters the container's pod (idempotent; works without the namespace).
+/// Returns the program set it was registered in: when that is another build's kept for
+/// its pods, [`super::node_capture::collect_retired`] removes it with its last pod.
+pub fn unregister(node: &str, container_id: &str) -> Result<Option<String>, CniEbpfError> {
+    let Some(record) = PinRecord::load(&pod_record_name(node, container_id)) else { return Ok(None) };
     record.remove()?;
-    // The pod's set kept attached for its pods (another build's) goes with the last.
-    if let Some(key) = &record.programs
-        && PinRecord::load(&retired_name(node, key)).is_some()
-    {
-        collect_retired(node)?;
-    }
-    Ok(())
+    Ok(record.programs)
 }
 
 /// The pod with UID `uid` as registered through node capture `node` for namespace

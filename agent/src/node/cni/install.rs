@@ -206,7 +206,7 @@ pub fn ensure(s: &InstallSettings) -> Result<Changes, InstallError> {
     let mut changes = Changes::default();
     // The node's eBPF capture, before any pod can be chained to it.
     if let Some((name, cgroup)) = &s.ebpf
-        && super::ebpf::attach_node(name, cgroup)?
+        && super::node_capture::attach_node(name, cgroup)?
     {
         tracing::info!(node_capture = %name, cgroup = %cgroup.display(), "eBPF node capture attached");
     }
@@ -273,10 +273,11 @@ pub fn uninstall(s: &InstallSettings, detach_running_pods: bool) -> Result<Unins
             }
         }
     }
-    if let Some((name, _)) = &s.ebpf {
-        let pods = super::ebpf::pod_records(name).len();
+    if let Some((name, cgroup)) = &s.ebpf {
+        // Counted in the sets' maps: records can be lost, registrations cannot.
+        let pods = super::node_capture::pods_registered(name, cgroup)?;
         if pods == 0 || detach_running_pods {
-            super::ebpf::detach_node(name)?;
+            super::node_capture::detach_node(name)?;
             tracing::info!(node_capture = %name, pods_uncaptured = pods, "eBPF node capture detached");
         } else {
             report.pods_kept_captured = pods;
@@ -364,7 +365,7 @@ pub fn tidy_node_capture(name: &str, collect_gone: bool) {
             tracing::warn!(error = %crate::error_chain(&e), "orphaned capture list entries not collected")
         }
     }
-    if let Err(e) = super::ebpf::collect_retired(name) {
+    if let Err(e) = super::node_capture::collect_retired(name) {
         tracing::warn!(node_capture = name, error = %crate::error_chain(&e), "other builds' node captures not collected");
     }
     crate::ebpf::metrics::warn_on_full_maps();
@@ -376,6 +377,9 @@ fn collect_gone_pods() {
     let (view, removed) = crate::ebpf::gc::collect_gone_pods(std::path::Path::new("/proc"));
     if let Err(e) = &view {
         tracing::warn!(reason = %e, "pods that are gone are collected only when their namespace path names another namespace (run with hostPID to collect the rest)");
+    }
+    if let Err(e) = crate::ebpf::gc::collect_unrecorded(&view) {
+        tracing::warn!(error = %crate::error_chain(&e), "registrations without a record not collected");
     }
     for (pod, result) in removed {
         match result {

@@ -222,10 +222,16 @@ fn del(conf: &NetConf, inv: &Invocation) -> Result<(), CniError> {
         }
     }
     for id in ids {
-        super::ebpf::unregister(node_capture(conf), &id).map_err(ebpf_error(format!(
+        let key = super::ebpf::unregister(node_capture(conf), &id).map_err(ebpf_error(format!(
             "cannot remove the eBPF capture of container {}",
             inv.container_id
         )))?;
+        super::node_capture::collect_retired_after(node_capture(conf), key.as_deref()).map_err(
+            ebpf_error(format!(
+                "cannot remove another build's eBPF capture after container {}",
+                inv.container_id
+            )),
+        )?;
     }
     let Some(netns) = inv.netns.as_deref().map(PathBuf::from).filter(|p| p.exists()) else {
         tracing::info!(container = %inv.container_id, "network namespace already gone: nothing to remove");
