@@ -3,10 +3,12 @@
 //! node agent's command line (`command`: `weir cni install|uninstall|repair|ambient`),
 //! ambient mode's node agent (`ambient`: enrollment, in-pod rules, the plugin's event
 //! socket), what the plugin and that agent share (`enroll`: which pods are ambient, the
-//! plugin's add event) and ZDS, the node agent's server for ztunnel.
+//! plugin's add event, the namespace paths it sends), ZDS, the node agent's server for
+//! ztunnel, and `local_socket`: the agent's Unix sockets only their one peer drives.
 
 pub mod ambient;
 pub mod cni;
 pub mod command;
 pub mod enroll;
+pub mod local_socket;
 pub mod zds;

@@ -142,6 +142,11 @@ impl AmbientNode {
         }
     }
 
+    /// The running agent's process id.
+    pub fn agent_pid(&self) -> Option<u32> {
+        self.agent.as_ref().map(PodChild::pid)
+    }
+
     /// SIGTERM to the agent, and waits for it to exit.
     pub fn stop_agent(&mut self) -> anyhow::Result<()> {
         let Some(mut agent) = self.agent.take() else { return Ok(()) };

@@ -4,4 +4,5 @@
 //! POST over the agent's unix socket).
 
 pub mod event;
+pub mod netns_path;
 pub mod selector;

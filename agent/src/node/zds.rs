@@ -128,11 +128,19 @@ pub struct ZdsConfig {
     pub accept_interval: Duration,
     /// Updates queued per connection (Istio's channel of 100).
     pub queue: usize,
+    /// The uids ztunnel may connect as (`WEIR_ZTUNNEL_UIDS`; ztunnel's chart runs it as
+    /// root): any other peer is closed before it is sent a pod.
+    pub peer_uids: Vec<u32>,
 }
 
 impl Default for ZdsConfig {
     fn default() -> Self {
-        Self { deadline: Duration::from_secs(5), accept_interval: Duration::from_millis(200), queue: 100 }
+        Self {
+            deadline: Duration::from_secs(5),
+            accept_interval: Duration::from_millis(200),
+            queue: 100,
+            peer_uids: vec![0],
+        }
     }
 }
 

@@ -51,6 +51,12 @@
 //!   syn-probe <iface> <dst-mac> <src-ip> <dst-ip> <dport> <plain|hbh|dstopts|fragments>
 //!                                       sends one crafted SYN as raw frames, prints what
 //!                                       came back: syn-ack, rst or nothing (1 s)
+//!   unix-post <socket> <path> <body> [<hold-ms>]
+//!                                       HTTP/1.1 POST of <body> over a unix socket;
+//!                                       prints the status line and body, or
+//!                                       `connect: <error>`; with hold-ms, sends only
+//!                                       the request line first and waits that long
+//!                                       (a slow client)
 //!   datapath-load <kind> <to> <expect|none> <count> <secs> <inflight> [<cgroup>] [--cpu N]
 //!                                       one load run (connect, rr or bulk); prints its
 //!                                       measurements as JSON
@@ -164,6 +170,7 @@ fn main() -> ExitCode {
                 datapath_load(&args)
             }
             "syn-probe" => syn_probe(&args),
+            "unix-post" => unix_post(arg(1)?, arg(2)?, arg(3)?, args.get(4).map(|h| h.parse().unwrap_or(0))),
             "sidecar" => weir_tests::meshtraffic::sidecar(),
             "mesh-app" => weir_tests::meshtraffic::app(addr(arg(1)?)?, std::path::Path::new(arg(2)?)),
             "mesh-client" => {
@@ -655,5 +662,35 @@ fn connect_storm(to: SocketAddr, count: u32, timeout: Duration, max_other: u32) 
     }
     let kinds: Vec<String> = kinds.iter().map(|(k, n)| format!("{n}× {k}")).collect();
     println!("connected {connected} refused {refused} other {other} {}", kinds.join("; "));
+    Ok(())
+}
+
+/// `unix-post`: one HTTP/1.1 POST over a unix socket; prints what came back.
+fn unix_post(socket: &str, path: &str, body: &str, hold_ms: Option<u64>) -> Result<(), String> {
+    let mut stream = match std::os::unix::net::UnixStream::connect(socket) {
+        Ok(s) => s,
+        Err(e) => {
+            println!("connect: {e}");
+            return Ok(());
+        }
+    };
+    stream.set_read_timeout(Some(Duration::from_secs(30))).map_err(|e| e.to_string())?;
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nhost: unix\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    if let Some(ms) = hold_ms {
+        let _ = stream.write_all(&head.as_bytes()[..10]);
+        std::thread::sleep(Duration::from_millis(ms));
+        let _ = stream.write_all(&head.as_bytes()[10..]);
+    } else {
+        let _ = stream.write_all(head.as_bytes());
+    }
+    let _ = stream.write_all(body.as_bytes());
+    let mut answer = String::new();
+    let _ = stream.read_to_string(&mut answer);
+    let status = answer.lines().next().unwrap_or("no answer").to_string();
+    let reply = answer.split_once("\r\n\r\n").map(|(_, b)| b.trim().to_string()).unwrap_or_default();
+    println!("{status}\n{reply}");
     Ok(())
 }

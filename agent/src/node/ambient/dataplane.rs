@@ -44,6 +44,7 @@ use crate::node::{
         kube::{KubeClient, KubeError},
         podns,
     },
+    enroll::netns_path,
     zds::{WorkloadInfo, ZdsError, ZdsHandle},
 };
 
@@ -59,6 +60,12 @@ pub enum DataplaneError {
     },
     #[error("pod {pod}: {message}")]
     FindNetns { pod: String, message: String },
+    #[error("pod {pod}: the event's network namespace")]
+    EventNetns {
+        pod: String,
+        #[source]
+        source: crate::node::enroll::netns_path::NetnsPathError,
+    },
     #[error("pod {pod}: bad annotation")]
     Annotation {
         pod: String,
@@ -251,10 +258,7 @@ impl Dataplane {
     ) -> Result<OwnedFd, DataplaneError> {
         let who = pod.key();
         if let Some(path) = path.filter(|p| !p.is_empty()) {
-            let full = self.settings.host_path(path);
-            return std::fs::File::open(&full)
-                .map(OwnedFd::from)
-                .map_err(|source| DataplaneError::OpenNetns { pod: who, path: full, source });
+            return self.open_event_netns(pod, ips, path).await;
         }
         if let Some(fd) = self.zds.netns(&pod.uid) {
             return Ok(fd);
@@ -265,6 +269,63 @@ impl Dataplane {
             .await
             .map_err(|e| DataplaneError::Task { pod: who.clone(), message: e.to_string() })?;
         found.map_err(|message| DataplaneError::FindNetns { pod: who, message })
+    }
+
+    /// The namespace the plugin's event names ([`netns_path`]: a runtime's form, under
+    /// the node's root, opened non-blocking with a deadline, a network namespace that
+    /// is not the node's or the agent's), checked to hold one of the event's addresses;
+    /// and never in place of the namespace an enrolled pod's processes still run in.
+    async fn open_event_netns(
+        &self,
+        pod: &AmbientPod,
+        ips: &[IpAddr],
+        path: &str,
+    ) -> Result<OwnedFd, DataplaneError> {
+        let who = pod.key();
+        let (root, proc) = (&self.settings.host_root, &self.settings.host_proc);
+        let (_, fd) = netns_path::open_with_deadline(path, root, proc)
+            .await
+            .map_err(|source| DataplaneError::EventNetns { pod: who.clone(), source })?;
+        let cached = self.zds.netns(&pod.uid);
+        let (checked, uid, ips, proc) = (fd.try_clone(), pod.uid.clone(), ips.to_vec(), proc.clone());
+        let refused = tokio::task::spawn_blocking(move || -> Result<(), String> {
+            let fd = checked.map_err(|e| format!("duplicate the namespace's descriptor: {e}"))?;
+            if ips.is_empty() {
+                return Err("the event names no address of the pod to check its namespace against".into());
+            }
+            check_owner(&fd, &ips)?;
+            let id = |f: &OwnedFd| {
+                nix::sys::stat::fstat(std::os::fd::AsFd::as_fd(f)).map(|s| (s.st_dev, s.st_ino))
+            };
+            if let Some(old) = cached
+                && let (Ok(old_id), Ok(new_id)) = (id(&old), id(&fd))
+                && old_id != new_id
+            {
+                match podns::pod_in_namespace(&proc, &uid, old_id) {
+                    Ok(false) => {}
+                    Ok(true) => {
+                        return Err(format!(
+                            "the pod is enrolled in namespace net:[{}] and its processes still run there: \
+                             an event cannot move it to net:[{}]",
+                            old_id.1, new_id.1
+                        ));
+                    }
+                    Err(e) => {
+                        return Err(format!(
+                            "cannot tell whether the pod still runs in its enrolled namespace: {e}"
+                        ));
+                    }
+                }
+            }
+            Ok(())
+        })
+        .await
+        .map_err(|e| DataplaneError::Task { pod: who.clone(), message: e.to_string() })?;
+        refused.map_err(|message| DataplaneError::FindNetns {
+            pod: who,
+            message: format!("{path}: {message}"),
+        })?;
+        Ok(fd)
     }
 
     /// Captures the pod as `WEIR_AMBIENT_CAPTURE` says: the in-pod rules, Weir's eBPF

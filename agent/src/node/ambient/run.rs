@@ -31,7 +31,7 @@ pub enum AgentError {
     #[error(transparent)]
     HostProbe(#[from] hostprobe::HostProbeError),
     #[error("plugin event socket")]
-    Listener(#[from] listener::ListenerError),
+    Listener(#[from] crate::node::local_socket::LocalSocketError),
     #[error("the {0} watch ended before its first list")]
     NoList(&'static str),
     #[error("a start-up task failed: {0}")]
@@ -51,7 +51,8 @@ pub async fn run(
             "AMBIENT_ENABLEMENT_SELECTOR is empty: no pod will be enrolled (Istio's chart sets two selectors)"
         );
     }
-    let server = ZdsServer::bind(&settings.ztunnel_socket)?;
+    let zds = crate::node::zds::ZdsConfig { peer_uids: settings.ztunnel_uids.clone(), ..Default::default() };
+    let server = ZdsServer::bind_with(&settings.ztunnel_socket, zds)?;
     let kube = Arc::new(kube);
     let dataplane = Arc::new(Dataplane::new(settings.clone(), server.handle(), kube.clone()));
     let s = settings.clone();

@@ -80,8 +80,9 @@ pub struct AmbientSettings {
     pub disable_safe_upgrade: bool,
     /// `ENABLE_AMBIENT_DETECTION_RETRY`: written into the plugin's config.
     pub detection_retry: bool,
-    /// `WEIR_HOST_ROOT` (default `/host`): the node's root as mounted, prefixed to the
-    /// network namespace paths the plugin sends (Istio's `/host`).
+    /// `WEIR_HOST_ROOT` (default `/host`): the node's root as mounted; the network
+    /// namespace paths the plugin sends are resolved under it, every link taken as
+    /// relative to it (Istio's `/host`; empty: this container's root).
     pub host_root: PathBuf,
     /// `WEIR_HOST_PROC` (default `/host/proc`): the node's /proc, where pods that started
     /// before the agent are found and kubelet's uid is read.
@@ -91,6 +92,9 @@ pub struct AmbientSettings {
     pub kubelet_uid: Option<u32>,
     /// `WEIR_AMBIENT_CAPTURE` (default `rules`).
     pub capture: AmbientCapture,
+    /// `WEIR_ZTUNNEL_UIDS` (default `0`, as ztunnel's chart runs it): the uids a ZDS
+    /// peer may run as (comma separated); any other is closed before it is sent a pod.
+    pub ztunnel_uids: Vec<u32>,
     /// `WEIR_EBPF_NODE_CAPTURE` (default `cni-node`, as `weir cni install --ebpf-name`):
     /// the node capture eBPF capture registers ambient pods with.
     pub ebpf_node_capture: String,
@@ -115,6 +119,7 @@ impl Default for AmbientSettings {
             host_proc: "/host/proc".into(),
             kubelet_uid: None,
             capture: AmbientCapture::default(),
+            ztunnel_uids: vec![0],
             ebpf_node_capture: crate::node::cni::ebpf::DEFAULT_NODE_CAPTURE.into(),
         }
     }
@@ -169,6 +174,12 @@ impl AmbientSettings {
                 v.trim().parse().map_err(|_| ConfigError::new("WEIR_KUBELET_UID", &v, "a uid (a number)"))?,
             );
         }
+        if let Some(v) = get("WEIR_ZTUNNEL_UIDS").filter(|v| !v.trim().is_empty()) {
+            s.ztunnel_uids =
+                v.split(',').map(|u| u.trim().parse::<u32>()).collect::<Result<_, _>>().map_err(|_| {
+                    ConfigError::new("WEIR_ZTUNNEL_UIDS", &v, "uids (numbers), comma separated")
+                })?;
+        }
         if let Some(v) = get("WEIR_AMBIENT_CAPTURE") {
             s.capture = AmbientCapture::parse(&v)?;
         }
@@ -195,16 +206,6 @@ impl AmbientSettings {
         self.run_dir.join(crate::node::enroll::event::SOCKET_NAME)
     }
 
-    /// The path the agent opens for a netns path the plugin sent.
-    pub fn host_path(&self, path: &str) -> PathBuf {
-        let relative = path.trim_start_matches('/');
-        if self.host_root.as_os_str().is_empty() {
-            PathBuf::from("/").join(relative)
-        } else {
-            self.host_root.join(relative)
-        }
-    }
-
     /// One line per setting, for the start-up log.
     pub fn describe(&self) -> String {
         let r = &self.rules;
@@ -213,7 +214,7 @@ impl AmbientSettings {
              AMBIENT_RECONCILE_POD_RULES_ON_STARTUP={} NATIVE_NFTABLES={} ZTUNNEL_UDS_ADDRESS={} \
              CNI_AGENT_RUN_DIR={} EXCLUDE_NAMESPACES={} NODE_NAME={} SYSTEM_NAMESPACE={} HOST_PROBE_SNAT_IP={} \
              HOST_PROBE_SNAT_IPV6={} WEIR_HOST_ROOT={} WEIR_HOST_PROC={} WEIR_AMBIENT_CAPTURE={} \
-             WEIR_EBPF_NODE_CAPTURE={}",
+             WEIR_EBPF_NODE_CAPTURE={} WEIR_ZTUNNEL_UIDS={}",
             self.enabled,
             self.selectors.entries().len(),
             r.redirect_dns,
@@ -231,6 +232,7 @@ impl AmbientSettings {
             self.host_proc.display(),
             self.capture.as_str(),
             self.ebpf_node_capture,
+            self.ztunnel_uids.iter().map(u32::to_string).collect::<Vec<_>>().join(","),
         )
     }
 }
@@ -276,15 +278,12 @@ mod tests {
         assert_eq!(s.exclude_namespaces, ["kube-system", "istio-system"]);
         assert!(s.excluded("istio-system") && !s.excluded("default"));
         assert_eq!(s.event_socket(), PathBuf::from("/run/cni/pluginevent.sock"));
-        assert_eq!(s.host_path("/var/run/netns/cni-1"), PathBuf::from("/var/run/netns/cni-1"));
+        assert_eq!(s.host_root, PathBuf::new());
         assert_eq!(s.kubelet_uid, Some(1000));
         assert_eq!(s.capture, AmbientCapture::Rules);
         let s = read(&[("WEIR_AMBIENT_CAPTURE", "auto"), ("WEIR_EBPF_NODE_CAPTURE", "n1-capture")]).unwrap();
         assert_eq!((s.capture, s.ebpf_node_capture.as_str()), (AmbientCapture::Auto, "n1-capture"));
-        assert_eq!(
-            AmbientSettings::default().host_path("/var/run/netns/cni-1"),
-            PathBuf::from("/host/var/run/netns/cni-1")
-        );
+        assert_eq!(AmbientSettings::default().host_root, PathBuf::from("/host"));
     }
 
     #[test]
@@ -300,6 +299,7 @@ mod tests {
             ),
             (&[("AMBIENT_ENABLED", "true")][..], "invalid NODE_NAME"),
             (&[("WEIR_KUBELET_UID", "kubelet")][..], "invalid WEIR_KUBELET_UID"),
+            (&[("WEIR_ZTUNNEL_UIDS", "0,ztunnel")][..], "invalid WEIR_ZTUNNEL_UIDS"),
             (&[("AMBIENT_IPV6", "on")][..], "invalid AMBIENT_IPV6"),
             (&[("WEIR_AMBIENT_CAPTURE", "bpf")][..], "invalid WEIR_AMBIENT_CAPTURE"),
         ] {

@@ -161,16 +161,25 @@ async fn lookup(client: &KubeClient, namespace: &str, name: &str) -> Result<PodI
     }
 }
 
+/// The pod's namespace from `CNI_NETNS`: one of the forms a runtime sends, a network
+/// namespace, neither the node's nor the plugin's own
+/// ([`crate::node::enroll::netns_path`]); the path as given.
 fn netns_of(inv: &Invocation) -> Result<PathBuf, CniError> {
-    let netns = PathBuf::from(inv.netns.as_deref().unwrap_or_default());
-    if !netns.exists() {
-        return Err(CniError::new(
-            code::UNKNOWN_CONTAINER,
-            format!("network namespace {} does not exist", netns.display()),
-            format!("container {}", inv.container_id),
-        ));
-    }
-    Ok(netns)
+    use crate::node::enroll::netns_path::{NetnsPath, NetnsPathError};
+    let given = inv.netns.as_deref().unwrap_or_default();
+    let bad = |e: NetnsPathError| match &e {
+        NetnsPathError::Open { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+            CniError::new(
+                code::UNKNOWN_CONTAINER,
+                format!("network namespace {given} does not exist"),
+                format!("container {}", inv.container_id),
+            )
+        }
+        _ => CniError::new(code::INVALID_ENV, format!("CNI_NETNS {given:?} refused"), crate::error_chain(&e)),
+    };
+    let parsed = NetnsPath::parse(given).map_err(bad)?;
+    drop(parsed.open(Path::new("/"), Path::new("/proc")).map_err(bad)?);
+    Ok(PathBuf::from(given))
 }
 
 fn add(conf: &NetConf, inv: &Invocation) -> Result<(), CniError> {
@@ -233,9 +242,18 @@ fn del(conf: &NetConf, inv: &Invocation) -> Result<(), CniError> {
             )),
         )?;
     }
-    let Some(netns) = inv.netns.as_deref().map(PathBuf::from).filter(|p| p.exists()) else {
-        tracing::info!(container = %inv.container_id, "network namespace already gone: nothing to remove");
-        return Ok(());
+    let netns = match netns_of(inv) {
+        Ok(netns) => netns,
+        Err(e)
+            if e.code == code::UNKNOWN_CONTAINER || inv.netns.as_deref().unwrap_or_default().is_empty() =>
+        {
+            tracing::info!(container = %inv.container_id, "network namespace already gone: nothing to remove");
+            return Ok(());
+        }
+        Err(e) => {
+            tracing::warn!(container = %inv.container_id, error = %e, "nothing removed from a network namespace the plugin refuses");
+            return Ok(());
+        }
     };
     let cfg = CaptureConfig::default();
     for native_nftables in [false, true] {
@@ -316,13 +334,21 @@ mod tests {
         assert_eq!((e.code, e.cni_version.as_str()), (code::INVALID_ENV, "0.4.0"));
         let env = |k: &str| match k {
             "CNI_CONTAINERID" => Some("c".to_string()),
-            "CNI_NETNS" => Some("/nonexistent/netns".to_string()),
+            "CNI_NETNS" => Some("/var/run/netns/weir-test-nonexistent".to_string()),
             "CNI_IFNAME" => Some("eth0".to_string()),
             _ => None,
         };
         let e = run(Command::Add, br#"{"cniVersion":"1.0.0","name":"k8s"}"#, env).unwrap_err();
         assert_eq!(e.code, code::UNKNOWN_CONTAINER);
-        assert!(e.msg.contains("/nonexistent/netns"), "{e}");
+        assert!(e.msg.contains("/var/run/netns/weir-test-nonexistent"), "{e}");
+        // A path in no form a runtime sends is refused before anything opens it.
+        let escape = |k: &str| match k {
+            "CNI_NETNS" => Some("/var/run/netns/../../../proc/1/ns/net".to_string()),
+            other => env(other),
+        };
+        let e = run(Command::Add, br#"{"cniVersion":"1.0.0","name":"k8s"}"#, escape).unwrap_err();
+        assert_eq!(e.code, code::INVALID_ENV, "{e}");
+        assert!(e.msg.contains("CNI_NETNS") && e.details.contains("expected /var/run/netns/<name>"), "{e}");
         // DEL of a namespace that is gone is success.
         assert_eq!(run(Command::Del, br#"{"cniVersion":"1.0.0","name":"k8s"}"#, env), Ok(String::new()));
         let e = run(Command::Check, br#"{"cniVersion":"1.0.0","name":"k8s"}"#, env).unwrap_err();

@@ -91,6 +91,26 @@ pub fn find_many(
         .collect())
 }
 
+/// Whether a process of pod `uid` is in the network namespace `(dev, ino)`: the
+/// evidence that a namespace is still the pod's.
+pub fn pod_in_namespace(proc_root: &Path, uid: &str, ns: (u64, u64)) -> Result<bool, PodNetnsError> {
+    let entries = std::fs::read_dir(proc_root)
+        .map_err(|e| PodNetnsError::Proc { path: proc_root.into(), message: e.to_string() })?;
+    for entry in entries.flatten() {
+        if !entry.file_name().to_string_lossy().bytes().all(|b| b.is_ascii_digit()) {
+            continue;
+        }
+        let Ok(cgroups) = std::fs::read_to_string(entry.path().join("cgroup")) else { continue };
+        if !cgroups.lines().any(|l| names_pod(l, uid)) {
+            continue;
+        }
+        if std::fs::metadata(entry.path().join("ns/net")).is_ok_and(|m| (m.dev(), m.ino()) == ns) {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
 /// The answer for one pod from the namespaces its processes are in.
 fn one(
     uid: &str,

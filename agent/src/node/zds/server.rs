@@ -3,7 +3,7 @@
 //! until it ends; the reason it ended is logged. Stopping closes every connection
 //! (ztunnel reconnects to the next agent) and removes the socket file.
 
-use std::{path::Path, sync::Arc};
+use std::{os::fd::AsFd as _, path::Path, sync::Arc};
 
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -72,7 +72,13 @@ impl ZdsServer {
             };
             let sock =
                 accepted.map_err(|source| ZdsError::Accept { path: self.listener.path().into(), source })?;
-            connections.spawn(serve(sock, self.shared.clone(), stop.child_token()));
+            // Only ztunnel is sent pods and their namespaces: another peer is closed at once.
+            match crate::node::local_socket::check_peer(sock.as_fd(), &self.shared.config.peer_uids, "ZDS") {
+                Ok(_) => {
+                    connections.spawn(serve(sock, self.shared.clone(), stop.child_token()));
+                }
+                Err(why) => tracing::warn!(reason = %why, "a ZDS connection refused"),
+            }
             while connections.try_join_next().is_some() {}
             // At most one accept per interval: a ztunnel reconnecting in a loop costs
             // little.

@@ -32,9 +32,15 @@ struct Server {
     task: JoinHandle<Result<(), ZdsError>>,
 }
 
+/// The default config with this process's uid as ztunnel's (the tests' fake ztunnel
+/// runs as whoever runs the tests).
+fn own() -> ZdsConfig {
+    ZdsConfig { peer_uids: vec![nix::unistd::geteuid().as_raw()], ..ZdsConfig::default() }
+}
+
 impl Server {
     fn start() -> Self {
-        Self::start_with(ZdsConfig::default())
+        Self::start_with(own())
     }
 
     fn start_with(config: ZdsConfig) -> Self {
@@ -427,7 +433,7 @@ async fn s12_nacks_reach_the_requester_and_do_not_stop_a_snapshot() {
 #[tokio::test]
 async fn s13_an_ack_timeout_closes_the_connection_and_a_reconnect_gets_everything() {
     let deadline = Duration::from_millis(300);
-    let server = Server::start_with(ZdsConfig { deadline, ..ZdsConfig::default() });
+    let server = Server::start_with(ZdsConfig { deadline, ..own() });
     let mut fake = FakeZtunnel::connect_hello(&server.path).await;
     assert!(fake.take_snapshot().await.is_empty());
     let e = {
@@ -499,8 +505,7 @@ async fn s15_no_keep_or_snapshot_sent_after_the_snapshot_and_no_oversized_add() 
 // deadline, the connection still goes as soon as ztunnel closes.
 #[tokio::test]
 async fn s16_an_idle_peer_closing_is_noticed_at_once() {
-    let server =
-        Server::start_with(ZdsConfig { deadline: Duration::from_secs(3600), ..ZdsConfig::default() });
+    let server = Server::start_with(ZdsConfig { deadline: Duration::from_secs(3600), ..own() });
     let mut fake = FakeZtunnel::connect_hello(&server.path).await;
     assert!(fake.take_snapshot().await.is_empty());
     server.wait_synced(1).await;
@@ -598,8 +603,7 @@ async fn add_refuses_an_empty_uid_and_an_fd_that_is_not_a_netns() {
 // taken, so an Add still goes to the first.
 #[tokio::test]
 async fn accepts_are_rate_limited() {
-    let server =
-        Server::start_with(ZdsConfig { accept_interval: Duration::from_secs(3600), ..ZdsConfig::default() });
+    let server = Server::start_with(ZdsConfig { accept_interval: Duration::from_secs(3600), ..own() });
     let mut first = FakeZtunnel::connect_hello(&server.path).await;
     assert!(first.take_snapshot().await.is_empty());
     let _second = FakeZtunnel::connect_hello(&server.path).await;
@@ -617,12 +621,13 @@ async fn bind_replaces_a_stale_socket_refuses_other_files_and_makes_the_director
     use std::os::unix::fs::PermissionsExt as _;
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("run/ztunnel/ztunnel.sock");
-    let server = ZdsServer::bind(&path).unwrap();
-    let mode = std::fs::metadata(path.parent().unwrap()).unwrap().permissions().mode() & 0o777;
-    assert_eq!(mode, 0o750);
+    let server = ZdsServer::bind_with(&path, own()).unwrap();
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(path.parent().unwrap()), 0o700, "only root reaches the socket's directory");
+    assert_eq!(mode(&path), 0o600, "nor the socket");
     drop(server); // the socket file stays, as after an agent that was killed
     assert!(path.exists());
-    let server = ZdsServer::bind(&path).unwrap();
+    let server = ZdsServer::bind_with(&path, own()).unwrap();
     let mut status = server.handle().watch();
     let stop = CancellationToken::new();
     let task = tokio::spawn(server.run(stop.clone()));
@@ -637,4 +642,17 @@ async fn bind_replaces_a_stale_socket_refuses_other_files_and_makes_the_director
     let e = ZdsServer::bind(&path).unwrap_err();
     assert!(matches!(e, ZdsError::NotASocket { found: "a regular file", .. }), "{e}");
     assert!(e.to_string().contains("refusing to replace it"), "{e}");
+}
+
+/// A peer that is not ztunnel's uid is closed before it is sent anything: no snapshot,
+/// no pod, no namespace. Before, any process that reached the socket was served every
+/// pod's namespace and identity.
+#[tokio::test]
+async fn a_peer_running_as_another_uid_is_closed_before_it_is_sent_a_pod() {
+    let me = nix::unistd::geteuid().as_raw();
+    let server = Server::start_with(ZdsConfig { peer_uids: vec![me.wrapping_add(4242)], ..own() });
+    server.cache(&["uid-a"]).await;
+    let mut fake = FakeZtunnel::connect(&server.path);
+    fake.expect_closed().await;
+    assert_eq!(server.zds.watch().borrow().connections, 0, "never registered");
 }

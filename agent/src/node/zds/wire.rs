@@ -9,7 +9,7 @@ use std::{
     io::{self, IoSlice, IoSliceMut},
     os::{
         fd::{AsRawFd as _, BorrowedFd, FromRawFd as _, OwnedFd, RawFd},
-        unix::fs::{DirBuilderExt as _, FileTypeExt as _, MetadataExt as _},
+        unix::fs::{FileTypeExt as _, MetadataExt as _},
     },
     path::{Path, PathBuf},
 };
@@ -49,6 +49,12 @@ pub(super) struct Datagram {
     pub control_truncated: bool,
     /// Nothing was received because the peer closed its end (EOF).
     pub eof: bool,
+}
+
+impl std::os::fd::AsFd for Seqpacket {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.fd.get_ref().as_fd()
+    }
 }
 
 impl Seqpacket {
@@ -192,26 +198,23 @@ pub(super) struct Listener {
 }
 
 impl Listener {
-    /// Binds `path`: its directory made (`0750`) if missing, a socket file left there
+    /// Binds `path` `0600` in a directory only root writes
+    /// ([`crate::node::local_socket::bind_private`]): a socket file left there is
     /// removed, anything else there refused.
     pub fn bind(path: &Path) -> Result<Self, ZdsError> {
-        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty() && !d.exists()) {
-            fs::DirBuilder::new().recursive(true).mode(0o750).create(dir).map_err(|source| {
-                ZdsError::Socket { what: "create the socket directory", path: dir.into(), source }
-            })?;
-        }
         remove_stale(path)?;
-        let io = |what| move |e: Errno| ZdsError::Socket { what, path: path.into(), source: e.into() };
-        let fd = socket::socket(
-            AddressFamily::Unix,
-            SockType::SeqPacket,
-            SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
-            None,
-        )
-        .map_err(io("create a SOCK_SEQPACKET socket for"))?;
-        socket::bind(fd.as_raw_fd(), &UnixAddr::new(path).map_err(io("name a unix socket"))?)
-            .map_err(io("bind"))?;
-        socket::listen(&fd, Backlog::new(128).unwrap_or(Backlog::MAXCONN)).map_err(io("listen on"))?;
+        let fd = crate::node::local_socket::bind_private(path, |at| {
+            let fd = socket::socket(
+                AddressFamily::Unix,
+                SockType::SeqPacket,
+                SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
+                None,
+            )?;
+            socket::bind(fd.as_raw_fd(), &UnixAddr::new(at)?)?;
+            socket::listen(&fd, Backlog::new(128).unwrap_or(Backlog::MAXCONN))?;
+            Ok(fd)
+        })
+        .map_err(|e| ZdsError::Socket { what: e.what, path: e.path, source: e.source })?;
         let meta = fs::symlink_metadata(path).map_err(|source| ZdsError::Socket {
             what: "stat the bound socket",
             path: path.into(),
