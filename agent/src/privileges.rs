@@ -14,6 +14,7 @@ pub enum Capability {
     Setuid,
     Setgid,
     Kill,
+    SysPtrace,
 }
 
 impl Capability {
@@ -27,6 +28,7 @@ impl Capability {
             Capability::Setuid => caps::Capability::CAP_SETUID,
             Capability::Setgid => caps::Capability::CAP_SETGID,
             Capability::Kill => caps::Capability::CAP_KILL,
+            Capability::SysPtrace => caps::Capability::CAP_SYS_PTRACE,
         }
     }
 }

@@ -125,6 +125,7 @@ impl AmbientNode {
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log);
+        crate::daemonset::confine(&mut cmd, "ambient");
         self.agent = Some(self.node.spawn(&mut cmd, 0).context("start weir cni ambient")?);
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {

@@ -156,12 +156,25 @@ impl BusyNode {
         }
         let capture = self.capture.clone();
         // Generous deadlines: a new build verifies its programs first, which takes a
-        // software-emulated VM (the kernel matrix) most of a minute.
-        crate::control_plane::eventually(Duration::from_secs(180), || {
-            weir_agent::ebpf::record::PinRecord::load(&capture)
-                .filter(|r| r.programs.as_deref().is_some_and(|k| k.ends_with(set)))
-        })
-        .with_context(|| format!("the node agent did not attach build {set}: {}", self.agent_log()))?;
+        // software-emulated VM (the kernel matrix) most of a minute. An agent that
+        // exits is not waited for.
+        let deadline = std::time::Instant::now() + Duration::from_secs(180);
+        loop {
+            let record = weir_agent::ebpf::record::PinRecord::load(&capture);
+            if record.and_then(|r| r.programs).is_some_and(|k| k.ends_with(set)) {
+                break;
+            }
+            if let Some(status) = self.agent.as_mut().and_then(|a| a.try_wait().ok().flatten()) {
+                bail!(
+                    "the node agent exited ({status}) before it attached build {set}: {}",
+                    self.agent_log()
+                );
+            }
+            if std::time::Instant::now() > deadline {
+                bail!("the node agent did not attach build {set}: {}", self.agent_log());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
         // The record may be the previous agent's (capture outlives it): this one is
         // running when it says so.
         crate::control_plane::eventually(Duration::from_secs(180), || {
@@ -186,6 +199,7 @@ impl BusyNode {
             .args(["--interval", "500ms"])
             .stdout(Stdio::null())
             .stderr(self.log_file("agent.log")?);
+        crate::daemonset::confine(&mut cmd, "install");
         Ok(cmd)
     }
 
@@ -239,6 +253,7 @@ impl BusyNode {
             .arg(self.run_dir.path().join("istio-cni-kubeconfig"))
             .stdout(Stdio::null())
             .stderr(self.log_file("repair.log")?);
+        crate::daemonset::confine(&mut cmd, "repair");
         let placed = Placement { netns: Some(&self.ns), ..Placement::default() };
         self.repair = Some(weir_agent::sandbox::process::spawn(&mut cmd, placed)?.into_inner());
         Ok(())

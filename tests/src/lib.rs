@@ -21,6 +21,7 @@ pub mod busynode;
 pub mod capture;
 pub mod cni;
 pub mod control_plane;
+pub mod daemonset;
 pub mod datapath;
 pub mod demo;
 pub mod envoy;

@@ -362,6 +362,8 @@ impl NodeAgent {
         );
         // The tests read the agent's info lines (the kernel matrix's VM sets warn).
         cmd.args(once).env("WEIR_LOG", "info");
+        // With the install container's capabilities only, as the DaemonSet runs it.
+        weir_tests::daemonset::confine(&mut cmd, "install");
         cmd
     }
 

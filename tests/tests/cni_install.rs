@@ -73,8 +73,11 @@ const PRIMARY_LIST: &str = r#"{"cniVersion": "1.0.0", "name": "k8s-pod-network",
 
 #[test]
 fn once_writes_the_binary_the_kubeconfig_and_the_chain() {
+    use std::os::unix::fs::PermissionsExt as _;
     let host = Host::new();
     std::fs::write(host.net.join("10-bridge.conf"), BRIDGE_CONF).unwrap();
+    std::fs::set_permissions(host.net.join("10-bridge.conf"), std::fs::Permissions::from_mode(0o600))
+        .unwrap();
     let out = host
         .install(&[
             "--once",
@@ -87,8 +90,14 @@ fn once_writes_the_binary_the_kubeconfig_and_the_chain() {
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 
-    // The .conf became a .conflist with Weir last.
+    // The .conf became a .conflist with Weir last, with the .conf's mode (0600 here):
+    // before, every rewrite made it 0644.
     assert!(!host.net.join("10-bridge.conf").exists());
+    assert_eq!(
+        std::fs::metadata(host.net.join("10-bridge.conflist")).unwrap().permissions().mode() & 0o777,
+        0o600,
+        "the chained config keeps its mode"
+    );
     let list = host.config("10-bridge.conflist");
     assert_eq!(types(&list), ["bridge", "weir-cni"]);
     assert_eq!(list["cniVersion"], "0.4.0");
@@ -102,7 +111,6 @@ fn once_writes_the_binary_the_kubeconfig_and_the_chain() {
     let bin = host.bin.join("weir-cni");
     assert_eq!(std::fs::read(&bin).unwrap(), std::fs::read(tools::weir_cni()).unwrap());
     assert_ne!(std::fs::read(&bin).unwrap(), std::fs::read(tools::weir()).unwrap());
-    use std::os::unix::fs::PermissionsExt as _;
     assert_eq!(std::fs::metadata(&bin).unwrap().permissions().mode() & 0o777, 0o755);
     let kubeconfig = std::fs::read_to_string(host.run.join("istio-cni-kubeconfig")).unwrap();
     assert!(
@@ -209,4 +217,29 @@ fn install_errors_name_what_is_missing() {
     let out = host.install(&["--once"]).env_remove("KUBERNETES_SERVICE_HOST").output().unwrap();
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("KUBERNETES_SERVICE_HOST"));
+}
+
+/// `/metrics` listens on the pod's own address (`POD_IP`: the node's, hostNetwork),
+/// not on every address of the node, and names no pod unless asked. Before, it bound
+/// 0.0.0.0 and labelled every pod by namespace/name with its bypass counters.
+#[test]
+fn metrics_listen_on_the_pods_address_and_name_no_pod() {
+    weir_tests::require_root!();
+    let mesh = weir_tests::Mesh::new(&weir_tests::test_name!()).unwrap();
+    let node = mesh.pod("node").unwrap();
+    let host = Host::new();
+    std::fs::write(host.net.join("10-bridge.conf"), BRIDGE_CONF).unwrap();
+    let ip = node.ipv4();
+    let mut cmd = host.install(&["--monitoring-port", "15014", "--interval", "200ms"]);
+    cmd.env("POD_IP", ip.to_string()).stdout(Stdio::null()).stderr(Stdio::null());
+    let _agent = node.spawn(&mut cmd, 0).unwrap();
+    let get = |addr: std::net::IpAddr| {
+        node.run(move || async move { weir_tests::http::get((addr, 15014).into(), "/metrics").await.ok() })
+            .unwrap()
+    };
+    let served =
+        eventually(Duration::from_secs(10), || get(ip.into())).expect("/metrics on the pod's address");
+    assert_eq!(served.0, 200, "{}", served.1);
+    assert!(served.1.contains("weir_capture_pods 0") && !served.1.contains("pod="), "{}", served.1);
+    assert!(get([127, 0, 0, 1].into()).is_none(), "loopback: not listened on");
 }

@@ -179,3 +179,54 @@ fn every_volume_mount_names_a_volume_of_its_pod() {
     assert!(checked > 0, "no pod specs found");
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
+
+/// The DaemonSet asks for no more than it uses (the node rigs run each container with
+/// exactly its capabilities: tests/src/daemonset.rs): no container privileged, each
+/// dropping every capability and adding its own list, the runtime's seccomp profile,
+/// the node's cgroups read-only, bpffs never `Bidirectional`; the plugin's token an
+/// account of its own that can only read; metrics on the pod's own address. Before,
+/// all three containers were privileged, install mounted the cgroups read-write and
+/// bpffs Bidirectional, and the plugin carried a token that may patch pods/status.
+#[test]
+fn the_daemonset_asks_for_least_privilege() {
+    let spec = weir_tests::daemonset::pod_spec();
+    for c in spec["containers"].as_array().unwrap() {
+        let name = c["name"].as_str().unwrap();
+        assert!(!weir_tests::daemonset::capabilities(name).is_empty(), "{name} adds its capabilities");
+        let security = &c["securityContext"];
+        assert_eq!(security["seccompProfile"]["type"], "RuntimeDefault", "{name}");
+        assert_eq!(security["allowPrivilegeEscalation"], false, "{name}");
+        for m in c["volumeMounts"].as_array().unwrap() {
+            if m["name"] == "cgroup" {
+                assert_eq!(m["readOnly"], true, "{name}: the node's cgroups read-only");
+            }
+            assert_ne!(m["mountPropagation"], "Bidirectional", "{name}: {m}");
+        }
+    }
+    let install = weir_tests::daemonset::container("install");
+    let env = install["env"].as_array().unwrap();
+    let pod_ip = env.iter().find(|e| e["name"] == "POD_IP").expect("install has POD_IP");
+    assert_eq!(pod_ip["valueFrom"]["fieldRef"]["fieldPath"], "status.podIP");
+    assert!(!env.iter().any(|e| e["name"] == "WEIR_METRICS_POD_LABELS" && e["value"] == "true"));
+    let token_dir =
+        env.iter().find(|e| e["name"] == "WEIR_PLUGIN_TOKEN_DIR").expect("the plugin's token")["value"]
+            .as_str()
+            .unwrap()
+            .to_string();
+    assert!(install["volumeMounts"].as_array().unwrap().iter().any(|m| m["mountPath"] == token_dir.as_str()));
+    // The plugin's role reads, and only pods and namespaces.
+    let text = std::fs::read_to_string(weir_tests::daemonset::manifest_path()).unwrap();
+    let docs: Vec<Value> = serde_yaml_ng::Deserializer::from_str(&text)
+        .map(|d| serde::Deserialize::deserialize(d).unwrap())
+        .collect();
+    let role = docs
+        .iter()
+        .find(|d| d["kind"] == "ClusterRole" && d["metadata"]["name"] == "weir-cni-plugin")
+        .expect("the plugin's ClusterRole");
+    for rule in role["rules"].as_array().unwrap() {
+        assert_eq!(rule["verbs"], serde_json::json!(["get"]), "{rule}");
+        for r in rule["resources"].as_array().unwrap() {
+            assert!(r == "pods" || r == "namespaces", "{rule}");
+        }
+    }
+}

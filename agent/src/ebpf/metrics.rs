@@ -129,9 +129,37 @@ struct MapLabel {
     map: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct NodeDecision {
+    decision: &'static str,
+}
+
+/// Which series name pods.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PodLabels {
+    /// Each pod's own series, labelled `pod="<namespace>/<name>"`.
+    Named,
+    /// The node's totals only: no pod is named (the node agent's default; its port is
+    /// reachable by anything that reaches the node).
+    NodeTotals,
+}
+
 /// Prometheus text for `pods`, and how many captured pods could not be read
 /// (`unreadable`: they are left out of the per-pod series).
 pub fn exposition(pods: &[(String, Counters)], unreadable: usize, fills: &[MapFill]) -> String {
+    exposition_with(pods, unreadable, fills, PodLabels::Named)
+}
+
+/// [`exposition`], with pods named or only the node's totals (`labels`).
+pub fn exposition_with(
+    pods: &[(String, Counters)],
+    unreadable: usize,
+    fills: &[MapFill],
+    labels: PodLabels,
+) -> String {
+    if labels == PodLabels::NodeTotals {
+        return node_totals(pods, unreadable, fills);
+    }
     let mut registry = Registry::with_prefix("weir_capture");
     let (count, failed) = (Gauge::<i64>::default(), Gauge::<i64>::default());
     count.set(pods.len() as i64);
@@ -159,6 +187,13 @@ pub fn exposition(pods: &[(String, Counters)], unreadable: usize, fills: &[MapFi
         decisions,
     );
     registry.register("skmsg_bytes", "Bytes sk_msg passed directly between local sockets, per pod", bytes);
+    register_fills(&mut registry, fills);
+    let mut out = String::new();
+    let _ = encode(&mut out, &registry);
+    out
+}
+
+fn register_fills(registry: &mut Registry, fills: &[MapFill]) {
     let (entries, capacity) =
         (Family::<MapLabel, Gauge<i64>>::default(), Family::<MapLabel, Gauge<i64>>::default());
     for fill in fills {
@@ -168,6 +203,42 @@ pub fn exposition(pods: &[(String, Counters)], unreadable: usize, fills: &[MapFi
     }
     registry.register("map_entries", "Entries in each node-wide eBPF capture map", entries);
     registry.register("map_capacity", "Capacity of each node-wide eBPF capture map", capacity);
+}
+
+/// The series of [`exposition`] summed over the node's pods, no pod named.
+fn node_totals(pods: &[(String, Counters)], unreadable: usize, fills: &[MapFill]) -> String {
+    let mut registry = Registry::with_prefix("weir_capture");
+    let (count, failed) = (Gauge::<i64>::default(), Gauge::<i64>::default());
+    count.set(pods.len() as i64);
+    failed.set(unreadable as i64);
+    registry.register("pods", "Pods whose eBPF capture decisions are reported here", count);
+    registry.register(
+        "unreadable_pods",
+        "Captured pods whose counters could not be read (see the node agent's log)",
+        failed,
+    );
+    let decisions = Family::<NodeDecision, Counter>::default();
+    let bytes = Counter::<u64>::default();
+    for (_, counters) in pods {
+        for (name, value) in &counters.0 {
+            if *name == BYTES {
+                bytes.inc_by(*value);
+            } else {
+                decisions.get_or_create(&NodeDecision { decision: name }).inc_by(*value);
+            }
+        }
+    }
+    registry.register(
+        "decisions",
+        "Connections and events by what Weir's eBPF capture decided for them (redirected, bypass_<reason>, ...), summed over the node's pods",
+        decisions,
+    );
+    registry.register(
+        "skmsg_bytes",
+        "Bytes sk_msg passed directly between local sockets, the node's pods together",
+        bytes,
+    );
+    register_fills(&mut registry, fills);
     let mut out = String::new();
     let _ = encode(&mut out, &registry);
     out
@@ -205,5 +276,21 @@ mod tests {
         assert!(text.contains("weir_capture_skmsg_bytes_total{pod=\"web-1\"} 4096"), "{text}");
         assert!(!text.contains("decision=\"skmsg_bytes\""), "{text}");
         assert!(text.contains("# TYPE weir_capture_decisions counter"), "{text}");
+    }
+
+    /// The node agent's default: the node's totals, no pod named (before, every pod's
+    /// `namespace/name` and its bypass counters were on a port any node address reaches).
+    #[test]
+    fn node_totals_name_no_pod() {
+        let one = |redirected| {
+            let mut c = Counters(weir_ebpf_common::capture::counter::NAMES.iter().map(|n| (*n, 0)).collect());
+            c.0.iter_mut().find(|(n, _)| *n == "redirected").unwrap().1 = redirected;
+            c
+        };
+        let pods = [("shop/web-1".to_string(), one(5)), ("shop/web-2".to_string(), one(2))];
+        let text = exposition_with(&pods, 0, &[], PodLabels::NodeTotals);
+        assert!(text.contains("weir_capture_decisions_total{decision=\"redirected\"} 7"), "{text}");
+        assert!(!text.contains("web-1") && !text.contains("pod="), "{text}");
+        assert!(text.contains("weir_capture_pods 2"), "{text}");
     }
 }

@@ -205,8 +205,14 @@ pub struct InstallArgs {
     /// Copy this kubeconfig instead of building one from the pod's service account.
     #[arg(long, env = "WEIR_CNI_KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
-    /// The service account folder (token, ca.crt) for the in-cluster kubeconfig.
-    #[arg(long, default_value = "/var/run/secrets/kubernetes.io/serviceaccount")]
+    /// The folder (token, ca.crt) of the token the plugin's in-cluster kubeconfig
+    /// carries. The DaemonSet points it at a token of its own whose role only reads pods
+    /// and namespaces (the agent's own token may patch pods/status).
+    #[arg(
+        long,
+        env = "WEIR_PLUGIN_TOKEN_DIR",
+        default_value = "/var/run/secrets/kubernetes.io/serviceaccount"
+    )]
     pub service_account_dir: PathBuf,
     #[command(flatten)]
     pub plugin: PluginOptions,
@@ -236,10 +242,18 @@ pub struct InstallArgs {
     /// with the node capture (they then send and receive around their sidecars).
     #[arg(long)]
     pub detach_running_pods: bool,
-    /// Serve `/metrics` (every captured pod's eBPF decision counters) on this port
-    /// (istio-cni's monitoring port is 15014; 0: off).
+    /// Serve `/metrics` (eBPF capture decision counters) on this port (istio-cni's
+    /// monitoring port is 15014; 0: off).
     #[arg(long, env = "MONITORING_PORT", default_value_t = 0)]
     pub monitoring_port: u16,
+    /// The address `/metrics` listens on: the pod's own (the DaemonSet sets `POD_IP`
+    /// from status.podIP), loopback when unset, never every address of the node.
+    #[arg(long, env = "POD_IP", default_value = "127.0.0.1")]
+    pub monitoring_address: std::net::IpAddr,
+    /// Name each pod in `/metrics` (`pod="<namespace>/<name>"`); without it only the
+    /// node's totals are served.
+    #[arg(long, env = "WEIR_METRICS_POD_LABELS", default_value_t = false)]
+    pub metrics_pod_labels: bool,
 }
 
 /// What the plugin does for pods, shared by `install` (written into the chain) and
@@ -428,7 +442,7 @@ async fn monitoring(
 }
 
 /// The metrics text, read from bpffs (blocking).
-fn metrics_text() -> bytes::Bytes {
+fn metrics_text(labels: crate::ebpf::metrics::PodLabels) -> bytes::Bytes {
     let (mut readable, mut unreadable) = (Vec::new(), 0);
     for (pod, counters) in crate::ebpf::metrics::pod_counters() {
         match counters {
@@ -439,22 +453,29 @@ fn metrics_text() -> bytes::Bytes {
             }
         }
     }
-    bytes::Bytes::from(crate::ebpf::metrics::exposition(
+    bytes::Bytes::from(crate::ebpf::metrics::exposition_with(
         &readable,
         unreadable,
         &crate::ebpf::metrics::map_fill(),
+        labels,
     ))
 }
 
 pub fn run(args: CniArgs) -> anyhow::Result<()> {
     match args.command {
         CniCommand::Ambient(a) => {
-            privileges::require(&[Capability::SysAdmin, Capability::NetAdmin], "weir cni ambient")?;
+            privileges::require(
+                &[Capability::SysAdmin, Capability::NetAdmin, Capability::NetRaw, Capability::SysPtrace],
+                "weir cni ambient",
+            )?;
             ambient(&a)
         }
         CniCommand::AmbientRules(a) => ambient_rules(&a),
         CniCommand::Repair(a) => {
-            privileges::require(&[Capability::SysAdmin, Capability::NetAdmin], "weir cni repair")?;
+            privileges::require(
+                &[Capability::SysAdmin, Capability::NetAdmin, Capability::SysPtrace],
+                "weir cni repair",
+            )?;
             repair(&a)
         }
         CniCommand::Uninstall(a) => {
@@ -499,13 +520,19 @@ pub fn run(args: CniArgs) -> anyhow::Result<()> {
             node_capture_or_fallback(&mut s, &a.plugin.capture_mode)?;
             runtime.block_on(async {
                 if a.monitoring_port != 0 {
-                    let listener = tokio::net::TcpListener::bind(("0.0.0.0", a.monitoring_port))
+                    let at = std::net::SocketAddr::new(a.monitoring_address, a.monitoring_port);
+                    let listener = tokio::net::TcpListener::bind(at)
                         .await
-                        .with_context(|| format!("--monitoring-port {}: cannot listen", a.monitoring_port))?;
-                    tracing::info!(port = a.monitoring_port, "serving capture metrics on /metrics");
+                        .with_context(|| format!("--monitoring-port {}: cannot listen on {at}", a.monitoring_port))?;
+                    let labels = if a.metrics_pod_labels {
+                        crate::ebpf::metrics::PodLabels::Named
+                    } else {
+                        crate::ebpf::metrics::PodLabels::NodeTotals
+                    };
+                    tracing::info!(address = %at, pods_named = a.metrics_pod_labels, "serving capture metrics on /metrics");
                     let cache = std::sync::Arc::new(tokio::sync::Mutex::new(None));
                     tokio::spawn(crate::http1::serve(listener, move |req, _| {
-                        monitoring(req.uri().path().to_string(), cache.clone(), metrics_text)
+                        monitoring(req.uri().path().to_string(), cache.clone(), move || metrics_text(labels))
                     }));
                 }
                 let stop = async move {

@@ -168,6 +168,14 @@ fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), InstallError
     })
 }
 
+/// The mode a rewritten CNI config keeps: the one it had (the primary CNI's, or the
+/// operator's), else `0600` as Istio writes its own (CIS 1.1.9); never wider than
+/// `0644`.
+fn config_mode(path: &Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::metadata(path).map(|m| m.permissions().mode() & 0o644).unwrap_or(0o600)
+}
+
 /// The kubeconfig text for the plugin.
 pub fn kubeconfig_text(source: &KubeconfigSource) -> Result<String, InstallError> {
     use base64::Engine as _;
@@ -235,14 +243,15 @@ pub fn ensure(s: &InstallSettings) -> Result<Changes, InstallError> {
     if !is_installed(&existing, &entry) {
         let chained = insert(&existing, &entry).map_err(bad)?;
         let text = serde_json::to_vec_pretty(&chained).expect("JSON serializes");
+        let mode = config_mode(&path);
         let target = if path.extension().is_some_and(|e| e == "conf") {
             // kubelet picks by name: the list takes the .conf's place.
             let list = path.with_extension("conflist");
-            write_atomic(&list, &text, 0o644)?;
+            write_atomic(&list, &text, mode)?;
             std::fs::remove_file(&path).map_err(io("remove", &path))?;
             list
         } else {
-            write_atomic(&path, &text, 0o644)?;
+            write_atomic(&path, &text, mode)?;
             path.clone()
         };
         changes.chained_into = Some(target);
@@ -268,7 +277,8 @@ pub fn uninstall(s: &InstallSettings, detach_running_pods: bool) -> Result<Unins
         if let Ok(existing) = serde_json::from_slice::<Value>(&bytes) {
             let cleaned = remove(&existing);
             if cleaned != existing {
-                write_atomic(&path, &serde_json::to_vec_pretty(&cleaned).expect("JSON serializes"), 0o644)?;
+                let text = serde_json::to_vec_pretty(&cleaned).expect("JSON serializes");
+                write_atomic(&path, &text, config_mode(&path))?;
                 tracing::info!(config = %path.display(), "removed weir-cni from the chain");
             }
         }

@@ -308,8 +308,13 @@ pub fn detach_node(name: &str) -> Result<(), CniEbpfError> {
         record.remove()?;
         // An ambient pod keeps running uncaptured by eBPF: its accepted sockets must not
         // take ztunnel's mark any more (a later capture by rules relies on that).
+        // Only a path in a runtime's form that still names the recorded namespace.
+        let recorded = |p: &&Path| {
+            crate::node::enroll::netns_path::NetnsPath::parse(&p.to_string_lossy()).is_ok()
+                && crate::ebpf::netns::netns_cookie(Some(p)).is_ok_and(|c| c == record.netns_cookie)
+        };
         if record.pod.starts_with(&format!("{pods}ambient-"))
-            && let Some(netns) = record.netns.as_deref().filter(|p| p.exists())
+            && let Some(netns) = record.netns.as_deref().filter(recorded)
             && let Err(e) = weir_iptables::ambient::clear_inpod_ebpf(netns)
         {
             tracing::warn!(capture = %record.pod, error = %crate::error_chain(&e), "tcp_fwmark_accept not reset in a detached ambient pod");
