@@ -160,16 +160,7 @@ pub fn exposition_with(
     if labels == PodLabels::NodeTotals {
         return node_totals(pods, unreadable, fills);
     }
-    let mut registry = Registry::with_prefix("weir_capture");
-    let (count, failed) = (Gauge::<i64>::default(), Gauge::<i64>::default());
-    count.set(pods.len() as i64);
-    failed.set(unreadable as i64);
-    registry.register("pods", "Pods whose eBPF capture decisions are reported here", count);
-    registry.register(
-        "unreadable_pods",
-        "Captured pods whose counters could not be read (see the node agent's log)",
-        failed,
-    );
+    let mut registry = counts_registry(pods.len(), unreadable);
     let decisions = Family::<Decision, Counter>::default();
     let bytes = Family::<PodLabel, Counter>::default();
     for (pod, counters) in pods {
@@ -193,6 +184,21 @@ pub fn exposition_with(
     out
 }
 
+/// A registry with how many pods are reported and how many could not be read.
+fn counts_registry(pods: usize, unreadable: usize) -> Registry {
+    let mut registry = Registry::with_prefix("weir_capture");
+    let (count, failed) = (Gauge::<i64>::default(), Gauge::<i64>::default());
+    count.set(pods as i64);
+    failed.set(unreadable as i64);
+    registry.register("pods", "Pods whose eBPF capture decisions are reported here", count);
+    registry.register(
+        "unreadable_pods",
+        "Captured pods whose counters could not be read (see the node agent's log)",
+        failed,
+    );
+    registry
+}
+
 fn register_fills(registry: &mut Registry, fills: &[MapFill]) {
     let (entries, capacity) =
         (Family::<MapLabel, Gauge<i64>>::default(), Family::<MapLabel, Gauge<i64>>::default());
@@ -207,16 +213,7 @@ fn register_fills(registry: &mut Registry, fills: &[MapFill]) {
 
 /// The series of [`exposition`] summed over the node's pods, no pod named.
 fn node_totals(pods: &[(String, Counters)], unreadable: usize, fills: &[MapFill]) -> String {
-    let mut registry = Registry::with_prefix("weir_capture");
-    let (count, failed) = (Gauge::<i64>::default(), Gauge::<i64>::default());
-    count.set(pods.len() as i64);
-    failed.set(unreadable as i64);
-    registry.register("pods", "Pods whose eBPF capture decisions are reported here", count);
-    registry.register(
-        "unreadable_pods",
-        "Captured pods whose counters could not be read (see the node agent's log)",
-        failed,
-    );
+    let mut registry = counts_registry(pods.len(), unreadable);
     let decisions = Family::<NodeDecision, Counter>::default();
     let bytes = Counter::<u64>::default();
     for (_, counters) in pods {
