@@ -289,10 +289,9 @@ fn ebpf(run: &RunArgs) -> anyhow::Result<()> {
             eprintln!("weir: eBPF capture of {name} updated in place");
             return Ok(());
         }
-        // Repair tears the capture down before capturing again: only for a fault
-        // known, never for a check that could not be made (the capture may be live,
-        // and capturing again may fail for the same reason, leaving nothing).
-        if faults.iter().all(health::CaptureFault::is_unchecked) {
+        // Never repaired on a check that could not be made: the capture may be live,
+        // and capturing again may fail for the same reason.
+        if faults.iter().any(health::CaptureFault::is_unchecked) {
             bail!(
                 "cannot confirm the eBPF capture of {name} ({}); it is left as it is: fix what stops the check, or remove it with `weir capture clean --pod {name}` and capture again",
                 health::describe(&faults)
@@ -310,6 +309,11 @@ fn ebpf(run: &RunArgs) -> anyhow::Result<()> {
             eprintln!(
                 "weir: eBPF capture of {name} was broken ({why}): capturing it again in place (what still runs is kept)"
             );
+        } else if !nothing_live && record.cgroup == run.cgroup && record.netns_cookie == cookie {
+            // Another build's capture of this pod, part of it still running: this
+            // build's goes in beside it (under its name, the old one moved aside), and
+            // only then is the old one taken down. A failure puts the old one back.
+            return replace_beside(&name, &record, run, cookie, &pod, &faults);
         } else {
             repair(&record, run.netns.as_deref(), cookie, &faults);
         }
@@ -336,6 +340,46 @@ fn ebpf(run: &RunArgs) -> anyhow::Result<()> {
     );
     eprintln!("weir: pinned under {}", record.pin_dir().display());
     Ok(())
+}
+
+/// Captures the pod with this build's set while `old` (another build's, or pins of its
+/// own, still partly live) keeps capturing it: `old` is moved to `<name>-replaced`, the
+/// new capture made under `name`, then `old` removed. On failure `old` is moved back.
+fn replace_beside(
+    name: &str,
+    old: &PinRecord,
+    run: &RunArgs,
+    cookie: u64,
+    pod: &PodCapture,
+    faults: &[health::CaptureFault],
+) -> anyhow::Result<()> {
+    let why = health::describe(faults);
+    eprintln!("weir: eBPF capture of {name} was broken ({why}): capturing it again beside the old one");
+    let aside = old.move_to(&format!("{name}-replaced")).context("move the old capture aside")?;
+    let target = PodTarget {
+        name: name.to_string(),
+        cgroup: run.cgroup.clone(),
+        netns: run.netns.clone(),
+        interface: run.interface.clone(),
+    };
+    match pod::capture(&target, cookie, pod) {
+        Ok(_) => {
+            if let Err(e) = (PinRecord { interface: None, ..aside }).remove() {
+                tracing::warn!(pod = %name, error = %crate::error_chain(&e), "the replaced capture not wholly removed");
+            }
+            eprintln!(
+                "weir: eBPF capture live on {} (pod {name}, netns cookie {cookie})",
+                run.cgroup.display()
+            );
+            Ok(())
+        }
+        Err(e) => {
+            if let Err(back) = aside.move_to(name) {
+                tracing::error!(pod = %name, error = %crate::error_chain(&back), "the old capture could not be moved back: it stays as {name}-replaced");
+            }
+            Err(anyhow::anyhow!("{} (the old capture is left as it was)", crate::error_chain(&e)))
+        }
+    }
 }
 
 /// Takes down what is left of a broken capture (`faults`), so it can be made again

@@ -148,18 +148,21 @@ pub(crate) fn program_iptables_from(
     x: &mut dyn Xtables,
     saves: (Option<String>, Option<String>),
 ) -> Result<Report, CaptureError> {
-    program_plan_from(&plan::plan(cfg), opts, x, saves, true)
+    let rollback = saves.clone();
+    program_plan_from(&plan::plan(cfg), opts, x, saves, rollback, true)
 }
 
 /// [`program_iptables_from`] for any plan (the ambient node agent's too): verify,
 /// reconcile or refuse, apply, roll back on failure. `log_final_state` reads each
 /// programmed family's state afterwards, as istio-iptables logs it (the ambient node
-/// agent does not).
+/// agent does not). `rollback` is each family's whole state before the run, which a
+/// failure restores (the verify's `saves` may leave out what the plan does not own).
 pub(crate) fn program_plan_from(
     plan: &plan::RulePlan,
     opts: &RunOptions,
     x: &mut dyn Xtables,
     (save4, save6): (Option<String>, Option<String>),
+    (rollback4, rollback6): (Option<String>, Option<String>),
     log_final_state: bool,
 ) -> Result<Report, CaptureError> {
     let restore4 = render::restore(&plan.v4);
@@ -221,7 +224,7 @@ pub(crate) fn program_plan_from(
         if !x.is_real() {
             return Err(cause);
         }
-        return Err(rollback_iptables(x, cause, &[(Family::V4, save4), (Family::V6, save6)]));
+        return Err(rollback_iptables(x, cause, &[(Family::V4, rollback4), (Family::V6, rollback6)]));
     }
 
     // Istio logs the final state of each family it programmed.
@@ -275,8 +278,15 @@ pub(crate) fn rollback_iptables(
 ) -> CaptureError {
     let mut failures = Vec::new();
     for (family, snapshot) in snapshots {
+        // What was there before could not be read: removing Istio's chains could take
+        // a capture this call did not make. Nothing is removed; the failure says so.
+        let Some(before) = snapshot.as_deref() else {
+            failures.push(format!(
+                "{family:?}: the rules before this run could not be read (iptables-save failed): nothing removed"
+            ));
+            continue;
+        };
         let Some(now) = x.save(*family) else { continue };
-        let before = snapshot.as_deref().unwrap_or("");
         if !before.trim().is_empty()
             && let Err(e) = x.restore(*family, before, false)
         {
@@ -464,5 +474,21 @@ mod tests {
             assert!(!change.contains("FOREIGN") && !change.contains("KEEP -X"), "{change}");
             assert!(change.split_whitespace().count() > 3, "a bare flush or delete of a table: {change}");
         }
+    }
+
+    /// A run whose `iptables-save` failed before it started cannot tell what it would
+    /// take away: its rollback removes nothing and says so. Before, the unknown state
+    /// was taken as empty and every ISTIO chain, a capture made before the run
+    /// included, was removed.
+    #[test]
+    fn a_rollback_without_a_snapshot_removes_nothing() {
+        let mut x = Saved { now: NOW.into(), changes: Vec::new() };
+        let cause = CaptureError::Drift { backend: "iptables" };
+        let e = rollback_iptables(&mut x, cause, &[(Family::V4, None)]);
+        assert!(
+            matches!(&e, CaptureError::RollbackFailed { rollback, .. } if rollback.contains("nothing removed")),
+            "{e}"
+        );
+        assert!(x.changes.is_empty(), "{:?}", x.changes);
     }
 }

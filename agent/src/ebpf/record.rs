@@ -138,6 +138,62 @@ impl PinRecord {
         }
     }
 
+    /// Moves this capture to the name `to` (which must be free): every pin under its
+    /// `links/` and `maps/` is pinned at the new place before its old pin goes, so what
+    /// they hold stays attached; then the record. A failure part way moves back what
+    /// was moved.
+    pub fn move_to(&self, to: &str) -> Result<PinRecord, EbpfError> {
+        check_name(to)
+            .map_err(|e| EbpfError::Io { what: "name the capture", source: std::io::Error::other(e) })?;
+        let moved = PinRecord { pod: to.to_string(), ..self.clone() };
+        let (from_dir, to_dir) = (self.pin_dir(), moved.pin_dir());
+        if to_dir.exists() || PinRecord::path(to).exists() {
+            return Err(EbpfError::Pin {
+                path: to_dir.display().to_string(),
+                source: std::io::Error::from(std::io::ErrorKind::AlreadyExists),
+            });
+        }
+        let mut done: Vec<(std::path::PathBuf, std::path::PathBuf)> = Vec::new();
+        let step = |done: &mut Vec<_>| -> Result<(), EbpfError> {
+            for sub in ["links", "maps"] {
+                let Ok(entries) = std::fs::read_dir(from_dir.join(sub)) else { continue };
+                super::bpffs::create_dir(&to_dir.join(sub))?;
+                for entry in entries.flatten() {
+                    let target = to_dir.join(sub).join(entry.file_name());
+                    super::link::move_pin(&entry.path(), &target)
+                        .map_err(super::bpffs::pin_error(&entry.path()))?;
+                    done.push((entry.path(), target));
+                }
+            }
+            moved.save().map_err(|source| EbpfError::Io { what: "write the moved capture's record", source })
+        };
+        if let Err(e) = step(&mut done) {
+            for (from, target) in done.iter().rev() {
+                let _ = super::link::move_pin(target, from);
+            }
+            let _ = unpin(&to_dir);
+            return Err(e);
+        }
+        let _ = std::fs::remove_file(PinRecord::path(&self.pod));
+        for sub in ["links", "maps"] {
+            let _ = std::fs::remove_dir(from_dir.join(sub));
+        }
+        let _ = std::fs::remove_dir(&from_dir);
+        Ok(moved)
+    }
+
+    /// Takes the pod's registration out of its program set (the set goes too if
+    /// nothing uses it any more), leaving its pins and record.
+    pub fn remove_registration(&self) -> Result<(), EbpfError> {
+        self.unregister()?;
+        if let Some(key) = &self.programs
+            && let Some(set) = LockedSet::open(key)?
+        {
+            set.release()?;
+        }
+        Ok(())
+    }
+
     /// Detaches and removes everything recorded for this capture; idempotent. Its
     /// namespace is unregistered from its program set first (the programs stop acting
     /// at once), then its links go, then the set if nothing else uses it.

@@ -245,28 +245,34 @@ impl LockedSet {
         Ok(keys.iter().filter_map(|k| Some(u64::from_ne_bytes(k.as_slice().try_into().ok()?))).collect())
     }
 
-    /// Kernel ids of every program pinned in the set.
-    fn program_ids(&self) -> Vec<u32> {
-        let Ok(entries) = std::fs::read_dir(self.dir.join("progs")) else { return Vec::new() };
+    /// Kernel ids of every program pinned in the set; `None` when a pin cannot be read
+    /// (then whether a link runs one of them cannot be told).
+    fn program_ids(&self) -> Option<Vec<u32>> {
+        let Ok(entries) = std::fs::read_dir(self.dir.join("progs")) else { return Some(Vec::new()) };
         entries
             .flatten()
-            .filter_map(|e| link::obj_get(&e.path()).ok())
-            .filter_map(|fd| link::prog_id(fd.as_fd()).ok())
+            .map(|e| link::obj_get(&e.path()).ok().and_then(|fd| link::prog_id(fd.as_fd()).ok()))
             .collect()
     }
 
     /// Whether anything uses the set: a pod registered in its maps, or a pinned link
-    /// (under any capture's `links/`) to one of its programs.
+    /// (under any capture's `links/`) to one of its programs. What cannot be read
+    /// counts as a use: a set is removed only when it is known unused.
     pub fn in_use(&self) -> Result<bool, EbpfError> {
         if self.pod_count()? > 0 {
             return Ok(true);
         }
-        let ids = self.program_ids();
+        let Some(ids) = self.program_ids() else { return Ok(true) };
         let Ok(captures) = std::fs::read_dir(PIN_ROOT) else { return Ok(false) };
         for capture in captures.flatten().filter(|e| e.file_name() != "programs") {
             let Ok(links) = std::fs::read_dir(capture.path().join("links")) else { continue };
             for pin in links.flatten() {
-                let Ok(fd) = link::obj_get(&pin.path()) else { continue };
+                let fd = match link::obj_get(&pin.path()) {
+                    Ok(fd) => fd,
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                    Err(_) => return Ok(true),
+                };
+                // A pin that is no link (a map put there by hand) runs no program.
                 if link::link_prog_id(fd.as_fd()).is_ok_and(|id| ids.contains(&id)) {
                     return Ok(true);
                 }
@@ -309,18 +315,33 @@ impl NodePrograms {
     /// it is not there (or only half there, after a crash).
     pub fn acquire_key(key: &str) -> Result<Self, EbpfError> {
         let (dir, lock) = lock(key, true)?.expect("created");
-        if complete(&dir) {
+        let held = LockedSet { key: key.to_string(), dir, _lock: lock };
+        if complete(&held.dir) {
             tracing::debug!(program_set = key, "eBPF program set reused");
         } else {
-            clear(&dir)?;
-            if let Err(e) = Loaded::take_or_load().and_then(|loaded| loaded.pin(&dir)) {
+            // A half-pinned set is cleared and pinned again only when nothing uses it:
+            // the programs attached links run, and the maps registered pods are in,
+            // would otherwise be cut off from every later change.
+            if held.in_use()? {
+                return Err(EbpfError::Pin {
+                    path: held.dir.display().to_string(),
+                    source: std::io::Error::other(
+                        "the program set is missing pins while captures still use it: not loaded again \
+                         (remove those captures, e.g. `weir capture clean --all`, then capture again)",
+                    ),
+                });
+            }
+            let dir = &held.dir;
+            clear(dir)?;
+            if let Err(e) = Loaded::take_or_load().and_then(|loaded| loaded.pin(dir)) {
                 // Nothing half pinned stays behind, nor an empty folder.
-                let _ = clear(&dir);
-                let _ = std::fs::remove_dir(&dir);
+                let _ = clear(dir);
+                let _ = std::fs::remove_dir(dir);
                 return Err(e);
             }
             tracing::info!(program_set = key, dir = %dir.display(), "eBPF program set loaded, verified and pinned");
         }
+        let LockedSet { dir, _lock: lock, .. } = held;
         Self::open(key, dir, lock)
     }
 

@@ -68,8 +68,9 @@ pub(crate) fn run_options(cfg: &AmbientConfig) -> RunOptions {
 /// A namespace holding none of the in-pod chains or jumps is clean for the in-pod run,
 /// whatever else its tables hold (a CNI's rules are not drift).
 pub fn program_inpod_iptables(cfg: &InpodConfig, x: &mut dyn Xtables) -> Result<Report, CaptureError> {
-    let saves = owned_saves((x.save(Family::V4), x.save(Family::V6)), &INPOD_CHAINS);
-    program_plan_from(&plan::inpod(cfg), &run_options(&cfg.ambient), x, saves, false)
+    let whole = (x.save(Family::V4), x.save(Family::V6));
+    let saves = owned_saves(whole.clone(), &INPOD_CHAINS);
+    program_plan_from(&plan::inpod(cfg), &run_options(&cfg.ambient), x, saves, whole, false)
 }
 
 /// The saves as the verify should see them: an empty save for a family that holds
@@ -152,8 +153,14 @@ pub fn apply_inpod(netns: &Path, cfg: &InpodConfig) -> Result<Report, AmbientErr
     cfg.pod.validate()?;
     let name = netns.display().to_string();
     in_netns(netns, || {
-        fwmark_accept_off()?;
-        apply_rules_here(cfg, netns)
+        let was_on = fwmark_accept_off()?;
+        let applied = apply_rules_here(cfg, netns);
+        // Rules that did not go in leave the pod as it was (an eBPF capture needs the
+        // switch on).
+        if applied.is_err() && was_on {
+            let _ = set_fwmark_accept(true);
+        }
+        applied
     })
     .map_err(|e| AmbientError::from_capture(&name, e))
 }
@@ -161,15 +168,16 @@ pub fn apply_inpod(netns: &Path, cfg: &InpodConfig) -> Result<Report, AmbientErr
 /// `tcp_fwmark_accept` off under the rules: with it on, the app's accepted socket for a
 /// connection ztunnel delivers would take ztunnel's mark 0x539, and its later connects
 /// would pass the rules' `! --mark 0x539` exemption (left on by eBPF capture, which
-/// needs it, or set by the pod). Written only when on.
-fn fwmark_accept_off() -> Result<(), CaptureError> {
+/// needs it, or set by the pod). Written only when on; returns whether it was.
+fn fwmark_accept_off() -> Result<bool, CaptureError> {
     if std::fs::read_to_string(FWMARK_ACCEPT).is_ok_and(|v| v.trim() != "0") {
         tracing::warn!(
             "net.ipv4.tcp_fwmark_accept was on in the pod: turned off (the in-pod rules need it off)"
         );
         set_fwmark_accept(false)?;
+        return Ok(true);
     }
-    Ok(())
+    Ok(false)
 }
 
 fn apply_rules_here(cfg: &InpodConfig, netns: &Path) -> Result<Report, CaptureError> {
@@ -281,8 +289,8 @@ fn apply_iptables_here(cfg: &InpodConfig, netns: &Path) -> Result<Report, Captur
     let mut x = detect(&cfg.ambient, lock, probe.as_ref())?;
     let saves = (x.save(Family::V4), x.save(Family::V6));
     let snapshots = [(Family::V4, saves.0.clone()), (Family::V6, saves.1.clone())];
-    let saves = owned_saves(saves, &INPOD_CHAINS);
-    let report = program_plan_from(&plan, &run_options(&cfg.ambient), &mut x, saves, false)?;
+    let owned = owned_saves(saves.clone(), &INPOD_CHAINS);
+    let report = program_plan_from(&plan, &run_options(&cfg.ambient), &mut x, owned, saves, false)?;
     match add_routes(cfg.ambient.enable_ipv6) {
         Ok(()) => Ok(report),
         Err(e) => Err(rollback_iptables(&mut x, e, &snapshots)),

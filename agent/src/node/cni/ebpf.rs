@@ -377,9 +377,9 @@ fn register_capture(
         Some(old) if old.netns_cookie == cookie && old.programs == record.programs => {
             (old.registration, None)
         }
-        // The same pod in another build's set: moved once this set captures it, unless
-        // this set pins an inbound copy of its own where the old one's pins are.
-        Some(old) if old.netns_cookie == cookie && set.has_node_classifier() => (None, Some(old)),
+        // The same pod in another build's set: moved once this set captures it (never
+        // taken out first: a failure here leaves it captured by the other set).
+        Some(old) if old.netns_cookie == cookie => (None, Some(old)),
         // Another namespace under this container id, or no way to hold both: nothing of
         // this pod to keep.
         Some(old) => {
@@ -406,9 +406,15 @@ fn register_capture(
         return Err(e.into());
     }
     if let Some(old) = other_build {
-        // Its filter was replaced by this set's: only its maps, pins and record go.
-        let old = PinRecord { interface: None, ..old };
-        if let Err(e) = old.remove() {
+        // With a node classifier, its filter was replaced by this set's: its maps, pins
+        // and record go. Without one, the pod's own inbound copy pinned under the same
+        // folder stays (this set kept it): only its registration goes.
+        let removed = if set.has_node_classifier() {
+            PinRecord { interface: None, ..old }.remove()
+        } else {
+            old.remove_registration()
+        };
+        if let Err(e) = removed {
             tracing::warn!(capture = %name, error = %crate::error_chain(&e), "the pod's registration in another build's set not wholly removed");
         }
     }

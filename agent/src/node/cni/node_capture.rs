@@ -274,15 +274,19 @@ pub fn collect_retired(name: &str) -> Result<Vec<String>, CniEbpfError> {
     let mut removed = Vec::new();
     for record in PinRecord::load_all().into_iter().filter(|r| r.pod.starts_with(&prefix)) {
         let Some(key) = record.programs.clone() else { continue };
-        let pods = match LockedSet::open(&key)? {
-            Some(set) => set.pod_count()?,
-            None => 0,
-        };
-        if pods == 0 {
-            record.remove()?;
-            tracing::info!(node_capture = name, program_set = %key, "another build's node capture removed with its last pod");
-            removed.push(record.pod);
+        // Counted and unpinned under the set's lock: a pod that another build's plugin
+        // registers meanwhile waits, and then finds the set gone rather than unlinked.
+        let set = LockedSet::open(&key)?;
+        if set.as_ref().map(LockedSet::pod_count).transpose()?.unwrap_or(0) > 0 {
+            continue;
         }
+        bpffs::unpin(&record.pin_dir())?;
+        let _ = std::fs::remove_file(PinRecord::path(&record.pod));
+        if let Some(set) = set {
+            set.release()?;
+        }
+        tracing::info!(node_capture = name, program_set = %key, "another build's node capture removed with its last pod");
+        removed.push(record.pod);
     }
     Ok(removed)
 }
@@ -383,17 +387,15 @@ pub fn pods_registered(name: &str, cgroup: &Path) -> Result<usize, CniEbpfError>
     let ours = format!("{name}-");
     let others: std::collections::BTreeSet<u64> =
         records.iter().filter(|r| !r.pod.starts_with(&ours)).map(|r| r.netns_cookie).collect();
-    // A pod shown gone (the node's whole view: hostPID) is not kept captured.
-    let view = crate::ebpf::gc::node_view(Path::new("/proc"));
-    let mut pods = 0;
+    // The registrations first, then the node's namespaces: a pod registered after its
+    // namespace was looked for would otherwise count as gone.
+    let mut cookies = Vec::new();
     for key in keys {
         if let Some(set) = LockedSet::open(&key)? {
-            pods += set
-                .pod_cookies()?
-                .into_iter()
-                .filter(|c| !others.contains(c) && !crate::ebpf::gc::cookie_gone(&view, *c, cgroup))
-                .count();
+            cookies.extend(set.pod_cookies()?.into_iter().filter(|c| !others.contains(c)));
         }
     }
-    Ok(pods)
+    // A pod shown gone (the node's whole view: hostPID) is not kept captured.
+    let view = crate::ebpf::gc::node_view(Path::new("/proc"));
+    Ok(cookies.into_iter().filter(|c| !crate::ebpf::gc::cookie_gone(&view, *c, cgroup)).count())
 }
