@@ -157,3 +157,10 @@ pub mod type_url {
 pub fn to_any<M: prost::Message>(type_url: &str, message: &M) -> prost_types::Any {
     prost_types::Any { type_url: type_url.to_string(), value: message.encode_to_vec() }
 }
+
+/// Kubernetes CRI v1 (`runtime.v1`): what kubelet asks a container runtime. Only with
+/// the `cri` feature (the test rig's kubelet stand-in).
+#[cfg(feature = "cri")]
+pub mod cri {
+    tonic::include_proto!("runtime.v1");
+}

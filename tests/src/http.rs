@@ -64,3 +64,32 @@ fn dechunk(mut body: &str) -> String {
     }
     out
 }
+
+/// An HTTPS GET as kubelet's HTTPS probe sends it (any certificate accepted): the status.
+pub async fn https_status(addr: SocketAddr, path: &str) -> anyhow::Result<u16> {
+    let connector = weir_agent::tls::http1_connector(weir_agent::tls::ServerTrust::AnyCertificate)?;
+    let tcp = tokio::net::TcpStream::connect(addr).await?;
+    let name = tokio_rustls::rustls::pki_types::ServerName::IpAddress(addr.ip().into());
+    let mut tls = connector.connect(name, tcp).await?;
+    let req = format!(
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nUser-Agent: kube-probe/1.33\r\nConnection: close\r\n\r\n"
+    );
+    tls.write_all(req.as_bytes()).await?;
+    let mut raw = Vec::new();
+    let _ = tls.read_to_end(&mut raw).await;
+    let text = String::from_utf8_lossy(&raw);
+    text.split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("no HTTP status from {addr}"))
+}
+
+/// The gRPC health protocol's answer at `addr` for `service`: whether it is SERVING.
+pub async fn grpc_health(addr: SocketAddr, service: &str) -> anyhow::Result<bool> {
+    use weir_proto::grpc::health::v1::{
+        HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient,
+    };
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?.connect().await?;
+    let response = HealthClient::new(channel).check(HealthCheckRequest { service: service.into() }).await?;
+    Ok(response.into_inner().status() == ServingStatus::Serving)
+}

@@ -59,18 +59,7 @@ impl TestHttpServer {
         handler: impl Fn(&SeenRequest) -> Answer + Send + Sync + 'static,
     ) -> anyhow::Result<Self> {
         let acceptor = match tls {
-            Some((chain, key)) => {
-                use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject as _};
-                let certs =
-                    CertificateDer::pem_slice_iter(chain.as_bytes()).collect::<Result<Vec<_>, _>>()?;
-                let key = PrivateKeyDer::from_pem_slice(key.as_bytes())?;
-                let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
-                let config = tokio_rustls::rustls::ServerConfig::builder_with_provider(provider)
-                    .with_safe_default_protocol_versions()?
-                    .with_no_client_auth()
-                    .with_single_cert(certs, key)?;
-                Some(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
-            }
+            Some((chain, key)) => Some(tls_acceptor(&chain, &key)?),
             None => None,
         };
         let handler: Arc<Mutex<Handler>> = Arc::new(Mutex::new(Arc::new(handler)));
@@ -170,4 +159,18 @@ impl Drop for TestHttpServer {
             let _ = t.join();
         }
     }
+}
+
+/// A TLS acceptor serving the certificate chain `chain` with `key` (PEM), no client
+/// certificates asked.
+pub fn tls_acceptor(chain: &str, key: &str) -> anyhow::Result<tokio_rustls::TlsAcceptor> {
+    use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject as _};
+    let certs = CertificateDer::pem_slice_iter(chain.as_bytes()).collect::<Result<Vec<_>, _>>()?;
+    let key = PrivateKeyDer::from_pem_slice(key.as_bytes())?;
+    let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
+    let config = tokio_rustls::rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)?;
+    Ok(tokio_rustls::TlsAcceptor::from(Arc::new(config)))
 }

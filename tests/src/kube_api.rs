@@ -50,6 +50,10 @@ struct Store {
 pub struct KubeApi {
     pub addr: SocketAddr,
     token: String,
+    /// Tokens that may only read (GET, LIST, WATCH): a role like istio-cni's plugin's.
+    read_only: Arc<Mutex<Vec<String>>>,
+    /// The CA of the serving certificate, when served over TLS.
+    pub ca_pem: Option<String>,
     store: Arc<Mutex<Store>>,
     changes: broadcast::Sender<Change>,
     stop: CancellationToken,
@@ -100,15 +104,35 @@ impl Store {
 }
 
 impl KubeApi {
-    /// Listens on 127.0.0.1 inside `netns`.
+    /// Listens on 127.0.0.1 inside `netns`, plain HTTP.
     pub fn start(netns: &NetNs, token: &str) -> anyhow::Result<Self> {
+        Self::start_on(netns, SocketAddr::from(([127, 0, 0, 1], 0)), token, None)
+    }
+
+    /// Listens on `bind` inside `netns`; over TLS with a certificate for `bind`'s
+    /// address from `ca` when given (the in-cluster API: its `ca.crt` is `ca`'s root).
+    pub fn start_on(
+        netns: &NetNs,
+        bind: SocketAddr,
+        token: &str,
+        ca: Option<&crate::control_plane::TestCa>,
+    ) -> anyhow::Result<Self> {
         let store: Arc<Mutex<Store>> = Arc::default();
         let (changes, _) = broadcast::channel(4096);
         let stop = CancellationToken::new();
+        let read_only: Arc<Mutex<Vec<String>>> = Arc::default();
+        let tls = match ca {
+            Some(ca) => {
+                let (chain, key) = ca.server_cert(&[&bind.ip().to_string(), "kubernetes.default.svc"])?;
+                Some(crate::http_server::tls_acceptor(&chain, &key)?)
+            }
+            None => None,
+        };
         let (tx, rx) = std::sync::mpsc::channel();
-        let (st, ch, sp, tk) = (store.clone(), changes.clone(), stop.clone(), token.to_string());
+        let (st, ch, sp, tk, ro) =
+            (store.clone(), changes.clone(), stop.clone(), token.to_string(), read_only.clone());
         let thread = netns.spawn_thread(move || async move {
-            let listener = match tokio::net::TcpListener::bind("127.0.0.1:0").await {
+            let listener = match tokio::net::TcpListener::bind(bind).await {
                 Ok(l) => l,
                 Err(e) => return drop(tx.send(Err(e.to_string()))),
             };
@@ -118,22 +142,41 @@ impl KubeApi {
                     () = sp.cancelled() => return,
                     a = listener.accept() => match a { Ok(a) => a, Err(_) => continue },
                 };
-                let (st, ch, tk, sp) = (st.clone(), ch.clone(), tk.clone(), sp.clone());
+                let (st, ch, tk, sp, ro, tls) =
+                    (st.clone(), ch.clone(), tk.clone(), sp.clone(), ro.clone(), tls.clone());
                 tokio::spawn(async move {
                     let service = hyper::service::service_fn(move |req| {
-                        let (st, ch, tk, sp) = (st.clone(), ch.clone(), tk.clone(), sp.clone());
-                        async move { Ok::<_, Infallible>(serve(req, &st, &ch, &tk, sp).await) }
+                        let (st, ch, tk, sp, ro) =
+                            (st.clone(), ch.clone(), tk.clone(), sp.clone(), ro.clone());
+                        async move { Ok::<_, Infallible>(serve(req, &st, &ch, &tk, &ro, sp).await) }
                     });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                        .await;
+                    let builder = hyper::server::conn::http1::Builder::new();
+                    match tls {
+                        Some(acceptor) => {
+                            if let Ok(stream) = acceptor.accept(stream).await {
+                                let _ = builder
+                                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                                    .await;
+                            }
+                        }
+                        None => {
+                            let _ =
+                                builder.serve_connection(hyper_util::rt::TokioIo::new(stream), service).await;
+                        }
+                    }
                 });
             }
         })?;
         let addr = rx
             .recv_timeout(std::time::Duration::from_secs(10))?
             .map_err(|e| anyhow::anyhow!("test API server: {e}"))?;
-        Ok(Self { addr, token: token.into(), store, changes, stop, _thread: thread })
+        let ca_pem = ca.map(|c| c.root_pem().to_string());
+        Ok(Self { addr, token: token.into(), read_only, ca_pem, store, changes, stop, _thread: thread })
+    }
+
+    /// Accepts `token` for reads only (a write with it is 403 Forbidden).
+    pub fn allow_reads_with(&self, token: &str) {
+        self.read_only.lock().expect("tokens").push(token.to_string());
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Store> {
@@ -159,6 +202,25 @@ impl KubeApi {
         let mut pod = self.pod(namespace, name).unwrap_or_else(|| panic!("no pod {namespace}/{name}"));
         f(&mut pod);
         self.set_pod(pod);
+    }
+
+    /// Changes a stored pod with `f` under the store's lock (no write of another
+    /// client's lands in between); `false` when there is no such pod.
+    pub fn try_update_pod(&self, namespace: &str, name: &str, f: impl FnOnce(&mut Value)) -> bool {
+        let mut s = self.lock();
+        let key = (namespace.to_string(), name.to_string());
+        let Some(mut pod) = s.pods.get(&key).cloned() else { return false };
+        f(&mut pod);
+        let change = s.record("MODIFIED", "pods", &mut pod);
+        s.pods.insert(key, pod);
+        drop(s);
+        let _ = self.changes.send(change);
+        true
+    }
+
+    /// Every stored pod.
+    pub fn pods(&self) -> Vec<Value> {
+        self.lock().pods.values().cloned().collect()
     }
 
     /// Deletes a pod (a DELETED event).
@@ -234,6 +296,7 @@ async fn serve(
     store: &Mutex<Store>,
     changes: &broadcast::Sender<Change>,
     token: &str,
+    read_only: &Mutex<Vec<String>>,
     stop: CancellationToken,
 ) -> hyper::Response<Body> {
     let method = req.method().to_string();
@@ -246,11 +309,19 @@ async fn serve(
         .filter_map(|kv| kv.split_once('='))
         .map(|(k, v)| (k.to_string(), v.replace("%3D", "=").replace("%2F", "/")))
         .collect();
-    let authorized =
-        req.headers().get("authorization").and_then(|v| v.to_str().ok()) == Some(&format!("Bearer {token}"));
+    let bearer = req.headers().get("authorization").and_then(|v| v.to_str().ok()).map(String::from);
+    let authorized = bearer.as_deref() == Some(&format!("Bearer {token}"));
+    let reader = bearer
+        .as_deref()
+        .and_then(|b| b.strip_prefix("Bearer "))
+        .is_some_and(|t| read_only.lock().expect("tokens").iter().any(|r| r == t));
     store.lock().expect("store").requests.push(format!("{method} {}", req.uri()));
-    if !authorized {
+    if !authorized && !reader {
         let (c, v) = status(401, "Unauthorized");
+        return full(c, &v);
+    }
+    if !authorized && method != "GET" {
+        let (c, v) = status(403, "Forbidden: this token may only read");
         return full(c, &v);
     }
     let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();

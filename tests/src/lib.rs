@@ -19,8 +19,10 @@
 pub mod ambient;
 pub mod busynode;
 pub mod capture;
+pub mod cluster;
 pub mod cni;
 pub mod control_plane;
+pub mod cri;
 pub mod daemonset;
 pub mod datapath;
 pub mod demo;

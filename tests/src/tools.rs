@@ -32,7 +32,7 @@ fn target_dir() -> PathBuf {
     }
 }
 
-fn binary(name: &str) -> PathBuf {
+pub fn binary(name: &str) -> PathBuf {
     let path = target_dir().join(name);
     assert!(
         path.is_file(),

@@ -78,8 +78,67 @@ pub fn container_env(
     status: &PodStatus,
     container: &Container,
 ) -> anyhow::Result<BTreeMap<String, String>> {
+    container_env_with(manifest, status, container, None)
+}
+
+/// Objects by name, each its keys and values (a namespace's ConfigMaps or Secrets).
+pub type NamedData = BTreeMap<String, BTreeMap<String, String>>;
+
+/// [`container_env`] with the pod's ConfigMaps and Secrets (`objects`: name → key →
+/// value, ConfigMaps then Secrets) for `envFrom` (first, each key with its prefix) and
+/// `configMapKeyRef`/`secretKeyRef`.
+pub fn container_env_with(
+    manifest: &Manifest,
+    status: &PodStatus,
+    container: &Container,
+    objects: Option<(&NamedData, &NamedData)>,
+) -> anyhow::Result<BTreeMap<String, String>> {
     let mut env: BTreeMap<String, String> = BTreeMap::new();
+    for from in &container.env_from {
+        let (source, kind) = match (&from.config_map_ref, &from.secret_ref) {
+            (Some(r), None) => (objects.map(|o| o.0), r),
+            (None, Some(r)) => (objects.map(|o| o.1), r),
+            _ => {
+                bail!("container {}: an envFrom entry needs one of configMapRef or secretRef", container.name)
+            }
+        };
+        match source.and_then(|s| s.get(&kind.name)) {
+            Some(data) => {
+                for (k, v) in data {
+                    env.insert(format!("{}{k}", from.prefix.as_deref().unwrap_or_default()), v.clone());
+                }
+            }
+            None if kind.optional => {}
+            None => {
+                bail!("container {}: envFrom names {:?}, which does not exist", container.name, kind.name)
+            }
+        }
+    }
+    let key_ref = |r: &serde_yaml_ng::Value, source: Option<&NamedData>| {
+        let (name, key) = (r["name"].as_str().unwrap_or_default(), r["key"].as_str().unwrap_or_default());
+        let optional = r["optional"].as_bool().unwrap_or(false);
+        match source.and_then(|s| s.get(name)).and_then(|d| d.get(key)) {
+            Some(v) => Ok(Some(v.clone())),
+            None if optional => Ok(None),
+            None => Err(anyhow::anyhow!("key {key:?} of {name:?} does not exist")),
+        }
+    };
     for var in &container.env {
+        if let Some(from) = &var.value_from
+            && (from.config_map_key_ref.is_some() || from.secret_key_ref.is_some())
+            && objects.is_some()
+        {
+            let found = match (&from.config_map_key_ref, &from.secret_key_ref) {
+                (Some(r), _) => key_ref(r, objects.map(|o| o.0)),
+                (_, Some(r)) => key_ref(r, objects.map(|o| o.1)),
+                _ => Ok(None),
+            }
+            .with_context(|| format!("container {} env {}", container.name, var.name))?;
+            if let Some(v) = found {
+                env.insert(var.name.clone(), v);
+            }
+            continue;
+        }
         let value = match (&var.value, &var.value_from) {
             (Some(value), _) if !value.is_empty() => expand(value, |name| env.get(name).cloned()),
             (_, Some(from)) => if let Some(field) = &from.field_ref {

@@ -198,6 +198,74 @@ pub struct PodSpec {
     #[serde(default)]
     pub security_context: PodSecurityContext,
     pub termination_grace_period_seconds: Option<u64>,
+    /// What the kubelet stand-in (tests/src/cluster/kubelet) reads besides.
+    #[serde(default)]
+    pub host_network: bool,
+    #[serde(rename = "hostPID", default)]
+    pub host_pid: bool,
+    pub dns_policy: Option<String>,
+    pub dns_config: Option<PodDnsConfig>,
+    #[serde(default)]
+    pub host_aliases: Vec<HostAlias>,
+    /// `Always` (the default), `OnFailure` or `Never`.
+    pub restart_policy: Option<String>,
+    pub node_name: Option<String>,
+    pub automount_service_account_token: Option<bool>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct PodDnsConfig {
+    #[serde(default)]
+    pub nameservers: Vec<String>,
+    #[serde(default)]
+    pub searches: Vec<String>,
+    #[serde(default)]
+    pub options: Vec<PodDnsOption>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct PodDnsOption {
+    pub name: String,
+    pub value: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct HostAlias {
+    pub ip: String,
+    #[serde(default)]
+    pub hostnames: Vec<String>,
+}
+
+/// `envFrom`: every key of a ConfigMap or Secret, with a prefix.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct EnvFromSource {
+    pub config_map_ref: Option<NameRef>,
+    pub secret_ref: Option<NameRef>,
+    pub prefix: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct NameRef {
+    pub name: String,
+    #[serde(default)]
+    pub optional: bool,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct Capabilities {
+    #[serde(default)]
+    pub add: Vec<String>,
+    #[serde(default)]
+    pub drop: Vec<String>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SeccompProfile {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub localhost_profile: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -221,6 +289,9 @@ pub struct Container {
     pub args: Vec<String>,
     #[serde(default)]
     pub env: Vec<EnvVar>,
+    #[serde(default)]
+    pub env_from: Vec<EnvFromSource>,
+    pub working_dir: Option<String>,
     #[serde(default)]
     pub ports: Vec<ContainerPort>,
     #[serde(default)]
@@ -353,6 +424,7 @@ pub struct ContainerPort {
     pub name: Option<String>,
     pub container_port: u16,
     pub protocol: Option<String>,
+    pub host_port: Option<u16>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -363,6 +435,8 @@ pub struct VolumeMount {
     #[serde(default)]
     pub read_only: bool,
     pub sub_path: Option<String>,
+    /// `None`, `HostToContainer` or `Bidirectional`.
+    pub mount_propagation: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -371,6 +445,10 @@ pub struct SecurityContext {
     pub run_as_user: Option<u32>,
     pub run_as_group: Option<u32>,
     pub read_only_root_filesystem: Option<bool>,
+    pub privileged: Option<bool>,
+    pub allow_privilege_escalation: Option<bool>,
+    pub capabilities: Option<Capabilities>,
+    pub seccomp_profile: Option<SeccompProfile>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -410,6 +488,7 @@ pub struct Probe {
     pub timeout_seconds: Option<u64>,
     pub period_seconds: Option<u64>,
     pub failure_threshold: Option<u64>,
+    pub success_threshold: Option<u64>,
     pub initial_delay_seconds: Option<u64>,
 }
 
@@ -453,7 +532,8 @@ pub struct Volume {
     pub config_map: Option<ObjectVolume>,
     pub secret: Option<ObjectVolume>,
     pub csi: Option<CsiVolume>,
-    /// Any other source (hostPath, persistentVolumeClaim, ...): not provided by the rig.
+    pub host_path: Option<HostPathVolume>,
+    /// Any other source (persistentVolumeClaim, ...): not provided by the rig.
     #[serde(flatten)]
     pub other: BTreeMap<String, serde_yaml_ng::Value>,
 }
@@ -467,6 +547,15 @@ pub enum VolumeSource<'a> {
     ConfigMap(&'a ObjectVolume),
     Secret(&'a ObjectVolume),
     Csi(&'a CsiVolume),
+    HostPath(&'a HostPathVolume),
+}
+
+/// A node path as a volume; `type` checks (or makes) what is there.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct HostPathVolume {
+    pub path: String,
+    #[serde(rename = "type", default)]
+    pub kind: String,
 }
 
 impl Volume {
@@ -475,6 +564,17 @@ impl Volume {
         static EMPTY: EmptyDir = EmptyDir { medium: None };
         if let Some(kind) = self.other.keys().next() {
             bail!("volume {}: source {kind:?} is not one the rig provides", self.name);
+        }
+        if let Some(h) = &self.host_path {
+            let others = [self.empty_dir.is_some(), self.downward_api.is_some(), self.projected.is_some()];
+            if others.iter().any(|o| *o)
+                || self.config_map.is_some()
+                || self.secret.is_some()
+                || self.csi.is_some()
+            {
+                bail!("volume {} has more than one source", self.name);
+            }
+            return Ok(VolumeSource::HostPath(h));
         }
         Ok(
             match (

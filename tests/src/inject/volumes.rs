@@ -128,6 +128,8 @@ impl PodVolumes {
                         atomic_write(&dir, &files)?;
                         (VolumeDir::Host(dir.clone()), true)
                     }
+                    // The node's own path (the kubelet stand-in checks its `type` on the node).
+                    VolumeSource::HostPath(h) => return Ok(VolumeDir::Host(PathBuf::from(&h.path))),
                     VolumeSource::Csi(csi) => {
                         let published = sources
                             .csi
@@ -157,6 +159,14 @@ impl PodVolumes {
         match self.volumes.get(volume)? {
             VolumeDir::Host(path) => Some(path),
             VolumeDir::Tmpfs(_) => None,
+        }
+    }
+
+    /// The tmpfs options of a `medium: Memory` emptyDir (`None` for any other volume).
+    pub fn tmpfs_options(&self, volume: &str) -> Option<&str> {
+        match self.volumes.get(volume)? {
+            VolumeDir::Tmpfs(options) => Some(options),
+            VolumeDir::Host(_) => None,
         }
     }
 

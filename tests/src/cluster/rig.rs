@@ -1,0 +1,322 @@
+//! The cluster: an underlay namespace (a bridge every node is plugged into, and the API
+//! stand-in on 192.168.77.2:6443 over TLS with the cluster CA's certificate), the
+//! nodes, their kubelets, and the API's admission work a real cluster does before a
+//! pod reaches a kubelet (a UID, the node, the service account's token volume).
+//! Dropping it stops every kubelet and node, then removes the underlay and the rig's
+//! folder: nothing is left on the machine.
+
+use std::{
+    net::{IpAddr, Ipv4Addr, SocketAddr},
+    path::{Path, PathBuf},
+    process::Command,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, bail};
+use serde_json::{Value, json};
+use weir_agent::sandbox::{Cgroup, NetNs, unique_name};
+
+use super::{
+    kubelet::{Kubelet, NodeAccess, Objects, PodView, spec::NodeFacts},
+    node::Node,
+};
+use crate::{control_plane::TestCa, kube_api::KubeApi};
+
+/// The API stand-in's address on the underlay, and the token every service account has.
+pub const API: SocketAddr = SocketAddr::new(IpAddr::V4(Ipv4Addr::new(192, 168, 77, 2)), 6443);
+pub const TOKEN: &str = "weir-rig-service-account-token";
+
+/// One node and its kubelet.
+pub struct RigNode {
+    pub kubelet: Option<Kubelet>,
+    pub node: Node,
+}
+
+/// The cluster.
+pub struct Cluster {
+    /// Kubelets and nodes go first (their containers, then namespaces and cgroups).
+    pub nodes: Vec<RigNode>,
+    pub api: Arc<KubeApi>,
+    pub objects: Arc<Objects>,
+    pub ca: TestCa,
+    pub hub: NetNs,
+    pub dir: PathBuf,
+    next_uid: std::sync::atomic::AtomicU32,
+}
+
+fn ip(ns: &NetNs, args: &[&str]) -> anyhow::Result<()> {
+    let out = crate::cni::try_run_placed(
+        weir_agent::sandbox::Placement { netns: Some(ns), ..Default::default() },
+        Command::new("ip"),
+        args,
+    );
+    out.map(drop).map_err(|e| anyhow::anyhow!("ip {args:?}: {e}"))
+}
+
+impl Cluster {
+    /// A cluster of `count` nodes for `test`, every image imported on every node.
+    pub fn new(test: &str, count: u8) -> anyhow::Result<Self> {
+        // Short: containerd's sockets live under it (a unix socket path is 104 bytes at most).
+        let dir = PathBuf::from("/var/lib/weir-rig").join(unique_name("rig"));
+        std::fs::create_dir_all(&dir)?;
+        let hub = NetNs::create(&unique_name(&format!("{test}-underlay")))?;
+        ip(&hub, &["link", "set", "lo", "up"])?;
+        ip(&hub, &["link", "add", "ul0", "type", "bridge"])?;
+        ip(&hub, &["addr", "add", "192.168.77.1/24", "dev", "ul0"])?;
+        ip(&hub, &["addr", "add", "192.168.77.2/24", "dev", "ul0"])?;
+        ip(&hub, &["link", "set", "ul0", "up"])?;
+        let ca = TestCa::new("weir-rig cluster CA")?;
+        let api = Arc::new(KubeApi::start_on(&hub, API, TOKEN, Some(&ca))?);
+        let objects = Arc::new(Objects::default());
+        *objects.token.lock().unwrap_or_else(|p| p.into_inner()) = TOKEN.into();
+        let mut cluster = Self {
+            nodes: Vec::new(),
+            api,
+            objects,
+            ca,
+            hub,
+            dir,
+            next_uid: std::sync::atomic::AtomicU32::new(1),
+        };
+        cluster.config_map("*", "kube-root-ca.crt", &[("ca.crt", cluster.ca.root_pem())]);
+        for index in 1..=count {
+            cluster.add_node(test, index)?;
+        }
+        let archives: Vec<PathBuf> = ["weir-cni", "weir-init", "weir-proxy-standalone"]
+            .iter()
+            .map(|i| crate::oci::images_dir().join(format!("{i}.tar")))
+            .chain(super::images::build_rig_images()?)
+            .collect();
+        for a in &archives {
+            if !a.exists() {
+                bail!(
+                    "{} is missing: scripts/image builds Weir's images (scripts/test runs it)",
+                    a.display()
+                );
+            }
+        }
+        for n in &cluster.nodes {
+            for a in &archives {
+                n.node.containerd.import(a).with_context(|| format!("on {}", n.node.name))?;
+            }
+        }
+        for i in 0..cluster.nodes.len() {
+            cluster.start_kubelet(i)?;
+        }
+        Ok(cluster)
+    }
+
+    fn add_node(&mut self, test: &str, index: u8) -> anyhow::Result<()> {
+        let name = format!("node-{index}");
+        let netns = NetNs::create(&unique_name(&format!("{test}-{name}")))?;
+        let veth = format!("ul-n{index}");
+        ip(
+            &self.hub,
+            &["link", "add", &veth, "type", "veth", "peer", "name", "eth0", "netns", netns.name()],
+        )?;
+        ip(&self.hub, &["link", "set", &veth, "master", "ul0", "up"])?;
+        let me = super::underlay_ip(index);
+        ip(&netns, &["link", "set", "lo", "up"])?;
+        ip(&netns, &["addr", "add", &format!("{me}/24"), "dev", "eth0"])?;
+        ip(&netns, &["link", "set", "eth0", "up"])?;
+        netns
+            .run(|| async { std::fs::write("/proc/sys/net/ipv4/ip_forward", "1") })
+            .context("run in the node's namespace")??;
+        // Every other node's pods through that node, and the other nodes' routes to ours.
+        for other in &self.nodes {
+            let j = other.node.index;
+            ip(&netns, &["route", "add", &super::pod_cidr(j), "via", &super::underlay_ip(j).to_string()])?;
+            ip(&other.node.netns, &["route", "add", &super::pod_cidr(index), "via", &me.to_string()])?;
+        }
+        ip(&self.hub, &["route", "add", &super::pod_cidr(index), "via", &me.to_string()])?;
+        let kubepods = Cgroup::create(&unique_name(&format!("{name}-kubepods")))?;
+        let node = Node::create(&self.dir, &name, index, netns, kubepods)?;
+        self.nodes.push(RigNode { kubelet: None, node });
+        Ok(())
+    }
+
+    /// The node access a kubelet needs.
+    fn access(&self, i: usize) -> anyhow::Result<NodeAccess> {
+        let n = &self.nodes[i].node;
+        let mount = weir_agent::sandbox::cgroup::cgroup2_mount()?;
+        let kubepods = format!("/{}", n.kubepods.path().strip_prefix(&mount)?.display());
+        let pods_dir = n.dir.join("kubelet");
+        std::fs::create_dir_all(&pods_dir)?;
+        Ok(NodeAccess {
+            facts: NodeFacts {
+                name: n.name.clone(),
+                kubepods,
+                log_root: n.dir.join("log/pods").display().to_string(),
+                resolv_servers: vec!["192.168.77.1".into()],
+                resolv_searches: Vec::new(),
+            },
+            ip: IpAddr::V4(n.ip()),
+            root: n.host_path("/"),
+            mount_ns: n.mount_ns(),
+            netns: n.netns.path().to_path_buf(),
+            pods_dir,
+            service_env: vec![
+                ("KUBERNETES_SERVICE_HOST".into(), API.ip().to_string()),
+                ("KUBERNETES_SERVICE_PORT".into(), API.port().to_string()),
+                ("KUBERNETES_SERVICE_PORT_HTTPS".into(), API.port().to_string()),
+                ("KUBERNETES_PORT".into(), format!("tcp://{API}")),
+            ],
+        })
+    }
+
+    /// Starts (again) node `i`'s kubelet.
+    pub fn start_kubelet(&mut self, i: usize) -> anyhow::Result<()> {
+        self.nodes[i].kubelet = None;
+        let access = self.access(i)?;
+        let socket = self.nodes[i].node.containerd.socket.clone();
+        self.nodes[i].kubelet =
+            Some(Kubelet::start(access, &socket, self.api.clone(), self.objects.clone())?);
+        Ok(())
+    }
+
+    /// A ConfigMap (`namespace` `*`: in every namespace).
+    pub fn config_map(&self, namespace: &str, name: &str, data: &[(&str, &str)]) {
+        self.objects.config_maps.lock().unwrap_or_else(|p| p.into_inner()).insert(
+            (namespace.into(), name.into()),
+            data.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+        );
+    }
+
+    /// A Secret.
+    pub fn secret(&self, namespace: &str, name: &str, data: &[(&str, &str)]) {
+        self.objects.secrets.lock().unwrap_or_else(|p| p.into_inner()).insert(
+            (namespace.into(), name.into()),
+            data.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
+        );
+    }
+
+    /// Creates `pod` as the API server would after admission: a UID, `node` (1-based)
+    /// as its node, the default service account and its token volume mounted in every
+    /// container (unless `automountServiceAccountToken: false`). Returns its UID.
+    pub fn create_pod(&self, mut pod: Value, node: u8) -> String {
+        let n = self.next_uid.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let uid = format!("{:08x}-rig0-4000-8000-{:012x}", std::process::id(), n);
+        pod["apiVersion"] = json!("v1");
+        pod["kind"] = json!("Pod");
+        pod["metadata"]["uid"] = json!(uid);
+        if pod["metadata"]["namespace"].is_null() {
+            pod["metadata"]["namespace"] = json!("default");
+        }
+        pod["spec"]["nodeName"] = json!(format!("node-{node}"));
+        if pod["spec"]["serviceAccountName"].is_null() {
+            pod["spec"]["serviceAccountName"] = json!("default");
+        }
+        if pod["spec"]["automountServiceAccountToken"] != json!(false) {
+            let volume = "kube-api-access-rig";
+            let mut volumes = pod["spec"]["volumes"].as_array().cloned().unwrap_or_default();
+            volumes.push(json!({"name": volume, "projected": {"defaultMode": 420, "sources": [
+                {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}},
+                {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+                {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}}]}}
+            ]}}));
+            pod["spec"]["volumes"] = json!(volumes);
+            for list in ["initContainers", "containers"] {
+                if let Some(containers) = pod["spec"][list].as_array_mut() {
+                    for c in containers {
+                        let mut mounts = c["volumeMounts"].as_array().cloned().unwrap_or_default();
+                        if !mounts
+                            .iter()
+                            .any(|m| m["mountPath"] == "/var/run/secrets/kubernetes.io/serviceaccount")
+                        {
+                            mounts.push(json!({"name": volume, "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount", "readOnly": true}));
+                        }
+                        c["volumeMounts"] = json!(mounts);
+                    }
+                }
+            }
+        }
+        pod["status"] = json!({"phase": "Pending"});
+        self.api.set_pod(pod);
+        uid
+    }
+
+    /// Deletes a pod gracefully: its kubelet stops it within `grace` and removes it.
+    pub fn delete_pod(&self, namespace: &str, name: &str, grace: Duration) {
+        self.api.try_update_pod(namespace, name, |p| {
+            p["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
+            p["metadata"]["deletionGracePeriodSeconds"] = json!(grace.as_secs());
+        });
+    }
+
+    /// Pod `namespace/name` as its node's kubelet runs it.
+    pub fn pod_view(&self, namespace: &str, name: &str) -> Option<PodView> {
+        self.nodes.iter().filter_map(|n| n.kubelet.as_ref()?.pod(namespace, name)).next()
+    }
+
+    /// Waits up to `limit` for `check` on the pod's status in the API (Ready, ...).
+    pub fn wait_pod(
+        &self,
+        namespace: &str,
+        name: &str,
+        limit: Duration,
+        what: &str,
+        check: impl Fn(&Value) -> bool,
+    ) -> anyhow::Result<Value> {
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(p) = self.api.pod(namespace, name)
+                && check(&p)
+            {
+                return Ok(p);
+            }
+            if Instant::now() > deadline {
+                let view = self.pod_view(namespace, name);
+                bail!(
+                    "pod {namespace}/{name}: not {what} within {limit:?}; the kubelet sees {view:?}; its status {}",
+                    self.api.pod(namespace, name).map(|p| p["status"].to_string()).unwrap_or_default()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// A container's log lines (the runtime's log files: the message part).
+    pub fn container_log(&self, namespace: &str, name: &str, container: &str) -> Vec<String> {
+        let Some(view) = self.pod_view(namespace, name) else { return Vec::new() };
+        let Some(n) =
+            self.nodes.iter().find(|n| n.kubelet.as_ref().is_some_and(|k| k.pod(namespace, name).is_some()))
+        else {
+            return Vec::new();
+        };
+        let dir =
+            n.node.dir.join("log/pods").join(format!("{namespace}_{name}_{}", view.uid)).join(container);
+        let mut lines = Vec::new();
+        let Ok(entries) = std::fs::read_dir(&dir) else { return lines };
+        let mut files: Vec<PathBuf> = entries.flatten().map(|e| e.path()).collect();
+        files.sort();
+        for f in files {
+            for l in std::fs::read_to_string(&f).unwrap_or_default().lines() {
+                // CRI log format: <time> <stream> <P|F> <message>
+                let mut parts = l.splitn(4, ' ');
+                let msg = parts.nth(3).unwrap_or_default();
+                lines.push(msg.to_string());
+            }
+        }
+        lines
+    }
+
+    /// The rig's folder for `node` (1-based).
+    pub fn node(&self, index: u8) -> &Node {
+        &self.nodes[usize::from(index - 1)].node
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for n in &mut self.nodes {
+            n.kubelet = None;
+        }
+        self.nodes.clear();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
