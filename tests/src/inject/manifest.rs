@@ -728,9 +728,9 @@ mod tests {
 
     #[test]
     fn a_volume_source_the_rig_lacks_is_named() {
-        let yaml = "kind: Pod\nmetadata: {name: p}\nspec:\n  containers: []\n  volumes:\n  - name: data\n    hostPath: {path: /x}\n";
+        let yaml = "kind: Pod\nmetadata: {name: p}\nspec:\n  containers: []\n  volumes:\n  - name: data\n    persistentVolumeClaim: {claimName: x}\n";
         let e = format!("{:#}", Manifest::parse("x.yaml", yaml).unwrap_err());
-        assert!(e.contains("volume data: source \"hostPath\""), "{e}");
+        assert!(e.contains("volume data: source \"persistentVolumeClaim\""), "{e}");
         let e = format!("{:#}", Manifest::parse("x.yaml", "kind: Service\nspec: {}\n").unwrap_err());
         assert!(e.contains("kind \"Service\""), "{e}");
     }
