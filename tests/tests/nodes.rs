@@ -34,3 +34,33 @@ fn a_pod_runs_through_the_runtime_and_goes_with_its_deletion() {
     cluster.delete_pod("shop", "web", Duration::from_secs(5));
     cluster.wait_pod("shop", "web", Duration::from_secs(30), "gone", |_| false).unwrap_err();
 }
+
+/// Weir's DaemonSet from agent/deploy as the runtime runs it: the install container
+/// chains the plugin into the node's primary CNI config and attaches the eBPF node
+/// capture to the node's pods' cgroup, with the manifest's capabilities only.
+#[test]
+fn the_daemonset_runs_on_a_node_and_chains_the_plugin() {
+    require_root!();
+    let cluster = Cluster::new(&test_name!(), 1).unwrap();
+    cluster.apply_daemonset("localhost/weir-cni:dev").unwrap();
+    cluster.wait_pod("kube-system", "weir-cni-node-1", READY, "Ready", ready).unwrap();
+    let node = cluster.node(1);
+    let chained = || {
+        std::fs::read_to_string(node.folder("/etc/cni/net.d/10-primary.conflist"))
+            .unwrap_or_default()
+            .contains("weir-cni")
+    };
+    weir_tests::control_plane::eventually(Duration::from_secs(60), || chained().then_some(()))
+        .unwrap_or_else(|| {
+            panic!(
+                "not chained; install says {:?}",
+                cluster.container_log("kube-system", "weir-cni-node-1", "install")
+            )
+        });
+    assert!(node.folder("/opt/cni/bin/weir-cni").exists(), "the plugin binary on the node");
+    let programs = weir_tests::capture::cgroup_programs(node.kubepods.path());
+    assert!(
+        programs.iter().any(|p| p.contains("weir_connect4")),
+        "the node capture on the pods' cgroup: {programs:?}"
+    );
+}

@@ -197,14 +197,27 @@ impl Drop for Kubelet {
 /// Every 300 ms: a worker for each pod bound to this node that has none.
 async fn sync_loop(shared: Arc<Shared>, cri: Cri, stop: CancellationToken) {
     let mut workers: HashMap<String, tokio::task::JoinHandle<()>> = HashMap::new();
+    let mut ended: HashMap<String, Instant> = HashMap::new();
     loop {
+        for (uid, w) in &workers {
+            if w.is_finished() {
+                ended.insert(uid.clone(), Instant::now());
+            }
+        }
         workers.retain(|_, w| !w.is_finished());
+        // A pod whose worker failed is started again after a pause, as kubelet's
+        // back-off does.
+        ended.retain(|_, at| at.elapsed() < Duration::from_secs(3));
         for pod in shared.api.pods() {
             if pod["spec"]["nodeName"].as_str() != Some(shared.node.facts.name.as_str()) {
                 continue;
             }
             let uid = pod["metadata"]["uid"].as_str().unwrap_or_default().to_string();
-            if uid.is_empty() || workers.contains_key(&uid) || pod["status"]["phase"] == "Succeeded" {
+            if uid.is_empty()
+                || workers.contains_key(&uid)
+                || ended.contains_key(&uid)
+                || pod["status"]["phase"] == "Succeeded"
+            {
                 continue;
             }
             let (s, c, st) = (shared.clone(), cri.clone(), stop.clone());
@@ -212,6 +225,15 @@ async fn sync_loop(shared: Arc<Shared>, cri: Cri, stop: CancellationToken) {
                 pod["metadata"]["namespace"].as_str().unwrap_or("default").to_string(),
                 pod["metadata"]["name"].as_str().unwrap_or_default().to_string(),
             );
+            shared.pods.lock().unwrap_or_else(|p| p.into_inner()).entry(uid.clone()).or_insert_with(|| {
+                PodView {
+                    namespace: ns.clone(),
+                    name: name.clone(),
+                    uid: uid.clone(),
+                    phase: "Pending".into(),
+                    ..Default::default()
+                }
+            });
             workers.insert(
                 uid.clone(),
                 tokio::spawn(async move {
@@ -371,16 +393,6 @@ async fn run_pod(
 ) -> anyhow::Result<()> {
     let pod = shared.api.pod(ns, name).context("the pod is gone")?;
     let m = manifest(&pod)?;
-    shared.pods.lock().unwrap_or_else(|p| p.into_inner()).insert(
-        uid.to_string(),
-        PodView {
-            namespace: ns.into(),
-            name: name.into(),
-            uid: uid.into(),
-            phase: "Pending".into(),
-            ..Default::default()
-        },
-    );
     let node = &shared.node;
     std::fs::create_dir_all(spec::log_directory(&node.facts, &m, uid)).or_else(|_| {
         std::fs::create_dir_all(
@@ -409,6 +421,31 @@ async fn run_pod(
             }
         }
     };
+    match with_sandbox(shared, cri, ns, name, uid, stop, m, sandbox.clone(), sandbox_config).await {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            // Nothing half made stays: the next worker starts the pod anew.
+            let _ = cri.stop_pod_sandbox(&sandbox).await;
+            let _ = cri.remove_pod_sandbox(&sandbox).await;
+            Err(e)
+        }
+    }
+}
+
+/// The rest of a pod's life once its sandbox runs.
+#[allow(clippy::too_many_arguments, reason = "one pod's worker, split at its sandbox")]
+async fn with_sandbox(
+    shared: &Arc<Shared>,
+    cri: &Cri,
+    ns: &str,
+    name: &str,
+    uid: &str,
+    stop: &CancellationToken,
+    m: Manifest,
+    sandbox: String,
+    sandbox_config: weir_proto::cri::PodSandboxConfig,
+) -> anyhow::Result<()> {
+    let node = &shared.node;
     let status = cri.pod_sandbox_status(&sandbox).await?;
     let ip: IpAddr = if m.spec.host_network {
         node.ip
@@ -494,6 +531,7 @@ async fn run_pod(
     });
     let result = lifecycle(shared, cri, &mut run, stop).await;
     if result.is_err() && !deleting(shared, ns, name) && !stop.is_cancelled() {
+        terminate(shared, cri, &mut run).await;
         return result;
     }
     if stop.is_cancelled() && !deleting(shared, ns, name) {

@@ -215,14 +215,12 @@ fn spawn_mounts(dir: &Path) -> anyhow::Result<Child> {
     let mut script = String::from("set -e; mount --make-rprivate /; ");
     for (path, _) in BOUND {
         let from = dir.join(path.trim_start_matches('/'));
-        script.push_str(&format!(
-            "mkdir -p {path}; mount --bind '{}' {path}; mount --make-shared {path}; ",
-            from.display()
-        ));
+        script.push_str(&format!("mkdir -p {path}; mount --bind '{}' {path}; ", from.display()));
     }
-    script.push_str(
-        "mount -t bpf bpf /sys/fs/bpf; mount --make-shared /sys/fs/bpf; echo ready; exec sleep infinity",
-    );
+    // Everything shared inside the node, as systemd makes a node's mounts (runtimes
+    // check a propagated hostPath's mount: `/` for `/var/run/netns`); the namespace is
+    // private from the machine's, so nothing propagates out of it.
+    script.push_str("mount -t bpf bpf /sys/fs/bpf; mount --make-rshared /; echo ready; exec sleep infinity");
     let mut child = Command::new("unshare")
         .args(["--mount", "--propagation", "private", "--", "sh", "-c", &script])
         .stdin(Stdio::null())

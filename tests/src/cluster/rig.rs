@@ -320,3 +320,58 @@ impl Drop for Cluster {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
+
+/// Weir's CNI DaemonSet as `kubectl apply -k agent/deploy` creates it, on a cluster.
+impl Cluster {
+    /// The DaemonSet's pod for node `index` running image `image` (kustomize's image
+    /// setting), with the one path that must point into the node's own folders
+    /// re-rooted: `WEIR_EBPF_CGROUP`, the node's pods' cgroup (a `kubepods` of its own
+    /// under this host's cgroup2 mount, /sys/fs/cgroup/unified). Everything else is the
+    /// manifest's: hostPaths resolve in the node's own mount namespace.
+    pub fn daemonset_pod(&self, index: u8, image: &str) -> anyhow::Result<Value> {
+        let spec = crate::daemonset::pod_spec();
+        let text = std::fs::read_to_string(crate::daemonset::manifest_path())?;
+        let ds: Value = serde_yaml_ng::Deserializer::from_str(&text)
+            .map(|d| serde::Deserialize::deserialize(d).expect("the manifest is YAML"))
+            .find(|doc: &Value| doc["kind"] == "DaemonSet")
+            .context("the manifest has a DaemonSet")?;
+        let node = self.node(index);
+        let mount = weir_agent::sandbox::cgroup::cgroup2_mount()?;
+        let kubepods = Path::new("/sys/fs/cgroup").join(node.kubepods.path().strip_prefix("/sys/fs/cgroup")?);
+        debug_assert!(node.kubepods.path().starts_with(&mount));
+        let mut spec = spec;
+        for c in spec["containers"].as_array_mut().context("containers")? {
+            if c["image"] == "weir-cni" {
+                c["image"] = json!(image);
+            }
+            for e in c["env"].as_array_mut().into_iter().flatten() {
+                if e["name"] == "WEIR_EBPF_CGROUP" {
+                    e["value"] = json!(kubepods.display().to_string());
+                }
+            }
+        }
+        let meta = &ds["spec"]["template"]["metadata"];
+        Ok(json!({
+            "metadata": {"name": format!("weir-cni-node-{index}"), "namespace": ds["metadata"]["namespace"],
+                         "labels": meta["labels"], "annotations": meta["annotations"]},
+            "spec": spec,
+        }))
+    }
+
+    /// Creates the DaemonSet's ServiceAccount tokens (the agent's and the plugin's
+    /// read-only one, as the manifest's Secret) and its pod on every node.
+    pub fn apply_daemonset(&self, image: &str) -> anyhow::Result<()> {
+        let plugin_token = "weir-rig-plugin-read-only-token";
+        self.api.allow_reads_with(plugin_token);
+        self.secret(
+            "kube-system",
+            "weir-cni-plugin-token",
+            &[("token", plugin_token), ("ca.crt", self.ca.root_pem()), ("namespace", "kube-system")],
+        );
+        for n in &self.nodes {
+            let pod = self.daemonset_pod(n.node.index, image)?;
+            self.create_pod(pod, n.node.index);
+        }
+        Ok(())
+    }
+}
