@@ -65,3 +65,49 @@ fn istiods_ca_signs_over_tls_on_the_xds_port_and_checks_the_token() {
     assert_eq!(seen.len(), 2);
     assert_eq!((seen[0].validity_seconds, seen[0].uri_sans.clone()), (600, vec![id.to_string()]));
 }
+
+/// A push sends clusters before the listeners that name them, whatever order the
+/// client subscribed in, as istiod does: Envoy rejects a listener whose route names a
+/// cluster it does not have yet, and keeps that version rejected. Before, the types of
+/// a push went out in a hash map's order (seen through containerd: every proxy of a
+/// three-node rig rejected `virtualInbound` for `inbound|80||`).
+#[tokio::test]
+async fn a_push_sends_clusters_before_listeners() {
+    use weir_proto::{
+        envoy::service::discovery::v3::{
+            DeltaDiscoveryRequest, aggregated_discovery_service_client::AggregatedDiscoveryServiceClient,
+        },
+        type_url,
+    };
+    let any = |t: &str| prost_types::Any { type_url: t.into(), value: vec![] };
+    let ads = AdsServer::new(Snapshot::new(), AuthPolicy { token: None, cluster_id: None });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = ads.clone();
+    tokio::spawn(async move { server.serve(listener, None, std::future::pending()).await });
+    let channel = Endpoint::from_shared(format!("http://{addr}")).unwrap().connect().await.unwrap();
+    let (tx, rx) = tokio::sync::mpsc::channel(8);
+    let mut responses = AggregatedDiscoveryServiceClient::new(channel)
+        .delta_aggregated_resources(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    // Listeners subscribed first, then clusters.
+    for t in [type_url::LISTENER, type_url::CLUSTER] {
+        tx.send(DeltaDiscoveryRequest { type_url: t.into(), ..Default::default() }).await.unwrap();
+        responses.message().await.unwrap().unwrap();
+    }
+    for round in 0..5 {
+        let mut s = Snapshot::new();
+        s.set(type_url::LISTENER, &round.to_string(), vec![(format!("l{round}"), any(type_url::LISTENER))]);
+        s.set(type_url::CLUSTER, &round.to_string(), vec![(format!("c{round}"), any(type_url::CLUSTER))]);
+        ads.push(s);
+        let first = responses.message().await.unwrap().unwrap();
+        let second = responses.message().await.unwrap().unwrap();
+        assert_eq!(
+            (first.type_url.as_str(), second.type_url.as_str()),
+            (type_url::CLUSTER, type_url::LISTENER),
+            "round {round}"
+        );
+    }
+}

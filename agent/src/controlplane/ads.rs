@@ -194,7 +194,9 @@ impl AdsServer {
                 }
                 Some(next) = pushes.recv() => {
                     snapshot = next;
-                    for (type_url, watch) in watches.iter_mut() {
+                    let mut ordered: Vec<_> = watches.iter_mut().collect();
+                    ordered.sort_by_key(|(type_url, _)| push_order(type_url));
+                    for (type_url, watch) in ordered {
                         if watch.version_sent.as_deref() != Some(snapshot.version(type_url))
                             && !self.send_sotw(&out, type_url, watch, &snapshot).await
                         {
@@ -273,7 +275,9 @@ impl AdsServer {
                 }
                 Some(next) = pushes.recv() => {
                     snapshot = next;
-                    for (type_url, watch) in watches.iter_mut() {
+                    let mut ordered: Vec<_> = watches.iter_mut().collect();
+                    ordered.sort_by_key(|(type_url, _)| push_order(type_url));
+                    for (type_url, watch) in ordered {
                         if !self.send_delta(&out, type_url, watch, &snapshot, false).await {
                             break 'stream;
                         }
@@ -396,4 +400,18 @@ impl AggregatedDiscoveryService for AdsServer {
         tokio::spawn(async move { me.run_delta(stream, request.into_inner(), tx).await });
         Ok(Response::new(ReceiverStream::new(rx)))
     }
+}
+
+/// The order a push sends types in, as istiod does: clusters before the endpoints,
+/// listeners and routes that name them (an Envoy that got a listener first would reject
+/// it for a cluster it does not know yet, and keep rejecting that version), then the rest.
+fn push_order(type_url: &str) -> (u8, &str) {
+    let rank = match type_url {
+        weir_proto::type_url::CLUSTER => 0,
+        weir_proto::type_url::ENDPOINT => 1,
+        weir_proto::type_url::LISTENER => 2,
+        weir_proto::type_url::ROUTE => 3,
+        _ => 4,
+    };
+    (rank, type_url)
 }

@@ -415,6 +415,9 @@ pub struct ChainSpec {
     /// Terminate Istio mutual TLS (inbound), accepting these SPIFFE IDs (empty: any
     /// certificate of the mesh CA).
     pub mtls: Option<Vec<String>>,
+    /// Match only connections of this transport (`tls` or `raw_buffer`, as the TLS
+    /// inspector tells them apart): PERMISSIVE inbound has one chain of each.
+    pub transport_protocol: Option<&'static str>,
 }
 
 fn chain_filter(stat: &str, f: &ChainFilter) -> Filter {
@@ -487,6 +490,7 @@ pub fn virtual_listener(
                     })
                     .into_iter()
                     .collect(),
+                transport_protocol: c.transport_protocol.unwrap_or_default().to_string(),
                 ..Default::default()
             }),
             filters: vec![chain_filter(&c.name, &c.filter)],
@@ -510,13 +514,22 @@ pub fn virtual_listener(
             ..Default::default()
         }),
         use_original_dst: Some(true),
-        listener_filters: vec![ListenerFilter {
+        listener_filters: std::iter::once(ListenerFilter {
             name: "envoy.filters.listener.original_dst".into(),
             config_type: Some(listener_filter::ConfigType::TypedConfig(to_any(
                 ORIGINAL_DST,
                 &OriginalDst {},
             ))),
-        }],
+        })
+        // Chains told apart by transport need the TLS inspector (Istio's PERMISSIVE).
+        .chain(chains.iter().any(|c| c.transport_protocol.is_some()).then(|| ListenerFilter {
+            name: "envoy.filters.listener.tls_inspector".into(),
+            config_type: Some(listener_filter::ConfigType::TypedConfig(prost_types::Any {
+                type_url: TLS_INSPECTOR.into(),
+                value: Vec::new(),
+            })),
+        }))
+        .collect(),
         traffic_direction: if inbound { TrafficDirection::Inbound } else { TrafficDirection::Outbound }
             as i32,
         ..Default::default()
@@ -526,6 +539,8 @@ pub fn virtual_listener(
 
 const ORIGINAL_DST: &str =
     "type.googleapis.com/envoy.extensions.filters.listener.original_dst.v3.OriginalDst";
+const TLS_INSPECTOR: &str =
+    "type.googleapis.com/envoy.extensions.filters.listener.tls_inspector.v3.TlsInspector";
 
 /// Istio's `PassthroughCluster`: connections go to their original destination.
 pub fn passthrough_cluster(name: &str, connect_timeout: Duration) -> Any {

@@ -18,6 +18,7 @@
 //!   endpoints: ["10.66.0.12:8080"]
 //!   timeout: 5s
 //!   retries: 2
+//! mtls: strict                 # strict | permissive (plaintext accepted too)
 //! ```
 
 use std::{
@@ -54,6 +55,19 @@ pub struct MeshFile {
     pub trust_domain: String,
     #[serde(default)]
     pub services: Vec<Service>,
+    /// Istio's PeerAuthentication mode for inbound traffic.
+    #[serde(default)]
+    pub mtls: MtlsMode,
+}
+
+/// Inbound mutual TLS: STRICT (only Istio mutual TLS), or PERMISSIVE (plaintext too,
+/// told apart by the TLS inspector), Istio's default.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MtlsMode {
+    #[default]
+    Strict,
+    Permissive,
 }
 
 fn default_trust_domain() -> String {
@@ -160,6 +174,18 @@ impl MeshFile {
 
     /// What `workload` (its pod IP) gets, as snapshot `version`.
     pub fn snapshot(&self, workload: Option<IpAddr>, version: &str) -> Snapshot {
+        self.snapshot_serving(|ip| Some(ip) == workload, version)
+    }
+
+    /// One snapshot for every workload of the file: inbound for each port any service's
+    /// endpoint serves (what a control plane serving one config to all proxies sends;
+    /// the inbound chains match ports only, so a proxy serving none of them gets
+    /// chains it never uses).
+    pub fn snapshot_for_all(&self, version: &str) -> Snapshot {
+        self.snapshot_serving(|_| true, version)
+    }
+
+    fn snapshot_serving(&self, serves: impl Fn(IpAddr) -> bool, version: &str) -> Snapshot {
         let mut clusters =
             vec![(PASSTHROUGH.to_string(), resources::passthrough_cluster(PASSTHROUGH, CONNECT_TIMEOUT))];
         let mut outbound = Vec::new();
@@ -186,21 +212,34 @@ impl MeshFile {
                 destination_port: Some(s.port),
                 filter: filter(cluster.clone()),
                 mtls: None,
+                transport_protocol: None,
             });
             // This workload serves the service: inbound for each of its endpoint ports here.
-            for e in s.endpoints.iter().filter(|e| Some(e.ip()) == workload) {
+            for e in s.endpoints.iter().filter(|e| serves(e.ip())) {
                 let local = Service::inbound_cluster(e.port());
                 if !clusters.iter().any(|(n, _)| *n == local) {
                     let app = SocketAddr::from(([127, 0, 0, 1], e.port()));
                     clusters
                         .push((local.clone(), resources::static_cluster(&local, &[app], CONNECT_TIMEOUT)));
+                    let permissive = self.mtls == MtlsMode::Permissive;
                     inbound.push(ChainSpec {
                         name: local.clone(),
                         destination_ip: None,
                         destination_port: Some(e.port()),
                         filter: filter(local.clone()),
                         mtls: Some(Vec::new()),
+                        transport_protocol: permissive.then_some("tls"),
                     });
+                    if permissive {
+                        inbound.push(ChainSpec {
+                            name: format!("{local}-plaintext"),
+                            destination_ip: None,
+                            destination_port: Some(e.port()),
+                            filter: filter(local.clone()),
+                            mtls: None,
+                            transport_protocol: Some("raw_buffer"),
+                        });
+                    }
                 }
             }
         }
@@ -283,6 +322,39 @@ services:
         let clusters: Vec<String> =
             server.get(type_url::CLUSTER).unwrap().resources.keys().cloned().collect();
         assert!(clusters.contains(&"inbound|8080||".to_string()), "{clusters:?}");
+    }
+
+    /// PERMISSIVE (Istio's default): each inbound port takes Istio mutual TLS and
+    /// plaintext, told apart by the TLS inspector; one snapshot can serve every workload.
+    #[test]
+    fn permissive_inbound_takes_mutual_tls_and_plaintext() {
+        let file = MeshFile::parse(Path::new("mesh.yaml"), &format!("{FILE}mtls: permissive\n")).unwrap();
+        let all = file.snapshot_for_all("1");
+        let inbound = listeners(&all).into_iter().find(|l| l.name == "virtualInbound").unwrap();
+        let kinds: Vec<(String, bool)> = inbound
+            .filter_chains
+            .iter()
+            .map(|c| {
+                (
+                    c.filter_chain_match.as_ref().unwrap().transport_protocol.clone(),
+                    c.transport_socket.is_some(),
+                )
+            })
+            .collect();
+        assert!(
+            kinds.contains(&("tls".into(), true)) && kinds.contains(&("raw_buffer".into(), false)),
+            "{kinds:?}"
+        );
+        assert!(inbound.listener_filters.iter().any(|f| f.name == "envoy.filters.listener.tls_inspector"));
+        let ports: Vec<Option<u32>> = inbound
+            .filter_chains
+            .iter()
+            .map(|c| c.filter_chain_match.as_ref().unwrap().destination_port)
+            .collect();
+        assert!(
+            ports.contains(&Some(8080)) && ports.contains(&Some(5432)),
+            "every endpoint's port: {ports:?}"
+        );
     }
 
     #[test]

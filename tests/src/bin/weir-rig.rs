@@ -2,14 +2,20 @@
 //! `weir-rig` images by containerd.
 //!
 //!   pause                     the sandbox: waits for SIGTERM or SIGINT
-//!   app <name> <port>         an HTTP app; each connection is logged with whether its
+//!   app <name> <port>…        an HTTP app on each port; each connection is logged with whether its
 //!                             other end is a socket in the pod's own network namespace
 //!                             (a proxy that took it: the sidecar's Envoy, ztunnel) or
 //!                             not (it came straight from the network: a bypass for a
 //!                             meshed pod), and each request's x-forwarded-client-cert
-//!   client <name> <ms> <url>… asks each target in turn, forever; logs per request the
+//!   client <name> <ms> <file> asks each target the file lists (one `ip:port` a line,
+//!                             read again each round) in turn, forever; logs per request the
 //!                             answer and whether its own connection's other end was a
 //!                             local socket (its proxy) or the network
+//!   istiod <dir>              the test control plane as istiod serves it on 15012 (TLS
+//!                             with `<dir>/serving.pem` and `serving-key.pem`, bearer
+//!                             `<dir>/token`): ADS with one snapshot for every proxy
+//!                             from `<dir>/mesh.yaml` (Weir's standalone services file,
+//!                             read again when it changes), and istiod's CA
 //!
 //! Log lines (stdout, the container's log): `<ms> <kind> key=value ...`.
 
@@ -59,13 +65,27 @@ fn local_socket(local: SocketAddr, remote: SocketAddr) -> bool {
     })
 }
 
-fn app(name: &str, port: u16) -> Result<(), String> {
-    let listener = TcpListener::bind(("0.0.0.0", port)).map_err(|e| format!("bind {port}: {e}"))?;
-    log(&format!("listening name={name} port={port}"));
-    for stream in listener.incoming() {
-        let Ok(stream) = stream else { continue };
-        let name = name.to_string();
-        std::thread::spawn(move || serve(&name, stream));
+fn app(name: &str, ports: &[u16]) -> Result<(), String> {
+    let mut listeners = Vec::new();
+    for port in ports {
+        listeners.push(TcpListener::bind(("0.0.0.0", *port)).map_err(|e| format!("bind {port}: {e}"))?);
+        log(&format!("listening name={name} port={port}"));
+    }
+    let threads: Vec<_> = listeners
+        .into_iter()
+        .map(|listener| {
+            let name = name.to_string();
+            std::thread::spawn(move || {
+                for stream in listener.incoming() {
+                    let Ok(stream) = stream else { continue };
+                    let name = name.clone();
+                    std::thread::spawn(move || serve(&name, stream));
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        let _ = t.join();
     }
     Ok(())
 }
@@ -157,10 +177,20 @@ fn proxy_here(local: SocketAddr) -> bool {
     })
 }
 
-fn client(me: &str, interval: Duration, targets: &[String]) -> Result<(), String> {
-    log(&format!("client name={me} targets={}", targets.join(",")));
+fn client(me: &str, interval: Duration, file: &str) -> Result<(), String> {
+    log(&format!("client name={me} targets={file}"));
     loop {
-        for t in targets {
+        let targets: Vec<String> = std::fs::read_to_string(file)
+            .unwrap_or_default()
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .map(String::from)
+            .collect();
+        if targets.is_empty() {
+            std::thread::sleep(interval);
+        }
+        for t in &targets {
             match ask(me, t) {
                 Ok((body, via)) => log(&format!("ok target={t} via={via} answer={}", body.replace(' ', ","))),
                 Err(e) => log(&format!("fail target={t} error={}", e.replace(' ', "_"))),
@@ -168,6 +198,66 @@ fn client(me: &str, interval: Duration, targets: &[String]) -> Result<(), String
             std::thread::sleep(interval);
         }
     }
+}
+
+fn istiod(dir: &str) -> Result<(), String> {
+    use weir_agent::{
+        controlplane::{AdsServer, AuthPolicy, ServerTls, Snapshot},
+        standalone::mesh::MeshFile,
+    };
+    let dir: &'static std::path::Path = Box::leak(std::path::PathBuf::from(dir).into_boxed_path());
+    let read = |name: &str| {
+        std::fs::read(dir.join(name)).map_err(|e| format!("read {}: {e}", dir.join(name).display()))
+    };
+    let token = String::from_utf8_lossy(&read("token")?).trim().to_string();
+    let tls =
+        ServerTls { cert_chain: read("serving.pem")?, key: read("serving-key.pem")?, client_roots: None };
+    let load = |version: u64| -> Result<Snapshot, String> {
+        let file = MeshFile::load(&dir.join("mesh.yaml")).map_err(|e| weir_agent::error_chain(&e))?;
+        Ok(file.snapshot_for_all(&version.to_string()))
+    };
+    let ads = AdsServer::new(
+        load(1)?,
+        AuthPolicy {
+            token: Some(token.clone()),
+            cluster_id: Some(weir_tests::control_plane::CLUSTER_ID.into()),
+        },
+    );
+    let ca =
+        weir_tests::istiod_ca::IstiodCa::new("weir-rig mesh CA", Some(&token)).map_err(|e| e.to_string())?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    runtime.block_on(async move {
+        let listener =
+            tokio::net::TcpListener::bind("0.0.0.0:15012").await.map_err(|e| format!("bind 15012: {e}"))?;
+        log("istiod listening on 15012");
+        let pusher = ads.clone();
+        tokio::spawn(async move {
+            let mut last = std::fs::read(dir.join("mesh.yaml")).unwrap_or_default();
+            let mut version = 1;
+            loop {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                let now = std::fs::read(dir.join("mesh.yaml")).unwrap_or_default();
+                if now != last {
+                    version += 1;
+                    match load(version) {
+                        Ok(snapshot) => {
+                            pusher.push(snapshot);
+                            log(&format!("pushed version={version}"));
+                            last = now;
+                        }
+                        Err(e) => log(&format!("mesh.yaml refused error={}", e.replace(' ', "_"))),
+                    }
+                }
+            }
+        });
+        weir_agent::controlplane::serve(listener, Some(tls), ads, Some(ca), std::future::pending())
+            .await
+            .map_err(|e| e.to_string())
+    })
 }
 
 fn pause() -> Result<(), String> {
@@ -186,12 +276,19 @@ fn main() -> ExitCode {
     let result = (|| -> Result<(), String> {
         match arg(0)?.as_str() {
             "pause" => pause(),
-            "app" => app(&arg(1)?, arg(2)?.parse().map_err(|e| format!("port: {e}"))?),
+            "istiod" => istiod(&arg(1)?),
+            "app" => {
+                let ports: Vec<u16> = args[2..]
+                    .iter()
+                    .map(|p| p.parse().map_err(|e| format!("port {p}: {e}")))
+                    .collect::<Result<_, _>>()?;
+                app(&arg(1)?, &ports)
+            }
             "client" => {
                 let ms: u64 = arg(2)?.parse().map_err(|e| format!("interval: {e}"))?;
-                client(&arg(1)?, Duration::from_millis(ms), &args[3..])
+                client(&arg(1)?, Duration::from_millis(ms), &arg(3)?)
             }
-            other => Err(format!("unknown command {other:?}: pause, app or client")),
+            other => Err(format!("unknown command {other:?}: pause, app, client or istiod")),
         }
     })();
     match result {

@@ -80,6 +80,9 @@ impl Cluster {
             next_uid: std::sync::atomic::AtomicU32::new(1),
         };
         cluster.config_map("*", "kube-root-ca.crt", &[("ca.crt", cluster.ca.root_pem())]);
+        for ns in ["default", "kube-system", "istio-system"] {
+            cluster.api.set_namespace(ns, &[]);
+        }
         for index in 1..=count {
             cluster.add_node(test, index)?;
         }
@@ -217,7 +220,7 @@ impl Cluster {
             ]}}));
             pod["spec"]["volumes"] = json!(volumes);
             for list in ["initContainers", "containers"] {
-                if let Some(containers) = pod["spec"][list].as_array_mut() {
+                if let Some(containers) = pod["spec"].get_mut(list).and_then(Value::as_array_mut) {
                     for c in containers {
                         let mut mounts = c["volumeMounts"].as_array().cloned().unwrap_or_default();
                         if !mounts

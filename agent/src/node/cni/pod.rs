@@ -58,42 +58,42 @@ pub struct PodInfo {
 #[derive(Deserialize)]
 struct Pod {
     metadata: Metadata,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     spec: Spec,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     status: Status,
 }
 
 #[derive(Deserialize, Default)]
 struct Status {
-    #[serde(rename = "podIP", default)]
+    #[serde(rename = "podIP", default, deserialize_with = "null_as_default")]
     pod_ip: String,
 }
 
 #[derive(Deserialize)]
 struct Metadata {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     name: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     namespace: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     labels: BTreeMap<String, String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     annotations: BTreeMap<String, String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     uid: String,
 }
 
 #[derive(Deserialize, Default)]
 #[serde(rename_all = "camelCase")]
 struct Spec {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     containers: Vec<Container>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     init_containers: Vec<Container>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     node_name: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     host_network: bool,
 }
 
@@ -101,18 +101,18 @@ struct Spec {
 #[serde(rename_all = "camelCase")]
 struct Container {
     name: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     args: Vec<String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     env: Vec<EnvVar>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     security_context: Option<SecurityContext>,
 }
 
 #[derive(Deserialize)]
 struct EnvVar {
     name: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     value: String,
 }
 
@@ -121,6 +121,14 @@ struct EnvVar {
 struct SecurityContext {
     run_as_user: Option<i64>,
     run_as_group: Option<i64>,
+}
+
+/// A field the API sends as `null` (Go's encoding of a nil slice or map) is empty, as
+/// Go's decoder takes it.
+fn null_as_default<'de, D: serde::Deserializer<'de>, T: Default + Deserialize<'de>>(
+    d: D,
+) -> Result<T, D::Error> {
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
 }
 
 impl PodInfo {
@@ -133,7 +141,7 @@ impl PodInfo {
     pub fn list_from_json(json: &[u8]) -> Result<Vec<Self>, serde_json::Error> {
         #[derive(Deserialize)]
         struct PodList {
-            #[serde(default)]
+            #[serde(default, deserialize_with = "null_as_default")]
             items: Vec<Pod>,
         }
         Ok(serde_json::from_slice::<PodList>(json)?.items.into_iter().map(Self::from_pod).collect())
@@ -342,6 +350,18 @@ mod tests {
         ]
       }
     }"#;
+
+    /// `null` where a list or map is (Go's nil slice) reads as empty, as Go's decoder
+    /// reads it: before, ADD failed for such a pod ("invalid type: null").
+    #[test]
+    fn nulls_for_lists_and_maps_read_as_empty() {
+        let pod = r#"{"metadata": {"name": "p", "namespace": "d", "labels": null, "annotations": null},
+                      "spec": {"initContainers": null, "containers": [{"name": "app", "args": null, "env": null}]},
+                      "status": {"podIP": null}}"#;
+        let p = PodInfo::from_json(pod.as_bytes()).unwrap();
+        assert_eq!(p.containers.iter().map(String::as_str).collect::<Vec<_>>(), ["app"]);
+        assert!(p.labels.is_empty() && p.pod_ip.is_none());
+    }
 
     #[test]
     fn pods_read_as_istio_cni_reads_them() {
