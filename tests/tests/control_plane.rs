@@ -99,8 +99,8 @@ async fn a_push_sends_clusters_before_listeners() {
     }
     for round in 0..5 {
         let mut s = Snapshot::new();
-        s.set(type_url::LISTENER, &round.to_string(), vec![(format!("l{round}"), any(type_url::LISTENER))]);
-        s.set(type_url::CLUSTER, &round.to_string(), vec![(format!("c{round}"), any(type_url::CLUSTER))]);
+        s.set(type_url::LISTENER, round.to_string(), vec![(format!("l{round}"), any(type_url::LISTENER))]);
+        s.set(type_url::CLUSTER, round.to_string(), vec![(format!("c{round}"), any(type_url::CLUSTER))]);
         ads.push(s);
         let first = responses.message().await.unwrap().unwrap();
         let second = responses.message().await.unwrap().unwrap();
