@@ -21,6 +21,7 @@ fn main() -> anyhow::Result<()> {
     let manifest_dir = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").context("CARGO_MANIFEST_DIR")?);
     let workspace = manifest_dir.parent().context("agent/ has no parent")?.to_path_buf();
     build_info(&workspace);
+    version()?;
 
     println!("cargo:rerun-if-env-changed={STUB_ENV}");
     let stub = env::var(STUB_ENV).is_ok_and(|v| v == "1" || v.eq_ignore_ascii_case("true"));
@@ -160,6 +161,29 @@ fn preflight(path: &std::ffi::OsStr) -> anyhow::Result<()> {
              (or set {STUB_ENV}=1 to build without eBPF)"
         ),
     }
+}
+
+/// The version this build reports (`weir version`, the program set's key, the build
+/// marker): `WEIR_VERSION` when a release pipeline stamps one, else the package's.
+fn version() -> anyhow::Result<()> {
+    println!("cargo:rerun-if-env-changed=WEIR_VERSION");
+    let version = match env::var("WEIR_VERSION") {
+        Ok(v) if !v.is_empty() => {
+            let valid = v.starts_with(|c: char| c.is_ascii_digit())
+                && v.len() <= 64
+                && v.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '+'));
+            if !valid {
+                bail!(
+                    "WEIR_VERSION={v:?}: expected a version such as 1.2.3 or 1.2.3-rc.1 (a digit \
+                     first, then letters, digits, '.', '-' or '+'; at most 64)"
+                );
+            }
+            v
+        }
+        _ => env::var("CARGO_PKG_VERSION").context("CARGO_PKG_VERSION not set")?,
+    };
+    println!("cargo:rustc-env=WEIR_VERSION={version}");
+    Ok(())
 }
 
 /// Version and provenance for `weir version`.

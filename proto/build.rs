@@ -28,10 +28,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed={}", root.display());
     let fds = protox::compile(files, [&root])?;
     tonic_prost_build::configure().build_client(true).build_server(true).compile_fds(fds)?;
-    // CRI v1, kubelet's side only, for the test rig (`cri` feature).
-    if std::env::var_os("CARGO_FEATURE_CRI").is_some() {
-        let cri = protox::compile(["cri/runtime/v1/api.proto"], [&root])?;
-        tonic_prost_build::configure().build_client(true).build_server(false).compile_fds(cri)?;
+    // The test rig's (`rig` feature): CRI v1, kubelet's side; istio.workload messages.
+    if std::env::var_os("CARGO_FEATURE_RIG").is_some() {
+        let rig = protox::compile(["cri/runtime/v1/api.proto", "istio/workload/workload.proto"], [&root])?;
+        tonic_prost_build::configure().build_client(true).build_server(false).compile_fds(rig)?;
     }
     Ok(())
 }

@@ -5,6 +5,7 @@ use serde::Serialize;
 /// Build facts recorded by `build.rs`.
 #[derive(Debug, Clone, Serialize)]
 pub struct BuildInfo {
+    /// The package's version, or `WEIR_VERSION` as the build was stamped.
     pub version: &'static str,
     pub git_sha: &'static str,
     pub rustc: &'static str,
@@ -15,7 +16,7 @@ pub struct BuildInfo {
 }
 
 pub const BUILD_INFO: BuildInfo = BuildInfo {
-    version: env!("CARGO_PKG_VERSION"),
+    version: env!("WEIR_VERSION"),
     git_sha: env!("WEIR_GIT_SHA"),
     rustc: env!("WEIR_RUSTC_VERSION"),
     profile: env!("WEIR_BUILD_PROFILE"),
@@ -39,7 +40,7 @@ impl std::fmt::Display for BuildInfo {
 /// eBPF program set as the node capture it attaches); `weir-cni` keeps it referenced.
 pub const BUILD_MARKER: &str = concat!(
     "\0weir-build:",
-    env!("CARGO_PKG_VERSION"),
+    env!("WEIR_VERSION"),
     ":",
     env!("WEIR_GIT_SHA"),
     ":",

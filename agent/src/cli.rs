@@ -30,7 +30,7 @@ impl Personality {
 
 /// `weir`: traffic capture and sidecar agent for Envoy.
 #[derive(Debug, Parser)]
-#[command(name = "weir", version, about, long_about = None, disable_help_subcommand = true)]
+#[command(name = "weir", version = env!("WEIR_VERSION"), about, long_about = None, disable_help_subcommand = true)]
 pub struct WeirCli {
     #[command(subcommand)]
     pub command: WeirCommand,

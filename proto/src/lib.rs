@@ -134,6 +134,12 @@ pub mod istio {
     }
     /// ZDS, the node agent ⇄ ztunnel protocol (one message per SOCK_SEQPACKET datagram).
     pub mod workload {
+        /// Workload discovery (`istio.workload`: what istiod sends ztunnel); only with
+        /// the `rig` feature (the test rig's istiod).
+        #[cfg(feature = "rig")]
+        pub mod api {
+            tonic::include_proto!("istio.workload");
+        }
         pub mod zds {
             tonic::include_proto!("istio.workload.zds");
         }
@@ -159,8 +165,8 @@ pub fn to_any<M: prost::Message>(type_url: &str, message: &M) -> prost_types::An
 }
 
 /// Kubernetes CRI v1 (`runtime.v1`): what kubelet asks a container runtime. Only with
-/// the `cri` feature (the test rig's kubelet stand-in).
-#[cfg(feature = "cri")]
+/// the `rig` feature (the test rig's kubelet stand-in).
+#[cfg(feature = "rig")]
 pub mod cri {
     tonic::include_proto!("runtime.v1");
 }

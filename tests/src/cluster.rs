@@ -10,6 +10,7 @@ pub mod images;
 pub mod kubelet;
 pub mod node;
 pub mod rig;
+pub mod scene;
 pub mod workloads;
 
 use std::net::Ipv4Addr;

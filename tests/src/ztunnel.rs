@@ -1,11 +1,19 @@
 //! The real ztunnel (istio/ztunnel at 62d82653, Istio's node proxy for ambient mode) as
-//! a test peer of Weir's node agent: built once from
-//! `../shared/peers/ztunnel-62d82653.tar.gz` (beside the checkout) into a cache outside
-//! the checkout, and run in a test namespace in in-pod ("shared") mode, with no istiod.
+//! a test peer of Weir's node agent: built once from its source at that commit into a
+//! cache outside the checkout, and run in a test namespace in in-pod ("shared") mode,
+//! with no istiod.
+//!
+//! **The source.** `../shared/peers/ztunnel-62d82653.tar.gz` beside the checkout (or
+//! `$WEIR_ZTUNNEL_TARBALL`), checked against its sha256; when it is not there, the
+//! commit's tarball from the public repository (`$WEIR_ZTUNNEL_URL`, else GitHub's),
+//! fetched once into the cache. Either must unpack to the same tree ([`TREE_SHA256`]:
+//! every file's path, mode and sha256, `vendor/` left out as the shared tarball leaves
+//! it): GitHub does not promise the same gzip bytes for an archive, the tree is what
+//! is pinned. Neither way working is an error naming both.
 //!
 //! **The build.** The cache is `$WEIR_CACHE_DIR` (else `$XDG_CACHE_HOME/weir`, else
-//! `$HOME/.cache/weir`) + `ztunnel-<sha256 of the tarball>/`: the tarball's hash is the
-//! key, so a new tarball builds anew and the same one, on the same machine, is built
+//! `$HOME/.cache/weir`) + `ztunnel-<sha256 of the shared tarball>/`: the pinned source
+//! is the key, so a new pin builds anew and the same one, on the same machine, is built
 //! once (CI included). In it: `src/` (the unpacked tarball), `target/` (cargo's),
 //! `build.log`, `bin/ztunnel` and the stamp `built`, written last. The build unpacks
 //! the tarball, drops the one git dependency (`boring-rustls-provider`, used only by
@@ -38,8 +46,14 @@ use weir_agent::sandbox::{NetNs, Pod, PodChild};
 
 /// The peer's source, as `shared/peers` holds it.
 pub const TARBALL: &str = "ztunnel-62d82653.tar.gz";
-/// The tarball's top folder.
-const TOP_DIR: &str = "ztunnel-62d82653";
+/// The shared tarball's sha256: the pinned source's key.
+pub const TARBALL_SHA256: &str = "c078c9e7803ab2773da32940f9c53caeb0d80e435027d61ca586bd3acdfe3491";
+/// The commit the source is, in istio/ztunnel.
+pub const COMMIT: &str = "62d826530e5ce85764e309170205b293efcbc80b";
+/// The source tree's digest ([`tree_digest`]): the shared tarball's and the commit's.
+pub const TREE_SHA256: &str = "b34ffd38484f3b6c752c592812e587b16660f436d19dec48c14c3c48e8144d26";
+/// Where the public repository serves the commit's tarball.
+const ARCHIVE_URL: &str = "https://codeload.github.com/istio/ztunnel/tar.gz";
 /// The features: rustls over ring (no aws-lc C build), and `FAKE_CA`.
 const FEATURES: &str = "tls-ring,testing";
 /// The manifest's git dependency, and its mention in the `tls-boring` feature.
@@ -50,20 +64,105 @@ const GIT_FEATURE: &str = ", \"boring-rustls-provider/fips-only\"";
 /// HBONE, DNS.
 pub const POD_PORTS: [u16; 4] = [15001, 15006, 15008, 15053];
 
-/// The tarball: `$WEIR_ZTUNNEL_TARBALL`, else `shared/peers/` beside the checkout.
-pub fn tarball() -> anyhow::Result<PathBuf> {
-    let path = match std::env::var_os("WEIR_ZTUNNEL_TARBALL") {
+/// The shared tarball: `$WEIR_ZTUNNEL_TARBALL`, else `shared/peers/` beside the
+/// checkout; `Ok(None)` when it is not there.
+pub fn shared_tarball() -> anyhow::Result<Option<PathBuf>> {
+    let path = match std::env::var_os("WEIR_ZTUNNEL_TARBALL").filter(|p| !p.is_empty()) {
         Some(p) => PathBuf::from(p),
         None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/peers").join(TARBALL),
     };
-    if !path.is_file() {
-        bail!(
-            "the ztunnel peer's source {} is missing: it is `shared/peers/{TARBALL}` beside the checkout \
-             (or set WEIR_ZTUNNEL_TARBALL)",
-            path.display()
-        );
+    if !path.exists() {
+        return Ok(None);
     }
-    Ok(path)
+    let sha = sha256_file(&path)?;
+    if sha != TARBALL_SHA256 {
+        bail!("{}: sha256 {sha}, expected {TARBALL_SHA256} (ztunnel at {COMMIT})", path.display());
+    }
+    Ok(Some(path))
+}
+
+/// The commit's tarball URL: `$WEIR_ZTUNNEL_URL` (a mirror; the commit is appended
+/// when it ends in `/`), else GitHub's.
+fn archive_url() -> String {
+    match std::env::var("WEIR_ZTUNNEL_URL").ok().filter(|u| !u.is_empty()) {
+        Some(u) if u.ends_with('/') => format!("{u}{COMMIT}"),
+        Some(u) => u,
+        None => format!("{ARCHIVE_URL}/{COMMIT}"),
+    }
+}
+
+/// The source tarball: the shared one, else the commit's fetched into `dir` (once;
+/// its tree is checked when unpacked). The error names both ways.
+fn source_tarball(dir: &Path) -> anyhow::Result<PathBuf> {
+    source_tarball_from(shared_tarball()?, &archive_url(), dir)
+}
+
+fn source_tarball_from(shared: Option<PathBuf>, url: &str, dir: &Path) -> anyhow::Result<PathBuf> {
+    if let Some(shared) = shared {
+        return Ok(shared);
+    }
+    let fetched = dir.join(format!("ztunnel-{COMMIT}.tar.gz"));
+    if fetched.is_file() {
+        return Ok(fetched);
+    }
+    eprintln!("[ztunnel] {TARBALL} is not beside the checkout: fetching {url}");
+    let partial = fetched.with_extension("partial");
+    let out = Command::new("curl")
+        .args(["-fsSL", "--retry", "3", "--connect-timeout", "20", "--max-time", "600", "-o"])
+        .arg(&partial)
+        .arg(url)
+        .output();
+    let why = match out {
+        Ok(o) if o.status.success() => {
+            fs::rename(&partial, &fetched).context("keep the fetched ztunnel tarball")?;
+            return Ok(fetched);
+        }
+        Ok(o) => format!("curl {url}: {}", String::from_utf8_lossy(&o.stderr).trim()),
+        Err(e) => format!("curl cannot be run ({e}); scripts/bootstrap installs it"),
+    };
+    let _ = fs::remove_file(&partial);
+    bail!(
+        "the ztunnel peer's source (istio/ztunnel at {COMMIT}) could not be had either way: \
+         `shared/peers/{TARBALL}` is not beside the checkout (nor WEIR_ZTUNNEL_TARBALL), and fetching \
+         it failed: {why}"
+    )
+}
+
+/// A digest of the source tree under `top`: for each file (sorted by path; `vendor/`
+/// left out), `F <path>\0<x or ->\0<sha256>\n`, or `L <path>\0<target>\n` for a
+/// link; directories are not entries.
+pub fn tree_digest(top: &Path) -> anyhow::Result<String> {
+    fn walk(top: &Path, dir: &Path, out: &mut Vec<(String, PathBuf)>) -> anyhow::Result<()> {
+        for e in fs::read_dir(dir).with_context(|| format!("read {}", dir.display()))? {
+            let e = e?;
+            let path = e.path();
+            let rel = path.strip_prefix(top)?.to_string_lossy().into_owned();
+            if rel == "vendor" {
+                continue;
+            }
+            if e.file_type()?.is_dir() {
+                walk(top, &path, out)?;
+            } else {
+                out.push((rel, path));
+            }
+        }
+        Ok(())
+    }
+    let mut files = Vec::new();
+    walk(top, top, &mut files)?;
+    files.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+    let mut digest = ring::digest::Context::new(&ring::digest::SHA256);
+    for (rel, path) in files {
+        let meta = fs::symlink_metadata(&path)?;
+        if meta.file_type().is_symlink() {
+            let target = fs::read_link(&path)?;
+            digest.update(format!("L {rel}\0{}\n", target.display()).as_bytes());
+        } else {
+            let x = if meta.permissions().mode() & 0o100 != 0 { "x" } else { "-" };
+            digest.update(format!("F {rel}\0{x}\0{}\n", sha256_file(&path)?).as_bytes());
+        }
+    }
+    Ok(digest.finish().as_ref().iter().map(|b| format!("{b:02x}")).collect())
 }
 
 /// Where builds are cached: `$WEIR_CACHE_DIR`, `$XDG_CACHE_HOME/weir` or
@@ -97,10 +196,9 @@ pub fn sha256_file(path: &Path) -> anyhow::Result<String> {
     Ok(context.finish().as_ref().iter().map(|b| format!("{b:02x}")).collect())
 }
 
-/// The cache folder of this tarball's build.
+/// The cache folder of the pinned source's build.
 pub fn cache_dir() -> anyhow::Result<PathBuf> {
-    let sha = sha256_file(&tarball()?)?;
-    Ok(cache_root()?.join(format!("ztunnel-{sha}")))
+    Ok(cache_root()?.join(format!("ztunnel-{TARBALL_SHA256}")))
 }
 
 /// The ztunnel binary, built first if the cache does not hold it. Fails naming why the
@@ -115,7 +213,6 @@ pub fn binary() -> anyhow::Result<PathBuf> {
         }
         return Ok(bin);
     }
-    let tarball = tarball()?;
     let dir = cache_dir()?;
     fs::create_dir_all(&dir).with_context(|| format!("create the ztunnel cache {}", dir.display()))?;
     let lock = fs::File::create(dir.join("lock")).context("create the ztunnel cache's lock")?;
@@ -127,6 +224,7 @@ pub fn binary() -> anyhow::Result<PathBuf> {
         return Ok(bin);
     }
     let started = Instant::now();
+    let tarball = source_tarball(&dir)?;
     let src = unpack(&tarball, &dir)?;
     drop_git_dependency(&src.join("Cargo.toml"))?;
     require_protoc()?;
@@ -144,7 +242,8 @@ pub fn binary() -> anyhow::Result<PathBuf> {
     Ok(bin)
 }
 
-/// Unpacks the tarball into `dir/src` (anew) and returns its top folder.
+/// Unpacks the tarball into `dir/src` (anew), checks its tree against [`TREE_SHA256`]
+/// and returns its top folder (`vendor/` removed: the build does not use it).
 fn unpack(tarball: &Path, dir: &Path) -> anyhow::Result<PathBuf> {
     let src = dir.join("src");
     if src.exists() {
@@ -161,11 +260,24 @@ fn unpack(tarball: &Path, dir: &Path) -> anyhow::Result<PathBuf> {
     if !out.status.success() {
         bail!("tar -xzf {} failed: {}", tarball.display(), String::from_utf8_lossy(&out.stderr).trim());
     }
-    let top = src.join(TOP_DIR);
+    let tops: Vec<PathBuf> = fs::read_dir(&src)?.flatten().map(|e| e.path()).collect();
+    let [top] = tops.as_slice() else {
+        bail!("{} holds {} top folders, expected one", tarball.display(), tops.len());
+    };
     if !top.join("Cargo.toml").is_file() {
-        bail!("{} did not hold {TOP_DIR}/Cargo.toml", tarball.display());
+        bail!("{} did not hold <top>/Cargo.toml", tarball.display());
     }
-    Ok(top)
+    if top.join("vendor").exists() {
+        fs::remove_dir_all(top.join("vendor")).context("remove ztunnel's vendor/")?;
+    }
+    let tree = tree_digest(top)?;
+    if tree != TREE_SHA256 {
+        bail!(
+            "{} unpacks to a tree with digest {tree}, not ztunnel at {COMMIT} ({TREE_SHA256})",
+            tarball.display()
+        );
+    }
+    Ok(top.clone())
 }
 
 /// Drops the git dependency from the manifest (its line, and its mention in the
@@ -423,6 +535,50 @@ mod tests {
         // Run again, nothing is left to drop: the error names what was expected.
         let e = drop_git_dependency(&manifest).unwrap_err().to_string();
         assert!(e.contains("expected one `boring-rustls-provider"), "{e}");
+    }
+
+    #[test]
+    fn the_tree_digest_covers_paths_modes_and_contents_but_not_vendor() {
+        let dir = tempfile::tempdir().unwrap();
+        let top = dir.path();
+        fs::create_dir_all(top.join("src")).unwrap();
+        fs::create_dir_all(top.join("vendor/lib")).unwrap();
+        fs::write(top.join("Cargo.toml"), "[package]\n").unwrap();
+        fs::write(top.join("src/main.rs"), "fn main() {}\n").unwrap();
+        let first = tree_digest(top).unwrap();
+        // vendor/ is not part of it.
+        fs::write(top.join("vendor/lib/libcrypto.a"), "prebuilt").unwrap();
+        assert_eq!(tree_digest(top).unwrap(), first);
+        // A mode, a content, a name each change it.
+        fs::set_permissions(top.join("src/main.rs"), fs::Permissions::from_mode(0o755)).unwrap();
+        let moded = tree_digest(top).unwrap();
+        assert_ne!(moded, first);
+        fs::write(top.join("src/main.rs"), "fn main() { }\n").unwrap();
+        assert_ne!(tree_digest(top).unwrap(), moded);
+        fs::rename(top.join("src/main.rs"), top.join("src/lib.rs")).unwrap();
+        let renamed = tree_digest(top).unwrap();
+        fs::rename(top.join("src/lib.rs"), top.join("src/main.rs")).unwrap();
+        assert_ne!(renamed, tree_digest(top).unwrap());
+    }
+
+    #[test]
+    fn without_the_shared_tarball_a_failed_fetch_names_both_ways() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = source_tarball_from(None, "http://127.0.0.1:9/ztunnel.tar.gz", dir.path()).unwrap_err();
+        let e = format!("{e:#}");
+        assert!(e.contains(&format!("shared/peers/{TARBALL}")), "{e}");
+        assert!(e.contains("curl http://127.0.0.1:9/ztunnel.tar.gz"), "{e}");
+        assert!(!dir.path().join(format!("ztunnel-{COMMIT}.partial")).exists());
+    }
+
+    /// The source this machine has (the shared tarball, or the commit's fetched) is
+    /// the pinned tree.
+    #[test]
+    fn the_source_unpacks_to_the_pinned_tree() {
+        let dir = tempfile::tempdir().unwrap();
+        let tarball = source_tarball(dir.path()).unwrap();
+        let top = unpack(&tarball, dir.path()).unwrap();
+        assert!(top.join("Cargo.toml").is_file());
     }
 
     #[test]

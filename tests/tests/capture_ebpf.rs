@@ -544,3 +544,71 @@ fn a_namespace_visit_returns_the_thread_to_its_own_namespace() {
     assert!(facts.own_addresses().is_empty(), "a fresh namespace has only loopback: {facts:?}");
     assert!(facts.mac("eth0").is_err());
 }
+
+/// Connections from one client port, one after another: each reply from the pod's side
+/// (the testkit's 15006 listener) closes first, so the pod holds the previous
+/// connection's 4-tuple in TIME_WAIT when the next SYN comes.
+fn reconnect_from_one_port(test: &str, family: Family) {
+    use std::time::Duration;
+    let cgroup = test_cgroup(test);
+    let s = CaptureScene::in_cgroup(test, family, &cgroup);
+    let c = capture(&s, &cgroup, &injector_config(None), false);
+    let app = s.addr(&s.client, 8080);
+    let from: std::net::SocketAddr = match family {
+        Family::V4 => "0.0.0.0:40123".parse().unwrap(),
+        Family::V6 => "[::]:40123".parse().unwrap(),
+    };
+    let time_wait = || {
+        let out = std::process::Command::new("ip")
+            .args(["netns", "exec", s.client.netns().name(), "ss", "-Htan", "state", "time-wait"])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).lines().any(|l| l.contains(":8080") && l.contains(":40123"))
+    };
+    for round in 0..3 {
+        let line = s
+            .server
+            .run(move || async move {
+                use tokio::io::AsyncReadExt as _;
+                let sock = if from.is_ipv4() {
+                    tokio::net::TcpSocket::new_v4()
+                } else {
+                    tokio::net::TcpSocket::new_v6()
+                }?;
+                sock.set_reuseaddr(true)?;
+                sock.bind(from)?;
+                let mut stream = tokio::time::timeout(Duration::from_secs(4), sock.connect(app))
+                    .await
+                    .map_err(|_| std::io::Error::other("connect timed out"))??;
+                let mut answer = String::new();
+                stream.read_to_string(&mut answer).await?;
+                Ok::<_, std::io::Error>(answer)
+            })
+            .unwrap()
+            .unwrap_or_else(|e| panic!("connection {round} from port 40123: {e}"));
+        let (local, _) =
+            captured(&line).unwrap_or_else(|| panic!("connection {round} not captured: {line:?}"));
+        assert_eq!(local, app.to_string(), "connection {round}");
+        assert!(time_wait(), "the pod holds connection {round}'s 4-tuple in TIME_WAIT (the case under test)");
+    }
+    let inbound = c.inbound.as_ref().unwrap().counters().unwrap();
+    assert_eq!(inbound.get("inbound_assigned"), 3, "{inbound:?}");
+}
+
+/// A client reconnecting from the same port while the pod still holds the previous
+/// connection in TIME_WAIT is captured again: the kernel reopens the 4-tuple and asks
+/// for a listener, and the namespace's lookup hook answers with Envoy's. Before, the
+/// classifier assigned the SYN to the listener, the kernel dropped it as a duplicate of
+/// the TIME_WAIT socket, and the client timed out (found by the node rig: an ambient
+/// client's ztunnel reusing a port towards a sidecar pod).
+#[test]
+fn a_connection_reopening_a_time_wait_tuple_is_captured_ipv4() {
+    require_root!();
+    reconnect_from_one_port(&test_name!(), Family::V4);
+}
+
+#[test]
+fn a_connection_reopening_a_time_wait_tuple_is_captured_ipv6() {
+    require_root!();
+    reconnect_from_one_port(&test_name!(), Family::V6);
+}

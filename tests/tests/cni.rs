@@ -1513,6 +1513,126 @@ fn repair_with_ebpf_registers_once_and_never_again() {
     rt.del(&weir, &b, Some(&new_result)).unwrap_or_else(|e| panic!("DEL: {e}"));
 }
 
+/// `weir cni repair --once` on node-3 in `auto` mode with the node capture `name`.
+fn repair_once_auto(node: &Node, kubeconfig: &str, name: &str) -> Result<String, String> {
+    let args = [
+        "cni",
+        "repair",
+        "--once",
+        "--node-name",
+        "node-3",
+        "--proc-dir",
+        "/proc",
+        "--kubeconfig",
+        kubeconfig,
+        "--capture-mode",
+        "auto",
+        "--ebpf-name",
+        name,
+    ];
+    weir_tests::cni::try_run_placed(
+        weir_agent::sandbox::Placement { netns: Some(&node.ns), ..Default::default() },
+        tools::weir_command(),
+        &args,
+    )
+}
+
+/// A rollout moves the node capture aside (kept for its pods under its retired name)
+/// before the new build's is attached. Repair in `auto` mode running in that window
+/// must still see an eBPF node, and a pod registered with eBPF must never be given
+/// netfilter rules on top: before, `auto` resolved to iptables there and repair applied
+/// REDIRECT rules to a registered pod, capturing every connection twice (the node rig
+/// found it: every request of the pod failed after a roll).
+#[test]
+fn repair_while_the_node_capture_is_moved_aside_captures_no_pod_twice() {
+    require_root!();
+    let _bpffs = weir_tests::BpffsUse::acquire().unwrap();
+    let node = Node::new(&test_name!(), false);
+    let rt = CniRuntime::new(&node.ns).unwrap();
+    let kubepods = test_cgroup(&format!("{}-kubepods", test_name!()));
+    let name = unique_name("cni-node");
+    let _guard = NodeCapture(name.clone());
+    weir_agent::node::cni::node_capture::attach_node(&name, kubepods.path()).unwrap();
+    let kubeconfig = node.run_dir.path().join("istio-cni-kubeconfig").display().to_string();
+    let weir = node.conflist(json!({"capture_mode": "ebpf", "ebpf_node_capture": name}));
+    let pod = pod_netns(&rt, "web-ebpf");
+    node.api.set_pod(listed_pod("web-ebpf", true, "node-3", "10.77.0.200"));
+    let a = Attachment::pod("c-web-ebpf", pod.path(), "shop", "web-ebpf");
+    let result = rt.add(&weir, &a).unwrap_or_else(|e| panic!("ADD: {e}"));
+    node.api.set_pod(listed_pod("web-ebpf", true, "node-3", &pod_ip(&result)));
+    let _sandbox = KubeletSandbox::start(&kubepods, "uid-web-ebpf", &pod).unwrap();
+
+    // The window of a rollout: the node capture kept under its retired name, no new one.
+    let record = weir_agent::ebpf::record::PinRecord::load(&name).expect("the node capture's record");
+    let key = record.programs.clone().expect("its program set");
+    let retired = weir_agent::node::cni::ebpf::retired_name(&name, &key);
+    record.move_to(&retired).unwrap();
+    assert!(
+        weir_agent::node::cni::ebpf::node_captures_with_ebpf(&name),
+        "a node mid-rollout captures with eBPF"
+    );
+    let out = repair_once_auto(&node, &kubeconfig, &name);
+    let moved_back = weir_agent::ebpf::record::PinRecord::load(&retired).unwrap().move_to(&name);
+    let out = out.unwrap_or_else(|e| panic!("repair: {e}"));
+    assert!(!out.contains("repaired"), "{out}");
+    let rules = run_in(&pod, None, std::process::Command::new("iptables-save"), &[]);
+    assert!(!rules.contains("ISTIO_"), "netfilter capture added to a registered pod:\n{rules}");
+    moved_back.unwrap();
+    rt.del(&weir, &a, Some(&result)).unwrap_or_else(|e| panic!("DEL: {e}"));
+}
+
+/// The records lost (another `/run/weir` mounted by a new DaemonSet, `/run` cleaned)
+/// while pods stay registered in the pinned maps: `auto` then sees no node capture and
+/// plans netfilter, and repair must still find the pod registered (its namespace in a
+/// set's map) and add nothing on top (found by a security review: the check read the
+/// records only, and repair would have captured every registered pod twice).
+#[test]
+fn repair_with_the_records_lost_captures_no_registered_pod_twice() {
+    require_root!();
+    let _bpffs = weir_tests::BpffsUse::acquire().unwrap();
+    let node = Node::new(&test_name!(), false);
+    let rt = CniRuntime::new(&node.ns).unwrap();
+    let kubepods = test_cgroup(&format!("{}-kubepods", test_name!()));
+    let name = unique_name("cni-node");
+    let _guard = NodeCapture(name.clone());
+    weir_agent::node::cni::node_capture::attach_node(&name, kubepods.path()).unwrap();
+    let kubeconfig = node.run_dir.path().join("istio-cni-kubeconfig").display().to_string();
+    let weir = node.conflist(json!({"capture_mode": "ebpf", "ebpf_node_capture": name}));
+    let pod = pod_netns(&rt, "web-lost");
+    node.api.set_pod(listed_pod("web-lost", true, "node-3", "10.77.0.201"));
+    let a = Attachment::pod("c-web-lost", pod.path(), "shop", "web-lost");
+    let result = rt.add(&weir, &a).unwrap_or_else(|e| panic!("ADD: {e}"));
+    node.api.set_pod(listed_pod("web-lost", true, "node-3", &pod_ip(&result)));
+    let _sandbox = KubeletSandbox::start(&kubepods, "uid-web-lost", &pod).unwrap();
+
+    // Every record of this node capture and its pods moved away: what a new /run/weir shows.
+    let records: Vec<(std::path::PathBuf, Vec<u8>)> = weir_agent::ebpf::record::PinRecord::load_all()
+        .into_iter()
+        .filter(|r| r.pod == name || r.pod.starts_with(&format!("{name}-pod-")))
+        .map(|r| {
+            let path = weir_agent::ebpf::record::PinRecord::path(&r.pod);
+            let bytes = std::fs::read(&path).unwrap();
+            std::fs::remove_file(&path).unwrap();
+            (path, bytes)
+        })
+        .collect();
+    assert_eq!(records.len(), 2, "the node capture's record and the pod's");
+    assert!(!weir_agent::node::cni::ebpf::node_captures_with_ebpf(&name), "no record: auto plans netfilter");
+    let out = repair_once_auto(&node, &kubeconfig, &name);
+    for (path, bytes) in &records {
+        std::fs::write(path, bytes).unwrap();
+    }
+    // Refused, naming the pod and why: the operator sees it (the pass fails).
+    let said = match out {
+        Ok(out) => panic!("repair passed a registered pod it planned netfilter for: {out}"),
+        Err(e) => e.to_string(),
+    };
+    assert!(said.contains("shop/web-lost is registered with eBPF capture"), "{said}");
+    let rules = run_in(&pod, None, std::process::Command::new("iptables-save"), &[]);
+    assert!(!rules.contains("ISTIO_"), "netfilter capture added to a registered pod:\n{rules}\n{said}");
+    rt.del(&weir, &a, Some(&result)).unwrap_or_else(|e| panic!("DEL: {e}"));
+}
+
 /// The API server answering 500 and 503, then recovering: the plugin retries, as
 /// istio-cni does, and the pod is captured. A refusal that will not pass (403) is
 /// not retried: a named error, and nothing applied.

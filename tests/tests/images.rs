@@ -199,12 +199,22 @@ fn the_cni_image_installs_the_daemonsets_node_agent() {
         .unwrap()
         .iter()
         .map(|v| {
-            let path = v["hostPath"]["path"].as_str().expect("hostPath volumes");
+            let name = v["name"].as_str().unwrap();
+            if let Some(secret) = v["secret"]["secretName"].as_str() {
+                // A service-account-token Secret, as the runtime writes it: its keys
+                // as files.
+                let dir = host(&format!("/secrets/{secret}"));
+                std::fs::write(dir.join("token"), "plugin-token-1").unwrap();
+                std::fs::write(dir.join("ca.crt"), "-----BEGIN CERTIFICATE-----\n").unwrap();
+                std::fs::write(dir.join("namespace"), "kube-system").unwrap();
+                return (name, dir);
+            }
+            let path = v["hostPath"]["path"].as_str().expect("hostPath or Secret volumes");
             let source = match path {
                 "/sys/fs/bpf" => bpffs.0.clone(),
                 other => host(other),
             };
-            (v["name"].as_str().unwrap(), source)
+            (name, source)
         })
         .collect();
 
@@ -308,7 +318,9 @@ fn the_cni_image_installs_the_daemonsets_node_agent() {
     assert!(String::from_utf8_lossy(&v.stdout).contains("supportedVersions"), "{v:?}");
     let kubeconfig = host("/var/run/istio-cni").join("istio-cni-kubeconfig");
     assert!(settles(|| kubeconfig.is_file()), "no kubeconfig\n{}", said());
-    assert!(std::fs::read_to_string(&kubeconfig).unwrap().contains("token: token-1"));
+    // The plugin's own read-only token (the manifest's Secret), not the DaemonSet's.
+    let written = std::fs::read_to_string(&kubeconfig).unwrap();
+    assert!(written.contains("token: plugin-token-1") && !written.contains("token: token-1"), "{written}");
     let attached =
         || weir_tests::capture::cgroup_programs(cgroup.path()).iter().any(|p| p.contains("connect4"));
     assert!(

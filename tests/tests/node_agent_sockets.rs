@@ -120,6 +120,13 @@ fn only_root_reaches_the_event_socket_and_only_a_pods_namespace_is_taken() {
     let said = post(&node, 0, &event("apps", "web", &other_ns, ip), None);
     assert!(said.starts_with("HTTP/1.1 500") && said.contains("none of the pod's addresses"), "{said}");
     assert_eq!(zt.log().iter().filter(|l| l.starts_with("Add uid-web")).count(), 1, "{:?}", zt.log());
+    // Another pod named with web's namespace and address (a forged event: its
+    // addresses are the event's own): web's namespace is enrolled, never a second
+    // pod's (before, ztunnel would have been given web's namespace as "spy" too).
+    node.api.set_pod(pod_object("apps", "spy", "uid-spy", ip, &[], &[]));
+    let said = post(&node, 0, &event("apps", "spy", &web_ns, ip), None);
+    assert!(said.starts_with("HTTP/1.1 500") && said.contains("pod uid-web's (enrolled already)"), "{said}");
+    assert!(!zt.log().iter().any(|l| l.starts_with("Add uid-spy")), "{:?}", zt.log());
 }
 
 #[test]

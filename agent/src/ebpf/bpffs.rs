@@ -134,7 +134,7 @@ pub fn unpin(dir: &Path) -> Result<(), EbpfError> {
     if !dir.exists() {
         return Ok(());
     }
-    for sub in ["links", "maps"] {
+    for sub in ["links", "netns", "maps"] {
         if let Ok(entries) = std::fs::read_dir(dir.join(sub)) {
             for e in entries.flatten() {
                 match std::fs::remove_file(e.path()) {

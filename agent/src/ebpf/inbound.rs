@@ -15,7 +15,7 @@ use aya::{
     Ebpf,
     maps::{Array, HashMap, Map, MapData, PerCpuArray, PerCpuHashMap},
     programs::{
-        SchedClassifier, TcAttachType,
+        SchedClassifier, SkLookup, TcAttachType,
         links::FdLink,
         tc::{NlOptions, SchedClassifierLink, TcAttachOptions, TcHandle},
     },
@@ -24,8 +24,9 @@ use weir_ebpf_common::inbound::{self, InboundConfig, InboundCounters, InboundKey
 
 use super::{
     EbpfError,
-    bpffs::{aya_pin_error, create_dir, mount_bpffs},
+    bpffs::{aya_pin_error, create_dir, mount_bpffs, pin_error},
     capture::{Counters, add_zeroed, is_not_found},
+    link::{self, CgroupLink},
     netns::in_netns,
     objects,
     registration::{Registration, bytes_of},
@@ -60,6 +61,44 @@ fn classifier<'a>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut Sche
         .ok_or(EbpfError::MissingProgram { object: objects::INBOUND_NAME, program: name })?
         .try_into()
         .map_err(|source| EbpfError::Verify { program: name, source })
+}
+
+fn reopen_hook(ebpf: &mut Ebpf) -> Result<&mut SkLookup, EbpfError> {
+    let name = inbound::PROG_REOPEN;
+    ebpf.program_mut(name)
+        .ok_or(EbpfError::MissingProgram { object: objects::INBOUND_NAME, program: name })?
+        .try_into()
+        .map_err(|source| EbpfError::Verify { program: name, source })
+}
+
+/// Where a pod's socket lookup hook ([`inbound::PROG_REOPEN`]) is pinned: under the
+/// pod's capture folder, beside (not in) its cgroup `links`.
+pub fn reopen_pin(dir: &Path) -> PathBuf {
+    dir.join("netns").join("inbound_reopen")
+}
+
+/// Attaches the socket lookup hook `program` to the network namespace at `netns`
+/// (refused when `cookie` is given and the path now names another namespace): a
+/// bpf_link to the namespace, detached when dropped unpinned and when the namespace
+/// goes.
+fn reopen_link(
+    program: std::os::fd::BorrowedFd<'_>,
+    netns: &Path,
+    cookie: Option<u64>,
+) -> Result<CgroupLink, EbpfError> {
+    let attach = || {
+        let here = std::fs::File::open("/proc/thread-self/ns/net")?;
+        CgroupLink::create(program, here.as_fd(), link::attach_type::SK_LOOKUP)
+    };
+    let made = match cookie {
+        Some(cookie) => super::netns::in_netns_of(netns, cookie, attach),
+        None => in_netns(netns, attach),
+    };
+    made.map_err(|e| EbpfError::Attach {
+        program: inbound::PROG_REOPEN,
+        path: netns.to_path_buf(),
+        source: aya::programs::ProgramError::IOError(e),
+    })
 }
 
 /// Attaches `classifier` to `interface`'s ingress inside the namespace at `netns`
@@ -132,7 +171,12 @@ impl NodeClassifier {
     /// reason logged.
     pub fn load() -> Result<Option<Ebpf>, EbpfError> {
         let mut ebpf = load_object()?;
-        match classifier(&mut ebpf, inbound::PROG)?.load() {
+        let loaded = classifier(&mut ebpf, inbound::PROG)?.load();
+        let loaded = match loaded {
+            Ok(()) => reopen_hook(&mut ebpf)?.load(),
+            Err(e) => Err(e),
+        };
+        match loaded {
             Ok(()) => Ok(Some(ebpf)),
             Err(e) => {
                 tracing::info!(
@@ -147,14 +191,17 @@ impl NodeClassifier {
 
     /// Pins a loaded classifier and its maps under `set_dir`.
     pub fn pin(mut ebpf: Ebpf, set_dir: &Path) -> Result<(), EbpfError> {
-        for name in [inbound::PODS, inbound::COUNTERS, inbound::POD_COUNTERS] {
+        for name in [inbound::PODS, inbound::COUNTERS, inbound::POD_COUNTERS, inbound::REOPENING] {
             let path = set_dir.join("maps").join(name);
             let data = match ebpf.map_mut(name).ok_or_else(|| missing_map(name))? {
-                Map::HashMap(d) | Map::PerCpuArray(d) | Map::PerCpuHashMap(d) => d,
+                Map::HashMap(d) | Map::PerCpuArray(d) | Map::PerCpuHashMap(d) | Map::SockHash(d) => d,
                 _ => return Err(missing_map(name)),
             };
             data.pin(&path).map_err(aya_pin_error(&path))?;
         }
+        // The classifier last: its pin is what says the set has one.
+        let path = set_dir.join("progs").join(inbound::PROG_REOPEN);
+        reopen_hook(&mut ebpf)?.pin(&path).map_err(aya_pin_error(&path))?;
         let path = set_dir.join("progs").join(inbound::PROG);
         classifier(&mut ebpf, inbound::PROG)?.pin(&path).map_err(aya_pin_error(&path))
     }
@@ -166,6 +213,25 @@ impl NodeClassifier {
 
     pub fn program_pin(&self) -> PathBuf {
         self.set_dir.join("progs").join(inbound::PROG)
+    }
+
+    /// Attaches the set's socket lookup hook to the pod's namespace at `netns` (the one
+    /// registered as `cookie`) and pins it at [`reopen_pin`]`(dir)`. A pin there whose
+    /// link is attached is kept. Returns whether this call attached it (what an undo
+    /// may take away again, with [`detach_reopen`]).
+    pub fn attach_reopen(&self, netns: &Path, cookie: u64, dir: &Path) -> Result<bool, EbpfError> {
+        let pin = reopen_pin(dir);
+        if link::attached(&pin).unwrap_or(false) {
+            return Ok(false);
+        }
+        let path = self.set_dir.join("progs").join(inbound::PROG_REOPEN);
+        let program = link::obj_get(&path).map_err(pin_error(&path))?;
+        let made = reopen_link(program.as_fd(), netns, Some(cookie))?;
+        create_dir(pin.parent().unwrap_or(dir))?;
+        // A pin whose namespace is gone holds a detached link: replaced.
+        let _ = std::fs::remove_file(&pin);
+        made.pin(&pin).map_err(pin_error(&pin))?;
+        Ok(true)
     }
 
     fn pinned_map(&self, name: &'static str) -> Result<Map, EbpfError> {
@@ -433,6 +499,12 @@ impl NodeClassifier {
     }
 }
 
+/// Takes a pod's socket lookup hook away (its pin under `dir`; missing is fine).
+pub fn detach_reopen(dir: &Path) {
+    let _ = std::fs::remove_file(reopen_pin(dir));
+    let _ = std::fs::remove_dir(dir.join("netns"));
+}
+
 /// Weir's tc filter on a pod interface: its priority and handle ('WE' and 'WEIR').
 pub const FILTER_PRIORITY: u16 = 0x5745;
 pub const FILTER_HANDLE: u32 = 0x5745_4952;
@@ -451,6 +523,8 @@ pub struct InboundProgram {
     ebpf: Option<Ebpf>,
     netns: PathBuf,
     link: Option<SchedClassifierLink>,
+    /// The namespace's socket lookup hook (see [`NodeClassifier::attach_reopen`]).
+    reopen: Option<CgroupLink>,
 }
 
 impl InboundProgram {
@@ -464,10 +538,16 @@ impl InboundProgram {
                     .map_err(map_err(inbound::CONFIG))?;
             cfg.set(0, config, 0).map_err(map_err(inbound::CONFIG))?;
         }
+        let hook = reopen_hook(&mut ebpf)?;
+        hook.load().map_err(|source| EbpfError::Verify { program: inbound::PROG_REOPEN, source })?;
+        let hook_fd =
+            hook.fd().map_err(|source| EbpfError::Verify { program: inbound::PROG_REOPEN, source })?;
+        // The lookup hook first: the classifier relies on it from its first SYN.
+        let reopen = reopen_link(hook_fd.as_fd(), netns, None)?;
         let program = classifier(&mut ebpf, inbound::PROG_POD)?;
         program.load().map_err(|source| EbpfError::Verify { program: inbound::PROG_POD, source })?;
         let link = attach_in(program, inbound::PROG_POD, netns, interface)?;
-        Ok(Self { ebpf: Some(ebpf), netns: netns.to_path_buf(), link: Some(link) })
+        Ok(Self { ebpf: Some(ebpf), netns: netns.to_path_buf(), link: Some(link), reopen: Some(reopen) })
     }
 
     /// The tc verdict this classifier gives `frame` (a whole Ethernet frame), run in
@@ -503,6 +583,11 @@ impl InboundProgram {
                 let path = dir.join("maps").join(name);
                 data.pin(&path).map_err(aya_pin_error(&path))?;
             }
+        }
+        if let Some(reopen) = self.reopen.take() {
+            let pin = reopen_pin(dir);
+            create_dir(pin.parent().unwrap_or(dir))?;
+            reopen.pin(&pin).map_err(pin_error(&pin))?;
         }
         let link = self.link.take().expect("attached until pinned");
         keep(link, &dir.join("links").join("inbound"))?;

@@ -25,6 +25,8 @@ pub mod attach_type {
     pub const UDP6_RECVMSG: u32 = 20;
     pub const GETSOCKOPT: u32 = 21;
     pub const SOCK_RELEASE: u32 = 34;
+    /// A network namespace's socket lookup (its target is the namespace, not a cgroup).
+    pub const SK_LOOKUP: u32 = 36;
 }
 
 const BPF_LINK_CREATE: libc::c_long = 28;
@@ -36,7 +38,8 @@ pub struct CgroupLink {
 }
 
 impl CgroupLink {
-    /// Attaches `program` to the cgroup open as `cgroup` with `attach_type`.
+    /// Attaches `program` to the cgroup open as `cgroup` with `attach_type` (with
+    /// [`attach_type::SK_LOOKUP`], `cgroup` is a network namespace instead).
     pub fn create(
         program: BorrowedFd<'_>,
         cgroup: BorrowedFd<'_>,

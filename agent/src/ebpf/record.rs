@@ -139,7 +139,7 @@ impl PinRecord {
     }
 
     /// Moves this capture to the name `to` (which must be free): every pin under its
-    /// `links/` and `maps/` is pinned at the new place before its old pin goes, so what
+    /// `links/`, `netns/` and `maps/` is pinned at the new place before its old pin goes, so what
     /// they hold stays attached; then the record. A failure part way moves back what
     /// was moved.
     pub fn move_to(&self, to: &str) -> Result<PinRecord, EbpfError> {
@@ -155,7 +155,7 @@ impl PinRecord {
         }
         let mut done: Vec<(std::path::PathBuf, std::path::PathBuf)> = Vec::new();
         let step = |done: &mut Vec<_>| -> Result<(), EbpfError> {
-            for sub in ["links", "maps"] {
+            for sub in ["links", "netns", "maps"] {
                 let Ok(entries) = std::fs::read_dir(from_dir.join(sub)) else { continue };
                 super::bpffs::create_dir(&to_dir.join(sub))?;
                 for entry in entries.flatten() {
@@ -175,7 +175,7 @@ impl PinRecord {
             return Err(e);
         }
         let _ = std::fs::remove_file(PinRecord::path(&self.pod));
-        for sub in ["links", "maps"] {
+        for sub in ["links", "netns", "maps"] {
             let _ = std::fs::remove_dir(from_dir.join(sub));
         }
         let _ = std::fs::remove_dir(&from_dir);

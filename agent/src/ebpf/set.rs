@@ -595,8 +595,10 @@ impl NodePrograms {
         self.inbound.is_some()
     }
 
-    /// Attaches inbound capture to `interface` in `netns` and keeps it: the node
-    /// classifier as a tc filter (the pod's config was written by [`Self::register`]);
+    /// Attaches inbound capture to `interface` in `netns` and keeps it: the namespace's
+    /// socket lookup hook (pinned under `dir`, see [`NodeClassifier::attach_reopen`]),
+    /// then the node classifier as a tc filter (the pod's config was written by
+    /// [`Self::register`]);
     /// or, in a set without one, a copy of its own (a TCX link pinned at
     /// `dir/links/inbound`, kept when one is attached there already). Returns whether
     /// the interface had no Weir inbound capture before (what an undo may take away).
@@ -610,7 +612,15 @@ impl NodePrograms {
     ) -> Result<bool, EbpfError> {
         let Some(config) = &pod.inbound else { return Ok(false) };
         match &self.inbound {
-            Some(classifier) => classifier.attach(netns, cookie, interface),
+            Some(classifier) => {
+                // The lookup hook first: the classifier relies on it from its first SYN.
+                let hooked = classifier.attach_reopen(netns, cookie, dir)?;
+                classifier.attach(netns, cookie, interface).inspect_err(|_| {
+                    if hooked {
+                        super::inbound::detach_reopen(dir);
+                    }
+                })
+            }
             None => {
                 let pin = dir.join("links").join("inbound");
                 if link::attached(&pin).unwrap_or(false) {

@@ -124,7 +124,7 @@ impl Client {
             .no_proxy()
             .tls_backend_preconfigured(tls)
             .redirect(reqwest::redirect::Policy::limited(MAX_REDIRECTS))
-            .user_agent(concat!("weir/", env!("CARGO_PKG_VERSION")));
+            .user_agent(concat!("weir/", env!("WEIR_VERSION")));
         for (url, scheme) in [(&proxy.http, "http"), (&proxy.https, "https")] {
             let Some(url) = url else { continue };
             let p = if scheme == "http" { reqwest::Proxy::http(url) } else { reqwest::Proxy::https(url) };

@@ -35,6 +35,40 @@ pub const MAX_ADDRESS_ENTRIES: u32 = MAX_PODS * 2 * MAX_ADDRESSES_PER_POD;
 
 pub const MAX_PORTS: usize = 32;
 
+/// `REOPENING`: new connections whose 4-tuple a TIME_WAIT socket of the pod holds,
+/// between the classifier and the kernel's reopen (see the program's docs).
+pub const REOPENING: &str = "INBOUND_REOPENING";
+pub const MAX_REOPENING: u32 = 4096;
+/// The socket lookup hook attached to each captured pod's network namespace.
+pub const PROG_REOPEN: &str = "weir_in_reopen";
+
+/// A connection's 4-tuple as both the classifier and the socket lookup hook see it:
+/// addresses and the remote port as on the wire (IPv4 in the first word), the local
+/// port in host order.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReopenKey {
+    pub remote: [u32; 4],
+    pub local: [u32; 4],
+    pub remote_port: u16,
+    pub local_port: u16,
+    pub family: u32,
+}
+
+const _: () = assert!(core::mem::size_of::<ReopenKey>() == 40);
+
+impl ReopenKey {
+    #[inline(always)]
+    pub fn v4(remote: u32, remote_port: u16, local: u32, local_port: u16) -> Self {
+        Self { remote: [remote, 0, 0, 0], local: [local, 0, 0, 0], remote_port, local_port, family: 2 }
+    }
+
+    #[inline(always)]
+    pub fn v6(remote: [u32; 4], remote_port: u16, local: [u32; 4], local_port: u16) -> Self {
+        Self { remote, local, remote_port, local_port, family: 10 }
+    }
+}
+
 /// [`InboundConfig::flags`] bits.
 pub mod flags {
     /// An ambient pod, its inbound proxy ztunnel: SYNs from the host's probe source

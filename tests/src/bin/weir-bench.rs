@@ -41,6 +41,12 @@
 //!       per-pod cost as the node fills: CNI ADD and eBPF registration p50/p99 with 1,
 //!       50, 100 and 250 pods captured, 20 ADDs at once, the node agent's peak RSS.
 //!
+//!   weir-bench pods [--runs N] [--markdown]
+//!       pods through the real runtime (the node rig: containerd driven through CRI):
+//!       RunPodSandbox and pod-Ready p50/p99 for ambient and injected sidecar pods on a
+//!       node with Weir against a node without, one at a time and 20 at once; the
+//!       node agent's RSS and CPU with 100 pods (needs scripts/image's images).
+//!
 //!   weir-bench rules [--runs N] [--markdown]
 //!       applying and removing the injector's rule set: iptables-restore, one nft
 //!       transaction, eBPF attach + register, against an empty iptables-restore.
@@ -76,6 +82,8 @@ mod capture;
 mod cni;
 #[path = "../bench/datapath.rs"]
 mod datapath;
+#[path = "../bench/pods.rs"]
+mod pods;
 #[path = "../bench/report.rs"]
 mod report;
 #[path = "../bench/rules.rs"]
@@ -137,7 +145,7 @@ fn all(opts: &report::Options) -> anyhow::Result<String> {
 }
 
 /// Every benchmark by name, in the order `all` runs them.
-const BENCHES: [(&str, ab::Bench); 11] = [
+const BENCHES: [(&str, ab::Bench); 12] = [
     ("datapath", datapath::tables),
     ("capture", capture::tables),
     ("rules", rules::tables),
@@ -149,9 +157,10 @@ const BENCHES: [(&str, ab::Bench); 11] = [
     ("ambient", ambient::tables),
     ("ambient-datapath", ambient_datapath::tables),
     ("scaling", scaling::tables),
+    ("pods", pods::tables),
 ];
 
-const USAGE: &str = "usage: weir-bench <datapath|capture|rules|setup|xds|sds|sidecar|cni|ambient|ambient-datapath|scaling|all> [--runs N] \
+const USAGE: &str = "usage: weir-bench <datapath|capture|rules|setup|xds|sds|sidecar|cni|ambient|ambient-datapath|scaling|pods|all> [--runs N] \
                      [--duration SECS] [--connections N] [--markdown]\n       weir-bench <xds|sidecar|cni|setup> \
                      --against-bin PATH [--against-label TEXT] [--this-label TEXT] [--runs N] [--markdown]";
 

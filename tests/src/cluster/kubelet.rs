@@ -111,6 +111,11 @@ pub struct PodView {
     pub containers: Vec<ContainerView>,
     /// Why the sandbox or a container could not start (last error).
     pub waiting: Option<String>,
+    /// How long RunPodSandbox took until the runtime returned a sandbox, ms (from the
+    /// first call: refused calls and the pauses between them included), and how many
+    /// calls that was.
+    pub sandbox_ms: Option<f64>,
+    pub sandbox_calls: u32,
 }
 
 impl PodView {
@@ -119,10 +124,16 @@ impl PodView {
     }
 }
 
+/// Pods (`namespace/name`) a kubelet does not start yet: a test holds one back to
+/// make the order kubelet may happen to take (an app pod's sandbox before the node
+/// agent's pod) the order it does take.
+pub type Held = Arc<Mutex<std::collections::BTreeSet<String>>>;
+
 struct Shared {
     node: NodeAccess,
     api: Arc<KubeApi>,
     objects: Arc<Objects>,
+    held: Held,
     pods: Mutex<BTreeMap<String, PodView>>,
 }
 
@@ -140,8 +151,9 @@ impl Kubelet {
         socket: &Path,
         api: Arc<KubeApi>,
         objects: Arc<Objects>,
+        held: Held,
     ) -> anyhow::Result<Self> {
-        let shared = Arc::new(Shared { node, api, objects, pods: Mutex::default() });
+        let shared = Arc::new(Shared { node, api, objects, held, pods: Mutex::default() });
         let stop = CancellationToken::new();
         let (s, st, socket) = (shared.clone(), stop.clone(), socket.to_path_buf());
         let netns = shared.node.netns.clone();
@@ -194,11 +206,19 @@ impl Drop for Kubelet {
     }
 }
 
-/// Every 300 ms: a worker for each pod bound to this node that has none.
+/// Every 300 ms: a worker for each pod bound to this node that has none (unless held);
+/// every 5 s, the sandboxes no worker owns that are no longer ready (left by a reboot or
+/// a runtime restart) stopped and removed, as kubelet's garbage collection does: the
+/// runtime then runs their CNI DEL.
 async fn sync_loop(shared: Arc<Shared>, cri: Cri, stop: CancellationToken) {
     let mut workers: HashMap<String, tokio::task::JoinHandle<()>> = HashMap::new();
     let mut ended: HashMap<String, Instant> = HashMap::new();
+    let mut collected: Option<Instant> = None;
     loop {
+        if collected.is_none_or(|t| t.elapsed() >= Duration::from_secs(5)) {
+            collected = Some(Instant::now());
+            collect_sandboxes(&shared, &cri).await;
+        }
         for (uid, w) in &workers {
             if w.is_finished() {
                 ended.insert(uid.clone(), Instant::now());
@@ -213,6 +233,14 @@ async fn sync_loop(shared: Arc<Shared>, cri: Cri, stop: CancellationToken) {
                 continue;
             }
             let uid = pod["metadata"]["uid"].as_str().unwrap_or_default().to_string();
+            let key = format!(
+                "{}/{}",
+                pod["metadata"]["namespace"].as_str().unwrap_or("default"),
+                pod["metadata"]["name"].as_str().unwrap_or_default()
+            );
+            if shared.held.lock().unwrap_or_else(|p| p.into_inner()).contains(&key) {
+                continue;
+            }
             if uid.is_empty()
                 || workers.contains_key(&uid)
                 || ended.contains_key(&uid)
@@ -225,15 +253,24 @@ async fn sync_loop(shared: Arc<Shared>, cri: Cri, stop: CancellationToken) {
                 pod["metadata"]["namespace"].as_str().unwrap_or("default").to_string(),
                 pod["metadata"]["name"].as_str().unwrap_or_default().to_string(),
             );
-            shared.pods.lock().unwrap_or_else(|p| p.into_inner()).entry(uid.clone()).or_insert_with(|| {
-                PodView {
+            let new = {
+                let mut pods = shared.pods.lock().unwrap_or_else(|p| p.into_inner());
+                let new = !pods.contains_key(&uid);
+                pods.entry(uid.clone()).or_insert_with(|| PodView {
                     namespace: ns.clone(),
                     name: name.clone(),
                     uid: uid.clone(),
                     phase: "Pending".into(),
                     ..Default::default()
-                }
-            });
+                });
+                new
+            };
+            // A pod this kubelet has not run yet (a new one, or every pod after the
+            // node's reboot): its status says so before anything runs, never what a
+            // sandbox before the reboot had.
+            if new {
+                shared.write_status(&uid);
+            }
             workers.insert(
                 uid.clone(),
                 tokio::spawn(async move {
@@ -251,6 +288,22 @@ async fn sync_loop(shared: Arc<Shared>, cri: Cri, stop: CancellationToken) {
     }
     for (_, w) in workers {
         w.abort();
+    }
+}
+
+/// Stops and removes each sandbox that is not ready and that no pod's worker runs.
+async fn collect_sandboxes(shared: &Shared, cri: &Cri) {
+    let Ok(sandboxes) = cri.list_pod_sandbox().await else { return };
+    let owned: std::collections::BTreeSet<String> =
+        shared.pods.lock().unwrap_or_else(|p| p.into_inner()).values().map(|v| v.sandbox.clone()).collect();
+    for s in sandboxes {
+        if s.state == weir_proto::cri::PodSandboxState::SandboxReady as i32 || owned.contains(&s.id) {
+            continue;
+        }
+        let name = s.metadata.as_ref().map(|m| format!("{}/{}", m.namespace, m.name)).unwrap_or_default();
+        let stopped = cri.stop_pod_sandbox(&s.id).await;
+        let removed = cri.remove_pod_sandbox(&s.id).await;
+        shared.log(&format!("collected sandbox {} of {name}: stop {stopped:?}, remove {removed:?}", s.id));
     }
 }
 
@@ -407,13 +460,19 @@ async fn run_pod(
     // The sandbox: retried while the runtime (the CNI chain) refuses it.
     let sandbox_config = spec::sandbox(&node.facts, &m, uid, 0);
     let mut backoff = Duration::from_millis(500);
+    let first_call = Instant::now();
     let sandbox = loop {
         if deleting(shared, ns, name) || stop.is_cancelled() {
             shared.api.delete_pod(ns, name);
             return Ok(());
         }
+        shared.view(uid, |v| v.sandbox_calls += 1);
         match cri.run_pod_sandbox(sandbox_config.clone()).await {
-            Ok(id) => break id,
+            Ok(id) => {
+                let ms = first_call.elapsed().as_secs_f64() * 1000.0;
+                shared.view(uid, |v| v.sandbox_ms = Some(ms));
+                break id;
+            }
             Err(e) => {
                 shared.view(uid, |v| v.waiting = Some(format!("{e:#}")));
                 tokio::time::sleep(backoff).await;

@@ -180,6 +180,7 @@ impl Node {
     /// (a fresh mount namespace), containerd started again with no state.
     pub fn reboot(&mut self) -> anyhow::Result<()> {
         self.containerd.kill_all(self.kubepods.path());
+        self.reset_network()?;
         if let Some(mut m) = self.mounts.take() {
             let _ = m.kill();
             let _ = m.wait();
@@ -194,6 +195,24 @@ impl Node {
         self.mounts = Some(spawn_mounts(&self.dir)?);
         self.containerd.set_mount_ns(self.mount_ns());
         self.containerd.restart()
+    }
+}
+
+impl Node {
+    /// What a reboot does to the node's network: its netfilter rules (nftables and
+    /// legacy iptables) and the primary CNI's bridge gone. Run in the node's network
+    /// namespace, and refused there if that were this process's own.
+    fn reset_network(&self) -> anyhow::Result<()> {
+        let ours = std::fs::read_link("/proc/self/ns/net")?;
+        let script = format!(
+            "[ \"$(readlink /proc/self/ns/net)\" != '{}' ] || {{ echo 'not in the node namespace' >&2; exit 99; }}; \
+             ip link del cni0 2>/dev/null; nft flush ruleset; \
+             if command -v iptables-legacy >/dev/null; then for t in filter nat mangle raw; do \
+             iptables-legacy -t $t -F; iptables-legacy -t $t -X; ip6tables-legacy -t $t -F; ip6tables-legacy -t $t -X; \
+             done 2>/dev/null; fi; true",
+            ours.display()
+        );
+        self.run("sh", &["-c", &script]).map(drop)
     }
 }
 

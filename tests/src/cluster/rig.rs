@@ -39,6 +39,8 @@ pub struct Cluster {
     pub nodes: Vec<RigNode>,
     pub api: Arc<KubeApi>,
     pub objects: Arc<Objects>,
+    /// Pods no kubelet starts until they are taken out again.
+    pub held: super::kubelet::Held,
     pub ca: TestCa,
     pub hub: NetNs,
     pub dir: PathBuf,
@@ -74,6 +76,7 @@ impl Cluster {
             nodes: Vec::new(),
             api,
             objects,
+            held: Default::default(),
             ca,
             hub,
             dir,
@@ -86,7 +89,7 @@ impl Cluster {
         for index in 1..=count {
             cluster.add_node(test, index)?;
         }
-        let archives: Vec<PathBuf> = ["weir-cni", "weir-init", "weir-proxy-standalone"]
+        let archives: Vec<PathBuf> = ["weir-cni", "weir-cni-next", "weir-init", "weir-proxy-standalone"]
             .iter()
             .map(|i| crate::oci::images_dir().join(format!("{i}.tar")))
             .chain(super::images::build_rig_images()?)
@@ -174,7 +177,7 @@ impl Cluster {
         let access = self.access(i)?;
         let socket = self.nodes[i].node.containerd.socket.clone();
         self.nodes[i].kubelet =
-            Some(Kubelet::start(access, &socket, self.api.clone(), self.objects.clone())?);
+            Some(Kubelet::start(access, &socket, self.api.clone(), self.objects.clone(), self.held.clone())?);
         Ok(())
     }
 
@@ -252,6 +255,21 @@ impl Cluster {
         self.nodes.iter().filter_map(|n| n.kubelet.as_ref()?.pod(namespace, name)).next()
     }
 
+    /// Waits up to `limit` for the pod to be gone from the API (its kubelet removed it).
+    pub fn wait_gone(&self, namespace: &str, name: &str, limit: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + limit;
+        while self.api.pod(namespace, name).is_some() {
+            if Instant::now() > deadline {
+                bail!(
+                    "pod {namespace}/{name}: not gone within {limit:?}; the kubelet sees {:?}",
+                    self.pod_view(namespace, name)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Ok(())
+    }
+
     /// Waits up to `limit` for `check` on the pod's status in the API (Ready, ...).
     pub fn wait_pod(
         &self,
@@ -279,20 +297,24 @@ impl Cluster {
         }
     }
 
-    /// A container's log lines (the runtime's log files: the message part).
+    /// A container's log lines (the runtime's log files: the message part), from every
+    /// node and every incarnation of the pod (a deleted pod's too: kubelet's log
+    /// folders outlive it here).
     pub fn container_log(&self, namespace: &str, name: &str, container: &str) -> Vec<String> {
-        let Some(view) = self.pod_view(namespace, name) else { return Vec::new() };
-        let Some(n) =
-            self.nodes.iter().find(|n| n.kubelet.as_ref().is_some_and(|k| k.pod(namespace, name).is_some()))
-        else {
-            return Vec::new();
-        };
-        let dir =
-            n.node.dir.join("log/pods").join(format!("{namespace}_{name}_{}", view.uid)).join(container);
-        let mut lines = Vec::new();
-        let Ok(entries) = std::fs::read_dir(&dir) else { return lines };
-        let mut files: Vec<PathBuf> = entries.flatten().map(|e| e.path()).collect();
+        let prefix = format!("{namespace}_{name}_");
+        let mut files: Vec<PathBuf> = Vec::new();
+        for n in &self.nodes {
+            let Ok(pods) = std::fs::read_dir(n.node.dir.join("log/pods")) else { continue };
+            for pod in pods.flatten() {
+                if !pod.file_name().to_string_lossy().starts_with(&prefix) {
+                    continue;
+                }
+                let Ok(entries) = std::fs::read_dir(pod.path().join(container)) else { continue };
+                files.extend(entries.flatten().map(|e| e.path()));
+            }
+        }
         files.sort();
+        let mut lines = Vec::new();
         for f in files {
             for l in std::fs::read_to_string(&f).unwrap_or_default().lines() {
                 // CRI log format: <time> <stream> <P|F> <message>
@@ -364,6 +386,15 @@ impl Cluster {
     /// Creates the DaemonSet's ServiceAccount tokens (the agent's and the plugin's
     /// read-only one, as the manifest's Secret) and its pod on every node.
     pub fn apply_daemonset(&self, image: &str) -> anyhow::Result<()> {
+        let all: Vec<u8> = self.nodes.iter().map(|n| n.node.index).collect();
+        self.apply_daemonset_on(image, &all)
+    }
+
+    /// [`apply_daemonset`] on `nodes` only (a node selector that the others do not
+    /// match).
+    ///
+    /// [`apply_daemonset`]: Self::apply_daemonset
+    pub fn apply_daemonset_on(&self, image: &str, nodes: &[u8]) -> anyhow::Result<()> {
         let plugin_token = "weir-rig-plugin-read-only-token";
         self.api.allow_reads_with(plugin_token);
         self.secret(
@@ -371,9 +402,9 @@ impl Cluster {
             "weir-cni-plugin-token",
             &[("token", plugin_token), ("ca.crt", self.ca.root_pem()), ("namespace", "kube-system")],
         );
-        for n in &self.nodes {
-            let pod = self.daemonset_pod(n.node.index, image)?;
-            self.create_pod(pod, n.node.index);
+        for &index in nodes {
+            let pod = self.daemonset_pod(index, image)?;
+            self.create_pod(pod, index);
         }
         Ok(())
     }

@@ -66,6 +66,9 @@ pub struct Workload {
     pub node: u8,
     pub kind: Kind,
     pub ip: Option<IpAddr>,
+    /// The container the rig's app runs in (the golden's name for it in an injected
+    /// pod, `app` elsewhere).
+    pub app: String,
 }
 
 impl Workload {
@@ -88,7 +91,9 @@ impl Cluster {
     /// (`strict` or `permissive`). Returns its address once it is Ready.
     pub fn start_istiod(&self, node: u8, mtls: &str) -> anyhow::Result<IpAddr> {
         let dir = shared_dir(self, "istiod")?;
-        let (chain, key) = self.ca.server_cert(&[ISTIOD_SAN, &format!("{ISTIOD_SAN}.cluster.local")])?;
+        let address = self.node(node).ip().to_string();
+        let (chain, key) =
+            self.ca.server_cert(&[ISTIOD_SAN, &format!("{ISTIOD_SAN}.cluster.local"), &address])?;
         std::fs::write(dir.join("serving.pem"), chain)?;
         std::fs::write(dir.join("serving-key.pem"), key)?;
         std::fs::write(dir.join("token"), super::rig::TOKEN)?;
@@ -96,7 +101,10 @@ impl Cluster {
         self.config_map("*", "istio-ca-root-cert", &[("root-cert.pem", self.ca.root_pem())]);
         self.create_pod(
             json!({"metadata": {"name": "istiod", "namespace": "istio-system", "labels": {"app": "istiod"}},
-                   "spec": {"containers": [{"name": "discovery", "image": RIG_IMAGE, "args": ["istiod", "/etc/istiod"],
+                   // On the node's network: its address is known before it starts, so its
+                   // serving certificate can name it (ztunnel dials istiod by address).
+                   "spec": {"hostNetwork": true,
+                     "containers": [{"name": "discovery", "image": RIG_IMAGE, "args": ["istiod", "/etc/istiod"],
                        "ports": [{"containerPort": 15012}],
                        "readinessProbe": {"tcpSocket": {"port": 15012}, "periodSeconds": 1},
                        "volumeMounts": [{"name": "config", "mountPath": "/etc/istiod"}]}],
@@ -105,6 +113,75 @@ impl Cluster {
         );
         let pod = self.wait_pod("istio-system", "istiod", Duration::from_secs(120), "Ready", ready)?;
         pod["status"]["podIP"].as_str().context("istiod's IP")?.parse().context("istiod's IP")
+    }
+
+    /// ztunnel on every node, as Istio's ztunnel DaemonSet runs it (its own network
+    /// namespace, `NET_ADMIN`, `SYS_ADMIN`, `NET_RAW`, the ZDS socket folder
+    /// `/var/run/ztunnel` from the node, its token and istiod's root), its workloads from
+    /// istiod's workload discovery at `istiod`, its certificates from its built-in
+    /// test CA (`FAKE_CA`: every ztunnel shares that root, so HBONE between nodes is
+    /// mutual TLS).
+    pub fn start_ztunnels(&self, istiod: IpAddr) -> anyhow::Result<()> {
+        let all: Vec<u8> = self.nodes.iter().map(|n| n.node.index).collect();
+        self.start_ztunnels_on(istiod, &all)
+    }
+
+    /// [`start_ztunnels`] on `nodes` only.
+    ///
+    /// [`start_ztunnels`]: Self::start_ztunnels
+    pub fn start_ztunnels_on(&self, istiod: IpAddr, nodes: &[u8]) -> anyhow::Result<()> {
+        for &i in nodes {
+            let field = |path: &str| json!({"fieldRef": {"fieldPath": path}});
+            self.create_pod(
+                json!({"metadata": {"name": format!("ztunnel-{i}"), "namespace": "istio-system", "labels": {"app": "ztunnel"}},
+                   "spec": {"serviceAccountName": "ztunnel", "terminationGracePeriodSeconds": 5,
+                     "containers": [{"name": "istio-proxy", "image": super::images::ZTUNNEL_IMAGE, "args": ["proxy", "ztunnel"],
+                       "env": [
+                         {"name": "CLUSTER_ID", "value": "Kubernetes"},
+                         {"name": "FAKE_CA", "value": "true"},
+                         {"name": "XDS_ADDRESS", "value": format!("https://{istiod}:15012")},
+                         {"name": "XDS_ROOT_CA", "value": "/var/run/secrets/istio/root-cert.pem"},
+                         {"name": "RUST_LOG", "value": "info"},
+                         {"name": "NODE_NAME", "valueFrom": field("spec.nodeName")},
+                         {"name": "POD_NAME", "valueFrom": field("metadata.name")},
+                         {"name": "POD_NAMESPACE", "valueFrom": field("metadata.namespace")},
+                         {"name": "INSTANCE_IP", "valueFrom": field("status.podIP")},
+                         {"name": "SERVICE_ACCOUNT", "valueFrom": field("spec.serviceAccountName")}],
+                       "readinessProbe": {"httpGet": {"path": "/healthz/ready", "port": 15021}, "periodSeconds": 1},
+                       "securityContext": {"privileged": false, "runAsUser": 0, "runAsGroup": 1337, "readOnlyRootFilesystem": true,
+                         "capabilities": {"drop": ["ALL"], "add": ["NET_ADMIN", "SYS_ADMIN", "NET_RAW"]}},
+                       "volumeMounts": [
+                         {"name": "istiod-ca-cert", "mountPath": "/var/run/secrets/istio"},
+                         {"name": "istio-token", "mountPath": "/var/run/secrets/tokens"},
+                         {"name": "cni-ztunnel-sock-dir", "mountPath": "/var/run/ztunnel"},
+                         {"name": "tmp", "mountPath": "/tmp"}]}],
+                     "volumes": [
+                       {"name": "istio-token", "projected": {"sources": [{"serviceAccountToken": {"audience": "istio-ca", "expirationSeconds": 43200, "path": "istio-token"}}]}},
+                       {"name": "istiod-ca-cert", "configMap": {"name": "istio-ca-root-cert"}},
+                       {"name": "cni-ztunnel-sock-dir", "hostPath": {"path": "/var/run/ztunnel", "type": "DirectoryOrCreate"}},
+                       {"name": "tmp", "emptyDir": {}}]}}),
+                i,
+            );
+        }
+        for &i in nodes {
+            self.wait_pod("istio-system", &format!("ztunnel-{i}"), Duration::from_secs(120), "Ready", ready)?;
+        }
+        Ok(())
+    }
+
+    /// The ambient workloads istiod tells ztunnel about.
+    pub fn set_ambient_workloads(&self, workloads: &[&Workload]) -> anyhow::Result<()> {
+        let list: Vec<Value> = workloads
+            .iter()
+            .filter_map(|w| {
+                Some(json!({"name": w.name, "namespace": w.namespace, "ip": w.ip?.to_string(),
+                            "node": format!("node-{}", w.node), "serviceAccount": "default"}))
+            })
+            .collect();
+        let path = shared_dir(self, "istiod")?.join("workloads.json");
+        std::fs::write(path.with_extension("tmp"), serde_json::to_vec(&list)?)?;
+        std::fs::rename(path.with_extension("tmp"), &path)?;
+        Ok(())
     }
 
     /// The services istiod serves: each sidecar server by its own address (clients call
@@ -125,8 +202,9 @@ impl Cluster {
         Ok(())
     }
 
-    /// The targets `client`'s client calls (read again every round).
-    pub fn set_targets(&self, client: &str, targets: &[SocketAddr]) -> anyhow::Result<()> {
+    /// The targets `client`'s client calls (read again every round): `ip:port`, or
+    /// `ip:port/path`.
+    pub fn set_targets(&self, client: &str, targets: &[impl std::fmt::Display]) -> anyhow::Result<()> {
         let dir = shared_dir(self, &format!("targets/{client}"))?;
         let text: String = targets.iter().map(|t| format!("{t}\n")).collect();
         std::fs::write(dir.join("targets.tmp"), text)?;
@@ -180,11 +258,13 @@ impl Cluster {
         // The app's containers: the rig's app (the golden's probes, rewritten to the
         // agent's status port, reach it there) and its client.
         let mut containers: Vec<Value> = Vec::new();
+        let mut app_container = None;
         for c in spec["containers"].as_array().cloned().unwrap_or_default() {
             if c["name"] == "istio-proxy" {
                 containers.push(c);
                 continue;
             }
+            app_container.get_or_insert_with(|| c["name"].as_str().unwrap_or("app").to_string());
             let mut c = c;
             c["image"] = app["image"].clone();
             c["args"] = json!(["app", name, APP_PORT.to_string(), PROBE_PORT.to_string()]);
@@ -213,10 +293,19 @@ impl Cluster {
             }
         }
         if sidecar == Sidecar::Classic {
-            // Before 1.27: istio-proxy first among the containers, no restartPolicy.
+            // Before 1.27: istio-proxy first among the containers, no restartPolicy, and
+            // no preStop drain: the injection template writes that hook only for a
+            // native sidecar, which the kubelet stops after the app (a classic one is
+            // stopped with it, and drains for terminationDrainDuration on SIGTERM).
             if let Some(i) = inits.iter().position(|c| c["name"] == "istio-proxy") {
                 let mut proxy = inits.remove(i);
                 proxy.as_object_mut().map(|o| o.remove("restartPolicy"));
+                if proxy["lifecycle"]["preStop"]["exec"]["command"]
+                    .as_array()
+                    .is_some_and(|c| c.iter().any(|a| a == "drain"))
+                {
+                    proxy.as_object_mut().map(|o| o.remove("lifecycle"));
+                }
                 containers.insert(0, proxy);
             }
         }
@@ -240,6 +329,7 @@ impl Cluster {
             node,
             kind: Kind::Sidecar(capture, sidecar),
             ip: None,
+            app: app_container.context("the golden has an app container")?,
         })
     }
 
@@ -262,6 +352,7 @@ impl Cluster {
             node,
             kind: if ambient { Kind::Ambient } else { Kind::Plain },
             ip: None,
+            app: "app".into(),
         })
     }
 
@@ -281,13 +372,13 @@ impl Cluster {
         };
         for w in workloads {
             for (ms, line) in
-                self.container_log(&w.namespace, &w.name, "app").iter().filter_map(|l| stamped(l))
+                self.container_log(&w.namespace, &w.name, &w.app).iter().filter_map(|l| stamped(l))
             {
                 if ms < since || !line.starts_with("conn ") {
                     continue;
                 }
                 if w.kind.meshed() && line.contains("via=network") {
-                    t.bypasses.push(format!("{} (server): {line}", w.name));
+                    t.bypasses.push(format!("{} (server) at {ms}: {line}", w.name));
                 }
             }
             for (ms, line) in
@@ -303,11 +394,18 @@ impl Cluster {
                     .to_string();
                 if line.starts_with("ok ") {
                     t.ok += 1;
+                    *t.answered.entry((w.name.clone(), target.clone())).or_default() += 1;
                     if w.kind.meshed() && line.contains("via=network") {
-                        t.bypasses.push(format!("{} (client): {line}", w.name));
+                        t.bypasses.push(format!("{} (client) at {ms}: {line}", w.name));
+                    }
+                    if !w.kind.meshed() {
+                        *t.plain
+                            .entry(if line.contains("via=network") { "network" } else { "proxy" })
+                            .or_default() += 1;
                     }
                 } else if line.starts_with("fail ") {
-                    *t.failures.entry((w.name.clone(), target)).or_default() += 1;
+                    *t.failures.entry((w.name.clone(), target.clone())).or_default() += 1;
+                    t.failure_lines.entry((w.name.clone(), target)).or_insert_with(|| format!("{ms} {line}"));
                 }
             }
         }
@@ -329,5 +427,24 @@ pub struct Traffic {
     pub bypasses: Vec<String>,
     /// Failed requests by (client, target).
     pub failures: BTreeMap<(String, String), usize>,
+    /// The first failure's log line, by (client, target).
+    pub failure_lines: BTreeMap<(String, String), String>,
     pub ok: usize,
+    /// Answered requests by (client, target).
+    pub answered: BTreeMap<(String, String), usize>,
+    /// The plain pods' answered requests by what the check saw (`network`, `proxy`):
+    /// the control that shows the check sees a connection with no proxy in its pod.
+    pub plain: BTreeMap<&'static str, usize>,
+}
+
+impl Traffic {
+    /// Asserts the check saw every plain pod's connection leave without a proxy, and
+    /// that there were some: a check that always says "proxy" fails here.
+    pub fn assert_control(&self) {
+        assert!(
+            self.plain.get("network").copied().unwrap_or(0) > 0,
+            "no plain pod's request answered: {self:?}"
+        );
+        assert_eq!(self.plain.get("proxy"), None, "a plain pod's connection seen as proxied: {self:?}");
+    }
 }

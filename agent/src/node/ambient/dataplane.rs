@@ -287,6 +287,17 @@ impl Dataplane {
             .await
             .map_err(|source| DataplaneError::EventNetns { pod: who.clone(), source })?;
         let cached = self.zds.netns(&pod.uid);
+        // Another pod enrolled in this namespace: an event never binds a second pod to it.
+        if let Ok(stat) = nix::sys::stat::fstat(std::os::fd::AsFd::as_fd(&fd))
+            && let Some(other) = self.zds.enrolled_with((stat.st_dev, stat.st_ino), &pod.uid)
+        {
+            return Err(DataplaneError::FindNetns {
+                pod: who,
+                message: format!(
+                    "{path}: the namespace is pod {other}'s (enrolled already): never two pods in one"
+                ),
+            });
+        }
         let (checked, uid, ips, proc) = (fd.try_clone(), pod.uid.clone(), ips.to_vec(), proc.clone());
         let refused = tokio::task::spawn_blocking(move || -> Result<(), String> {
             let fd = checked.map_err(|e| format!("duplicate the namespace's descriptor: {e}"))?;

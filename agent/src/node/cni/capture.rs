@@ -32,7 +32,7 @@ impl CaptureMode {
             "iptables" => Ok(Self::Iptables),
             "nftables" => Ok(Self::Nftables),
             "ebpf" => Ok(Self::Ebpf),
-            "auto" if super::ebpf::node_capture_present(node_capture(conf)) => Ok(Self::Ebpf),
+            "auto" if super::ebpf::node_captures_with_ebpf(node_capture(conf)) => Ok(Self::Ebpf),
             "auto" if conf.native_nftables => Ok(Self::Nftables),
             "auto" => Ok(Self::Iptables),
             other => Err(CniError::new(
@@ -231,24 +231,54 @@ pub fn missing_capture(
     container_id: &str,
 ) -> Result<Option<String>, CniError> {
     let (mode, cfg, opts) = plan(conf, pod, netns, &pod_netns(netns)?.addresses)?;
-    if mode == CaptureMode::Ebpf {
-        let node = node_capture(conf);
+    let node = node_capture(conf);
+    // Its record, or, with records lost, its namespace in any set's maps.
+    let registered = registered_container(conf, pod, netns).is_some()
+        || super::ebpf::registered_in_any_set(netns)
+            .map_err(ebpf_error(format!("cannot check the eBPF registrations of {}", netns.display())))?;
+    let who = format!("{}/{}", pod.namespace, pod.name);
+    if mode == CaptureMode::Ebpf || registered {
         let what = format!("cannot check the eBPF capture in {}", netns.display());
-        return super::ebpf::capture_gap(node, container_id, &pod.uid, netns).map_err(ebpf_error(what));
+        let gap = super::ebpf::capture_gap(node, container_id, &pod.uid, netns).map_err(ebpf_error(what))?;
+        return match (gap, mode == CaptureMode::Ebpf, registered) {
+            (None, _, _) => Ok(None),
+            // Registered with eBPF, planned for netfilter (capture_mode changed): adding
+            // rules on top would capture each connection twice.
+            (Some(gap), false, _) => Err(CniError::new(
+                code::CAPTURE_FAILED,
+                format!("pod {who} is registered with eBPF capture but capture_mode plans {mode:?}"),
+                format!("{gap}; not adding netfilter capture on top of it (weir capture status shows it)"),
+            )),
+            (Some(gap), true, true) => Ok(Some(gap)),
+            // Not registered: netfilter rules already there capture it (istio-init's,
+            // or an earlier pass's); registering it too would capture twice.
+            (Some(gap), true, false) => match netfilter_verdict(&cfg, &opts, netns)? {
+                Verdict::Clean => Ok(Some(gap)),
+                Verdict::Applied => Ok(None),
+                Verdict::Drifted => Err(CniError::new(
+                    code::CAPTURE_FAILED,
+                    format!("pod {who} has netfilter capture rules that differ from the plan"),
+                    format!("{gap}; not registering it with eBPF on top of them"),
+                )),
+            },
+        };
     }
-    let verdict = weir_iptables::apply::verify(&cfg, &opts).map_err(|e| {
-        CniError::new(
-            code::CAPTURE_FAILED,
-            format!("cannot check capture in {}", netns.display()),
-            crate::error_chain(&e),
-        )
-    })?;
-    Ok(match verdict {
+    Ok(match netfilter_verdict(&cfg, &opts, netns)? {
         Verdict::Applied => None,
         Verdict::Clean => Some(format!("no capture rules in {}", netns.display())),
         Verdict::Drifted => {
             Some(format!("the capture rules in {} differ from the planned ones", netns.display()))
         }
+    })
+}
+
+fn netfilter_verdict(cfg: &CaptureConfig, opts: &RunOptions, netns: &Path) -> Result<Verdict, CniError> {
+    weir_iptables::apply::verify(cfg, opts).map_err(|e| {
+        CniError::new(
+            code::CAPTURE_FAILED,
+            format!("cannot check capture in {}", netns.display()),
+            crate::error_chain(&e),
+        )
     })
 }
 

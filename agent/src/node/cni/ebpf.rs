@@ -90,6 +90,47 @@ pub fn node_capture_present(name: &str) -> bool {
     PinRecord::load(name).is_some_and(|r| r.pin_dir().join("links").exists())
 }
 
+/// Whether this node captures pods with eBPF: its node capture is attached, or a set
+/// of another build is kept attached for its pods. True throughout a node capture's
+/// replacement (a rollout moves the old one aside before the new one is attached), so
+/// `auto` does not resolve to netfilter mid-way. Which pods are registered already is
+/// asked per pod ([`registered_in_any_set`]): with the node capture refused, new pods
+/// still get netfilter capture.
+pub fn node_captures_with_ebpf(name: &str) -> bool {
+    if node_capture_present(name) {
+        return true;
+    }
+    let retired = format!("{name}-set-");
+    PinRecord::load_all().iter().any(|r| r.pod.starts_with(&retired) && r.pin_dir().join("links").exists())
+}
+
+/// Whether the namespace at `netns` is registered in any program set pinned on this
+/// node, of any build, whatever the records say (they may be lost: another `/run/weir`,
+/// a cleaned `/run`). Read raw (its cookie as the key of each set's `POD_CONFIG`), so
+/// another build's layout does not matter. A set whose map cannot be read is an error,
+/// never "not registered".
+pub fn registered_in_any_set(netns: &Path) -> Result<bool, CniEbpfError> {
+    let keys = set::pinned_keys();
+    if keys.is_empty() {
+        return Ok(false);
+    }
+    let cookie =
+        crate::ebpf::netns::netns_cookie(Some(netns)).map_err(io("read the pod namespace's cookie"))?;
+    for key in keys {
+        let path = set::set_dir(&key).join("maps").join(weir_ebpf_common::capture::map::POD_CONFIG);
+        if !path.exists() {
+            continue;
+        }
+        let map = crate::ebpf::link::obj_get(&path).map_err(io("open a program set's POD_CONFIG"))?;
+        let found = crate::ebpf::sys::lookup_raw(std::os::fd::AsFd::as_fd(&map), &cookie.to_ne_bytes())
+            .map_err(io("read a program set's POD_CONFIG"))?;
+        if found.is_some() {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
 /// The name a set of another build keeps while pods registered with it remain.
 pub fn retired_name(node: &str, key: &str) -> String {
     format!("{node}-set-{key}")
@@ -328,6 +369,7 @@ fn registered_as_wanted(
     }
     if pod.inbound.is_some() {
         let Some(classifier) = crate::ebpf::inbound::NodeClassifier::pinned(&dir) else { return Ok(None) };
+        classifier.attach_reopen(netns, cookie, &record.pin_dir())?;
         classifier.attach(netns, cookie, ifname)?;
     }
     Ok(Some(cookie))

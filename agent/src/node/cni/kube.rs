@@ -357,7 +357,7 @@ impl KubeClient {
             .uri(path)
             .header(hyper::header::HOST, self.authority())
             .header(hyper::header::ACCEPT, "application/json")
-            .header(hyper::header::USER_AGENT, concat!("weir-cni/", env!("CARGO_PKG_VERSION")));
+            .header(hyper::header::USER_AGENT, concat!("weir-cni/", env!("WEIR_VERSION")));
         match &self.config.credentials {
             Credentials::Token(t) => {
                 request = request.header(hyper::header::AUTHORIZATION, format!("Bearer {t}"))

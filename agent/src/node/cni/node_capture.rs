@@ -37,7 +37,8 @@ fn node_lock(name: &str) -> Result<Flock<File>, CniEbpfError> {
 /// Moves a node capture's record and link pins to `to` (the links stay attached: each
 /// is pinned at its new place before its old pin goes). Where `to` has a live link of
 /// the same program for a hook already, ours is a second copy of it and goes; a dead
-/// link there (it runs nothing) gives way to ours. Nothing else of `to` is touched.
+/// link there (it runs nothing) gives way to ours; anything else there is refused
+/// ([`crate::ebpf::EbpfError::ForeignPin`]). Nothing else of `to` is touched.
 fn rename_capture(record: &PinRecord, to: &str) -> Result<PinRecord, CniEbpfError> {
     let mut moved = record.clone();
     moved.pod = to.to_string();
@@ -62,11 +63,24 @@ fn rename_capture(record: &PinRecord, to: &str) -> Result<PinRecord, CniEbpfErro
             std::fs::remove_file(&from).map_err(io(format!("remove the second copy {}", from.display())))?;
             continue;
         }
-        match std::fs::remove_file(&target) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                return Err(io(format!("remove the detached link {}", target.display()))(e));
+        // Only a detached link gives way: a pin live elsewhere, or anything but a link,
+        // is not this capture's to remove.
+        if target.exists() {
+            let detached = crate::ebpf::sys::obj_get(&target)
+                .and_then(|fd| crate::ebpf::sys::link_info(std::os::fd::AsFd::as_fd(&fd)))
+                .is_ok_and(|info| info.target == 0);
+            if !detached {
+                return Err(CniEbpfError::Ebpf(Box::new(crate::ebpf::EbpfError::ForeignPin {
+                    path: target,
+                    what: format!("a pin that is not a detached link, where {} would go", from.display()),
+                })));
             }
-            _ => {}
+            match std::fs::remove_file(&target) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(io(format!("remove the detached link {}", target.display()))(e));
+                }
+                _ => {}
+            }
         }
         link::move_pin(&from, &target).map_err(io(format!("move the pin {}", from.display())))?;
     }

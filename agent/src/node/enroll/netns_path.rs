@@ -57,6 +57,15 @@ pub enum NetnsPathError {
     NotNetns { path: PathBuf, what: String },
     #[error("{path} is the {whose} network namespace, never a pod's")]
     NotAPods { path: PathBuf, whose: &'static str },
+    #[error(
+        "cannot tell whether {path} is the node's network namespace: {node} cannot be read (the agent needs the host's /proc and hostPID)"
+    )]
+    NodeUnknown {
+        path: PathBuf,
+        node: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 impl NetnsPath {
@@ -153,7 +162,14 @@ pub fn check_netns(fd: &OwnedFd, path: &Path, host_proc: &Path) -> Result<(), Ne
     let stat = nix::sys::stat::fstat(fd.as_fd()).map_err(|e| not(format!("fstat: {e}")))?;
     let id = (stat.st_dev, stat.st_ino);
     let same = |p: &Path| std::fs::metadata(p).is_ok_and(|m| (m.dev(), m.ino()) == id);
-    if same(&host_proc.join("2/ns/net")) {
+    // kthreadd's: the node's namespace. Unreadable is a refusal, never "not the node's".
+    let node = host_proc.join("2/ns/net");
+    let node_ns = std::fs::metadata(&node).map_err(|source| NetnsPathError::NodeUnknown {
+        path: path.to_path_buf(),
+        node: node.clone(),
+        source,
+    })?;
+    if (node_ns.dev(), node_ns.ino()) == id {
         return Err(NetnsPathError::NotAPods { path: path.to_path_buf(), whose: "node's" });
     }
     if same(Path::new("/proc/self/ns/net")) {

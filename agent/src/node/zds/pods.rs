@@ -98,6 +98,15 @@ impl PodCache {
         kept
     }
 
+    /// The uid, other than `uid`, enrolled with the namespace whose (st_dev, st_ino) is
+    /// `id`, if any: two pods never share one.
+    pub fn enrolled_with(&self, id: (u64, u64), uid: &str) -> Option<String> {
+        self.lock().iter().find_map(|(other, pod)| match pod {
+            CachedPod::Enrolled { netns, .. } if netns.id == id && other != uid => Some(other.clone()),
+            _ => None,
+        })
+    }
+
     /// Makes sure `uid` is cached, with no netns if it had none.
     pub fn ensure(&self, uid: &str) {
         self.lock().entry(uid.to_string()).or_insert(CachedPod::NetnsUnknown);

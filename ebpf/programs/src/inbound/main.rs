@@ -24,14 +24,15 @@
 #![no_main]
 
 use aya_ebpf::{
-    bindings::{TC_ACT_OK, TC_ACT_SHOT, bpf_sock_tuple},
-    helpers::{bpf_sk_assign, bpf_sk_release, bpf_skc_lookup_tcp},
-    macros::{classifier, map},
-    maps::{Array, HashMap, PerCpuArray, PerCpuHashMap},
-    programs::TcContext,
+    bindings::{BPF_ANY, TC_ACT_OK, TC_ACT_SHOT, bpf_sock_tuple},
+    helpers::{bpf_map_delete_elem, bpf_map_update_elem, bpf_sk_assign, bpf_sk_release, bpf_skc_lookup_tcp},
+    macros::{classifier, map, sk_lookup},
+    maps::{Array, HashMap, PerCpuArray, PerCpuHashMap, SockHash},
+    programs::{SkLookupContext, TcContext},
 };
 use weir_ebpf_common::inbound::{
-    InboundConfig, InboundCounters, InboundKey, InboundPod, MAX_ADDRESS_ENTRIES, MAX_PODS, counter,
+    InboundConfig, InboundCounters, InboundKey, InboundPod, MAX_ADDRESS_ENTRIES, MAX_PODS, MAX_REOPENING,
+    ReopenKey, counter,
 };
 
 /// BPF_F_NO_PREALLOC: entries are allocated as pods register.
@@ -48,7 +49,21 @@ static INBOUND_COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(counte
 static INBOUND_POD_COUNTERS: PerCpuHashMap<u64, InboundCounters> =
     PerCpuHashMap::with_max_entries(MAX_PODS, NO_PREALLOC);
 
+/// `REOPENING[4-tuple]`: Envoy's inbound listener for a new connection whose 4-tuple
+/// the pod's previous connection still holds in TIME_WAIT. The classifier cannot assign
+/// such a SYN to the listener (the kernel drops a connection request that duplicates a
+/// TIME_WAIT socket); it lets the SYN find the TIME_WAIT socket, which the kernel
+/// reopens by looking up a listener, and [`weir_in_reopen`] answers that lookup from
+/// here. As iptables' REDIRECT to 15006 reopens it.
+#[map]
+static INBOUND_REOPENING: SockHash<ReopenKey> = SockHash::with_max_entries(MAX_REOPENING, 0);
+
 const ETH_P_IP: u16 = 0x0800;
+const IPPROTO_TCP: u32 = 6;
+const AF_INET: u32 = 2;
+const TCP_TIME_WAIT: u32 = 6;
+/// sk_lookup verdicts.
+const SK_PASS: u32 = 1;
 const ETH_P_IPV6: u16 = 0x86dd;
 /// VLAN tags read through before a frame counts as unreadable.
 const MAX_VLAN_TAGS: usize = 2;
@@ -300,13 +315,22 @@ fn try_inbound<'a>(
     }
     let listen_port = cfg.capture_port.to_be();
     unsafe {
-        if ethertype == ETH_P_IP {
-            tuple.__bindgen_anon_1.ipv4.sport = sport;
-            tuple.__bindgen_anon_1.ipv4.dport = listen_port;
-        } else {
-            tuple.__bindgen_anon_1.ipv6.sport = sport;
-            tuple.__bindgen_anon_1.ipv6.dport = listen_port;
+        set_ports(&mut tuple, ethertype, sport, dport);
+        // The pod's previous connection of this 4-tuple in TIME_WAIT (it closed first):
+        // the listener lookup of the kernel's reopen is answered by `weir_in_reopen`.
+        let previous = bpf_skc_lookup_tcp(ctx.skb.skb.cast(), &mut tuple, size as u32, CURRENT_NETNS, 0);
+        let reopening = !previous.is_null() && (*previous).state == TCP_TIME_WAIT;
+        if !previous.is_null() {
+            bpf_sk_release(previous.cast());
         }
+        let reopen_key = if ethertype == ETH_P_IP {
+            let t = &tuple.__bindgen_anon_1.ipv4;
+            ReopenKey::v4(t.saddr, t.sport, t.daddr, u16::from_be(t.dport))
+        } else {
+            let t = &tuple.__bindgen_anon_1.ipv6;
+            ReopenKey::v6(t.saddr, t.sport, t.daddr, u16::from_be(t.dport))
+        };
+        set_ports(&mut tuple, ethertype, sport, listen_port);
         let sk = bpf_skc_lookup_tcp(ctx.skb.skb.cast(), &mut tuple, size as u32, CURRENT_NETNS, 0);
         if sk.is_null() {
             return Some(refuse(pod, counter::NO_LISTENER));
@@ -314,6 +338,22 @@ fn try_inbound<'a>(
         if (*sk).state != TCP_LISTEN {
             bpf_sk_release(sk.cast());
             return Some(refuse(pod, counter::NO_LISTENER));
+        }
+        if reopening {
+            // Unassigned: the SYN goes to the TIME_WAIT socket, whose reopen asks for a
+            // listener; a map that cannot take the entry refuses the connection.
+            let ret = bpf_map_update_elem(
+                core::ptr::addr_of!(INBOUND_REOPENING).cast_mut().cast(),
+                core::ptr::addr_of!(reopen_key).cast(),
+                sk.cast_const().cast(),
+                u64::from(BPF_ANY),
+            );
+            bpf_sk_release(sk.cast());
+            if ret != 0 {
+                return Some(refuse(pod, counter::ASSIGN_FAILED));
+            }
+            count(pod, counter::ASSIGNED);
+            return Some(Verdict::Pass);
         }
         let ret = bpf_sk_assign(ctx.skb.skb.cast(), sk.cast(), 0);
         bpf_sk_release(sk.cast());
@@ -323,6 +363,82 @@ fn try_inbound<'a>(
     }
     count(pod, counter::ASSIGNED);
     Some(Verdict::Pass)
+}
+
+/// Fills in a lookup tuple's ports (network order) for its family.
+#[inline(always)]
+fn set_ports(tuple: &mut bpf_sock_tuple, ethertype: u16, sport: u16, dport: u16) {
+    // SAFETY: plain fields of the union's member for this family.
+    unsafe {
+        if ethertype == ETH_P_IP {
+            tuple.__bindgen_anon_1.ipv4.sport = sport;
+            tuple.__bindgen_anon_1.ipv4.dport = dport;
+        } else {
+            tuple.__bindgen_anon_1.ipv6.sport = sport;
+            tuple.__bindgen_anon_1.ipv6.dport = dport;
+        }
+    }
+}
+
+/// The pod namespace's socket lookup hook: a listener lookup for a 4-tuple the
+/// classifier let through to its TIME_WAIT socket gets Envoy's inbound listener; every
+/// other lookup goes on as the kernel would make it.
+#[sk_lookup]
+pub fn weir_in_reopen(ctx: SkLookupContext) -> u32 {
+    let l = ctx.lookup;
+    // Each field read on its own, at its own offset from the context: the verifier
+    // refuses a load through a context pointer moved first (as a copy of an array
+    // would be compiled).
+    // SAFETY: the context is the kernel's bpf_sk_lookup for this call.
+    let field = |f: *const u32| unsafe { core::ptr::read_volatile(f) };
+    let (protocol, family) =
+        unsafe { (field(core::ptr::addr_of!((*l).protocol)), field(core::ptr::addr_of!((*l).family))) };
+    if protocol != IPPROTO_TCP {
+        return SK_PASS;
+    }
+    // SAFETY: as above.
+    let (local_port, remote_port) = unsafe {
+        (
+            field(core::ptr::addr_of!((*l).local_port)) as u16,
+            core::ptr::read_volatile(core::ptr::addr_of!((*l).remote_port)),
+        )
+    };
+    let key = if family == AF_INET {
+        // SAFETY: as above.
+        let (remote, local) = unsafe {
+            (field(core::ptr::addr_of!((*l).remote_ip4)), field(core::ptr::addr_of!((*l).local_ip4)))
+        };
+        ReopenKey::v4(remote, remote_port, local, local_port)
+    } else {
+        // SAFETY: as above.
+        let (remote, local) = unsafe {
+            (
+                [
+                    field(core::ptr::addr_of!((*l).remote_ip6[0])),
+                    field(core::ptr::addr_of!((*l).remote_ip6[1])),
+                    field(core::ptr::addr_of!((*l).remote_ip6[2])),
+                    field(core::ptr::addr_of!((*l).remote_ip6[3])),
+                ],
+                [
+                    field(core::ptr::addr_of!((*l).local_ip6[0])),
+                    field(core::ptr::addr_of!((*l).local_ip6[1])),
+                    field(core::ptr::addr_of!((*l).local_ip6[2])),
+                    field(core::ptr::addr_of!((*l).local_ip6[3])),
+                ],
+            )
+        };
+        ReopenKey::v6(remote, remote_port, local, local_port)
+    };
+    if INBOUND_REOPENING.redirect_sk_lookup(&ctx, key, 0).is_ok() {
+        // SAFETY: a delete from this program's own map.
+        unsafe {
+            bpf_map_delete_elem(
+                core::ptr::addr_of!(INBOUND_REOPENING).cast_mut().cast(),
+                core::ptr::addr_of!(key).cast(),
+            )
+        };
+    }
+    SK_PASS
 }
 
 #[inline(always)]
