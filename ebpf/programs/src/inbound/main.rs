@@ -368,15 +368,13 @@ fn try_inbound<'a>(
 /// Fills in a lookup tuple's ports (network order) for its family.
 #[inline(always)]
 fn set_ports(tuple: &mut bpf_sock_tuple, ethertype: u16, sport: u16, dport: u16) {
-    // SAFETY: plain fields of the union's member for this family.
-    unsafe {
-        if ethertype == ETH_P_IP {
-            tuple.__bindgen_anon_1.ipv4.sport = sport;
-            tuple.__bindgen_anon_1.ipv4.dport = dport;
-        } else {
-            tuple.__bindgen_anon_1.ipv6.sport = sport;
-            tuple.__bindgen_anon_1.ipv6.dport = dport;
-        }
+    // Writing a union's field is safe (reading one is not).
+    if ethertype == ETH_P_IP {
+        tuple.__bindgen_anon_1.ipv4.sport = sport;
+        tuple.__bindgen_anon_1.ipv4.dport = dport;
+    } else {
+        tuple.__bindgen_anon_1.ipv6.sport = sport;
+        tuple.__bindgen_anon_1.ipv6.dport = dport;
     }
 }
 
