@@ -1806,3 +1806,40 @@ fn the_node_agent_and_auto_capture_use_what_this_kernel_offers() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(!Path::new("/sys/fs/bpf/weir").join(&name).exists());
 }
+
+/// DEL with a FIFO where the pod's namespace should be (its path has a runtime's form)
+/// ends, and removes nothing: CNI_NETNS is checked as ADD checks it before anything
+/// opens it. Before, DEL's look for the pod's repair record opened the path as it was
+/// and blocked for good (found by a security review).
+#[test]
+fn del_never_blocks_on_a_fifo_in_place_of_the_namespace() {
+    require_root!();
+    let node = Node::new(&test_name!(), false);
+    let fifo = std::path::Path::new("/run/netns").join(unique_name("fifo"));
+    std::fs::create_dir_all("/run/netns").unwrap();
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    struct Remove(std::path::PathBuf);
+    impl Drop for Remove {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+    let _fifo = Remove(fifo.clone());
+    let weir = node.conflist(json!({"capture_mode": "ebpf"}));
+    let a = Attachment::pod("c-fifo", &fifo, "shop", "web-fifo");
+    let (done, ended) = std::sync::mpsc::channel();
+    let ns = node.ns.path().to_path_buf();
+    std::thread::spawn(move || {
+        let ns = NetNs::open(&ns);
+        let out = ns.map_err(|e| e.to_string()).and_then(|ns| {
+            let rt = CniRuntime::new(&ns).map_err(|e| e.to_string())?;
+            rt.exec("istio-cni", "DEL", &a, weir.to_string().as_bytes()).map(drop).map_err(|e| e.to_string())
+        });
+        let _ = done.send(out);
+    });
+    // A liveness bound, not a timing: DEL takes milliseconds; a blocked open never ends.
+    let out = ended
+        .recv_timeout(std::time::Duration::from_secs(60))
+        .expect("DEL with a FIFO as CNI_NETNS never ended");
+    out.unwrap_or_else(|e| panic!("DEL: {e}"));
+}

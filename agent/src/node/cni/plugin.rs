@@ -224,7 +224,9 @@ fn del(conf: &NetConf, inv: &Invocation) -> Result<(), CniError> {
     let mut ids = vec![inv.container_id.clone()];
     if let Some(uid) = inv.args.get("K8S_POD_UID").filter(|u| !u.is_empty()) {
         let repair_id = repair_container_id_for_uid(uid);
-        let this_sandbox = inv.netns.as_deref().and_then(|n| netns_cookie(Some(Path::new(n))).ok());
+        // CNI_NETNS checked as ADD checks it (a runtime's form, a network namespace, not
+        // the node's) before anything enters it.
+        let this_sandbox = netns_of(inv).ok().and_then(|n| netns_cookie(Some(&n)).ok());
         let record = PinRecord::load(&super::ebpf::pod_record_name(node_capture(conf), &repair_id));
         if record.is_some_and(|r| Some(r.netns_cookie) == this_sandbox) {
             ids.push(repair_id);
