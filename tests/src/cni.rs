@@ -561,3 +561,22 @@ impl KubeletSandbox {
         Ok(Self { _process: process, _cgroup: cgroup })
     }
 }
+
+/// A FIFO at `/run/netns/<unique name>`, where a runtime's named namespaces live (its
+/// path has a runtime's form; opening it blocks until a writer comes), removed on drop.
+pub struct FifoNetns(pub PathBuf);
+
+impl FifoNetns {
+    pub fn make() -> std::io::Result<Self> {
+        std::fs::create_dir_all("/run/netns")?;
+        let path = Path::new("/run/netns").join(weir_agent::sandbox::unique_name("fifo"));
+        nix::unistd::mkfifo(&path, nix::sys::stat::Mode::from_bits_truncate(0o600))?;
+        Ok(Self(path))
+    }
+}
+
+impl Drop for FifoNetns {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}

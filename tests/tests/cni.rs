@@ -1815,16 +1815,8 @@ fn the_node_agent_and_auto_capture_use_what_this_kernel_offers() {
 fn del_never_blocks_on_a_fifo_in_place_of_the_namespace() {
     require_root!();
     let node = Node::new(&test_name!(), false);
-    let fifo = std::path::Path::new("/run/netns").join(unique_name("fifo"));
-    std::fs::create_dir_all("/run/netns").unwrap();
-    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
-    struct Remove(std::path::PathBuf);
-    impl Drop for Remove {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_file(&self.0);
-        }
-    }
-    let _fifo = Remove(fifo.clone());
+    let made = weir_tests::cni::FifoNetns::make().unwrap();
+    let fifo = made.0.clone();
     let weir = node.conflist(json!({"capture_mode": "ebpf"}));
     let a = Attachment::pod("c-fifo", &fifo, "shop", "web-fifo");
     let (done, ended) = std::sync::mpsc::channel();

@@ -143,15 +143,8 @@ fn a_fifo_or_a_slow_client_never_delays_another_event() {
     node.api.set_pod(pod_object("apps", "web", "uid-web", ip, &[], &[]));
 
     // Row 2: a FIFO where a namespace should be (root made it: the path's form passes).
-    let fifo = std::path::Path::new("/run/netns").join(weir_agent::sandbox::unique_name("fifo"));
-    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
-    struct Remove(std::path::PathBuf);
-    impl Drop for Remove {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_file(&self.0);
-        }
-    }
-    let _fifo = Remove(fifo.clone());
+    let made = weir_tests::cni::FifoNetns::make().unwrap();
+    let fifo = made.0.clone();
     // Two at once on a two-worker runtime: before, each held a worker in open(2).
     let body = event("apps", "web", fifo.to_str().unwrap(), ip);
     let posts: Vec<String> = std::thread::scope(|s| {
