@@ -217,11 +217,17 @@ impl NodeClassifier {
 
     /// Attaches the set's socket lookup hook to the pod's namespace at `netns` (the one
     /// registered as `cookie`) and pins it at [`reopen_pin`]`(dir)`. A pin there whose
-    /// link is attached is kept. Returns whether this call attached it (what an undo
+    /// link hooks this namespace is kept; any other is replaced. Returns whether this call attached it (what an undo
     /// may take away again, with [`detach_reopen`]).
     pub fn attach_reopen(&self, netns: &Path, cookie: u64, dir: &Path) -> Result<bool, EbpfError> {
         let pin = reopen_pin(dir);
-        if link::attached(&pin).unwrap_or(false) {
+        // Kept only when it hooks this very namespace (a repair record's folder outlives
+        // a sandbox; a link left on the old namespace would serve nothing here).
+        let ino = std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(netns).map_err(pin_error(netns))?);
+        let hooks_this = link::obj_get(&pin)
+            .and_then(|fd| super::sys::link_info(fd.as_fd()))
+            .is_ok_and(|info| info.link_type == super::sys::link_type::NETNS && info.target == ino);
+        if hooks_this {
             return Ok(false);
         }
         let path = self.set_dir.join("progs").join(inbound::PROG_REOPEN);

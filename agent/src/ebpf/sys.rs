@@ -21,6 +21,8 @@ const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
 /// UAPI `enum bpf_link_type` values Weir reads.
 pub mod link_type {
     pub const CGROUP: u32 = 3;
+    /// A network namespace's link (sk_lookup); its target is the namespace's inode.
+    pub const NETNS: u32 = 5;
     pub const TCX: u32 = 11;
 }
 

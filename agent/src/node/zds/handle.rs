@@ -63,12 +63,12 @@ impl ZdsHandle {
         Ok(())
     }
 
-    /// A new descriptor of the network namespace cached for `uid`, if one is.
     /// The other pod enrolled with the namespace `id` ((st_dev, st_ino)), if any.
     pub fn enrolled_with(&self, id: (u64, u64), uid: &str) -> Option<String> {
         self.shared.pods.enrolled_with(id, uid)
     }
 
+    /// A new descriptor of the network namespace cached for `uid`, if one is.
     pub fn netns(&self, uid: &str) -> Option<OwnedFd> {
         self.shared.pods.netns(uid)
     }
