@@ -42,6 +42,9 @@ const READY_MANY: Duration = Duration::from_secs(600);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum PodKind {
     Ambient,
+    /// Not in the mesh (no ambient label, no sidecar): where Weir runs, its plugin's
+    /// ADD still reads the pod and its namespace, and hands nothing to the agent.
+    Plain,
     /// Injected with istio-init (init-container capture): runs on either node.
     SidecarInit,
     /// Injected for the CNI plugin (istio-validation): needs Weir on the node.
@@ -52,6 +55,7 @@ impl PodKind {
     fn label(self) -> &'static str {
         match self {
             Self::Ambient => "ambient pod",
+            Self::Plain => "pod outside the mesh",
             Self::SidecarInit => "sidecar pod, istio-init",
             Self::SidecarCni => "sidecar pod, CNI (istio-validation)",
         }
@@ -89,7 +93,9 @@ impl Bench {
         self.next += 1;
         let name = format!("bench-{}-{}", self.next, node);
         match kind {
-            PodKind::Ambient => self.cluster.app_pod(&name, node, true)?,
+            PodKind::Ambient | PodKind::Plain => {
+                self.cluster.app_pod(&name, node, kind == PodKind::Ambient)?
+            }
             PodKind::SidecarInit | PodKind::SidecarCni => {
                 let capture = if kind == PodKind::SidecarCni { Capture::Cni } else { Capture::InitContainer };
                 self.cluster.sidecar_pod(
@@ -148,10 +154,11 @@ impl Bench {
         Ok(())
     }
 
-    /// `count` pods of `kind` created at once on `node`: what each took, and the time
-    /// until the last was Ready (ms). Deleted afterwards.
-    fn batch(&mut self, kind: PodKind, node: u8, count: usize) -> anyhow::Result<(Vec<Took>, f64)> {
+    /// `count` pods of `kind` created at once on `node`: what each took, the time until
+    /// the last was Ready (ms), and the CPU used meanwhile. Deleted afterwards.
+    fn batch(&mut self, kind: PodKind, node: u8, count: usize) -> anyhow::Result<(Vec<Took>, f64, CpuUsed)> {
         let mut names = Vec::new();
+        let before = self.cpu_now()?;
         let created = Instant::now();
         for _ in 0..count {
             names.push(self.create(kind, node)?);
@@ -159,17 +166,33 @@ impl Bench {
         let limit = if count > 1 { READY_MANY } else { READY };
         let took = self.wait_ready(&names, created, limit);
         let all = created.elapsed().as_secs_f64() * 1000.0;
+        let used = self.cpu_now()?.since(&before);
         self.delete(&names)?;
-        Ok((took?, all))
+        Ok((took?, all, used))
+    }
+
+    /// CPU time used so far (s): the machine's, and the mesh's own pods' (Weir's node
+    /// agent and ztunnel on the node with Weir; istiod).
+    fn cpu_now(&self) -> anyhow::Result<CpuUsed> {
+        Ok(CpuUsed {
+            machine: machine_busy_seconds()?,
+            agent: self.pod_usage("kube-system", &format!("weir-cni-node-{WITH}"), WITH)?.1,
+            ztunnel: self.pod_usage("istio-system", &format!("ztunnel-{WITH}"), WITH)?.1,
+            istiod: self.pod_usage("istio-system", "istiod", WITHOUT)?.1,
+        })
     }
 
     /// The node agent's containers on `node`: the summed VmRSS of their processes (MiB)
     /// and their CPU time (cgroup `cpu.stat` usage, s).
     fn agent_usage(&self, node: u8) -> anyhow::Result<(f64, f64)> {
-        let view = self
-            .cluster
-            .pod_view("kube-system", &format!("weir-cni-node-{node}"))
-            .context("the node agent's pod")?;
+        self.pod_usage("kube-system", &format!("weir-cni-node-{node}"), node)
+    }
+
+    /// Pod `namespace/name`'s running containers on `node`: the summed VmRSS of their
+    /// processes (MiB) and their CPU time (cgroup `cpu.stat` usage, s).
+    fn pod_usage(&self, namespace: &str, name: &str, node: u8) -> anyhow::Result<(f64, f64)> {
+        let view =
+            self.cluster.pod_view(namespace, name).with_context(|| format!("pod {namespace}/{name}"))?;
         let kubepods = self.cluster.node(node).kubepods.path().to_path_buf();
         let (mut rss_kb, mut cpu_us) = (0.0, 0.0);
         for c in view.containers.iter().filter(|c| !c.id.is_empty() && c.exited.is_none()) {
@@ -192,6 +215,49 @@ impl Bench {
         }
         Ok((rss_kb / 1024.0, cpu_us / 1e6))
     }
+}
+
+/// CPU time (s) used by the whole machine and by the mesh's own pods.
+#[derive(Debug, Clone, Copy, Default)]
+struct CpuUsed {
+    machine: f64,
+    agent: f64,
+    ztunnel: f64,
+    istiod: f64,
+}
+
+impl CpuUsed {
+    fn since(&self, before: &CpuUsed) -> CpuUsed {
+        CpuUsed {
+            machine: self.machine - before.machine,
+            agent: self.agent - before.agent,
+            ztunnel: self.ztunnel - before.ztunnel,
+            istiod: self.istiod - before.istiod,
+        }
+    }
+}
+
+/// Every CPU's busy time so far (s): `/proc/stat`'s first line less idle and iowait,
+/// in clock ticks of 10 ms (`USER_HZ`, 100 on Linux).
+fn machine_busy_seconds() -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string("/proc/stat").context("read /proc/stat")?;
+    let fields: Vec<f64> = stat
+        .lines()
+        .next()
+        .and_then(|l| l.strip_prefix("cpu "))
+        .context("/proc/stat without its cpu line")?
+        .split_whitespace()
+        .map(|v| v.parse::<f64>().context("a /proc/stat cpu field"))
+        .collect::<anyhow::Result<_>>()?;
+    anyhow::ensure!(
+        fields.len() >= 5,
+        "/proc/stat's cpu line has {} fields, expected at least 5",
+        fields.len()
+    );
+    // user nice system idle iowait irq softirq steal (guest times are in user already)
+    let busy: f64 =
+        fields.iter().take(8).enumerate().filter(|(i, _)| *i != 3 && *i != 4).map(|(_, v)| v).sum();
+    Ok(busy / 100.0)
 }
 
 /// The directory named `name` under `root`, at any depth.
@@ -224,9 +290,22 @@ struct Figures {
     ready_p50: Samples,
     ready_p99: Samples,
     all_ready: Samples,
+    machine_cpu: Samples,
+    mesh_cpu: Samples,
+    agent_cpu: Samples,
 }
 
 impl Figures {
+    /// A batch's CPU: the machine's, ztunnel's and istiod's, the node agent's (the last
+    /// two only where Weir ran: elsewhere the mesh is idle).
+    fn push_cpu(&mut self, used: CpuUsed, with_weir: bool) {
+        self.machine_cpu.0.push(used.machine);
+        if with_weir {
+            self.mesh_cpu.0.push(used.ztunnel + used.istiod);
+            self.agent_cpu.0.push(used.agent);
+        }
+    }
+
     fn push(&mut self, took: &[Took], all: Option<f64>) {
         let s: Vec<f64> = took.iter().map(|t| t.sandbox).collect();
         let r: Vec<f64> = took.iter().map(|t| t.ready).collect();
@@ -244,7 +323,9 @@ impl Figures {
             s.0.push(f64::NAN);
         }
         if batch {
-            self.all_ready.0.push(f64::NAN);
+            for s in [&mut self.all_ready, &mut self.machine_cpu, &mut self.mesh_cpu, &mut self.agent_cpu] {
+                s.0.push(f64::NAN);
+            }
         }
     }
 
@@ -256,7 +337,12 @@ impl Figures {
             self.ready_p99.clone(),
         ];
         if batch {
-            metrics.push(self.all_ready.clone());
+            metrics.extend([
+                self.all_ready.clone(),
+                self.machine_cpu.clone(),
+                self.mesh_cpu.clone(),
+                self.agent_cpu.clone(),
+            ]);
         }
         Row { name, metrics }
     }
@@ -270,8 +356,9 @@ const ONE_BY_ONE_CASES: [(PodKind, u8); 5] = [
     (PodKind::SidecarInit, WITH),
     (PodKind::SidecarCni, WITH),
 ];
-const AT_ONCE_CASES: [(PodKind, u8); 4] = [
+const AT_ONCE_CASES: [(PodKind, u8); 5] = [
     (PodKind::Ambient, WITHOUT),
+    (PodKind::Plain, WITH),
     (PodKind::Ambient, WITH),
     (PodKind::SidecarInit, WITHOUT),
     (PodKind::SidecarCni, WITH),
@@ -299,7 +386,7 @@ pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
             );
             for (i, (kind, node)) in ONE_BY_ONE_CASES.iter().enumerate() {
                 match bench.batch(*kind, *node, 1) {
-                    Ok((t, _)) => took[i].extend(t),
+                    Ok((t, _, _)) => took[i].extend(t),
                     Err(e) => {
                         eprintln!("[bench pods] {}: {e:#}", case_name(*kind, *node));
                         failed[i] = true;
@@ -318,7 +405,10 @@ pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
                 case_name(*kind, *node)
             );
             match bench.batch(*kind, *node, AT_ONCE) {
-                Ok((t, all)) => many[i].push(&t, Some(all)),
+                Ok((t, all, used)) => {
+                    many[i].push(&t, Some(all));
+                    many[i].push_cpu(used, *node == WITH);
+                }
                 Err(e) => {
                     eprintln!("[bench pods] {}: {e:#}", case_name(*kind, *node));
                     many[i].failed(true);
@@ -407,7 +497,12 @@ pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
             .collect::<Vec<Row>>()
     };
     let mut batch_columns = columns.clone();
-    batch_columns.push(("all Ready", "ms", false));
+    batch_columns.extend([
+        ("all Ready", "ms", false),
+        ("machine CPU", "core-s", false),
+        ("ztunnel + istiod CPU", "core-s", false),
+        ("node agent CPU", "core-s", false),
+    ]);
     let summary = opts.summary();
     Ok(vec![
         Table {
@@ -444,7 +539,12 @@ pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
                 format!(
                     "The floor is {AT_ONCE} ambient-labelled pods on the node without Weir. The kubelet starts \
                      their sandboxes in parallel; `sandbox` includes waiting in containerd and in the CNI chain. \
-                     Compare each row with Weir to the row above it. {summary}"
+                     The pod outside the mesh and the ambient pod with Weir compare with the first row (the \
+                     first is Weir's plugin alone: it reads the pod and its namespace and hands nothing on); \
+                     the sidecar pod with Weir compares with the row above it. CPU: from the first pod's creation until \
+                     the last was Ready, the machine's busy time (every CPU, `/proc/stat`), and that of the \
+                     mesh's own pods (ztunnel on the node and istiod; Weir's node agent), which work only for \
+                     pods on the node with Weir. {summary}"
                 ),
                 granularity,
             ],
