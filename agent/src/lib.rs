@@ -1,41 +1,31 @@
 //! Weir's agent: traffic capture (eBPF or iptables/nftables) and the sidecar duties of
-//! Istio's pilot-agent (xDS relay, SDS, Envoy lifecycle, status server, DNS proxy).
-//! `main.rs` only parses the command line and calls into the modules here.
+//! Istio's pilot-agent (xDS relay, SDS, Envoy lifecycle, status server, DNS proxy). The
+//! crate by job, each a folder:
+//!
+//! - `cmd`: every command, its arguments and its run (`weir`, `pilot-agent`,
+//!   `weir-init`, `weir cni ...`); `main.rs` and `bin/` only hand it the command line.
+//! - `sidecar`: the sidecar agent beside Envoy (`pilot-agent proxy`): configuration,
+//!   Envoy's bootstrap and process, xDS relay, certificates and SDS, DNS proxy, status
+//!   server; standalone mode and its embedded control plane.
+//! - `capture`: capture in user space: the eBPF programs per pod and per node, and why
+//!   a pod gets the capture it gets (the rules themselves: the `weir_iptables` crate).
+//! - `node`: what runs once per node: the CNI plugin, the node agent for sidecar and
+//!   ambient pods, ZDS for ztunnel.
+//! - `sandbox`: pods made on this host for the demo and the tests (namespaces,
+//!   cgroups), and reaping what they leave.
+//! - `support`: plumbing every job uses and that imports none of them (HTTP/1, TLS,
+//!   atomic files, logs, exit codes, privileges, runtimes, shutdown, supervised tasks).
+//!
+//! Imports between these run one way: `cmd` → `sidecar`, `node`, `capture`, `sandbox`
+//! → `support` (`agent/tests/structure.rs` checks that no modules import each other in
+//! a circle, at any level).
 
-pub mod accept;
-pub mod app;
-pub mod atomic_file;
-pub mod build_info;
-pub mod capture_cmd;
-pub mod capture_explain;
-pub mod cli;
-pub mod config;
-pub mod controlplane;
-pub mod demo;
-pub mod dns;
-pub mod ebpf;
-pub mod envoy;
-pub mod executable;
-pub mod exit;
-pub mod footprint;
-pub mod gotemplate;
-pub mod health;
-pub mod http1;
-pub mod identity;
-pub mod istio_iptables;
-pub mod local_cmd;
-pub mod logs;
-pub mod metrics;
+pub mod capture;
+pub mod cmd;
 pub mod node;
-pub mod privileges;
 pub mod sandbox;
-pub mod services;
-pub mod standalone;
-pub mod status;
-pub mod sts;
-pub mod tls;
-pub mod wasm;
-pub mod xds;
+pub mod sidecar;
+pub mod support;
 
 /// An error and its sources on one line: `outer: inner: innermost`.
 pub fn error_chain(e: &dyn std::error::Error) -> String {

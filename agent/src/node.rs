@@ -1,14 +1,13 @@
 //! The node side: what Weir runs once per node rather than once per pod. The CNI plugin
-//! (`cni`: the plugin itself, its eBPF and netfilter capture, install and repair), the
-//! node agent's command line (`command`: `weir cni install|uninstall|repair|ambient`),
+//! (`cni`: the plugin itself, its eBPF and netfilter capture, install and repair),
 //! ambient mode's node agent (`ambient`: enrollment, in-pod rules, the plugin's event
 //! socket), what the plugin and that agent share (`enroll`: which pods are ambient, the
 //! plugin's add event, the namespace paths it sends), ZDS, the node agent's server for
-//! ztunnel, and `local_socket`: the agent's Unix sockets only their one peer drives.
+//! ztunnel, and `local_socket`: the agent's Unix sockets only their one peer drives. The
+//! node agent's command line (`weir cni install|uninstall|repair|ambient`) is `cmd::cni`.
 
 pub mod ambient;
 pub mod cni;
-pub mod command;
 pub mod enroll;
 pub mod local_socket;
 pub mod zds;

@@ -131,7 +131,7 @@ impl BusyNode {
 
     fn weir(&self, set: &str) -> Command {
         let mut cmd = tools::weir_command();
-        cmd.env(weir_agent::ebpf::set::SET_ENV, set).env("WEIR_LOG", "info");
+        cmd.env(weir_agent::capture::ebpf::set::SET_ENV, set).env("WEIR_LOG", "info");
         cmd
     }
 
@@ -160,7 +160,7 @@ impl BusyNode {
         // exits is not waited for.
         let deadline = std::time::Instant::now() + Duration::from_secs(180);
         loop {
-            let record = weir_agent::ebpf::record::PinRecord::load(&capture);
+            let record = weir_agent::capture::ebpf::record::PinRecord::load(&capture);
             if record.and_then(|r| r.programs).is_some_and(|k| k.ends_with(set)) {
                 break;
             }
@@ -194,7 +194,7 @@ impl BusyNode {
             &self.capture,
             &self.run_dir.path().join("istio-cni-kubeconfig"),
         );
-        cmd.env(weir_agent::ebpf::set::SET_ENV, set)
+        cmd.env(weir_agent::capture::ebpf::set::SET_ENV, set)
             .env("WEIR_LOG", "info")
             .args(["--interval", "500ms"])
             .stdout(Stdio::null())
@@ -232,7 +232,7 @@ impl BusyNode {
             &self.capture,
             &self.run_dir.path().join("istio-cni-kubeconfig"),
         );
-        cmd.env(weir_agent::ebpf::set::SET_ENV, &self.set).env("WEIR_LOG", "info");
+        cmd.env(weir_agent::capture::ebpf::set::SET_ENV, &self.set).env("WEIR_LOG", "info");
         if detach_running_pods {
             cmd.arg("--detach-running-pods");
         }
@@ -284,7 +284,7 @@ impl BusyNode {
     /// The CNI runtime, running the plugin as the agent's build.
     fn runtime(&self) -> anyhow::Result<CniRuntime<'_>> {
         let mut rt = CniRuntime::new(&self.ns)?;
-        rt.env = vec![(weir_agent::ebpf::set::SET_ENV.into(), self.set.clone())];
+        rt.env = vec![(weir_agent::capture::ebpf::set::SET_ENV.into(), self.set.clone())];
         Ok(rt)
     }
 
@@ -485,9 +485,9 @@ impl Drop for BusyNode {
         // Processes first, then each pod's sandbox, cgroup and namespace.
         self.pods.clear();
         let _ = weir_agent::node::cni::node_capture::detach_node(&self.capture);
-        for key in weir_agent::ebpf::set::pinned_keys() {
+        for key in weir_agent::capture::ebpf::set::pinned_keys() {
             if self.sets.iter().any(|s| key.ends_with(s.as_str()))
-                && let Ok(Some(set)) = weir_agent::ebpf::set::LockedSet::open(&key)
+                && let Ok(Some(set)) = weir_agent::capture::ebpf::set::LockedSet::open(&key)
             {
                 let _ = set.release();
             }

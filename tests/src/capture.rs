@@ -234,7 +234,7 @@ pub fn cgroup_programs(cgroup: &Path) -> Vec<String> {
 pub fn inbound_programs(pod: &Pod) -> Vec<String> {
     let kernel = aya::util::KernelVersion::current().expect("read the kernel's version");
     let mut names = if kernel >= aya::util::KernelVersion::new(6, 6, 0) {
-        weir_agent::ebpf::inbound::inbound_programs(pod.netns().path(), "eth0")
+        weir_agent::capture::ebpf::inbound::inbound_programs(pod.netns().path(), "eth0")
             .unwrap_or_else(|e| panic!("query the TCX programs on eth0 (Linux {kernel:?}): {e}"))
     } else {
         Vec::new()
@@ -255,7 +255,7 @@ pub struct PinnedCapture(pub String);
 
 impl Drop for PinnedCapture {
     fn drop(&mut self) {
-        use weir_agent::ebpf::{
+        use weir_agent::capture::ebpf::{
             bpffs::unpin,
             record::{PinRecord, pin_dir},
         };

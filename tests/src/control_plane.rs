@@ -1,4 +1,4 @@
-//! The relay's upstream in tests: Weir's own ADS server (`weir_agent::controlplane`)
+//! The relay's upstream in tests: Weir's own ADS server (`weir_agent::sidecar::controlplane`)
 //! standing in for istiod in an "istiod" pod, behind TLS from a test CA, with istiod's
 //! token and `ClusterID` checks, and istiod's CA (`IstiodCa`) on the same port when a
 //! test asks for it. It can be stopped and started again on the same address, and its
@@ -13,7 +13,7 @@ use std::{
 
 use anyhow::{Context as _, anyhow};
 use tokio_util::sync::CancellationToken;
-use weir_agent::controlplane::{AdsServer, ServerTls, Snapshot};
+use weir_agent::sidecar::controlplane::{AdsServer, ServerTls, Snapshot};
 
 use crate::{
     Pod,
@@ -164,7 +164,7 @@ impl ControlPlane {
                     return Ok(());
                 }
             };
-            weir_agent::controlplane::serve(listener, tls, ads, ca, cancelled.cancelled_owned())
+            weir_agent::sidecar::controlplane::serve(listener, tls, ads, ca, cancelled.cancelled_owned())
                 .await
                 .context("control plane")
         })?;
@@ -210,7 +210,7 @@ impl Drop for ControlPlane {
 /// `count` static clusters (`filler-00000`, ...) pointing at `endpoint`, plus an EDS
 /// cluster `hello`: the large CDS snapshot the relay tests and benchmark push.
 pub fn filler_clusters(count: usize, endpoint: SocketAddr) -> Vec<(String, prost_types::Any)> {
-    use weir_agent::controlplane::resources;
+    use weir_agent::sidecar::controlplane::resources;
     let mut clusters: Vec<(String, prost_types::Any)> = (0..count)
         .map(|i| {
             let name = format!("filler-{i:05}");

@@ -111,7 +111,7 @@ pub fn assert_demo_works(weir: &Path, mode: &str, env: &[(&str, &std::ffi::OsStr
 /// mesh CA's key.
 fn assert_out_of_an_apps_reach(tmp: &Path) {
     use std::os::unix::fs::PermissionsExt as _;
-    use weir_agent::envoy::access::{Need, check};
+    use weir_agent::sidecar::envoy::access::{Need, check};
     let dirs: Vec<_> = std::fs::read_dir(tmp)
         .unwrap()
         .flatten()

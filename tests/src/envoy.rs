@@ -108,7 +108,7 @@ impl Envoy {
         let config_path = dir.path().join("envoy.yaml");
         std::fs::write(&config_path, config)?;
         let log = std::fs::File::create(dir.path().join("envoy.log"))?;
-        let envoy = weir_agent::executable::Executable::open(binary()?)?;
+        let envoy = weir_agent::support::executable::Executable::open(binary()?)?;
         let mut cmd = envoy.command();
         cmd.arg("-c")
             .arg(&config_path)

@@ -67,7 +67,8 @@ fn dechunk(mut body: &str) -> String {
 
 /// An HTTPS GET as kubelet's HTTPS probe sends it (any certificate accepted): the status.
 pub async fn https_status(addr: SocketAddr, path: &str) -> anyhow::Result<u16> {
-    let connector = weir_agent::tls::http1_connector(weir_agent::tls::ServerTrust::AnyCertificate)?;
+    let connector =
+        weir_agent::support::tls::http1_connector(weir_agent::support::tls::ServerTrust::AnyCertificate)?;
     let tcp = tokio::net::TcpStream::connect(addr).await?;
     let name = tokio_rustls::rustls::pki_types::ServerName::IpAddress(addr.ip().into());
     let mut tls = connector.connect(name, tcp).await?;

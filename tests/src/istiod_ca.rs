@@ -1,6 +1,6 @@
 //! istiod's CA as the tests need it: `IstioCertificateService/CreateCertificate` with
 //! istiod's bearer-token check, signing through Weir's mesh CA
-//! (`weir_agent::controlplane::MeshCa`), and the switches no shipped CA may have: it can
+//! (`weir_agent::sidecar::controlplane::MeshCa`), and the switches no shipped CA may have: it can
 //! be told to fail, to answer slowly, to send only the leaf, garbage or an expired root,
 //! to force a short lifetime, and to rotate its root — the cases the agent's CA client
 //! must survive. Every request is recorded.
@@ -18,8 +18,8 @@ use std::{
 
 use tonic::{Request, Response, Status};
 use weir_agent::{
-    controlplane::{MeshCa, SigningPolicy},
-    identity::WorkloadIdentity,
+    sidecar::controlplane::{MeshCa, SigningPolicy},
+    sidecar::identity::WorkloadIdentity,
 };
 use weir_proto::istio::v1::auth::{
     IstioCertificateRequest, IstioCertificateResponse,

@@ -5,7 +5,10 @@
 
 use std::path::{Path, PathBuf};
 
-use weir_agent::sandbox::{Cgroup, cgroup::parse_cgroup2_mount, unique_name};
+use weir_agent::{
+    sandbox::{Cgroup, unique_name},
+    support::cgroup2::parse_mount as parse_cgroup2_mount,
+};
 
 /// The backend `auto` must pick here, and a phrase the reason must contain when it is
 /// not eBPF.

@@ -48,7 +48,7 @@ pub mod tools;
 pub mod ztunnel;
 
 pub use weir_agent::{
-    ebpf::bpffs::BpffsUse,
+    capture::ebpf::bpffs::BpffsUse,
     sandbox::{Cgroup, Mesh, Placement, Pod, PodChild, leftovers, reap},
 };
 

@@ -10,7 +10,7 @@ use std::{
 };
 
 use tokio::io::AsyncBufReadExt as _;
-use weir_agent::controlplane::{AdsServer, AuthPolicy, Snapshot, resources};
+use weir_agent::sidecar::controlplane::{AdsServer, AuthPolicy, Snapshot, resources};
 use weir_proto::type_url;
 
 use crate::{

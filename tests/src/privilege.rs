@@ -2,7 +2,7 @@
 //! netfilter and eBPF need. A test that cannot run fails, naming what is missing: a
 //! green run means every test ran (`scripts/test` also refuses to start without them).
 
-use weir_agent::privileges::{self, Capability};
+use weir_agent::support::privileges::{self, Capability};
 
 /// What the rig's privileged tests need.
 pub const NEEDED: &[Capability] = &[Capability::SysAdmin, Capability::NetAdmin, Capability::Bpf];

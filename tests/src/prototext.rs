@@ -155,7 +155,7 @@ fn shape(m: Map<String, Value>) -> Value {
         let secs = m.get("seconds").and_then(Value::as_i64).unwrap_or(0);
         let nanos = m.get("nanos").and_then(Value::as_i64).unwrap_or(0);
         let d = std::time::Duration::new(secs as u64, nanos as u32);
-        return Value::String(weir_agent::config::proxy_json::protobuf_duration(d));
+        return Value::String(weir_agent::sidecar::config::proxy_json::protobuf_duration(d));
     }
     if m.len() == 1
         && let Some(v) = m.get("value")

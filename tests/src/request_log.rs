@@ -1,7 +1,7 @@
 //! What the test control plane saw, for tests to assert on: every stream the ADS server
 //! accepted or refused (with the metadata that decided it) and every request on them,
 //! with nonces and ACK/NACK, in arrival order; waiters are woken on each new entry. It
-//! is the ADS server's observer (`weir_agent::controlplane::AdsObserver`) and keeps
+//! is the ADS server's observer (`weir_agent::sidecar::controlplane::AdsObserver`) and keeps
 //! everything, which only a test may.
 
 use std::{
@@ -10,7 +10,7 @@ use std::{
 };
 
 use tokio::sync::Notify;
-use weir_agent::controlplane::{AdsObserver, AdsServer, ObservedRequest, ObservedStream};
+use weir_agent::sidecar::controlplane::{AdsObserver, AdsServer, ObservedRequest, ObservedStream};
 
 /// One request as received.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

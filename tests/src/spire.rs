@@ -14,7 +14,7 @@ use std::{
 use anyhow::Context as _;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
-use weir_agent::identity::manager::SecretData;
+use weir_agent::sidecar::identity::manager::SecretData;
 use weir_proto::{
     envoy::service::{
         discovery::v3::{DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse},
@@ -134,7 +134,7 @@ impl Sds {
                     "ROOTCA" => SecretData::Root { pem: self.root.clone() },
                     _ => return None,
                 };
-                let secret = weir_agent::identity::sds::to_envoy(name, &data);
+                let secret = weir_agent::sidecar::identity::sds::to_envoy(name, &data);
                 Some(weir_proto::to_any(type_url::SECRET, &secret))
             })
             .collect();

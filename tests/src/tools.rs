@@ -5,7 +5,7 @@
 //! Tests run processes as 1000 and 1337 from a checkout that may sit under a 0700
 //! directory (`/root/<clone>`), so nothing here hands a child a path it would have to
 //! walk: commands run through a descriptor opened by the test
-//! ([`weir_agent::executable::Executable`]), and paths given to children by name are
+//! ([`weir_agent::support::executable::Executable`]), and paths given to children by name are
 //! the test's own inherited descriptors ([`for_children`]).
 //!
 //! A benchmark comparing two builds (`weir-bench --against`) switches which `weir`
@@ -19,7 +19,7 @@ use std::{
     sync::{Mutex, OnceLock},
 };
 
-use weir_agent::executable::Executable;
+use weir_agent::support::executable::Executable;
 
 /// `target/<profile>/`, found from the running test executable (`.../deps/<test>`).
 fn target_dir() -> PathBuf {

@@ -6,7 +6,7 @@
 
 use std::{net::SocketAddr, os::unix::fs::MetadataExt as _, process::Stdio, time::Duration};
 
-use weir_agent::controlplane::{AdsServer, AuthPolicy, Snapshot, resources};
+use weir_agent::sidecar::controlplane::{AdsServer, AuthPolicy, Snapshot, resources};
 use weir_proto::type_url;
 use weir_tests::{
     Mesh, Pod,
@@ -116,7 +116,7 @@ fn a_root_agent_on_a_bare_directory_delivers_certificates_to_envoy_as_1337() {
     let certs = host
         .pod
         .run(|| async {
-            weir_agent::envoy::admin::request(
+            weir_agent::sidecar::envoy::admin::request(
                 SocketAddr::from(([127, 0, 0, 1], 15000)),
                 hyper::Method::GET,
                 "/certs",
@@ -174,7 +174,7 @@ fn a_listener_waiting_for_a_secret_the_agent_cannot_get_keeps_the_pod_unready() 
     let ready = || {
         host.pod
             .run(|| async {
-                weir_agent::envoy::admin::request(
+                weir_agent::sidecar::envoy::admin::request(
                     SocketAddr::from(([127, 0, 0, 1], 15020)),
                     hyper::Method::GET,
                     "/healthz/ready",

@@ -15,12 +15,13 @@ use std::{
 };
 
 use serde_json::{Value, json};
-use weir_agent::{
+use weir_agent::sidecar::{
     config::{
-        node::{MetadataOptions, metadata, service_cluster},
+        node::{MetadataOptions, service_cluster},
         proxy_json::canonical_json,
     },
     envoy::bootstrap::{self, BootstrapEnv, BootstrapInputs},
+    node_metadata as metadata,
 };
 use weir_tests::{envoy::tempfile_dir::Dir, prototext, tools};
 

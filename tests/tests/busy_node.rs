@@ -145,7 +145,7 @@ fn events(node: &mut BusyNode, old: &str, new: &str, round: usize) {
     // is gone, its pins are not. The start adopts them; nothing is detached.
     event(node, "agent stopped, its record lost, started again", &[], |n| {
         n.stop_agent(libc::SIGTERM).unwrap();
-        std::fs::remove_file(weir_agent::ebpf::record::PinRecord::path(&n.capture)).unwrap();
+        std::fs::remove_file(weir_agent::capture::ebpf::record::PinRecord::path(&n.capture)).unwrap();
         n.start_agent(old).unwrap();
         assert!(n.agent_log().contains("without its record: adopted"), "{}", n.agent_log());
     });
@@ -216,7 +216,7 @@ fn events(node: &mut BusyNode, old: &str, new: &str, round: usize) {
     });
     let (m3, p3) = (node.pod("m3"), node.pod("p3"));
     event(node, "crafted SYNs", &[], |n| {
-        let mac = weir_agent::ebpf::netns::interface_mac(n.pods[m3].ns.path(), "eth0").unwrap();
+        let mac = weir_agent::capture::ebpf::netns::interface_mac(n.pods[m3].ns.path(), "eth0").unwrap();
         let mac = mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":");
         let (src, dst) = (n.pods[p3].ip.clone(), n.pods[m3].ip.clone());
         for (shape, expected) in [("plain", "syn-ack"), ("fragments", "nothing"), ("fragments", "nothing")] {

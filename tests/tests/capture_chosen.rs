@@ -67,7 +67,7 @@ fn a_sidecar_with_real_envoy_carries_traffic_through_the_chosen_backend() {
     let expected = expected_capture();
     let test = test_name!();
     // Declared first, dropped last: a bpffs this test mounted is unmounted.
-    let _bpffs = weir_agent::ebpf::bpffs::BpffsUse::acquire().unwrap();
+    let _bpffs = weir_agent::capture::ebpf::bpffs::BpffsUse::acquire().unwrap();
     // On a cgroup v1 boot there is no cgroup v2 directory to give: the pod's cgroup is
     // then a v1 directory, which eBPF capture must never attach to.
     let pod_cgroup = PodCgroup::create(&test);

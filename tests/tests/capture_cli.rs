@@ -86,7 +86,7 @@ fn pinned_capture_outlives_the_command_and_cleans_up_completely() {
     for _ in 0..2 {
         ok(&weir(&["capture", "clean", "--cgroup", cg]), "clean");
     }
-    assert!(!weir_agent::ebpf::record::pin_dir(&pod).exists(), "pins removed");
+    assert!(!weir_agent::capture::ebpf::record::pin_dir(&pod).exists(), "pins removed");
     let attached = weir_tests::capture::cgroup_programs(cgroup.path());
     assert!(attached.is_empty(), "no program left on the cgroup: {attached:?}");
     assert!(weir_tests::capture::inbound_programs(&s.client).is_empty());
@@ -162,7 +162,7 @@ fn weir_in_set(set: &str, args: &[&str]) -> Output {
     Command::new(tools::weir())
         .args(args)
         .env("WEIR_LOG", "info")
-        .env(weir_agent::ebpf::set::SET_ENV, set)
+        .env(weir_agent::capture::ebpf::set::SET_ENV, set)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .output()
@@ -201,7 +201,7 @@ fn attached_id(cgroup: &std::path::Path, name: &str) -> u32 {
 
 /// What of a program set is left under /sys/fs/bpf/weir/programs.
 fn set_pinned(key: &str) -> bool {
-    weir_agent::ebpf::set::set_dir(key).exists()
+    weir_agent::capture::ebpf::set::set_dir(key).exists()
 }
 
 /// Removes a program set the test made, whatever it reached (after its captures).
@@ -209,7 +209,7 @@ struct SetGuard(String);
 
 impl Drop for SetGuard {
     fn drop(&mut self) {
-        if let Ok(Some(set)) = weir_agent::ebpf::set::NodePrograms::open_existing(&self.0) {
+        if let Ok(Some(set)) = weir_agent::capture::ebpf::set::NodePrograms::open_existing(&self.0) {
             let _ = set.release();
         }
     }
@@ -286,7 +286,7 @@ fn a_second_pod_reuses_the_node_programs_and_the_last_pod_removes_them() {
     // The last pod goes: so does the set, and nothing of this test is left in bpffs.
     ok(&weir(&["capture", "clean", "--pod", &pods[1]]), "clean the second pod");
     assert!(!set_pinned(&key), "the set is removed with its last pod");
-    let root = std::path::Path::new(weir_agent::ebpf::bpffs::PIN_ROOT);
+    let root = std::path::Path::new(weir_agent::capture::ebpf::bpffs::PIN_ROOT);
     let left: Vec<String> = std::fs::read_dir(root)
         .into_iter()
         .flatten()
@@ -313,7 +313,7 @@ fn programs_pinned_under_another_version_key_are_not_reused() {
     let foreign = format!("0_0_0-000000000000-{set}");
     let _foreign_guard = SetGuard(foreign.clone());
     let foreign_ids =
-        weir_agent::ebpf::set::NodePrograms::acquire_key(&foreign).unwrap().program_ids().unwrap();
+        weir_agent::capture::ebpf::set::NodePrograms::acquire_key(&foreign).unwrap().program_ids().unwrap();
     let cgroup = test_cgroup(&test);
     let s = CaptureScene::in_cgroup(&test, Family::V4, &cgroup);
     let pod = cgroup.path().file_name().unwrap().to_string_lossy().into_owned();
@@ -361,7 +361,7 @@ fn pods_starting_together_load_one_set() {
             Command::new(tools::weir())
                 .args(attach_args(cgroup.path().to_str().unwrap(), pod.netns().path().to_str().unwrap()))
                 .env("WEIR_LOG", "info")
-                .env(weir_agent::ebpf::set::SET_ENV, &set)
+                .env(weir_agent::capture::ebpf::set::SET_ENV, &set)
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()
@@ -376,7 +376,7 @@ fn pods_starting_together_load_one_set() {
     let key = program_set_of(&names[0]);
     let _set = SetGuard(key.clone());
     let sets: Vec<String> =
-        weir_agent::ebpf::set::pinned_keys().into_iter().filter(|k| k.ends_with(&set)).collect();
+        weir_agent::capture::ebpf::set::pinned_keys().into_iter().filter(|k| k.ends_with(&set)).collect();
     assert_eq!(sets, vec![key.clone()], "one set");
     let id = attached_id(cgroups[0].path(), "weir_connect4");
     for (name, cgroup) in names.iter().zip(&cgroups) {
@@ -414,7 +414,7 @@ fn a_namespace_no_process_of_the_cgroup_is_in_is_refused_unless_allowed() {
     let err = String::from_utf8_lossy(&out.stderr).into_owned();
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains(&cg) && err.contains("net:[") && err.contains("--allow-netns-mismatch"), "{err}");
-    assert!(weir_agent::ebpf::record::PinRecord::load(&name).is_none(), "nothing registered");
+    assert!(weir_agent::capture::ebpf::record::PinRecord::load(&name).is_none(), "nothing registered");
     assert!(weir_tests::capture::cgroup_programs(cgroup.path()).is_empty(), "nothing attached");
 
     // From inside the pod (as an init container runs it): accepted.
@@ -423,7 +423,7 @@ fn a_namespace_no_process_of_the_cgroup_is_in_is_refused_unless_allowed() {
             Command::new(tools::weir())
                 .args(args)
                 .env("WEIR_LOG", "warn")
-                .env(weir_agent::ebpf::set::SET_ENV, &set)
+                .env(weir_agent::capture::ebpf::set::SET_ENV, &set)
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped()),
             Placement { cgroup: Some(&cgroup), ..Placement::default() },
@@ -441,8 +441,8 @@ fn a_namespace_no_process_of_the_cgroup_is_in_is_refused_unless_allowed() {
     let mut allowed = args.to_vec();
     allowed.push("--allow-netns-mismatch");
     ok(&weir_in_set(&set, &allowed), "weir capture ebpf --allow-netns-mismatch");
-    let record = weir_agent::ebpf::record::PinRecord::load(&name).expect("registered");
-    assert_eq!(record.netns_cookie, weir_agent::ebpf::netns::netns_cookie(None).unwrap());
+    let record = weir_agent::capture::ebpf::record::PinRecord::load(&name).expect("registered");
+    assert_eq!(record.netns_cookie, weir_agent::capture::ebpf::netns::netns_cookie(None).unwrap());
     ok(&weir(&["capture", "clean", "--pod", &name]), "clean");
     assert!(!set_pinned(&key));
     let help = ok(&weir(&["capture", "ebpf", "--help"]), "help");
@@ -657,18 +657,19 @@ fn a_pod_that_starts_while_the_collector_reads_the_node_is_kept() {
     let name = cgroup.path().file_name().unwrap().to_string_lossy().into_owned();
     let _capture = PinnedCapture(name.clone());
     let mut pod = None;
-    let (view, removed) = weir_agent::ebpf::gc::collect_gone_pods_with(std::path::Path::new("/proc"), || {
-        let started = mesh.pod("p0").unwrap();
-        let netns = started.netns().path().to_str().unwrap().to_string();
-        ok(&weir(&attach_args(cgroup.path().to_str().unwrap(), &netns)), "weir capture ebpf");
-        pod = Some(started);
-    });
+    let (view, removed) =
+        weir_agent::capture::ebpf::gc::collect_gone_pods_with(std::path::Path::new("/proc"), || {
+            let started = mesh.pod("p0").unwrap();
+            let netns = started.netns().path().to_str().unwrap().to_string();
+            ok(&weir(&attach_args(cgroup.path().to_str().unwrap(), &netns)), "weir capture ebpf");
+            pod = Some(started);
+        });
     assert!(view.is_ok(), "the collector could not read the node: {:?}", view.err());
     assert!(
         !removed.iter().any(|(p, _)| *p == name),
         "the pod that started meanwhile was collected: {removed:?}"
     );
-    let record = weir_agent::ebpf::record::PinRecord::load(&name).expect("the pod's capture record");
+    let record = weir_agent::capture::ebpf::record::PinRecord::load(&name).expect("the pod's capture record");
     assert!(record.netns_cookie != 0, "{record:?}");
     drop(pod);
 }
@@ -838,7 +839,7 @@ fn a_pod_capture_found_without_its_record_is_taken_up_not_torn_down() {
     let before: Vec<u32> =
         ["weir_connect4", "weir_sockops", "weir_getsockopt"].iter().map(|h| ids(h)).collect();
 
-    let record = weir_agent::ebpf::record::PinRecord::path(&pod);
+    let record = weir_agent::capture::ebpf::record::PinRecord::path(&pod);
     std::fs::remove_file(&record).unwrap();
     let out = weir(&attach_args(cg, netns));
     ok(&out, "weir capture ebpf with the record lost");

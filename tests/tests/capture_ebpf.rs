@@ -3,7 +3,7 @@
 
 use std::net::IpAddr;
 
-use weir_agent::ebpf::{
+use weir_agent::capture::ebpf::{
     capture::CapturePrograms,
     config::{EbpfOptions, PodCapture},
     inbound::InboundProgram,
@@ -196,7 +196,7 @@ fn dns_on_a_connected_udp_socket_goes_to_the_agent() {
 
 /// sk_msg: an 8 MiB echo through the redirected local pair arrives intact, and the
 /// counters show the data took the socket-to-socket path (and not without it).
-fn transfer(test: &str, accelerate: bool) -> weir_agent::ebpf::capture::Counters {
+fn transfer(test: &str, accelerate: bool) -> weir_agent::capture::ebpf::capture::Counters {
     let cgroup = test_cgroup(test);
     let mesh = weir_tests::Mesh::new(test).unwrap();
     let pod = mesh.pod("client").unwrap();
@@ -500,10 +500,10 @@ fn a_raw_key_of_the_wrong_length_deletes_nothing() {
     assert!(fd >= 0, "BPF_MAP_CREATE: {}", std::io::Error::last_os_error());
     // SAFETY: a new descriptor we own.
     let map = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-    let e = weir_agent::ebpf::sys::delete_raw(map.as_fd(), &[1, 2, 3, 4]).unwrap_err();
+    let e = weir_agent::capture::ebpf::sys::delete_raw(map.as_fd(), &[1, 2, 3, 4]).unwrap_err();
     assert!(e.to_string().contains("a key of 4 bytes for a map whose keys are 8 bytes"), "{e}");
     assert!(
-        !weir_agent::ebpf::sys::delete_raw(map.as_fd(), &[0; 8]).unwrap(),
+        !weir_agent::capture::ebpf::sys::delete_raw(map.as_fd(), &[0; 8]).unwrap(),
         "an absent key of the right length"
     );
 }
@@ -514,7 +514,7 @@ fn a_raw_key_of_the_wrong_length_deletes_nothing() {
 #[test]
 fn a_namespace_visit_returns_the_thread_to_its_own_namespace() {
     require_root!();
-    use weir_agent::ebpf::netns::{NetnsFacts, in_netns};
+    use weir_agent::capture::ebpf::netns::{NetnsFacts, in_netns};
     let pod = weir_agent::sandbox::NetNs::create(&weir_agent::sandbox::unique_name("visit")).unwrap();
     let other = weir_agent::sandbox::NetNs::create(&weir_agent::sandbox::unique_name("visit-2")).unwrap();
     let home = netns_cookie(None).unwrap();

@@ -109,9 +109,9 @@ fn ebpf_decisions_are_counted_per_pod_and_explained_from_its_maps() {
     assert!(explain_in(app_8080_in).contains("counted as inbound_assigned (this pod so far: 1)"));
 
     // And as metrics, labelled by pod and decision.
-    let pods = weir_agent::ebpf::metrics::pod_counters();
+    let pods = weir_agent::capture::ebpf::metrics::pod_counters();
     let mine: Vec<_> = pods.into_iter().filter(|(p, _)| *p == pod).map(|(p, c)| (p, c.unwrap())).collect();
-    let text = weir_agent::ebpf::metrics::exposition(&mine, 0, &[]);
+    let text = weir_agent::capture::ebpf::metrics::exposition(&mine, 0, &[]);
     for series in [
         format!("weir_capture_decisions_total{{pod=\"{pod}\",decision=\"redirected\"}} 2"),
         format!("weir_capture_decisions_total{{pod=\"{pod}\",decision=\"bypass_excluded_port\"}} 1"),

@@ -344,7 +344,7 @@ impl NodeAgent {
     fn start(&self, set: &str) -> Running {
         let log = std::fs::File::create(self.host.path().join("agent.log")).unwrap();
         self.command("install", &["--interval", "200ms"])
-            .env(weir_agent::ebpf::set::SET_ENV, set)
+            .env(weir_agent::capture::ebpf::set::SET_ENV, set)
             .stdout(std::process::Stdio::null())
             .stderr(log)
             .spawn()
@@ -458,9 +458,9 @@ fn stop(agent: &NodeAgent, mut running: Running, signal: nix::sys::signal::Signa
 }
 
 /// Waits until the node capture `name` runs the program set whose key ends in `set`.
-fn wait_node_capture(name: &str, set: &str) -> weir_agent::ebpf::record::PinRecord {
+fn wait_node_capture(name: &str, set: &str) -> weir_agent::capture::ebpf::record::PinRecord {
     weir_tests::control_plane::eventually(std::time::Duration::from_secs(20), || {
-        weir_agent::ebpf::record::PinRecord::load(name)
+        weir_agent::capture::ebpf::record::PinRecord::load(name)
             .filter(|r| r.programs.as_deref().is_some_and(|k| k.ends_with(set)))
     })
     .unwrap_or_else(|| panic!("the node capture {name} never ran set {set}"))
@@ -511,7 +511,7 @@ fn ebpf_capture_registers_pods_with_the_node_capture() {
     // runtime): it reads what `tc filter show` reads (priority, handle, program id), and
     // Weir's one filter is there at Weir's priority and handle. An unknown interface is
     // named.
-    let (blocking, unknown) = weir_agent::ebpf::netns::in_netns(pod.path(), || {
+    let (blocking, unknown) = weir_agent::capture::ebpf::netns::in_netns(pod.path(), || {
         let blocking =
             weir_iptables::netlink::ingress_bpf_filters_blocking("eth0").map_err(std::io::Error::other)?;
         let unknown =
@@ -540,7 +540,7 @@ fn ebpf_capture_registers_pods_with_the_node_capture() {
         from_tc,
         "{tc}"
     );
-    use weir_agent::ebpf::inbound::{FILTER_HANDLE, FILTER_PRIORITY};
+    use weir_agent::capture::ebpf::inbound::{FILTER_HANDLE, FILTER_PRIORITY};
     assert_eq!(
         blocking.iter().map(|f| (f.priority, f.handle)).collect::<Vec<_>>(),
         [(FILTER_PRIORITY, FILTER_HANDLE)],
@@ -662,7 +662,7 @@ fn capture_outlives_the_node_agent_through_restarts_and_rollouts() {
     let _guard = NodeCapture(name.clone());
     let agent = NodeAgent::new(&node, cgroup.path(), &name);
     let mut rt = CniRuntime::new(&node.ns).unwrap();
-    rt.env = vec![(weir_agent::ebpf::set::SET_ENV.into(), old.clone())];
+    rt.env = vec![(weir_agent::capture::ebpf::set::SET_ENV.into(), old.clone())];
 
     let running = agent.start(&old);
     let old_key = wait_node_capture(&name, &old).programs.unwrap();
@@ -687,10 +687,11 @@ fn capture_outlives_the_node_agent_through_restarts_and_rollouts() {
     let running = agent.start(&new);
     let new_key = wait_node_capture(&name, &new).programs.unwrap();
     let retired = weir_agent::node::cni::ebpf::retired_name(&name, &old_key);
-    let kept = weir_agent::ebpf::record::PinRecord::load(&retired).expect("the old set is kept for its pods");
+    let kept = weir_agent::capture::ebpf::record::PinRecord::load(&retired)
+        .expect("the old set is kept for its pods");
     assert_eq!(kept.programs.as_deref(), Some(old_key.as_str()));
     captured(&web1, &ip1, "after the rollout");
-    rt.env = vec![(weir_agent::ebpf::set::SET_ENV.into(), new.clone())];
+    rt.env = vec![(weir_agent::capture::ebpf::set::SET_ENV.into(), new.clone())];
     node.api.set_pod(pod_object("shop", "web-2", true, &[], &[]));
     let web2 = pod_netns(&rt, "web-2");
     let b = Attachment::pod("c-web-2", web2.path(), "shop", "web-2");
@@ -706,13 +707,13 @@ fn capture_outlives_the_node_agent_through_restarts_and_rollouts() {
     stop(&agent, running, Signal::SIGTERM);
     let running = agent.start(&old);
     weir_tests::control_plane::eventually(std::time::Duration::from_secs(20), || {
-        weir_agent::ebpf::record::PinRecord::load(&retired).is_none().then_some(())
+        weir_agent::capture::ebpf::record::PinRecord::load(&retired).is_none().then_some(())
     })
     .expect("the old set taken up again");
     wait_node_capture(&name, &old);
     let kept_new = weir_agent::node::cni::ebpf::retired_name(&name, &new_key);
     assert!(
-        weir_agent::ebpf::record::PinRecord::load(&kept_new).is_some(),
+        weir_agent::capture::ebpf::record::PinRecord::load(&kept_new).is_some(),
         "the new build's set kept for web-2"
     );
     let hooks = weir_tests::capture::cgroup_programs(cgroup.path());
@@ -725,12 +726,12 @@ fn capture_outlives_the_node_agent_through_restarts_and_rollouts() {
     captured(&web2, &ip2, "the new build's pod after the rollback");
     rt.del(&list, &b, Some(&result2)).unwrap_or_else(|e| panic!("DEL web-2: {e}"));
     assert!(
-        weir_agent::ebpf::record::PinRecord::load(&kept_new).is_none(),
+        weir_agent::capture::ebpf::record::PinRecord::load(&kept_new).is_none(),
         "the new build's set went with its last pod"
     );
-    assert!(!weir_agent::ebpf::set::set_dir(&new_key).exists(), "and its programs");
+    assert!(!weir_agent::capture::ebpf::set::set_dir(&new_key).exists(), "and its programs");
     stop(&agent, running, Signal::SIGTERM);
-    rt.env = vec![(weir_agent::ebpf::set::SET_ENV.into(), old.clone())];
+    rt.env = vec![(weir_agent::capture::ebpf::set::SET_ENV.into(), old.clone())];
     rt.del(&list, &a, Some(&result)).unwrap_or_else(|e| panic!("DEL web-1: {e}"));
     let out = agent.run("uninstall", &[]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -772,7 +773,7 @@ fn inbound_capture_refuses_what_it_cannot_hand_to_envoy() {
     }
     let weir = CniRuntime::plugin_config(&list, &list["plugins"][1], Some(&result));
     rt.exec("istio-cni", "ADD", &a, weir.to_string().as_bytes()).unwrap_or_else(|e| panic!("ADD again: {e}"));
-    let mac = weir_agent::ebpf::netns::interface_mac(server.path(), "eth0").unwrap();
+    let mac = weir_agent::capture::ebpf::netns::interface_mac(server.path(), "eth0").unwrap();
     let in_pod = |uid: u32| placed(&server, Some(&cgroup), uid);
 
     // The app listens; Envoy does not yet.
@@ -841,7 +842,7 @@ fn a_pod_cannot_take_another_pods_inbound_address() {
     let server = pod_netns(&rt, "web-1");
     let (client, client_ip) = plain_pod(&node, &rt, "client");
     let (list, a, result, ip) = add_auto(&node, &rt, &server, &name);
-    let mac = weir_agent::ebpf::netns::interface_mac(server.path(), "eth0").unwrap();
+    let mac = weir_agent::capture::ebpf::netns::interface_mac(server.path(), "eth0").unwrap();
     let mac_text = mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":");
 
     // The thief's interface gets web-1's MAC address and address, then its ADD.
@@ -886,8 +887,8 @@ fn a_pod_cannot_take_another_pods_inbound_address() {
         .unwrap()
         .programs
         .unwrap();
-    let counters = weir_agent::ebpf::set::set_dir(&key).join("maps").join("INBOUND_POD_COUNTERS");
-    let cookie = weir_agent::ebpf::netns::netns_cookie(Some(server.path())).unwrap();
+    let counters = weir_agent::capture::ebpf::set::set_dir(&key).join("maps").join("INBOUND_POD_COUNTERS");
+    let cookie = weir_agent::capture::ebpf::netns::netns_cookie(Some(server.path())).unwrap();
     let key_bytes: Vec<String> = cookie.to_ne_bytes().iter().map(|b| b.to_string()).collect();
     let mut args = vec!["map", "delete", "pinned", counters.to_str().unwrap(), "key"];
     args.extend(key_bytes.iter().map(String::as_str));
@@ -900,12 +901,16 @@ fn a_pod_cannot_take_another_pods_inbound_address() {
     let weir = CniRuntime::plugin_config(&list, &list["plugins"][1], Some(&bridge));
     rt.exec("istio-cni", "ADD", &h, weir.to_string().as_bytes())
         .unwrap_or_else(|e| panic!("ADD over a leftover: {e}"));
-    let heir_cookie = weir_agent::ebpf::netns::netns_cookie(Some(heir.path())).unwrap();
-    let set_dir = weir_agent::ebpf::set::set_dir(&key);
+    let heir_cookie = weir_agent::capture::ebpf::netns::netns_cookie(Some(heir.path())).unwrap();
+    let set_dir = weir_agent::capture::ebpf::set::set_dir(&key);
     let owns = || {
-        weir_agent::ebpf::inbound::pod_config(&set_dir, std::path::Path::new("/nonexistent"), heir_cookie)
-            .unwrap()
-            .is_some()
+        weir_agent::capture::ebpf::inbound::pod_config(
+            &set_dir,
+            std::path::Path::new("/nonexistent"),
+            heir_cookie,
+        )
+        .unwrap()
+        .is_some()
     };
     assert!(owns(), "the heir owns the address");
     rt.del(&list, &a, Some(&result)).unwrap_or_else(|e| panic!("DEL web-1: {e}"));
@@ -927,7 +932,7 @@ fn a_failed_add_again_leaves_the_pod_captured() {
     let server = pod_netns(&rt, "web-1");
     let (client, client_ip) = plain_pod(&node, &rt, "client");
     let (list, a, result, ip) = add_auto(&node, &rt, &server, &name);
-    let mac = weir_agent::ebpf::netns::interface_mac(server.path(), "eth0").unwrap();
+    let mac = weir_agent::capture::ebpf::netns::interface_mac(server.path(), "eth0").unwrap();
     let _envoy =
         start_placed(placed(&server, Some(&cgroup), 1337), &["capture-listener", "0.0.0.0:15006"]).unwrap();
     assert_eq!(syn_probe(&client, mac, &client_ip, &ip, 8080, "plain"), "syn-ack", "captured");
@@ -937,8 +942,8 @@ fn a_failed_add_again_leaves_the_pod_captured() {
         .into_iter()
         .find(|r| r.netns.as_deref() == Some(server.path()))
         .expect("web-1's record");
-    let blocker =
-        std::path::Path::new(weir_agent::ebpf::record::RECORD_DIR).join(format!("{}.json.tmp", record.pod));
+    let blocker = std::path::Path::new(weir_agent::capture::ebpf::record::RECORD_DIR)
+        .join(format!("{}.json.tmp", record.pod));
     std::fs::create_dir(&blocker).unwrap();
     let weir = CniRuntime::plugin_config(&list, &list["plugins"][1], Some(&result));
     let e = rt.exec("istio-cni", "ADD", &a, weir.to_string().as_bytes());
@@ -1013,7 +1018,7 @@ fn the_inbound_guard_refuses_what_went_around_the_classifier() {
 
 /// Entries in one of a program set's pinned maps.
 fn map_entries(key: &str, map: &str) -> u32 {
-    weir_agent::ebpf::metrics::map_fill()
+    weir_agent::capture::ebpf::metrics::map_fill()
         .into_iter()
         .find(|f| f.program_set == key && f.map == map)
         .unwrap_or_else(|| panic!("no map {map} in program set {key}"))
@@ -1036,12 +1041,15 @@ fn one_pods_annotation_cannot_fill_the_node_for_the_others() {
     let _set = SetGuard(set.clone());
     let _guard = NodeCapture(name.clone());
     let agent = NodeAgent::new(&node, cgroup.path(), &name);
-    let out =
-        agent.command("install", &["--once"]).env(weir_agent::ebpf::set::SET_ENV, &set).output().unwrap();
+    let out = agent
+        .command("install", &["--once"])
+        .env(weir_agent::capture::ebpf::set::SET_ENV, &set)
+        .output()
+        .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let key = wait_node_capture(&name, &set).programs.unwrap();
     let mut rt = CniRuntime::new(&node.ns).unwrap();
-    rt.env = vec![(weir_agent::ebpf::set::SET_ENV.into(), set.clone())];
+    rt.env = vec![(weir_agent::capture::ebpf::set::SET_ENV.into(), set.clone())];
     let list = node.conflist(json!({"capture_mode": "auto", "ebpf_node_capture": name}));
 
     let ranges: Vec<String> = (0..20_000u32).map(|i| format!("11.{}.{}.0/24", i / 256, i % 256)).collect();
@@ -1070,7 +1078,8 @@ fn one_pods_annotation_cannot_fill_the_node_for_the_others() {
         assert_eq!(local, format!("{}:8080", pod_ip(&result)));
         rt.del(&list, &a, Some(&result)).unwrap();
     }
-    let out = agent.command("uninstall", &[]).env(weir_agent::ebpf::set::SET_ENV, &set).output().unwrap();
+    let out =
+        agent.command("uninstall", &[]).env(weir_agent::capture::ebpf::set::SET_ENV, &set).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
@@ -1155,7 +1164,7 @@ fn a_connect_storm_leaves_no_tracking_entries_behind() {
     let node = Node::new(&test_name!(), false);
     node.api.set_pod(pod_object("shop", "web-1", true, &[], &[]));
     let (cgroup, name, _guard) = attached_node_capture(&test_name!());
-    let key = weir_agent::ebpf::record::PinRecord::load(&name).unwrap().programs.unwrap();
+    let key = weir_agent::capture::ebpf::record::PinRecord::load(&name).unwrap().programs.unwrap();
     let rt = CniRuntime::new(&node.ns).unwrap();
     let pod = pod_netns(&rt, "web-1");
     let (list, a, result, _) = add_auto(&node, &rt, &pod, &name);
@@ -1350,8 +1359,9 @@ struct SetGuard(String);
 
 impl Drop for SetGuard {
     fn drop(&mut self) {
-        for key in weir_agent::ebpf::set::pinned_keys().into_iter().filter(|k| k.ends_with(&self.0)) {
-            if let Ok(Some(set)) = weir_agent::ebpf::set::LockedSet::open(&key) {
+        for key in weir_agent::capture::ebpf::set::pinned_keys().into_iter().filter(|k| k.ends_with(&self.0))
+        {
+            if let Ok(Some(set)) = weir_agent::capture::ebpf::set::LockedSet::open(&key) {
                 let _ = set.release();
             }
         }
@@ -1479,9 +1489,11 @@ fn repair_with_ebpf_registers_once_and_never_again() {
             .count()
     };
     let filters_on = |ns: &NetNs| {
-        weir_agent::ebpf::netns::in_netns(ns.path(), || weir_agent::ebpf::inbound::weir_filters("eth0"))
-            .unwrap()
-            .len()
+        weir_agent::capture::ebpf::netns::in_netns(ns.path(), || {
+            weir_agent::capture::ebpf::inbound::weir_filters("eth0")
+        })
+        .unwrap()
+        .len()
     };
 
     // Repair's registration of old-ebpf (by its UID; no container record of its own).
@@ -1563,7 +1575,8 @@ fn repair_while_the_node_capture_is_moved_aside_captures_no_pod_twice() {
     let _sandbox = KubeletSandbox::start(&kubepods, "uid-web-ebpf", &pod).unwrap();
 
     // The window of a rollout: the node capture kept under its retired name, no new one.
-    let record = weir_agent::ebpf::record::PinRecord::load(&name).expect("the node capture's record");
+    let record =
+        weir_agent::capture::ebpf::record::PinRecord::load(&name).expect("the node capture's record");
     let key = record.programs.clone().expect("its program set");
     let retired = weir_agent::node::cni::ebpf::retired_name(&name, &key);
     record.move_to(&retired).unwrap();
@@ -1572,7 +1585,7 @@ fn repair_while_the_node_capture_is_moved_aside_captures_no_pod_twice() {
         "a node mid-rollout captures with eBPF"
     );
     let out = repair_once_auto(&node, &kubeconfig, &name);
-    let moved_back = weir_agent::ebpf::record::PinRecord::load(&retired).unwrap().move_to(&name);
+    let moved_back = weir_agent::capture::ebpf::record::PinRecord::load(&retired).unwrap().move_to(&name);
     let out = out.unwrap_or_else(|e| panic!("repair: {e}"));
     assert!(!out.contains("repaired"), "{out}");
     let rules = run_in(&pod, None, std::process::Command::new("iptables-save"), &[]);
@@ -1606,16 +1619,17 @@ fn repair_with_the_records_lost_captures_no_registered_pod_twice() {
     let _sandbox = KubeletSandbox::start(&kubepods, "uid-web-lost", &pod).unwrap();
 
     // Every record of this node capture and its pods moved away: what a new /run/weir shows.
-    let records: Vec<(std::path::PathBuf, Vec<u8>)> = weir_agent::ebpf::record::PinRecord::load_all()
-        .into_iter()
-        .filter(|r| r.pod == name || r.pod.starts_with(&format!("{name}-pod-")))
-        .map(|r| {
-            let path = weir_agent::ebpf::record::PinRecord::path(&r.pod);
-            let bytes = std::fs::read(&path).unwrap();
-            std::fs::remove_file(&path).unwrap();
-            (path, bytes)
-        })
-        .collect();
+    let records: Vec<(std::path::PathBuf, Vec<u8>)> =
+        weir_agent::capture::ebpf::record::PinRecord::load_all()
+            .into_iter()
+            .filter(|r| r.pod == name || r.pod.starts_with(&format!("{name}-pod-")))
+            .map(|r| {
+                let path = weir_agent::capture::ebpf::record::PinRecord::path(&r.pod);
+                let bytes = std::fs::read(&path).unwrap();
+                std::fs::remove_file(&path).unwrap();
+                (path, bytes)
+            })
+            .collect();
     assert_eq!(records.len(), 2, "the node capture's record and the pod's");
     assert!(!weir_agent::node::cni::ebpf::node_captures_with_ebpf(&name), "no record: auto plans netfilter");
     let out = repair_once_auto(&node, &kubeconfig, &name);
@@ -1683,9 +1697,13 @@ fn the_classifier_is_attached_only_in_the_namespace_registered() {
     require_root!();
     let _bpffs = weir_tests::BpffsUse::acquire().unwrap();
     let (_cgroup, name, _guard) = attached_node_capture(&test_name!());
-    let key = weir_agent::ebpf::record::PinRecord::load(&name).and_then(|r| r.programs).expect("node record");
-    let classifier = weir_agent::ebpf::inbound::NodeClassifier::pinned(&weir_agent::ebpf::set::set_dir(&key))
-        .expect("the node capture's classifier");
+    let key = weir_agent::capture::ebpf::record::PinRecord::load(&name)
+        .and_then(|r| r.programs)
+        .expect("node record");
+    let classifier = weir_agent::capture::ebpf::inbound::NodeClassifier::pinned(
+        &weir_agent::capture::ebpf::set::set_dir(&key),
+    )
+    .expect("the node capture's classifier");
     let registered = NetNs::create(&unique_name("registered")).unwrap();
     let other = NetNs::create(&unique_name("other")).unwrap();
     for ns in [&registered, &other] {
@@ -1697,12 +1715,14 @@ fn the_classifier_is_attached_only_in_the_namespace_registered() {
         );
         run_in(ns, None, Command::new("ip"), &["link", "set", "eth0", "up"]);
     }
-    let netns = weir_agent::ebpf::netns::netns_cookie;
+    let netns = weir_agent::capture::ebpf::netns::netns_cookie;
     let (cookie, other_cookie) =
         (netns(Some(registered.path())).unwrap(), netns(Some(other.path())).unwrap());
     let filters = |ns: &NetNs| {
-        weir_agent::ebpf::netns::in_netns(ns.path(), || weir_agent::ebpf::inbound::weir_filters("eth0"))
-            .unwrap()
+        weir_agent::capture::ebpf::netns::in_netns(ns.path(), || {
+            weir_agent::capture::ebpf::inbound::weir_filters("eth0")
+        })
+        .unwrap()
     };
 
     let e = weir_agent::error_chain(&classifier.attach(other.path(), cookie, "eth0").unwrap_err());

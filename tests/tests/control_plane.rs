@@ -2,7 +2,7 @@
 //! TLS port as xDS, checks the token and signs a workload CSR into a leaf + root chain.
 
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
-use weir_agent::controlplane::{AdsServer, AuthPolicy, Snapshot};
+use weir_agent::sidecar::controlplane::{AdsServer, AuthPolicy, Snapshot};
 use weir_proto::istio::v1::auth::{
     IstioCertificateRequest, istio_certificate_service_client::IstioCertificateServiceClient,
 };

@@ -260,7 +260,7 @@ fn run(test: &str, file: &str, options: PodOptions, expect: Expect) {
     // istiod saw Istio's node: id, cluster and metadata as pilot-agent makes them.
     let seen =
         pod.cluster.first_node(WAIT).unwrap_or_else(|| panic!("istiod saw no node\n{}", proxy_log(&pod)));
-    let inputs = pod.node_inputs(proxy, weir_agent::config::node::ISTIO_VERSION);
+    let inputs = pod.node_inputs(proxy, weir_agent::sidecar::config::node::ISTIO_VERSION);
     assert_eq!(seen.id, metadata::expected_id(&inputs));
     assert_eq!(seen.cluster, metadata::expected_cluster(&inputs));
     let mismatched = metadata::mismatches(&seen.metadata, &metadata::expected(&inputs));

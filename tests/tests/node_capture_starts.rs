@@ -51,7 +51,7 @@ fn no_bypass(node: &BusyNode, mark: u128, what: &str) {
 /// The kernel id of each link pinned under capture `name`'s folder (bpftool), by hook;
 /// only links attached to a cgroup count.
 fn link_ids(name: &str) -> BTreeMap<String, u64> {
-    let dir = weir_agent::ebpf::record::pin_dir(name).join("links");
+    let dir = weir_agent::capture::ebpf::record::pin_dir(name).join("links");
     let Ok(entries) = std::fs::read_dir(&dir) else { return BTreeMap::new() };
     let mut out = BTreeMap::new();
     // Hooks' pins only (a test's stray pin beside them is no link).
@@ -78,7 +78,7 @@ fn attached(node: &BusyNode) -> Vec<String> {
 }
 
 fn record_path(name: &str) -> std::path::PathBuf {
-    weir_agent::ebpf::record::PinRecord::path(name)
+    weir_agent::capture::ebpf::record::PinRecord::path(name)
 }
 
 fn remove_record(name: &str) {
@@ -95,7 +95,7 @@ fn pins_found_without_their_record_are_adopted_and_stay_attached() {
     let capture = node.capture.clone();
     let before = link_ids(&capture);
     assert_eq!(before.len(), 10, "the node capture's ten hooks: {before:?}");
-    let key = weir_agent::ebpf::record::PinRecord::load(&capture).unwrap().programs;
+    let key = weir_agent::capture::ebpf::record::PinRecord::load(&capture).unwrap().programs;
 
     let mark = now_ms();
     node.stop_agent(libc::SIGTERM).unwrap();
@@ -105,7 +105,8 @@ fn pins_found_without_their_record_are_adopted_and_stay_attached() {
     assert!(log.contains("node capture found on bpffs without its record: adopted"), "{log}");
     assert_eq!(link_ids(&capture), before, "the same links, never detached or pinned again");
     assert_eq!(attached(&node).len(), 10, "ten programs on the cgroup, not twenty: {:?}", attached(&node));
-    let record = weir_agent::ebpf::record::PinRecord::load(&capture).expect("the record written again");
+    let record =
+        weir_agent::capture::ebpf::record::PinRecord::load(&capture).expect("the record written again");
     assert_eq!((record.programs, record.cgroup.as_path()), (key, node.kubepods.path()));
     let i = node.add_pod("m2", true, &[]).unwrap();
     node.start_workload(i).unwrap();
@@ -125,9 +126,9 @@ fn pins_that_do_not_check_out_are_refused_and_left_attached() {
     let (mut node, set) = small_node(&test_name!());
     let capture = node.capture.clone();
     let before = link_ids(&capture);
-    let links = weir_agent::ebpf::record::pin_dir(&capture).join("links");
-    let key = weir_agent::ebpf::record::PinRecord::load(&capture).unwrap().programs.unwrap();
-    let map = weir_agent::ebpf::set::set_dir(&key).join("maps/POD_CONFIG");
+    let links = weir_agent::capture::ebpf::record::pin_dir(&capture).join("links");
+    let key = weir_agent::capture::ebpf::record::PinRecord::load(&capture).unwrap().programs.unwrap();
+    let map = weir_agent::capture::ebpf::set::set_dir(&key).join("maps/POD_CONFIG");
     let stray = links.join("stray");
 
     let mark = now_ms();
@@ -168,7 +169,7 @@ fn a_record_whose_pins_are_gone_is_attached_again() {
     node.stop_agent(libc::SIGTERM).unwrap();
     let clients: Vec<_> = node.pods.iter_mut().map(|p| p.client.take()).collect();
     drop(clients);
-    std::fs::remove_dir_all(weir_agent::ebpf::record::pin_dir(&capture)).unwrap();
+    std::fs::remove_dir_all(weir_agent::capture::ebpf::record::pin_dir(&capture)).unwrap();
     assert!(attached(&node).is_empty(), "the pins held the links: {:?}", attached(&node));
     node.start_agent(&set).unwrap();
     assert_eq!(link_ids(&capture).len(), 10, "attached again");
@@ -189,7 +190,7 @@ fn a_record_of_another_build_over_this_builds_pins_is_rewritten_from_the_pins() 
     let (mut node, set) = small_node(&test_name!());
     let capture = node.capture.clone();
     let before = link_ids(&capture);
-    let mut record = weir_agent::ebpf::record::PinRecord::load(&capture).unwrap();
+    let mut record = weir_agent::capture::ebpf::record::PinRecord::load(&capture).unwrap();
     let key = record.programs.clone();
     let mark = now_ms();
     node.stop_agent(libc::SIGTERM).unwrap();
@@ -198,9 +199,10 @@ fn a_record_of_another_build_over_this_builds_pins_is_rewritten_from_the_pins() 
     node.start_agent(&set).unwrap();
     assert_eq!(link_ids(&capture), before, "the same links");
     assert_eq!(attached(&node).len(), 10, "{:?}", attached(&node));
-    assert_eq!(weir_agent::ebpf::record::PinRecord::load(&capture).unwrap().programs, key);
+    assert_eq!(weir_agent::capture::ebpf::record::PinRecord::load(&capture).unwrap().programs, key);
     assert!(
-        weir_agent::ebpf::record::PinRecord::load(&format!("{capture}-set-0_0_0-000000000000")).is_none(),
+        weir_agent::capture::ebpf::record::PinRecord::load(&format!("{capture}-set-0_0_0-000000000000"))
+            .is_none(),
         "no capture kept for a set that is not there"
     );
     no_bypass(&node, mark, "a record of another build");
@@ -230,7 +232,7 @@ fn a_capture_of_another_name_on_the_cgroup_is_refused_not_doubled() {
     ] {
         assert!(log.contains(&needle), "the refusal names {needle:?}: {log}");
     }
-    assert!(!weir_agent::ebpf::record::pin_dir(&renamed).exists(), "nothing pinned under {renamed}");
+    assert!(!weir_agent::capture::ebpf::record::pin_dir(&renamed).exists(), "nothing pinned under {renamed}");
     assert_eq!(attached(&node).len(), 10, "never attached twice: {:?}", attached(&node));
     assert_eq!(link_ids(&capture), before);
     no_bypass(&node, mark, "a second name refused");
@@ -249,7 +251,7 @@ fn uninstall_counts_registered_pods_in_the_maps_not_in_records() {
     let before = link_ids(&capture);
     let mark = now_ms();
     node.stop_agent(libc::SIGTERM).unwrap();
-    for record in weir_agent::ebpf::record::PinRecord::load_all() {
+    for record in weir_agent::capture::ebpf::record::PinRecord::load_all() {
         if record.pod == capture || record.pod.starts_with(&format!("{capture}-")) {
             remove_record(&record.pod);
         }

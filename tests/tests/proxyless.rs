@@ -13,8 +13,8 @@ use std::{
 };
 
 use weir_agent::{
-    controlplane::{AdsServer, AuthPolicy, Snapshot, resources},
-    identity::chain,
+    sidecar::controlplane::{AdsServer, AuthPolicy, Snapshot, resources},
+    sidecar::identity::chain,
 };
 use weir_proto::type_url;
 use weir_tests::{

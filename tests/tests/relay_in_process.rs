@@ -10,9 +10,9 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use weir_agent::{
-    controlplane::{AdsServer, AuthPolicy, Snapshot},
-    metrics::Metrics,
-    xds::{XdsProxy, flavor::Health, relay::Handler, upstream::UpstreamConfig},
+    sidecar::controlplane::{AdsServer, AuthPolicy, Snapshot},
+    sidecar::metrics::Metrics,
+    sidecar::xds::{XdsProxy, flavor::Health, relay::Handler, upstream::UpstreamConfig},
 };
 use weir_proto::{
     envoy::service::discovery::v3::{
@@ -50,7 +50,7 @@ async fn setup() -> Setup {
     );
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("XDS");
-    let uds = weir_agent::xds::uds::bind(&socket, None).unwrap();
+    let uds = weir_agent::sidecar::xds::uds::bind(&socket, None).unwrap();
     tokio::spawn(proxy.clone().serve(uds, stop.clone().cancelled_owned()));
     Setup { ads, log, proxy, socket, metrics, _dir: dir, stop }
 }

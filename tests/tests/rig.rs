@@ -11,7 +11,7 @@ use std::{
     time::Duration,
 };
 
-use weir_agent::ebpf::probe::ConnectCounter;
+use weir_agent::capture::ebpf::probe::ConnectCounter;
 use weir_tests::{Mesh, Placement, Pod, PodChild, envoy, require_root, test_cgroup, test_name, tools};
 
 /// Starts the testkit echo server in `pod` and waits for its "listening" line.

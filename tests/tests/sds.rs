@@ -9,7 +9,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use weir_agent::controlplane::{AdsServer, AuthPolicy, Snapshot, resources};
+use weir_agent::sidecar::controlplane::{AdsServer, AuthPolicy, Snapshot, resources};
 use weir_proto::type_url;
 use weir_tests::{
     Mesh,

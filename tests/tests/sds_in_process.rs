@@ -13,13 +13,13 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use weir_agent::{
-    controlplane::{self, AdsServer, AuthPolicy, Snapshot},
-    identity::{
+    sidecar::controlplane::{self, AdsServer, AuthPolicy, Snapshot},
+    sidecar::identity::{
         CaClient, KeyAlgorithm, KeyOptions, RotationPolicy, SdsServer, SecretManager, WorkloadIdentity,
         WorkloadSource, caclient::CaClientError, manager::CertFiles,
     },
-    metrics::{CSR, Metrics},
-    xds::UpstreamConfig,
+    sidecar::metrics::{CSR, Metrics},
+    sidecar::xds::UpstreamConfig,
 };
 use weir_proto::{
     envoy::{
@@ -89,7 +89,7 @@ async fn setup_with(source: impl FnOnce(CaClient) -> WorkloadSource, output: Opt
     );
     tokio::spawn(manager.clone().run(stop.clone()));
     let socket = dir.path().join("sds").join("socket");
-    let listener = weir_agent::xds::uds::bind(&socket, None).unwrap();
+    let listener = weir_agent::sidecar::xds::uds::bind(&socket, None).unwrap();
     tokio::spawn(SdsServer::new(manager.clone()).serve(listener, stop.clone().cancelled_owned()));
     Setup { ca, metrics, manager, socket, dir, stop }
 }
@@ -330,7 +330,7 @@ async fn garbage_from_the_ca_at_rotation_keeps_the_valid_certificate_and_recover
 async fn bad_answers_from_the_ca_are_refused_with_the_reason() {
     let s = setup().await;
     let client = ca_client(&s.ca, s.dir.path(), &s.metrics, &s.stop).await;
-    let key = weir_agent::identity::keys::generate(&identity(), &KeyOptions::default()).unwrap();
+    let key = weir_agent::sidecar::identity::keys::generate(&identity(), &KeyOptions::default()).unwrap();
     let sign = || client.sign(&key.csr_pem, &key.public_key_der);
     sign().await.expect("a good CA answer is accepted");
 
@@ -363,7 +363,7 @@ async fn bad_answers_from_the_ca_are_refused_with_the_reason() {
 
     // A CSR for a different key than the one held is refused too.
     std::fs::write(&token, TOKEN).unwrap();
-    let other = weir_agent::identity::keys::generate(&identity(), &KeyOptions::default()).unwrap();
+    let other = weir_agent::sidecar::identity::keys::generate(&identity(), &KeyOptions::default()).unwrap();
     let e = client.sign(&key.csr_pem, &other.public_key_der).await.unwrap_err();
     assert!(weir_agent::error_chain(&e).contains("different key"), "{e}");
 }
@@ -543,8 +543,8 @@ struct TwoWorkers {
 impl TwoWorkers {
     fn start() -> Self {
         use weir_agent::{
-            envoy::{LifecycleControl, Readiness},
-            status::{AppProber, AppProbers, MetricsMerge, StatusServer},
+            sidecar::envoy::{LifecycleControl, Readiness},
+            sidecar::status::{AppProber, AppProbers, MetricsMerge, StatusServer},
         };
         let mount = tempfile::tempdir().unwrap();
         let (cert, key) = self_signed("mounted");
@@ -579,7 +579,7 @@ impl TwoWorkers {
         let (sds, shutdown) = (socket.clone(), stop.clone());
         runtime.spawn(async move {
             tokio::spawn(manager.clone().run(shutdown.clone()));
-            let listener = weir_agent::xds::uds::bind(&sds, None).unwrap();
+            let listener = weir_agent::sidecar::xds::uds::bind(&sds, None).unwrap();
             tokio::spawn(SdsServer::new(manager).serve(listener, shutdown.cancelled_owned()));
             let listener = StatusServer::bind(0).await.unwrap();
             let _ = ready.send(listener.local_addr().unwrap().port());

@@ -12,7 +12,7 @@ use std::{
     time::Duration,
 };
 
-use weir_agent::controlplane::{AdsServer, AuthPolicy, Snapshot, resources};
+use weir_agent::sidecar::controlplane::{AdsServer, AuthPolicy, Snapshot, resources};
 use weir_proto::type_url;
 use weir_tests::{
     Mesh, Pod, PodChild,

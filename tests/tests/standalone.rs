@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Endpoint;
 use weir_agent::{
-    controlplane::SigningPolicy,
-    identity::WorkloadIdentity,
-    standalone::{EMBEDDED_ADDRESS, StandaloneSettings, start},
+    sidecar::controlplane::SigningPolicy,
+    sidecar::identity::WorkloadIdentity,
+    sidecar::standalone::{EMBEDDED_ADDRESS, StandaloneSettings, start},
 };
 use weir_proto::{
     envoy::service::discovery::v3::{
@@ -213,7 +213,7 @@ fn the_embedded_ca_signs_only_the_workloads_own_identity_for_at_most_its_ttl() {
     let answers = pod
         .run(|| async {
             let stop = CancellationToken::new();
-            let token = weir_agent::standalone::new_token();
+            let token = weir_agent::sidecar::standalone::new_token();
             let cp = start(&settings, None, signing(Duration::from_secs(3600)), token.clone(), stop.clone())
                 .await?;
             let channel = Endpoint::from_shared(format!("http://{EMBEDDED_ADDRESS}"))?.connect().await?;
@@ -225,7 +225,7 @@ fn the_embedded_ca_signs_only_the_workloads_own_identity_for_at_most_its_ttl() {
                     validity_duration: seconds,
                     metadata: None,
                 });
-                let (name, value) = weir_agent::standalone::credential(&token);
+                let (name, value) = weir_agent::sidecar::standalone::credential(&token);
                 request
                     .metadata_mut()
                     .insert(tonic::metadata::MetadataKey::from_bytes(name.as_bytes())?, value.parse()?);

@@ -10,7 +10,7 @@
 
 use std::{net::SocketAddr, time::Duration};
 
-use weir_agent::controlplane::{AdsServer, AuthPolicy, Snapshot, resources};
+use weir_agent::sidecar::controlplane::{AdsServer, AuthPolicy, Snapshot, resources};
 use weir_proto::type_url;
 use weir_tests::{
     Mesh, Placement, Pod,
@@ -80,7 +80,7 @@ fn snapshot_with(wasm: prost_types::Any, version: &str, more: &[(&str, &str)]) -
             "http",
             LISTENER.parse().unwrap(),
             "routes",
-            &[(FILTER, weir_agent::wasm::rewrite::HTTP_WASM)],
+            &[(FILTER, weir_agent::sidecar::wasm::rewrite::HTTP_WASM)],
         ),
     )];
     for (name, address) in more {

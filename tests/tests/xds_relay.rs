@@ -11,7 +11,7 @@ use std::{
     time::Duration,
 };
 
-use weir_agent::controlplane::{AdsServer, AuthPolicy, Snapshot, resources};
+use weir_agent::sidecar::controlplane::{AdsServer, AuthPolicy, Snapshot, resources};
 use weir_proto::{istio::networking::nds::v1::NameTable, to_any, type_url};
 use weir_tests::{
     Mesh, Placement, Pod, PodChild,

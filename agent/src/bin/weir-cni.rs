@@ -7,8 +7,8 @@ use std::{ffi::OsString, process::ExitCode};
 
 fn main() -> ExitCode {
     // Kept in the binary: `weir cni install` checks a companion plugin is its own build.
-    std::hint::black_box(weir_agent::build_info::BUILD_MARKER);
+    std::hint::black_box(weir_agent::support::build_info::BUILD_MARKER);
     let argv: Vec<OsString> = std::env::args_os().collect();
     // Logs are set up once the network configuration is read (plugin_log_level).
-    ExitCode::from(weir_agent::node::cni::main(|level| weir_agent::logs::init(&argv, level)))
+    ExitCode::from(weir_agent::node::cni::main(|level| weir_agent::support::logs::init(&argv, level)))
 }

@@ -8,9 +8,8 @@ use std::{ffi::OsString, process::ExitCode};
 
 use clap::Parser as _;
 use weir_agent::{
-    build_info,
-    cli::{InitCli, InitCommand, NOT_IN_INIT},
-    exit, istio_iptables,
+    cmd::{InitCli, InitCommand, NOT_IN_INIT, istio_iptables, version},
+    support::exit,
 };
 
 fn main() -> ExitCode {
@@ -23,10 +22,10 @@ fn main() -> ExitCode {
         );
         return ExitCode::from(exit::USAGE);
     }
-    weir_agent::logs::init(&argv, None);
+    weir_agent::support::logs::init(&argv, None);
     let code = match InitCli::parse_from(&argv).command {
         InitCommand::IstioIptables(args) => istio_iptables::run(&args),
-        InitCommand::Version(args) => build_info::print(&args),
+        InitCommand::Version(args) => version::print(&args),
     };
     ExitCode::from(code)
 }

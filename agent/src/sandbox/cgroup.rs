@@ -10,22 +10,14 @@ use std::{
 };
 
 use super::SandboxError;
+use crate::support::cgroup2::Cgroup2Error;
 
 /// Finds the cgroup2 mount point from /proc/self/mountinfo (on hybrid systems it is
 /// /sys/fs/cgroup/unified, on unified ones /sys/fs/cgroup).
 pub fn cgroup2_mount() -> Result<PathBuf, SandboxError> {
-    let info = fs::read_to_string("/proc/self/mountinfo")
-        .map_err(SandboxError::io("read", "/proc/self/mountinfo"))?;
-    parse_cgroup2_mount(&info).ok_or(SandboxError::NoCgroup2)
-}
-
-/// The mount point of the first `cgroup2` entry in a mountinfo text.
-pub fn parse_cgroup2_mount(mountinfo: &str) -> Option<PathBuf> {
-    mountinfo.lines().find_map(|line| {
-        // <id> <parent> <maj:min> <root> <mount point> <opts> [optional...] - <fstype> <source> <super opts>
-        let (left, right) = line.split_once(" - ")?;
-        let fstype = right.split_whitespace().next()?;
-        (fstype == "cgroup2").then(|| left.split_whitespace().nth(4).map(PathBuf::from))?
+    crate::support::cgroup2::mount().map_err(|e| match e {
+        Cgroup2Error::Read(source) => SandboxError::io("read", "/proc/self/mountinfo")(source),
+        Cgroup2Error::NotMounted => SandboxError::NoCgroup2,
     })
 }
 
@@ -188,18 +180,18 @@ mod tests {
 31 25 0:26 / /sys/fs/cgroup ro,nosuid shared:9 - tmpfs tmpfs ro,mode=755
 32 31 0:27 / /sys/fs/cgroup/unified rw,nosuid shared:10 - cgroup2 cgroup2 rw,nsdelegate
 33 31 0:28 / /sys/fs/cgroup/systemd rw shared:11 - cgroup cgroup rw,name=systemd";
-        assert_eq!(parse_cgroup2_mount(info), Some(PathBuf::from("/sys/fs/cgroup/unified")));
+        assert_eq!(crate::support::cgroup2::parse_mount(info), Some(PathBuf::from("/sys/fs/cgroup/unified")));
     }
 
     #[test]
     fn no_cgroup2_means_none() {
         let info = "33 31 0:28 / /sys/fs/cgroup/cpu rw shared:11 - cgroup cgroup rw,cpu";
-        assert_eq!(parse_cgroup2_mount(info), None);
+        assert_eq!(crate::support::cgroup2::parse_mount(info), None);
     }
 
     #[test]
     fn optional_fields_do_not_confuse_the_parser() {
         let info = "40 1 0:35 / /sys/fs/cgroup rw shared:5 master:2 - cgroup2 none rw";
-        assert_eq!(parse_cgroup2_mount(info), Some(PathBuf::from("/sys/fs/cgroup")));
+        assert_eq!(crate::support::cgroup2::parse_mount(info), Some(PathBuf::from("/sys/fs/cgroup")));
     }
 }

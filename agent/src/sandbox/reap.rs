@@ -69,7 +69,7 @@ pub fn leftovers(only_orphans: bool) -> Vec<Leftover> {
             }
         }
     }
-    if let Ok(dir) = fs::read_dir(crate::ebpf::bpffs::PIN_ROOT) {
+    if let Ok(dir) = fs::read_dir(crate::capture::ebpf::bpffs::PIN_ROOT) {
         for entry in dir.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
             if let Some(owner) = owner_pid(&name).filter(|p| keep(*p)) {
@@ -95,9 +95,9 @@ pub fn reap() -> Result<Vec<Leftover>, SandboxError> {
             }
             Leftover::Cgroup { path, .. } => cgroup::remove(path)?,
             Leftover::Capture { name, .. } => {
-                let removed = match crate::ebpf::record::PinRecord::load(name) {
+                let removed = match crate::capture::ebpf::record::PinRecord::load(name) {
                     Some(record) => record.remove(),
-                    None => crate::ebpf::bpffs::unpin(&crate::ebpf::record::pin_dir(name)),
+                    None => crate::capture::ebpf::bpffs::unpin(&crate::capture::ebpf::record::pin_dir(name)),
                 };
                 removed.map_err(|e| SandboxError::Sys {
                     what: format!("remove pinned capture {name}"),
@@ -110,7 +110,7 @@ pub fn reap() -> Result<Vec<Leftover>, SandboxError> {
     // Program sets the removed captures were the last users of went with them; one a
     // crash left without users goes too.
     if found.iter().any(|l| matches!(l, Leftover::Capture { .. })) {
-        let _ = crate::ebpf::set::remove_unused();
+        let _ = crate::capture::ebpf::set::remove_unused();
     }
     Ok(found)
 }

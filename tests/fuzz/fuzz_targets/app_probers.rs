@@ -2,7 +2,7 @@
 //! validate; what parses serializes back to JSON that parses to the same probers.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use weir_agent::status::AppProbers;
+use weir_agent::sidecar::status::AppProbers;
 
 fuzz_target!(|data: &[u8]| {
     let Some(text) = weir_fuzz::text(data) else { return };

@@ -5,7 +5,7 @@
 use std::time::{Duration, UNIX_EPOCH};
 
 use libfuzzer_sys::fuzz_target;
-use weir_agent::identity::chain::{check_bundle, check_issued, parse_pem};
+use weir_agent::sidecar::identity::chain::{check_bundle, check_issued, parse_pem};
 
 fuzz_target!(|data: &[u8]| {
     let Some(text) = weir_fuzz::text(data) else { return };

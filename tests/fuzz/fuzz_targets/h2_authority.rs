@@ -4,7 +4,7 @@
 #![no_main]
 use libfuzzer_sys::fuzz_target;
 use tokio::io::AsyncReadExt as _;
-use weir_agent::xds::authority::AuthorityRepair;
+use weir_agent::sidecar::xds::authority::AuthorityRepair;
 
 const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 

@@ -4,7 +4,7 @@
 #![no_main]
 use clap::Parser as _;
 use libfuzzer_sys::fuzz_target;
-use weir_agent::cli::{PilotAgentCli, PilotAgentCommand};
+use weir_agent::cmd::{PilotAgentCli, PilotAgentCommand};
 
 fuzz_target!(|data: &[u8]| {
     let Some(text) = weir_fuzz::text(data) else { return };

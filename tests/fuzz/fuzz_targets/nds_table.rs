@@ -5,7 +5,7 @@
 use hickory_proto::rr::RecordType;
 use libfuzzer_sys::fuzz_target;
 use prost::Message as _;
-use weir_agent::dns::{LookupTable, table::ProxyScope};
+use weir_agent::sidecar::dns::{LookupTable, table::ProxyScope};
 use weir_proto::istio::networking::nds::v1::NameTable;
 
 fuzz_target!(|data: &[u8]| {

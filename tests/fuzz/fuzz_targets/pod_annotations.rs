@@ -6,7 +6,10 @@ use std::{collections::BTreeMap, path::PathBuf};
 
 use libfuzzer_sys::fuzz_target;
 use weir_agent::{
-    config::{AgentConfig, MapEnv, ProxyArgs, paths, podinfo},
+    sidecar::{
+        config::{AgentConfig, MapEnv, ProxyArgs, paths},
+        podinfo,
+    },
     node::cni::pod::{PodInfo, capture_config},
 };
 

@@ -5,7 +5,7 @@
 #![no_main]
 use bytes::BytesMut;
 use libfuzzer_sys::fuzz_target;
-use weir_agent::status::merge::{parse_scrape_config, push_part};
+use weir_agent::sidecar::status::merge::{parse_scrape_config, push_part};
 
 fuzz_target!(|data: &[u8]| {
     let parts: Vec<&[u8]> = data.split(|b| *b == 0).collect();

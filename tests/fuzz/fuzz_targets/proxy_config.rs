@@ -5,7 +5,7 @@
 use std::{collections::BTreeMap, path::PathBuf};
 
 use libfuzzer_sys::fuzz_target;
-use weir_agent::config::{AgentConfig, MapEnv, ProxyArgs, paths};
+use weir_agent::sidecar::config::{AgentConfig, MapEnv, ProxyArgs, paths};
 
 /// A Go-quoted annotation value, as kubelet writes it into the downward-API file.
 fn go_quote(s: &str) -> String {

@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use libfuzzer_sys::fuzz_target;
-use weir_agent::standalone::mesh::MeshFile;
+use weir_agent::sidecar::standalone::mesh::MeshFile;
 
 fuzz_target!(|data: &[u8]| {
     let Some(text) = weir_fuzz::text(data) else { return };

@@ -4,7 +4,7 @@
 #![no_main]
 use libfuzzer_sys::fuzz_target;
 use prost_types::Any;
-use weir_agent::wasm::rewrite::{remote_module, replace_field, with_local_file};
+use weir_agent::sidecar::wasm::rewrite::{remote_module, replace_field, with_local_file};
 
 fuzz_target!(|data: &[u8]| {
     let resource = Any { type_url: weir_proto::type_url::EXTENSION_CONFIG.into(), value: data.to_vec() };

@@ -63,8 +63,8 @@ pub fn render_all(cfg: &weir_iptables::CaptureConfig) {
 
 /// The agent's DNS proxy with a small NDS table installed and no upstream, so unknown
 /// names are answered SERVFAIL without leaving the process.
-pub fn dns_proxy() -> std::sync::Arc<weir_agent::dns::DnsProxy> {
-    use weir_agent::dns::{DnsConfig, DnsProxy, table::ProxyScope};
+pub fn dns_proxy() -> std::sync::Arc<weir_agent::sidecar::dns::DnsProxy> {
+    use weir_agent::sidecar::dns::{DnsConfig, DnsProxy, table::ProxyScope};
     use weir_proto::istio::networking::nds::v1::{NameTable, name_table::NameInfo};
     let config = DnsConfig {
         listen: Vec::new(),
@@ -79,7 +79,7 @@ pub fn dns_proxy() -> std::sync::Arc<weir_agent::dns::DnsProxy> {
         respond_before_sync: false,
         limits: Default::default(),
     };
-    let proxy = DnsProxy::new(config, std::sync::Arc::new(weir_agent::metrics::Metrics::new()));
+    let proxy = DnsProxy::new(config, std::sync::Arc::new(weir_agent::sidecar::metrics::Metrics::new()));
     let info = |ips: &[&str], registry: &str, shortname: &str| NameInfo {
         ips: ips.iter().map(|s| s.to_string()).collect(),
         registry: registry.into(),

@@ -13,7 +13,7 @@ use std::{
 };
 
 use anyhow::{Context as _, bail};
-use weir_agent::ebpf::{
+use weir_agent::capture::ebpf::{
     capture::CapturePrograms,
     config::{EbpfOptions, PodCapture},
     netns::netns_cookie,
@@ -332,11 +332,11 @@ fn start_iperf(server: &Pod) -> anyhow::Result<weir_tests::PodChild> {
 }
 
 pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
-    weir_agent::privileges::require(
+    weir_agent::support::privileges::require(
         &[
-            weir_agent::privileges::Capability::SysAdmin,
-            weir_agent::privileges::Capability::NetAdmin,
-            weir_agent::privileges::Capability::Bpf,
+            weir_agent::support::privileges::Capability::SysAdmin,
+            weir_agent::support::privileges::Capability::NetAdmin,
+            weir_agent::support::privileges::Capability::Bpf,
         ],
         "weir-bench capture",
     )?;

@@ -140,7 +140,7 @@ fn measure(mode: Mode, opts: &Options) -> anyhow::Result<Figures> {
 }
 
 pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
-    use weir_agent::privileges::{Capability, require};
+    use weir_agent::support::privileges::{Capability, require};
     require(&[Capability::SysAdmin, Capability::NetAdmin, Capability::Bpf], "weir-bench datapath")?;
     if std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) < 2 {
         bail!("weir-bench datapath pins the client and the acceptor to CPUs 0 and 1: this machine has one");

@@ -14,7 +14,7 @@
 use std::{path::Path, process::Command, time::Instant};
 
 use weir_agent::{
-    ebpf::{
+    capture::ebpf::{
         config::{EbpfOptions, PodCapture, own_addresses},
         netns::netns_cookie,
         pod::{self, PodTarget},
@@ -67,7 +67,7 @@ fn injector_config() -> weir_iptables::CaptureConfig {
 fn raw(pod: &Pod, argv: &[&str], stdin: &str) -> anyhow::Result<f64> {
     let netns = pod.netns().path().to_path_buf();
     let started = Instant::now();
-    weir_agent::ebpf::netns::in_netns(&netns, || {
+    weir_agent::capture::ebpf::netns::in_netns(&netns, || {
         use std::io::Write as _;
         let mut child = Command::new(argv[0]).args(&argv[1..]).stdin(std::process::Stdio::piped()).spawn()?;
         child.stdin.take().expect("piped").write_all(stdin.as_bytes())?;

@@ -8,10 +8,10 @@ use std::{sync::Arc, time::Instant};
 
 use tokio_util::sync::CancellationToken;
 use weir_agent::{
-    controlplane::{self, AdsServer, AuthPolicy, Snapshot},
-    identity::{CaClient, KeyAlgorithm, KeyOptions, WorkloadIdentity, keys},
-    metrics::Metrics,
-    xds::UpstreamConfig,
+    sidecar::controlplane::{self, AdsServer, AuthPolicy, Snapshot},
+    sidecar::identity::{CaClient, KeyAlgorithm, KeyOptions, WorkloadIdentity, keys},
+    sidecar::metrics::Metrics,
+    sidecar::xds::UpstreamConfig,
 };
 use weir_tests::istiod_ca::IstiodCa;
 

@@ -81,7 +81,7 @@ fn raw_work(pod: &Pod, nftables: bool) -> anyhow::Result<(Vec<Raw>, Vec<Raw>)> {
 /// Runs `cmd` to its exit inside `netns`, its stdin written and its output read through
 /// pipes; the milliseconds from spawn to exit. A failed run is an error, never a sample.
 fn exec_to_exit(netns: &Path, mut cmd: Command, stdin: &str, what: &str) -> anyhow::Result<f64> {
-    weir_agent::ebpf::netns::in_netns(netns, move || {
+    weir_agent::capture::ebpf::netns::in_netns(netns, move || {
         cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped());
         let started = Instant::now();
         let mut child = cmd.spawn()?;

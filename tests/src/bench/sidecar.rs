@@ -13,7 +13,7 @@ use std::{
 };
 
 use anyhow::{Context as _, bail};
-use weir_agent::controlplane::{AdsServer, AuthPolicy, Snapshot, resources};
+use weir_agent::sidecar::controlplane::{AdsServer, AuthPolicy, Snapshot, resources};
 use weir_proto::type_url;
 use weir_tests::{
     Mesh, Placement, Pod,
@@ -290,7 +290,7 @@ fn run_envoy_alone() -> anyhow::Result<f64> {
 /// its bootstrap through Istio's template and through the built-in one, each `n`
 /// times; milliseconds per rendering.
 fn render_ms(n: usize) -> anyhow::Result<(Samples, Samples)> {
-    use weir_agent::config::{AgentConfig, MapEnv, ProxyArgs};
+    use weir_agent::sidecar::config::{AgentConfig, MapEnv, ProxyArgs};
     let dir = weir_tests::envoy::tempfile_dir::Dir::new("bench-render")?;
     let template = weir_tests::tools::workspace().join("tests/testdata/istio-bootstrap/envoy_bootstrap.json");
     let args = ProxyArgs::parse(&["sidecar".into(), "--domain".into(), "default.svc.cluster.local".into()])?;
@@ -311,7 +311,7 @@ fn render_ms(n: usize) -> anyhow::Result<(Samples, Samples)> {
         let mut out = Samples::default();
         for _ in 0..n {
             let started = Instant::now();
-            let (text, _) = weir_agent::app::render_bootstrap(&config)?;
+            let (text, _) = weir_agent::sidecar::agent::render_bootstrap(&config)?;
             std::hint::black_box(text);
             out.0.push(started.elapsed().as_secs_f64() * 1000.0);
         }

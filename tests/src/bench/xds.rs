@@ -11,7 +11,7 @@ use std::{
 };
 
 use anyhow::{Context as _, bail};
-use weir_agent::controlplane::{AdsServer, AuthPolicy, Snapshot, resources};
+use weir_agent::sidecar::controlplane::{AdsServer, AuthPolicy, Snapshot, resources};
 use weir_proto::type_url;
 use weir_tests::{
     Mesh, Placement, Pod,

@@ -275,8 +275,8 @@ fn client(me: &str, interval: Duration, file: &str) -> Result<(), String> {
 
 fn istiod(dir: &str) -> Result<(), String> {
     use weir_agent::{
-        controlplane::{AdsServer, AuthPolicy, ServerTls, Snapshot},
-        standalone::mesh::MeshFile,
+        sidecar::controlplane::{AdsServer, AuthPolicy, ServerTls, Snapshot},
+        sidecar::standalone::mesh::MeshFile,
     };
     let dir: &'static std::path::Path = Box::leak(std::path::PathBuf::from(dir).into_boxed_path());
     let read = |name: &str| {
@@ -339,7 +339,7 @@ fn istiod(dir: &str) -> Result<(), String> {
                 }
             }
         });
-        weir_agent::controlplane::serve(listener, Some(tls), ads, Some(ca), std::future::pending())
+        weir_agent::sidecar::controlplane::serve(listener, Some(tls), ads, Some(ca), std::future::pending())
             .await
             .map_err(|e| e.to_string())
     })

@@ -623,9 +623,11 @@ fn syn_probe(args: &[String]) -> Result<(), String> {
             .map_err(|e| format!("mac {text}: {e}"))?;
         parts.try_into().map_err(|_| format!("mac {text}: expected 6 bytes"))
     };
-    let src_mac =
-        weir_agent::ebpf::netns::interface_mac(std::path::Path::new("/proc/self/ns/net"), &interface)
-            .map_err(|e| format!("read the MAC of {interface}: {e}"))?;
+    let src_mac = weir_agent::capture::ebpf::netns::interface_mac(
+        std::path::Path::new("/proc/self/ns/net"),
+        &interface,
+    )
+    .map_err(|e| format!("read the MAC of {interface}: {e}"))?;
     let probe = weir_tests::synprobe::Probe {
         interface,
         src_mac,

@@ -184,14 +184,14 @@ state = "{state}"
             .collect()
     }
 
-    /// A reboot's end of every container: containerd, then each shim and everything in
-    /// the node's pod cgroups are killed (SIGKILL), and containerd's state (a tmpfs on a
-    /// node) is removed.
-    pub fn kill_all(&mut self, pod_cgroups: &Path) {
+    /// A reboot's end of every container: containerd, then each shim and every process
+    /// `in_pods` lists (the node's pod cgroups', asked again each round) are killed
+    /// (SIGKILL), and containerd's state (a tmpfs on a node) is removed.
+    pub fn kill_all(&mut self, in_pods: impl Fn() -> Vec<i32>) {
         self.stop();
         for _ in 0..50 {
             let mut any = false;
-            for pid in self.shims().into_iter().chain(super::node::cgroup_processes(pod_cgroups)) {
+            for pid in self.shims().into_iter().chain(in_pods()) {
                 any = true;
                 // SAFETY: kill(2) of processes of this node's containers.
                 unsafe { libc::kill(pid, libc::SIGKILL) };

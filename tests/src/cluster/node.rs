@@ -179,7 +179,7 @@ impl Node {
     /// A reboot: every process of the node killed, its `/run` folders and bpffs cleared
     /// (a fresh mount namespace), containerd started again with no state.
     pub fn reboot(&mut self) -> anyhow::Result<()> {
-        self.containerd.kill_all(self.kubepods.path());
+        self.containerd.kill_all(|| cgroup_processes(self.kubepods.path()));
         self.reset_network()?;
         if let Some(mut m) = self.mounts.take() {
             let _ = m.kill();
@@ -218,7 +218,7 @@ impl Node {
 
 impl Drop for Node {
     fn drop(&mut self) {
-        self.containerd.kill_all(self.kubepods.path());
+        self.containerd.kill_all(|| cgroup_processes(self.kubepods.path()));
         if let Some(mut m) = self.mounts.take() {
             let _ = m.kill();
             let _ = m.wait();

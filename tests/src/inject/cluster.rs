@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use weir_agent::controlplane::{AdsServer, AuthPolicy, Snapshot};
+use weir_agent::sidecar::controlplane::{AdsServer, AuthPolicy, Snapshot};
 
 use crate::{
     Mesh, Pod,

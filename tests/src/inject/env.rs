@@ -520,7 +520,7 @@ spec:
         // The agent's own parser reads back what the kubelet writes.
         let text =
             format!("{}\nsidecar.istio.io/status={}", format_map(&m.meta.labels), go_quote(r#"{"a":["b"]}"#));
-        let parsed = weir_agent::config::podinfo::parse(&text).unwrap();
+        let parsed = weir_agent::sidecar::podinfo::parse(&text).unwrap();
         assert_eq!(parsed["quote"], "say \"hi\"\n");
         assert_eq!(parsed["sidecar.istio.io/status"], r#"{"a":["b"]}"#);
     }

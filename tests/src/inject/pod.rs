@@ -23,8 +23,8 @@ use std::{
 
 use anyhow::{Context as _, bail};
 use weir_agent::{
-    controlplane::{Snapshot, resources},
     sandbox::process::Mount,
+    sidecar::controlplane::{Snapshot, resources},
 };
 use weir_proto::type_url;
 

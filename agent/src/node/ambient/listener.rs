@@ -54,7 +54,7 @@ pub async fn serve(
     loop {
         let accepted = tokio::select! {
             () = stop.cancelled() => return,
-            a = crate::accept::next("pluginevent", || listener.accept()) => a,
+            a = crate::support::accept::next("pluginevent", || listener.accept()) => a,
         };
         let Ok((stream, _)) = accepted else { return };
         if let Err(why) =

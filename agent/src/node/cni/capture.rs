@@ -8,7 +8,7 @@ use std::{net::IpAddr, path::Path};
 
 use weir_iptables::{CaptureConfig, RunOptions, state::Verdict};
 
-use crate::ebpf::netns::NetnsFacts;
+use crate::capture::ebpf::netns::NetnsFacts;
 
 use super::{
     pod::{self, PodInfo},
@@ -124,7 +124,7 @@ fn for_user_namespace(
     if mode == CaptureMode::Nftables {
         return Ok(mode);
     }
-    let own = !crate::ebpf::netns::owned_by_this_user_namespace(netns).map_err(|e| {
+    let own = !crate::capture::ebpf::netns::owned_by_this_user_namespace(netns).map_err(|e| {
         CniError::new(
             code::IO_FAILURE,
             format!("cannot read the owner of {}", netns.display()),

@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 
 use weir_iptables::CaptureConfig;
 
-use crate::ebpf::{
+use crate::capture::ebpf::{
     capture::MapSet,
     config::{EbpfOptions, PodCapture},
     health,
@@ -63,9 +63,9 @@ pub enum CniEbpfError {
     )]
     UserNamespace { netns: PathBuf },
     #[error(transparent)]
-    Ebpf(Box<crate::ebpf::EbpfError>),
+    Ebpf(Box<crate::capture::ebpf::EbpfError>),
     #[error(transparent)]
-    Config(#[from] crate::ebpf::config::EbpfConfigError),
+    Config(#[from] crate::capture::ebpf::config::EbpfConfigError),
     #[error("{what}")]
     Io {
         what: String,
@@ -74,8 +74,8 @@ pub enum CniEbpfError {
     },
 }
 
-impl From<crate::ebpf::EbpfError> for CniEbpfError {
-    fn from(e: crate::ebpf::EbpfError) -> Self {
+impl From<crate::capture::ebpf::EbpfError> for CniEbpfError {
+    fn from(e: crate::capture::ebpf::EbpfError) -> Self {
         Self::Ebpf(Box::new(e))
     }
 }
@@ -114,16 +114,18 @@ pub fn registered_in_any_set(netns: &Path) -> Result<bool, CniEbpfError> {
     if keys.is_empty() {
         return Ok(false);
     }
-    let cookie =
-        crate::ebpf::netns::netns_cookie(Some(netns)).map_err(io("read the pod namespace's cookie"))?;
+    let cookie = crate::capture::ebpf::netns::netns_cookie(Some(netns))
+        .map_err(io("read the pod namespace's cookie"))?;
     for key in keys {
         let path = set::set_dir(&key).join("maps").join(weir_ebpf_common::capture::map::POD_CONFIG);
         if !path.exists() {
             continue;
         }
-        let map = crate::ebpf::link::obj_get(&path).map_err(io("open a program set's POD_CONFIG"))?;
-        let found = crate::ebpf::sys::lookup_raw(std::os::fd::AsFd::as_fd(&map), &cookie.to_ne_bytes())
-            .map_err(io("read a program set's POD_CONFIG"))?;
+        let map =
+            crate::capture::ebpf::link::obj_get(&path).map_err(io("open a program set's POD_CONFIG"))?;
+        let found =
+            crate::capture::ebpf::sys::lookup_raw(std::os::fd::AsFd::as_fd(&map), &cookie.to_ne_bytes())
+                .map_err(io("read a program set's POD_CONFIG"))?;
         if found.is_some() {
             return Ok(true);
         }
@@ -223,7 +225,7 @@ pub fn register_ambient(
     who: &PodIdentity,
 ) -> Result<u64, CniEbpfError> {
     if who.uid.is_empty() {
-        return Err(crate::ebpf::config::EbpfConfigError {
+        return Err(crate::capture::ebpf::config::EbpfConfigError {
             input: "the pod's UID",
             problem: "empty: an ambient pod's registration is named after it".into(),
         }
@@ -317,7 +319,7 @@ fn interface_holding(
         facts.interfaces.iter().filter(|i| i.up && i.name != "lo").map(|i| i.name.as_str()).collect();
     names.sort_unstable();
     if names.len() > 1 {
-        return Err(crate::ebpf::config::EbpfConfigError {
+        return Err(crate::capture::ebpf::config::EbpfConfigError {
             input: "the pod's interfaces",
             problem: format!(
                 "{} besides lo ({}); eBPF inbound capture is attached to one (the in-pod rules capture this pod)",
@@ -360,15 +362,17 @@ fn registered_as_wanted(
     }
     let dir = set::set_dir(&key);
     let registered = MapSet::open_pinned(&dir)?.pod_config(cookie)?;
-    if !registered.is_some_and(|c| crate::ebpf::config::same_capture(&c, &pod.config)) {
+    if !registered.is_some_and(|c| crate::capture::ebpf::config::same_capture(&c, &pod.config)) {
         return Ok(None);
     }
-    let inbound = crate::ebpf::inbound::pod_config(&dir, &record.pin_dir(), cookie)?;
+    let inbound = crate::capture::ebpf::inbound::pod_config(&dir, &record.pin_dir(), cookie)?;
     if inbound != pod.inbound {
         return Ok(None);
     }
     if pod.inbound.is_some() {
-        let Some(classifier) = crate::ebpf::inbound::NodeClassifier::pinned(&dir) else { return Ok(None) };
+        let Some(classifier) = crate::capture::ebpf::inbound::NodeClassifier::pinned(&dir) else {
+            return Ok(None);
+        };
         classifier.attach_reopen(netns, cookie, &record.pin_dir())?;
         classifier.attach(netns, cookie, ifname)?;
     }
@@ -532,6 +536,6 @@ mod tests {
         let name = pod_record_name("cni-node", "0f3a5c9e-77/../x");
         assert_eq!(name, "cni-node-pod-0f3a5c9e77x");
         assert!(name.starts_with(&pod_prefix("cni-node")));
-        crate::ebpf::record::check_name(&retired_name("cni-node", "1_0_0-0123456789ab")).unwrap();
+        crate::capture::ebpf::record::check_name(&retired_name("cni-node", "1_0_0-0123456789ab")).unwrap();
     }
 }

@@ -161,7 +161,7 @@ pub fn primary_config(net_dir: &Path, conf_name: Option<&str>) -> Result<PathBuf
 /// Writes `text` to `path` atomically, created with `mode` (the kubeconfig 0600 from
 /// its first byte).
 fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), InstallError> {
-    crate::atomic_file::write(path, bytes, mode).map_err(|e| InstallError::Io {
+    crate::support::atomic_file::write(path, bytes, mode).map_err(|e| InstallError::Io {
         what: e.what,
         path: e.path,
         source: e.source,
@@ -368,7 +368,7 @@ pub fn tidy_node_capture(name: &str, collect_gone: bool) {
     if collect_gone {
         collect_gone_pods();
     }
-    match crate::ebpf::gc::collect_orphans() {
+    match crate::capture::ebpf::gc::collect_orphans() {
         Ok(0) => {}
         Ok(n) => tracing::info!(entries = n, "orphaned capture list entries removed"),
         Err(e) => {
@@ -378,17 +378,17 @@ pub fn tidy_node_capture(name: &str, collect_gone: bool) {
     if let Err(e) = super::node_capture::collect_retired(name) {
         tracing::warn!(node_capture = name, error = %crate::error_chain(&e), "other builds' node captures not collected");
     }
-    crate::ebpf::metrics::warn_on_full_maps();
+    crate::capture::ebpf::metrics::warn_on_full_maps();
 }
 
 /// Removes the registrations of pods that are gone, judged from the host's /proc (the
 /// DaemonSet runs with `hostPID`); without that view only positive path evidence counts.
 fn collect_gone_pods() {
-    let (view, removed) = crate::ebpf::gc::collect_gone_pods(std::path::Path::new("/proc"));
+    let (view, removed) = crate::capture::ebpf::gc::collect_gone_pods(std::path::Path::new("/proc"));
     if let Err(e) = &view {
         tracing::warn!(reason = %e, "pods that are gone are collected only when their namespace path names another namespace (run with hostPID to collect the rest)");
     }
-    if let Err(e) = crate::ebpf::gc::collect_unrecorded(&view) {
+    if let Err(e) = crate::capture::ebpf::gc::collect_unrecorded(&view) {
         tracing::warn!(error = %crate::error_chain(&e), "registrations without a record not collected");
     }
     for (pod, result) in removed {

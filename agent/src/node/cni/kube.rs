@@ -221,8 +221,8 @@ impl KubeClient {
     pub fn new(path: &Path, config: Kubeconfig) -> Result<Self, KubeError> {
         let invalid = |message: String| KubeError::Invalid { path: path.into(), message };
         let tls = if config.server.scheme_str() == Some("https") {
-            use crate::tls::{Identity, Roots, ServerTrust};
-            let tls_error = |e: crate::tls::TlsError| invalid(e.to_string());
+            use crate::support::tls::{Identity, Roots, ServerTrust};
+            let tls_error = |e: crate::support::tls::TlsError| invalid(e.to_string());
             let trust = match (&config.insecure, &config.ca_pem) {
                 (true, _) => ServerTrust::AnyCertificate,
                 (false, Some(pem)) => {
@@ -238,7 +238,8 @@ impl KubeClient {
                 _ => None,
             };
             let client =
-                crate::tls::client_config(trust, identity, &[crate::tls::ALPN_HTTP1]).map_err(tls_error)?;
+                crate::support::tls::client_config(trust, identity, &[crate::support::tls::ALPN_HTTP1])
+                    .map_err(tls_error)?;
             Some(tokio_rustls::TlsConnector::from(Arc::new(client)))
         } else {
             None
@@ -312,8 +313,8 @@ impl KubeClient {
     /// arrived (within [`REQUEST_TIMEOUT`]); the body has no deadline.
     pub async fn open_stream(&self, path: &str) -> Result<hyper::Response<hyper::body::Incoming>, KubeError> {
         let (url, request) = self.request("GET", path, None)?;
-        let target = crate::http1::Target::of(&self.config.server, self.tls.as_ref());
-        tokio::time::timeout(REQUEST_TIMEOUT, crate::http1::open(target, request))
+        let target = crate::support::http1::Target::of(&self.config.server, self.tls.as_ref());
+        tokio::time::timeout(REQUEST_TIMEOUT, crate::support::http1::open(target, request))
             .await
             .map_err(|_| KubeError::Timeout { method: "GET", url: url.clone() })?
             .map_err(|message| KubeError::Request { method: "GET", url, message })
@@ -395,12 +396,14 @@ impl KubeClient {
         body: Option<(&'static str, String)>,
     ) -> Result<(String, StatusCode, Bytes), KubeError> {
         let (url, request) = self.request(method, path, body)?;
-        let target = crate::http1::Target::of(&self.config.server, self.tls.as_ref());
-        let (status, body) =
-            tokio::time::timeout(REQUEST_TIMEOUT, crate::http1::fetch(target, request, 64 * 1024 * 1024))
-                .await
-                .map_err(|_| KubeError::Timeout { method, url: url.clone() })?
-                .map_err(|message| KubeError::Request { method, url: url.clone(), message })?;
+        let target = crate::support::http1::Target::of(&self.config.server, self.tls.as_ref());
+        let (status, body) = tokio::time::timeout(
+            REQUEST_TIMEOUT,
+            crate::support::http1::fetch(target, request, 64 * 1024 * 1024),
+        )
+        .await
+        .map_err(|_| KubeError::Timeout { method, url: url.clone() })?
+        .map_err(|message| KubeError::Request { method, url: url.clone(), message })?;
         Ok((url, status, body))
     }
 }

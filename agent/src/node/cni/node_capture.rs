@@ -13,7 +13,7 @@ use std::{fs::File, path::Path};
 use nix::fcntl::{Flock, FlockArg};
 
 use super::ebpf::{CniEbpfError, io, pod_prefix, retired_name};
-use crate::ebpf::{
+use crate::capture::ebpf::{
     bpffs, link, pins,
     record::{PinRecord, RECORD_DIR, pin_dir},
     set::{self, LockedSet, NodePrograms},
@@ -38,7 +38,7 @@ fn node_lock(name: &str) -> Result<Flock<File>, CniEbpfError> {
 /// is pinned at its new place before its old pin goes). Where `to` has a live link of
 /// the same program for a hook already, ours is a second copy of it and goes; a dead
 /// link there (it runs nothing) gives way to ours; anything else there is refused
-/// ([`crate::ebpf::EbpfError::ForeignPin`]). Nothing else of `to` is touched.
+/// ([`crate::capture::ebpf::EbpfError::ForeignPin`]). Nothing else of `to` is touched.
 fn rename_capture(record: &PinRecord, to: &str) -> Result<PinRecord, CniEbpfError> {
     let mut moved = record.clone();
     moved.pod = to.to_string();
@@ -50,12 +50,13 @@ fn rename_capture(record: &PinRecord, to: &str) -> Result<PinRecord, CniEbpfErro
     {
         let (from, target) = (entry.path(), to_links.join(entry.file_name()));
         let program = |pin: &Path| {
-            crate::ebpf::sys::obj_get(pin).and_then(|fd| link::link_prog_id(std::os::fd::AsFd::as_fd(&fd)))
+            crate::capture::ebpf::sys::obj_get(pin)
+                .and_then(|fd| link::link_prog_id(std::os::fd::AsFd::as_fd(&fd)))
         };
         let live_there = cgroup_id.is_some_and(|id| link::attached_to(&target, id).unwrap_or(false));
         if live_there {
             if program(&target).ok() != program(&from).ok() {
-                return Err(CniEbpfError::Ebpf(Box::new(crate::ebpf::EbpfError::ForeignPin {
+                return Err(CniEbpfError::Ebpf(Box::new(crate::capture::ebpf::EbpfError::ForeignPin {
                     path: target,
                     what: format!("a live link of another program than {}'s", from.display()),
                 })));
@@ -66,11 +67,11 @@ fn rename_capture(record: &PinRecord, to: &str) -> Result<PinRecord, CniEbpfErro
         // Only a detached link gives way: a pin live elsewhere, or anything but a link,
         // is not this capture's to remove.
         if target.exists() {
-            let detached = crate::ebpf::sys::obj_get(&target)
-                .and_then(|fd| crate::ebpf::sys::link_info(std::os::fd::AsFd::as_fd(&fd)))
+            let detached = crate::capture::ebpf::sys::obj_get(&target)
+                .and_then(|fd| crate::capture::ebpf::sys::link_info(std::os::fd::AsFd::as_fd(&fd)))
                 .is_ok_and(|info| info.target == 0);
             if !detached {
-                return Err(CniEbpfError::Ebpf(Box::new(crate::ebpf::EbpfError::ForeignPin {
+                return Err(CniEbpfError::Ebpf(Box::new(crate::capture::ebpf::EbpfError::ForeignPin {
                     path: target,
                     what: format!("a pin that is not a detached link, where {} would go", from.display()),
                 })));
@@ -329,7 +330,7 @@ pub fn detach_node(name: &str) -> Result<(), CniEbpfError> {
         // Only a path in a runtime's form that still names the recorded namespace.
         let recorded = |p: &&Path| {
             crate::node::enroll::netns_path::NetnsPath::parse(&p.to_string_lossy()).is_ok()
-                && crate::ebpf::netns::netns_cookie(Some(p)).is_ok_and(|c| c == record.netns_cookie)
+                && crate::capture::ebpf::netns::netns_cookie(Some(p)).is_ok_and(|c| c == record.netns_cookie)
         };
         if record.pod.starts_with(&format!("{pods}ambient-"))
             && let Some(netns) = record.netns.as_deref().filter(recorded)
@@ -370,7 +371,7 @@ fn sets_of(name: &str, records: &[PinRecord]) -> Vec<String> {
         .filter(|r| r.pod == name || r.pod.starts_with(&retired))
         .filter_map(|r| r.programs.clone())
         .collect();
-    if let Ok(entries) = std::fs::read_dir(crate::ebpf::bpffs::PIN_ROOT) {
+    if let Ok(entries) = std::fs::read_dir(crate::capture::ebpf::bpffs::PIN_ROOT) {
         for entry in entries.flatten() {
             let capture = entry.file_name().to_string_lossy().into_owned();
             if capture != name && !capture.starts_with(&retired) {
@@ -410,6 +411,6 @@ pub fn pods_registered(name: &str, cgroup: &Path) -> Result<usize, CniEbpfError>
         }
     }
     // A pod shown gone (the node's whole view: hostPID) is not kept captured.
-    let view = crate::ebpf::gc::node_view(Path::new("/proc"));
-    Ok(cookies.into_iter().filter(|c| !crate::ebpf::gc::cookie_gone(&view, *c, cgroup)).count())
+    let view = crate::capture::ebpf::gc::node_view(Path::new("/proc"));
+    Ok(cookies.into_iter().filter(|c| !crate::capture::ebpf::gc::cookie_gone(&view, *c, cgroup)).count())
 }

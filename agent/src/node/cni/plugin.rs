@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use weir_iptables::{CaptureConfig, RunOptions};
 
-use crate::ebpf::{netns::netns_cookie, record::PinRecord};
+use crate::capture::ebpf::{netns::netns_cookie, record::PinRecord};
 
 use super::{
     capture::{
@@ -189,7 +189,7 @@ fn add(conf: &NetConf, inv: &Invocation) -> Result<(), CniError> {
     // them, and only then their error).
     let (target, facts) = std::thread::scope(|s| {
         let facts = s.spawn(|| {
-            crate::ebpf::netns::enter(&netns).map_err(|e| {
+            crate::capture::ebpf::netns::enter(&netns).map_err(|e| {
                 CniError::new(
                     code::IO_FAILURE,
                     format!("cannot enter network namespace {}", netns.display()),

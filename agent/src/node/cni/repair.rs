@@ -41,7 +41,7 @@ fn place(pod: &PodInfo, proc_root: &Path) -> Result<Option<PathBuf>, String> {
         if !held.contains(&ip) {
             return Err(format!(
                 "the pod's sandbox namespace {} does not hold its IP {ip} (it holds {held:?}): not capturing it",
-                crate::ebpf::netns::describe(&netns)
+                crate::capture::ebpf::netns::describe(&netns)
             ));
         }
     }

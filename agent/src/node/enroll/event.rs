@@ -109,7 +109,7 @@ impl AddEvent {
                 .header(hyper::header::CONTENT_TYPE, "application/json")
                 .body(http_body_util::Full::new(bytes::Bytes::from(body)))
                 .map_err(|e| EventError::Exchange { path: path.clone(), message: e.to_string() })?;
-            let response = crate::http1::exchange(hyper_util::rt::TokioIo::new(stream), request)
+            let response = crate::support::http1::exchange(hyper_util::rt::TokioIo::new(stream), request)
                 .await
                 .map_err(|e| EventError::Exchange { path: path.clone(), message: e.to_string() })?;
             let status = response.status().as_u16();

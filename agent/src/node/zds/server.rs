@@ -68,7 +68,7 @@ impl ZdsServer {
         loop {
             let accepted = tokio::select! {
                 () = stop.cancelled() => return Ok(()),
-                accepted = crate::accept::next("zds", || self.listener.accept()) => accepted,
+                accepted = crate::support::accept::next("zds", || self.listener.accept()) => accepted,
             };
             let sock =
                 accepted.map_err(|source| ZdsError::Accept { path: self.listener.path().into(), source })?;

@@ -314,6 +314,6 @@ impl Scene {
 /// The start of the program set key a weir-cni image's build has (`version_key`: the
 /// version with dots as underscores, a dash, then 12 hex digits).
 fn set_key_prefix(image: &str) -> String {
-    let version = weir_agent::build_info::BUILD_INFO.version.replace('.', "_");
+    let version = weir_agent::support::build_info::BUILD_INFO.version.replace('.', "_");
     if image == super::NEXT_IMAGE { format!("{version}-next-") } else { format!("{version}-") }
 }
