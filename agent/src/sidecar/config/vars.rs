@@ -313,7 +313,7 @@ mod tests {
     /// under config/ names a variable by a string of its own.
     #[test]
     fn configuration_code_reads_the_environment_only_through_the_table() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/config");
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/sidecar/config");
         let mut files: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().map(|e| e.path()).collect();
         files.push(dir.with_extension("rs"));
         for file in files.iter().filter(|f| f.extension().is_some_and(|e| e == "rs")) {
