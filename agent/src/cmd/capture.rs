@@ -424,14 +424,13 @@ fn foreground(run: &RunArgs, name: &str, cookie: u64, pod: &PodCapture) -> anyho
 
 /// Foreground mode: keep the programs attached, forward their logs, detach on a signal.
 fn hold(mut programs: CapturePrograms, inbound: Option<InboundProgram>) -> anyhow::Result<()> {
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let runtime = crate::support::runtime::current_thread("weir capture ebpf")?;
     runtime.block_on(async {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        let shutdown = crate::support::shutdown::Shutdown::watch()?;
         let mut tick = tokio::time::interval(Duration::from_millis(200));
         loop {
             tokio::select! {
-                _ = term.recv() => break,
-                _ = tokio::signal::ctrl_c() => break,
+                _ = shutdown.requested() => break,
                 _ = tick.tick() => programs.flush_logs(),
             }
         }

@@ -91,18 +91,9 @@ fn ambient(a: &AmbientArgs) -> anyhow::Result<()> {
     use crate::node::ambient::{run, settings::AmbientSettings};
     let settings =
         AmbientSettings::from_settings(|k| std::env::var(k).ok()).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let runtime = crate::support::runtime::workers("the ambient node agent", 2)?;
     runtime.block_on(async {
-        let stop = tokio_util::sync::CancellationToken::new();
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-        let on_signal = stop.clone();
-        tokio::spawn(async move {
-            tokio::select! {
-                _ = term.recv() => tracing::info!("SIGTERM: stopping"),
-                _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: stopping"),
-            }
-            on_signal.cancel();
-        });
+        let stop = crate::support::shutdown::Shutdown::watch()?.token();
         if !settings.enabled {
             tracing::info!("AMBIENT_ENABLED is not true: the ambient node agent idles (sidecar pods are served by the plugin)");
             stop.cancelled().await;
@@ -508,14 +499,13 @@ pub fn run(args: CniArgs) -> anyhow::Result<()> {
                 tracing::info!(?changes, "weir-cni installed");
                 return Ok(());
             }
-            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            let runtime = crate::support::runtime::current_thread("the node agent's install loop")?;
             // SIGTERM and SIGINT are caught from before the node capture is attached: a
             // rollout that stops the agent while it starts ends it cleanly after one
             // pass, never by the signal's default action half way.
-            let (mut term, mut interrupt) = {
+            let shutdown = {
                 let _runtime = runtime.enter();
-                use tokio::signal::unix::{SignalKind, signal};
-                (signal(SignalKind::terminate())?, signal(SignalKind::interrupt())?)
+                crate::support::shutdown::Shutdown::watch()?
             };
             node_capture_or_fallback(&mut s, &a.plugin.capture_mode)?;
             runtime.block_on(async {
@@ -535,12 +525,7 @@ pub fn run(args: CniArgs) -> anyhow::Result<()> {
                         monitoring(req.uri().path().to_string(), cache.clone(), move || metrics_text(labels))
                     }));
                 }
-                let stop = async move {
-                    tokio::select! {
-                        _ = term.recv() => tracing::info!("SIGTERM: stopping"),
-                        _ = interrupt.recv() => tracing::info!("SIGINT: stopping"),
-                    }
-                };
+                let stop = async move { shutdown.requested().await };
                 install::watch(&s, a.interval, stop).await?;
                 Ok(())
             })

@@ -546,15 +546,19 @@ fn stat(stats: &std::collections::BTreeMap<String, u64>, name: &str) -> u64 {
     stats.get(name).copied().unwrap_or(0)
 }
 
-/// Ctrl-C sets `flag` (the demo then stops its traffic and cleans up).
+/// Ctrl-C (or SIGTERM) sets `flag` (the demo then stops its traffic and cleans up); a
+/// second one ends the demo at once.
 fn ctrlc_flag(flag: Arc<AtomicBool>) {
     std::thread::spawn(move || {
-        let Ok(runtime) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+        let Ok(runtime) = crate::support::runtime::current_thread("the demo's signal watch") else { return };
         runtime.block_on(async {
-            let _ = tokio::signal::ctrl_c().await;
+            let Ok(shutdown) = crate::support::shutdown::Shutdown::watch() else { return };
+            shutdown.requested().await;
+            println!("[demo] ctrl-c    stopping the traffic, then draining and cleaning up");
+            flag.store(true, Ordering::SeqCst);
+            // The watch lives on this thread's runtime: a second signal ends the demo.
+            std::future::pending::<()>().await
         });
-        println!("[demo] ctrl-c    stopping the traffic, then draining and cleaning up");
-        flag.store(true, Ordering::SeqCst);
     });
 }
 
@@ -563,7 +567,7 @@ fn ctrlc_flag(flag: Arc<AtomicBool>) {
 /// keep-alive connections and prints `second <n> <ok> <failed> <p50 ms> <p99 ms>`
 /// every second.
 pub fn app(args: &[String]) -> anyhow::Result<()> {
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let runtime = crate::support::runtime::current_thread("the demo app")?;
     match args {
         [cmd, addr] if cmd == "serve" => {
             let addr: SocketAddr = addr.parse().with_context(|| format!("address {addr:?}"))?;

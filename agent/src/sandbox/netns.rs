@@ -136,10 +136,8 @@ impl NetNs {
             scope
                 .spawn(|| -> Result<R, SandboxError> {
                     self.enter_current_thread()?;
-                    let runtime = tokio::runtime::Builder::new_current_thread()
-                        .enable_all()
-                        .build()
-                        .map_err(SandboxError::sys("build a tokio runtime"))?;
+                    let runtime = crate::support::runtime::current_thread("a namespace's thread")
+                        .map_err(|e| SandboxError::sys("build a tokio runtime")(std::io::Error::other(e)))?;
                     Ok(runtime.block_on(f()))
                 })
                 .join()
@@ -162,10 +160,8 @@ impl NetNs {
             .spawn(move || {
                 nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)
                     .unwrap_or_else(|e| panic!("setns into {name}: {e}"));
-                let runtime = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .unwrap_or_else(|e| panic!("tokio runtime in {name}: {e}"));
+                let runtime = crate::support::runtime::current_thread("a namespace's thread")
+                    .unwrap_or_else(|e| panic!("tokio runtime in {name}: {}", crate::error_chain(&e)));
                 runtime.block_on(f())
             })
             .map_err(SandboxError::sys("spawn a namespace thread"))?;

@@ -177,12 +177,11 @@ impl Agent {
 
     /// Binds every port and socket (all or nothing: a port in use fails start-up
     /// before any socket file exists, and sockets already made are removed again),
-    /// starts the services in order, runs until SIGTERM, SIGINT, `/quitquitquit` or a
-    /// service's end, then drains: readiness turns 503, and the services stop in
+    /// starts the services in order, runs until SIGTERM, SIGINT (a second one ends the
+    /// process at once), `/quitquitquit` or a service's end, then drains: readiness turns 503, and the services stop in
     /// reverse order, Envoy first.
     pub async fn run(self) -> Result<(), AgentError> {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .map_err(AgentError::Signal)?;
+        let shutdown = crate::support::shutdown::Shutdown::watch().map_err(AgentError::Signal)?;
         let bound = self.bind().await?;
         let readiness = bound
             .supervisor
@@ -194,8 +193,7 @@ impl Agent {
         self.log_started(&bound);
         let (mut services, _sockets) = self.start(bound, &readiness, &lifecycle);
         let result = tokio::select! {
-            _ = term.recv() => { tracing::info!("SIGTERM: draining and shutting down"); Ok(()) }
-            _ = tokio::signal::ctrl_c() => { tracing::info!("SIGINT: draining and shutting down"); Ok(()) }
+            _ = shutdown.requested() => { tracing::info!("draining and shutting down"); Ok(()) }
             _ = lifecycle.quit_requested() => Ok(()),
             exit = services.first_exit() => {
                 tracing::error!(service = exit.name(), error = %crate::error_chain(&exit), "a service ended: stopping the agent");

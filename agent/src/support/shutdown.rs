@@ -56,3 +56,21 @@ async fn next(term: &mut Signal, interrupt: &mut Signal) -> &'static str {
         _ = interrupt.recv() => "SIGINT",
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The first SIGTERM cancels the token. (A second one ends the process, which a
+    /// test in this process cannot watch.)
+    #[tokio::test]
+    async fn the_first_sigterm_cancels_every_token() {
+        let shutdown = Shutdown::watch().unwrap();
+        let token = shutdown.token();
+        assert!(!shutdown.is_requested());
+        // SAFETY: raise(3) of a signal whose handler tokio installed above.
+        assert_eq!(unsafe { libc::raise(libc::SIGTERM) }, 0);
+        tokio::time::timeout(std::time::Duration::from_secs(5), token.cancelled()).await.expect("cancelled");
+        assert!(shutdown.is_requested());
+    }
+}

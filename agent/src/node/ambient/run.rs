@@ -4,10 +4,14 @@
 //! snapshot of enrolled pods restored (each pod's namespace found, so the first
 //! ztunnel keeps every proxy), the reconcile queue started, ztunnel served, and only
 //! then the plugin's event socket opened (an ADD before that fails and kubelet retries
-//! it). Then it runs until SIGTERM; stopping removes nothing: every pod keeps its rules
+//! it). Every long-lived task (the two watches and what feeds their events to the
+//! cache, the reconcile queue, the ZDS server, the plugin's event socket, the host
+//! probe) runs supervised: one that ends or panics before the agent stops is named in
+//! the error the agent then exits with, and its pod restarts it, never an agent that
+//! looks alive with a watch gone. Stopping removes nothing: every pod keeps its rules
 //! and ztunnel its proxies until the next agent takes over.
 
-use std::{collections::BTreeMap, net::IpAddr, sync::Arc};
+use std::{collections::BTreeMap, net::IpAddr, sync::Arc, time::Duration};
 
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -21,7 +25,13 @@ use super::{
     snapshot,
     watch::{self, Collection},
 };
-use crate::node::{cni::kube::KubeClient, zds::ZdsServer};
+use crate::{
+    node::{cni::kube::KubeClient, zds::ZdsServer},
+    support::services::{ServiceExit, Services},
+};
+
+/// How long each task is given to stop before it is aborted.
+const STOP_GRACE: Duration = Duration::from_secs(2);
 
 /// Why the agent could not start.
 #[derive(Debug, thiserror::Error)]
@@ -36,6 +46,8 @@ pub enum AgentError {
     NoList(&'static str),
     #[error("a start-up task failed: {0}")]
     Task(String),
+    #[error("a task of the node agent ended while it ran")]
+    TaskEnded(#[source] ServiceExit),
 }
 
 /// Runs the agent until `stop`.
@@ -65,28 +77,47 @@ pub async fn run(
     tracing::info!(verdict = ?kubelet_uid.1, "host probe rule in place");
     let cluster: SharedCluster = Arc::default();
     let (queue, incoming) = mpsc::unbounded_channel();
-    watch_cluster(&settings, kube.clone(), cluster.clone(), queue.clone(), stop.clone()).await?;
+    let mut tasks = Services::new();
+    watch_cluster(&settings, kube.clone(), cluster.clone(), queue.clone(), &mut tasks).await?;
     let pods = cluster.read().unwrap_or_else(|p| p.into_inner()).pods();
     let report = snapshot::restore(&dataplane, &pods).await;
     tracing::info!(found = report.found, kept = report.kept.len(), "ZDS snapshot ready");
-    tokio::spawn(controller::run(dataplane.clone(), cluster.clone(), queue.clone(), incoming));
+    let (d, c, q) = (dataplane.clone(), cluster.clone(), queue.clone());
+    tasks.start_infallible("reconcile queue", move |stop| async move {
+        tokio::select! {
+            () = stop.cancelled() => {}
+            () = controller::run(d, c, q, incoming) => {}
+        }
+    });
     for pod in &pods {
         let _ = queue.send(pod.uid.clone());
     }
-    let zds_stop = stop.child_token();
-    let zds = tokio::spawn(server.run(zds_stop.clone()));
+    tasks.start("ZDS server", |stop| server.run(stop));
     let events = listener::bind(&settings.event_socket())?;
-    tokio::spawn(listener::serve(events, dataplane.clone(), cluster.clone(), stop.clone()));
+    let (d, c) = (dataplane.clone(), cluster.clone());
+    tasks.start_infallible("plugin event socket", move |stop| listener::serve(events, d, c, stop));
     let addresses = enrolled_addresses(cluster.clone());
-    tokio::spawn(hostprobe::keep(settings.clone(), kubelet_uid.0, addresses, stop.clone()));
+    let s = settings.clone();
+    tasks.start_infallible("host probe", move |stop| hostprobe::keep(s, kubelet_uid.0, addresses, stop));
     tracing::info!(socket = %settings.event_socket().display(), ztunnel = %settings.ztunnel_socket.display(), "ambient node agent ready");
-    stop.cancelled().await;
-    zds_stop.cancel();
-    if let Ok(Err(e)) = zds.await {
-        tracing::warn!(error = %crate::error_chain(&e), "ZDS server ended with an error");
+    let result = supervise(&mut tasks, &stop).await;
+    tasks.stop(STOP_GRACE).await;
+    if result.is_ok() {
+        tracing::info!("ambient node agent stopped: pods keep their rules, ztunnel its proxies");
     }
-    tracing::info!("ambient node agent stopped: pods keep their rules, ztunnel its proxies");
-    Ok(())
+    result
+}
+
+/// Runs until `stop`, or until one of `tasks` ends first: that one is named in the
+/// error (the agent exits non-zero and its pod's restart policy starts a new one).
+async fn supervise(tasks: &mut Services, stop: &CancellationToken) -> Result<(), AgentError> {
+    tokio::select! {
+        () = stop.cancelled() => Ok(()),
+        exit = tasks.first_exit() => {
+            tracing::error!(task = exit.name(), error = %crate::error_chain(&exit), "a task of the node agent ended: stopping the agent");
+            Err(AgentError::TaskEnded(exit))
+        }
+    }
 }
 
 /// Starts the pod and namespace watches feeding `cluster` and `queue`; returns once
@@ -96,7 +127,7 @@ async fn watch_cluster(
     kube: Arc<KubeClient>,
     cluster: SharedCluster,
     queue: mpsc::UnboundedSender<String>,
-    stop: CancellationToken,
+    tasks: &mut Services,
 ) -> Result<(), AgentError> {
     let pods = Collection {
         path: "/api/v1/pods".into(),
@@ -112,30 +143,41 @@ async fn watch_cluster(
     };
     let (pod_tx, mut pod_rx) = mpsc::channel(256);
     let (ns_tx, mut ns_rx) = mpsc::channel(64);
-    let (k1, k2, s1, s2) = (kube.clone(), kube, stop.clone(), stop.clone());
-    tokio::spawn(async move { watch::run(&k1, &pods, pod_tx, s1).await });
-    tokio::spawn(async move { watch::run(&k2, &namespaces, ns_tx, s2).await });
+    let (k1, k2) = (kube.clone(), kube);
+    tasks
+        .start_infallible("pod watch", move |stop| async move { watch::run(&k1, &pods, pod_tx, stop).await });
+    tasks.start_infallible("namespace watch", move |stop| async move {
+        watch::run(&k2, &namespaces, ns_tx, stop).await
+    });
     // The first lists fill the cache before anything is queued.
     let first_ns = ns_rx.recv().await.ok_or(AgentError::NoList("namespaces"))?;
     controller::apply_namespace_event(&cluster, first_ns);
     let first_pods = pod_rx.recv().await.ok_or(AgentError::NoList("pods"))?;
     controller::apply_pod_event(&cluster, first_pods);
     let (c1, q1) = (cluster.clone(), queue.clone());
-    tokio::spawn(async move {
-        while let Some(event) = pod_rx.recv().await {
+    tasks.start_infallible("pod events into the cache", move |stop| async move {
+        while let Some(event) = until(&stop, pod_rx.recv()).await.flatten() {
             for uid in controller::apply_pod_event(&c1, event) {
                 let _ = q1.send(uid);
             }
         }
     });
-    tokio::spawn(async move {
-        while let Some(event) = ns_rx.recv().await {
+    tasks.start_infallible("namespace events into the cache", move |stop| async move {
+        while let Some(event) = until(&stop, ns_rx.recv()).await.flatten() {
             for uid in controller::apply_namespace_event(&cluster, event) {
                 let _ = queue.send(uid);
             }
         }
     });
     Ok(())
+}
+
+/// `f`'s output, or `None` once `stop` is cancelled.
+async fn until<T>(stop: &CancellationToken, f: impl std::future::Future<Output = T>) -> Option<T> {
+    tokio::select! {
+        () = stop.cancelled() => None,
+        v = f => Some(v),
+    }
 }
 
 /// The enrolled pods' addresses, read from the cache when asked.
@@ -147,5 +189,49 @@ fn enrolled_addresses(cluster: SharedCluster) -> impl Fn() -> BTreeMap<String, V
             .filter(|p| p.fully_enrolled() && !p.ips.is_empty())
             .map(|p| (p.uid, p.ips))
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_watch_that_ends_while_the_agent_runs_is_named_and_stops_the_agent() {
+        let mut tasks = Services::new();
+        tasks.start_infallible("namespace watch", |stop| async move { stop.cancelled().await });
+        let (end, ended) = tokio::sync::oneshot::channel::<()>();
+        tasks.start_infallible("pod watch", move |_| async move {
+            let _ = ended.await;
+        });
+        drop(end);
+        let stop = CancellationToken::new();
+        let e = supervise(&mut tasks, &stop).await.expect_err("the agent must stop");
+        assert_eq!(
+            crate::error_chain(&e),
+            "a task of the node agent ended while it ran: pod watch stopped on its own"
+        );
+        tasks.stop(Duration::from_millis(100)).await;
+    }
+
+    #[tokio::test]
+    async fn a_task_that_panics_is_named() {
+        let mut tasks = Services::new();
+        tasks.start_infallible("reconcile queue", |_| async { panic!("a bad pod") });
+        let e = supervise(&mut tasks, &CancellationToken::new()).await.expect_err("the agent must stop");
+        assert_eq!(
+            crate::error_chain(&e),
+            "a task of the node agent ended while it ran: reconcile queue panicked: a bad pod"
+        );
+    }
+
+    #[tokio::test]
+    async fn the_shutdown_signal_ends_supervision_cleanly() {
+        let mut tasks = Services::new();
+        tasks.start_infallible("pod watch", |stop| async move { stop.cancelled().await });
+        let stop = CancellationToken::new();
+        stop.cancel();
+        assert!(supervise(&mut tasks, &stop).await.is_ok());
+        tasks.stop(Duration::from_millis(100)).await;
     }
 }

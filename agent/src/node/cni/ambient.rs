@@ -80,10 +80,8 @@ pub fn hand_over(conf: &NetConf, inv: &Invocation, pod: &PodInfo) -> Result<(), 
         &pod.name,
         conf.prev_result.as_ref(),
     );
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| CniError::new(code::IO_FAILURE, "cannot start a runtime", e.to_string()))?;
+    let runtime = crate::support::runtime::current_thread("the plugin's add event")
+        .map_err(|e| CniError::new(code::IO_FAILURE, "cannot start a runtime", crate::error_chain(&e)))?;
     let posted = runtime.block_on(event.post(&socket));
     super::phases::mark("agent");
     posted.map_err(|e| {

@@ -109,10 +109,8 @@ fn target(conf: &NetConf, inv: &Invocation) -> Result<Target, CniError> {
     })?;
     // With ambient on, the namespace's labels may decide: read them while the pod is
     // read (one round trip, not two, on every ADD the selector needs them for).
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| CniError::new(code::IO_FAILURE, "cannot start a runtime", e.to_string()))?;
+    let runtime = crate::support::runtime::current_thread("the plugin's API reads")
+        .map_err(|e| CniError::new(code::IO_FAILURE, "cannot start a runtime", crate::error_chain(&e)))?;
     let (pod, namespace_labels) = if super::ambient::may_read_namespace(conf)? {
         let (pod, labels) = runtime.block_on(async {
             tokio::join!(lookup(&client, &namespace, &name), client.namespace_labels(&namespace))

@@ -97,8 +97,12 @@ pub fn repair(conf: &NetConf, pods: Vec<PodInfo>, proc_root: &Path) -> RepairRep
 
 /// Lists `node`'s pods (one API call).
 pub fn list(client: &KubeClient, node: &str) -> Result<Vec<PodInfo>, super::kube::KubeError> {
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| {
-        super::kube::KubeError::Request { method: "GET", url: "(runtime)".into(), message: e.to_string() }
+    let runtime = crate::support::runtime::current_thread("the repair's pod list").map_err(|e| {
+        super::kube::KubeError::Request {
+            method: "GET",
+            url: "(runtime)".into(),
+            message: crate::error_chain(&e),
+        }
     })?;
     runtime.block_on(client.pods_on_node(node))
 }
