@@ -13,6 +13,7 @@ pub mod gotemplate;
 pub mod http1;
 pub mod logs;
 pub mod privileges;
+pub mod readiness;
 pub mod runtime;
 pub mod services;
 pub mod shutdown;

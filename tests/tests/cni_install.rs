@@ -245,3 +245,34 @@ fn metrics_listen_on_the_pods_address_and_name_no_pod() {
     assert!(served.1.contains("\nweir_capture_pods ") && !served.1.contains("pod="), "{}", served.1);
     assert!(get([127, 0, 0, 1].into()).is_none(), "loopback: not listened on");
 }
+
+/// `/readyz` on the readiness port (istio-cni's 8000 in the DaemonSet): 503 naming what
+/// is missing while the primary CNI has written no config (pods scheduled now would
+/// start uncaptured), 200 once weir-cni is chained, 503 again while the chain is gone.
+#[test]
+fn readyz_waits_for_the_chain_and_names_what_is_missing() {
+    weir_tests::require_root!();
+    let mesh = weir_tests::Mesh::new(&weir_tests::test_name!()).unwrap();
+    let node = mesh.pod("node").unwrap();
+    let host = Host::new();
+    let ip = node.ipv4();
+    let mut cmd = host.install(&["--readiness-port", "8000", "--interval", "100ms"]);
+    cmd.env("POD_IP", ip.to_string()).stdout(Stdio::null()).stderr(Stdio::null());
+    let _agent = node.spawn(&mut cmd, 0).unwrap();
+    let get = |path: &'static str| {
+        node.run(move || async move { weir_tests::http::get((ip, 8000).into(), path).await.ok() }).unwrap()
+    };
+    let waiting = eventually(Duration::from_secs(10), || get("/readyz")).expect("/readyz served");
+    assert_eq!(waiting, (503, "not ready: weir-cni chained into the CNI config\n".to_string()));
+    assert_eq!(get("/healthz").map(|(s, _)| s), Some(200), "alive while not ready");
+
+    std::fs::write(host.net.join("10-bridge.conf"), BRIDGE_CONF).unwrap();
+    eventually(Duration::from_secs(10), || (get("/readyz")? == (200, "ready\n".to_string())).then_some(()))
+        .expect("ready once chained");
+    // The primary's config goes (a CNI being reinstalled): not ready until it is back.
+    for f in std::fs::read_dir(&host.net).unwrap().flatten() {
+        std::fs::remove_file(f.path()).unwrap();
+    }
+    eventually(Duration::from_secs(10), || (get("/readyz")?.0 == 503).then_some(()))
+        .expect("not ready while the chain is gone");
+}

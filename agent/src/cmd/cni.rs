@@ -50,6 +50,13 @@ pub struct AmbientArgs {
     /// The service account folder (token, ca.crt) for the in-cluster client.
     #[arg(long, default_value = "/var/run/secrets/kubernetes.io/serviceaccount")]
     pub service_account_dir: PathBuf,
+    /// Serve `/readyz` (ready once the agent has started every part, each named while
+    /// it is not) and `/healthz` on this port (0: off).
+    #[arg(long, env = "WEIR_AMBIENT_READINESS_PORT", default_value_t = 0)]
+    pub readiness_port: u16,
+    /// The address `/readyz` listens on: the pod's own (`POD_IP`), loopback when unset.
+    #[arg(long, env = "POD_IP", default_value = "127.0.0.1")]
+    pub readiness_address: std::net::IpAddr,
 }
 
 #[derive(Debug, Args)]
@@ -94,13 +101,20 @@ fn ambient(a: &AmbientArgs) -> anyhow::Result<()> {
     let runtime = crate::support::runtime::workers("the ambient node agent", 2)?;
     runtime.block_on(async {
         let stop = crate::support::shutdown::Shutdown::watch()?.token();
+        let readiness = run::readiness();
+        crate::support::readiness::serve_on(a.readiness_address, a.readiness_port, readiness.clone())
+            .await
+            .context("--readiness-port")?;
         if !settings.enabled {
             tracing::info!("AMBIENT_ENABLED is not true: the ambient node agent idles (sidecar pods are served by the plugin)");
+            for blocker in readiness.pending() {
+                readiness.clear(blocker);
+            }
             stop.cancelled().await;
             return Ok(());
         }
         let kube = ambient_kube(a)?;
-        run::run(settings, kube, stop).await.map_err(|e| anyhow::anyhow!("{}", crate::error_chain(&e)))
+        run::run(settings, kube, readiness, stop).await.map_err(|e| anyhow::anyhow!("{}", crate::error_chain(&e)))
     })
 }
 
@@ -245,6 +259,11 @@ pub struct InstallArgs {
     /// node's totals are served.
     #[arg(long, env = "WEIR_METRICS_POD_LABELS", default_value_t = false)]
     pub metrics_pod_labels: bool,
+    /// Serve `/readyz` (ready once weir-cni is chained into the CNI config; the answer
+    /// names what is not ready yet) and `/healthz` on this port, at the `/metrics`
+    /// address (istio-cni's is 8000; 0: off).
+    #[arg(long, env = "WEIR_READINESS_PORT", default_value_t = 0)]
+    pub readiness_port: u16,
 }
 
 /// What the plugin does for pods, shared by `install` (written into the chain) and
@@ -525,8 +544,12 @@ pub fn run(args: CniArgs) -> anyhow::Result<()> {
                         monitoring(req.uri().path().to_string(), cache.clone(), move || metrics_text(labels))
                     }));
                 }
+                let readiness = crate::support::readiness::Readiness::new(&[install::CHAINED]);
+                crate::support::readiness::serve_on(a.monitoring_address, a.readiness_port, readiness.clone())
+                    .await
+                    .context("--readiness-port")?;
                 let stop = async move { shutdown.requested().await };
-                install::watch(&s, a.interval, stop).await?;
+                install::watch(&s, a.interval, &readiness, stop).await?;
                 Ok(())
             })
         }

@@ -27,7 +27,10 @@ use super::{
 };
 use crate::{
     node::{cni::kube::KubeClient, zds::ZdsServer},
-    support::services::{ServiceExit, Services},
+    support::{
+        readiness::Readiness,
+        services::{ServiceExit, Services},
+    },
 };
 
 /// How long each task is given to stop before it is aborted.
@@ -50,10 +53,23 @@ pub enum AgentError {
     TaskEnded(#[source] ServiceExit),
 }
 
-/// Runs the agent until `stop`.
+/// What the agent's readiness waits for, cleared in start-up order.
+const ZDS_BOUND: &str = "ZDS socket bound";
+const HOST_PROBE: &str = "host probe rule in place";
+const LISTED: &str = "pods and namespaces listed";
+const SNAPSHOT: &str = "ZDS snapshot restored";
+const EVENTS: &str = "plugin event socket open";
+
+/// The agent's readiness: not ready until every part is started.
+pub fn readiness() -> Readiness {
+    Readiness::new(&[ZDS_BOUND, HOST_PROBE, LISTED, SNAPSHOT, EVENTS])
+}
+
+/// Runs the agent until `stop`, clearing `readiness`'s blockers as it starts.
 pub async fn run(
     settings: AmbientSettings,
     kube: KubeClient,
+    readiness: Readiness,
     stop: CancellationToken,
 ) -> Result<(), AgentError> {
     let settings = Arc::new(settings);
@@ -65,6 +81,7 @@ pub async fn run(
     }
     let zds = crate::node::zds::ZdsConfig { peer_uids: settings.ztunnel_uids.clone(), ..Default::default() };
     let server = ZdsServer::bind_with(&settings.ztunnel_socket, zds)?;
+    readiness.clear(ZDS_BOUND);
     let kube = Arc::new(kube);
     let dataplane = Arc::new(Dataplane::new(settings.clone(), server.handle(), kube.clone()));
     let s = settings.clone();
@@ -75,13 +92,16 @@ pub async fn run(
     .await
     .map_err(|e| AgentError::Task(e.to_string()))??;
     tracing::info!(verdict = ?kubelet_uid.1, "host probe rule in place");
+    readiness.clear(HOST_PROBE);
     let cluster: SharedCluster = Arc::default();
     let (queue, incoming) = mpsc::unbounded_channel();
     let mut tasks = Services::new();
     watch_cluster(&settings, kube.clone(), cluster.clone(), queue.clone(), &mut tasks).await?;
+    readiness.clear(LISTED);
     let pods = cluster.read().unwrap_or_else(|p| p.into_inner()).pods();
     let report = snapshot::restore(&dataplane, &pods).await;
     tracing::info!(found = report.found, kept = report.kept.len(), "ZDS snapshot ready");
+    readiness.clear(SNAPSHOT);
     let (d, c, q) = (dataplane.clone(), cluster.clone(), queue.clone());
     tasks.start_infallible("reconcile queue", move |stop| async move {
         tokio::select! {
@@ -99,8 +119,10 @@ pub async fn run(
     let addresses = enrolled_addresses(cluster.clone());
     let s = settings.clone();
     tasks.start_infallible("host probe", move |stop| hostprobe::keep(s, kubelet_uid.0, addresses, stop));
+    readiness.clear(EVENTS);
     tracing::info!(socket = %settings.event_socket().display(), ztunnel = %settings.ztunnel_socket.display(), "ambient node agent ready");
     let result = supervise(&mut tasks, &stop).await;
+    readiness.block("stopping");
     tasks.stop(STOP_GRACE).await;
     if result.is_ok() {
         tracing::info!("ambient node agent stopped: pods keep their rules, ztunnel its proxies");

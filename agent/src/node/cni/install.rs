@@ -6,6 +6,7 @@
 //! rotated token is repaired on the next poll. Uninstall takes out exactly what install
 //! put in (istio/istio.io#16748). The config editing is pure (`insert`, `remove`).
 
+use crate::support::readiness::Readiness;
 use std::{
     path::{Path, PathBuf},
     time::Duration,
@@ -304,6 +305,10 @@ pub fn uninstall(s: &InstallSettings, detach_running_pods: bool) -> Result<Unins
     Ok(report)
 }
 
+/// The install loop's readiness blocker: the plugin is in the node's CNI config (and,
+/// with eBPF, the node capture is attached: that happens before the loop starts).
+pub const CHAINED: &str = "weir-cni chained into the CNI config";
+
 /// Install, then keep it installed (and the node's eBPF capture tidy: see
 /// [`tidy_node_capture`]) every `interval` until `stop` resolves. Stopping changes
 /// nothing: the plugin stays chained and every pod stays captured, through a restart,
@@ -311,13 +316,19 @@ pub fn uninstall(s: &InstallSettings, detach_running_pods: bool) -> Result<Unins
 pub async fn watch(
     s: &InstallSettings,
     interval: Duration,
+    readiness: &Readiness,
     stop: impl std::future::Future<Output = ()>,
 ) -> Result<(), InstallError> {
     tokio::pin!(stop);
     let mut first = true;
     let mut last_gone_pass: Option<std::time::Instant> = None;
     loop {
-        match ensure(s) {
+        let pass = ensure(s);
+        match &pass {
+            Ok(_) => readiness.clear(CHAINED),
+            Err(_) => readiness.block(CHAINED),
+        }
+        match pass {
             Ok(changes) if changes != Changes::default() => {
                 let repaired = !first;
                 tracing::info!(
