@@ -1,6 +1,6 @@
-# Sourced by scripts/bootstrap, demo, test and image: how a set-up step says what it
-# does and how long it took, and a live line for cargo's long builds (never minutes of
-# silence). Needs bash 5 ($EPOCHREALTIME).
+# Sourced by scripts/bootstrap, demo, test, image, rig, bench, fuzz and fresh-clone: how
+# a set-up step says what it does and how long it took, and a live line for cargo's long
+# builds (never minutes of silence). Needs bash 5 ($EPOCHREALTIME).
 
 # Seconds since the epoch, with a fraction.
 steps_now() { echo "${EPOCHREALTIME/,/.}"; }

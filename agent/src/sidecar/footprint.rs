@@ -2,7 +2,8 @@
 //! once: parsing its configuration, rendering Envoy's bootstrap, generating the first
 //! key, setting up TLS. The kernel maps executable pages in 64 KiB runs around each
 //! page touched, so start-up leaves about 10 MiB of the binary resident of which the
-//! idle agent touches under 1 MiB (measured in docs/benchmarks.md).
+//! idle agent touches under 1 MiB (measured in docs/benchmarks-history.md, "Agent
+//! footprint at idle").
 //!
 //! Once the agent is up, [`release_startup_pages`] drops the read-only file pages
 //! (code, read-only data) from its resident set with `MADV_DONTNEED`. For a private
