@@ -318,18 +318,8 @@ fn try_inbound<'a>(
         set_ports(&mut tuple, ethertype, sport, dport);
         // The pod's previous connection of this 4-tuple in TIME_WAIT (it closed first):
         // the listener lookup of the kernel's reopen is answered by `weir_in_reopen`.
-        let previous = bpf_skc_lookup_tcp(ctx.skb.skb.cast(), &mut tuple, size as u32, CURRENT_NETNS, 0);
-        let reopening = !previous.is_null() && (*previous).state == TCP_TIME_WAIT;
-        if !previous.is_null() {
-            bpf_sk_release(previous.cast());
-        }
-        let reopen_key = if ethertype == ETH_P_IP {
-            let t = &tuple.__bindgen_anon_1.ipv4;
-            ReopenKey::v4(t.saddr, t.sport, t.daddr, u16::from_be(t.dport))
-        } else {
-            let t = &tuple.__bindgen_anon_1.ipv6;
-            ReopenKey::v6(t.saddr, t.sport, t.daddr, u16::from_be(t.dport))
-        };
+        let reopening = in_time_wait(ctx, &mut tuple, size);
+        let reopen_key = reopen_key(&tuple, ethertype);
         set_ports(&mut tuple, ethertype, sport, listen_port);
         let sk = bpf_skc_lookup_tcp(ctx.skb.skb.cast(), &mut tuple, size as u32, CURRENT_NETNS, 0);
         if sk.is_null() {
@@ -363,6 +353,30 @@ fn try_inbound<'a>(
     }
     count(pod, counter::ASSIGNED);
     Some(Verdict::Pass)
+}
+
+/// Whether `tuple` (the SYN's own, ports set) is a socket of this namespace in TIME_WAIT.
+#[inline(always)]
+unsafe fn in_time_wait(ctx: &TcContext, tuple: &mut bpf_sock_tuple, size: usize) -> bool {
+    let previous = bpf_skc_lookup_tcp(ctx.skb.skb.cast(), tuple, size as u32, CURRENT_NETNS, 0);
+    if previous.is_null() {
+        return false;
+    }
+    let time_wait = (*previous).state == TCP_TIME_WAIT;
+    bpf_sk_release(previous.cast());
+    time_wait
+}
+
+/// The reopen map's key for `tuple` (the SYN's own, ports set) of its family.
+#[inline(always)]
+unsafe fn reopen_key(tuple: &bpf_sock_tuple, ethertype: u16) -> ReopenKey {
+    if ethertype == ETH_P_IP {
+        let t = &tuple.__bindgen_anon_1.ipv4;
+        ReopenKey::v4(t.saddr, t.sport, t.daddr, u16::from_be(t.dport))
+    } else {
+        let t = &tuple.__bindgen_anon_1.ipv6;
+        ReopenKey::v6(t.saddr, t.sport, t.daddr, u16::from_be(t.dport))
+    }
 }
 
 /// Fills in a lookup tuple's ports (network order) for its family.
