@@ -31,3 +31,6 @@ pub mod run;
 pub mod settings;
 pub mod snapshot;
 pub mod watch;
+
+#[cfg(test)]
+mod fakes;

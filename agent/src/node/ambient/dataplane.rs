@@ -30,6 +30,9 @@
 pub mod effects;
 pub mod inpod;
 
+#[cfg(test)]
+mod tests;
+
 use std::{
     collections::HashMap,
     net::IpAddr,
