@@ -10,6 +10,9 @@
 //! and stale addresses are pruned when every enrolled pod has one (Istio's rule: an
 //! incomplete snapshot prunes nothing).
 
+#[cfg(test)]
+mod tests;
+
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::IpAddr,
