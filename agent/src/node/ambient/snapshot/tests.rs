@@ -63,7 +63,8 @@ async fn the_probe_sets_are_not_pruned_while_an_enrolled_pod_has_no_address() {
 #[tokio::test]
 async fn the_first_ztunnel_gets_every_enrolled_pod_in_its_snapshot_and_keeps_those_not_found() {
     let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("ztunnel.sock");
+    // A directory the server makes (one that exists already it would chown to root).
+    let socket = dir.path().join("zds/ztunnel.sock");
     let own_uid = nix::unistd::geteuid().as_raw();
     let server =
         ZdsServer::bind_with(&socket, ZdsConfig { peer_uids: vec![own_uid], ..Default::default() }).unwrap();
