@@ -8,7 +8,8 @@
 //! - `objects`: the Pod and Namespace fields read, the redirection annotation. Pure.
 //! - `watch`: list+watch of a collection on the agent's own Kubernetes client.
 //! - `dataplane`: one pod into the mesh and out (netns, rules, ZDS, probe set,
-//!   annotation), in Istio's order.
+//!   annotation), in Istio's order; what it acts on is behind `dataplane/effects`
+//!   (`dataplane/inpod`: the capture on the node).
 //! - `controller`: enrollment from the watches, level-based, with retries.
 //! - `listener`: the plugin's event socket (`pluginevent.sock`).
 //! - `snapshot`: enrolled pods restored at start (their namespaces through /proc).
@@ -30,3 +31,6 @@ pub mod run;
 pub mod settings;
 pub mod snapshot;
 pub mod watch;
+
+#[cfg(test)]
+mod fakes;

@@ -88,6 +88,9 @@ mod wire;
 
 #[cfg(test)]
 mod tests;
+/// The fake ztunnel, for tests of what drives ZDS (the ambient agent's snapshot).
+#[cfg(test)]
+pub(crate) use tests::fake;
 
 use std::{path::PathBuf, time::Duration};
 

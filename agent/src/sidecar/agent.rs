@@ -7,6 +7,9 @@
 //! non-zero), and stop them in the reverse order. Every component is built with `new(..)` and started here; nothing
 //! else wires.
 
+#[cfg(test)]
+mod tests;
+
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
 use tokio_util::sync::CancellationToken;

@@ -17,6 +17,9 @@
 //! as long as it keeps failing retryably (until a ztunnel connects); a final error is
 //! logged and left until the pod changes. Pods run in parallel, at most [`PARALLEL`].
 
+#[cfg(test)]
+mod tests;
+
 use std::{
     collections::{BTreeMap, HashMap},
     net::IpAddr,

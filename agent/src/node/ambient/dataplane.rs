@@ -21,32 +21,38 @@
 //!
 //! Work on one pod is serialised (the plugin's event and the watch may race); pods
 //! proceed in parallel. Rule work runs on blocking threads (it enters namespaces).
+//!
+//! What the steps act on is behind the traits of [`effects`] (the pod's namespace and
+//! capture, ZDS, the Kubernetes API, the probe sets); [`Dataplane::new`] gives them the
+//! node's: [`inpod`] for the capture, the ZDS server's handle, the agent's Kubernetes
+//! client, the node's probe sets.
+
+pub mod effects;
+pub mod inpod;
+
+#[cfg(test)]
+mod tests;
 
 use std::{
     collections::HashMap,
     net::IpAddr,
-    os::fd::{AsRawFd as _, OwnedFd},
+    os::fd::OwnedFd,
     path::PathBuf,
     sync::{Arc, Mutex},
 };
 
-use weir_iptables::{
-    ambient::{AmbientError, InpodConfig, PodOverrides, probeset::ProbeSets},
-    detect::HostFacts as _,
-};
+use weir_iptables::ambient::{AmbientError, PodOverrides, probeset::ProbeSets};
 
 use super::{
     objects::{AmbientPod, REDIRECTION_ENABLED, REDIRECTION_PENDING, redirection_patch},
-    settings::{AmbientCapture, AmbientSettings},
+    settings::AmbientSettings,
 };
 use crate::node::{
-    cni::{
-        kube::{KubeClient, KubeError},
-        podns,
-    },
-    enroll::netns_path,
+    cni::kube::{KubeClient, KubeError},
     zds::{WorkloadInfo, ZdsError, ZdsHandle},
 };
+use effects::{Effects, HostProbeSet, PodCapture, PodStatusApi, ZtunnelPods};
+use inpod::InpodCapture;
 
 /// Why a pod could not be added or removed.
 #[derive(Debug, thiserror::Error)]
@@ -107,8 +113,6 @@ pub enum DataplaneError {
 }
 
 const REDIRECTION_ANNOTATION_NAME: &str = super::objects::REDIRECTION_ANNOTATION;
-/// Multus's annotation naming a pod's additional networks.
-const MULTUS_NETWORKS: &str = "k8s.v1.cni.cncf.io/networks";
 
 impl DataplaneError {
     /// Whether trying again can help (Istio's retryable errors: ztunnel, annotations,
@@ -122,9 +126,10 @@ impl DataplaneError {
 /// The ambient data plane of this node.
 pub struct Dataplane {
     settings: Arc<AmbientSettings>,
-    zds: ZdsHandle,
-    kube: Arc<KubeClient>,
-    probes: ProbeSets,
+    capture: Box<dyn PodCapture>,
+    zds: Box<dyn ZtunnelPods>,
+    kube: Arc<dyn PodStatusApi>,
+    probes: Arc<dyn HostProbeSet>,
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
@@ -156,26 +161,38 @@ impl std::fmt::Display for StepClock {
     }
 }
 
-/// `/proc/self/fd/N`: a path through which `fd`'s namespace can be entered.
-fn fd_path(fd: &OwnedFd) -> PathBuf {
-    PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()))
-}
-
 impl Dataplane {
+    /// The node's dataplane: pods captured in their namespaces on this node, told to
+    /// ztunnel through `zds`, annotated through `kube`, probed through the node's sets.
     pub fn new(settings: Arc<AmbientSettings>, zds: ZdsHandle, kube: Arc<KubeClient>) -> Self {
-        let probes = ProbeSets::new(&settings.rules);
-        Self { settings, zds, kube, probes, locks: Mutex::default() }
+        let effects = Effects {
+            capture: Box::new(InpodCapture::new(settings.clone())),
+            zds: Box::new(zds),
+            kube,
+            probes: Arc::new(ProbeSets::new(&settings.rules)),
+        };
+        Self::with_effects(settings, effects)
+    }
+
+    /// A dataplane acting on `effects`.
+    pub fn with_effects(settings: Arc<AmbientSettings>, effects: Effects) -> Self {
+        let Effects { capture, zds, kube, probes } = effects;
+        Self { settings, capture, zds, kube, probes, locks: Mutex::default() }
     }
 
     pub fn settings(&self) -> &AmbientSettings {
         &self.settings
     }
 
-    pub fn zds(&self) -> &ZdsHandle {
-        &self.zds
+    pub fn capture(&self) -> &dyn PodCapture {
+        self.capture.as_ref()
     }
 
-    pub fn probes(&self) -> &ProbeSets {
+    pub fn zds(&self) -> &dyn ZtunnelPods {
+        self.zds.as_ref()
+    }
+
+    pub fn probes(&self) -> &Arc<dyn HostProbeSet> {
         &self.probes
     }
 
@@ -213,7 +230,7 @@ impl Dataplane {
         // The path as the node names it (records are read on the node, not in this
         // container).
         let recorded = netns_path.filter(|p| !p.is_empty()).map(PathBuf::from);
-        if let Err(e) = self.apply_capture(pod, &netns, recorded, cfg).await {
+        if let Err(e) = self.capture.apply(pod, &netns, recorded, cfg).await {
             self.zds_forget(pod);
             return Err(e);
         }
@@ -256,176 +273,13 @@ impl Dataplane {
         ips: &[IpAddr],
         path: Option<&str>,
     ) -> Result<OwnedFd, DataplaneError> {
-        let who = pod.key();
         if let Some(path) = path.filter(|p| !p.is_empty()) {
-            return self.open_event_netns(pod, ips, path).await;
+            return self.capture.open_event_netns(self.zds.as_ref(), pod, ips, path).await;
         }
         if let Some(fd) = self.zds.netns(&pod.uid) {
             return Ok(fd);
         }
-        let proc = self.settings.host_proc.clone();
-        let (uid, ips) = (pod.uid.clone(), ips.to_vec());
-        let found = tokio::task::spawn_blocking(move || find_owned_netns(&proc, &uid, &ips))
-            .await
-            .map_err(|e| DataplaneError::Task { pod: who.clone(), message: e.to_string() })?;
-        found.map_err(|message| DataplaneError::FindNetns { pod: who, message })
-    }
-
-    /// The namespace the plugin's event names ([`netns_path`]: a runtime's form, under
-    /// the node's root, opened non-blocking with a deadline, a network namespace that
-    /// is not the node's or the agent's), checked to hold one of the event's addresses;
-    /// and never in place of the namespace an enrolled pod's processes still run in.
-    async fn open_event_netns(
-        &self,
-        pod: &AmbientPod,
-        ips: &[IpAddr],
-        path: &str,
-    ) -> Result<OwnedFd, DataplaneError> {
-        let who = pod.key();
-        let (root, proc) = (&self.settings.host_root, &self.settings.host_proc);
-        let (_, fd) = netns_path::open_with_deadline(path, root, proc)
-            .await
-            .map_err(|source| DataplaneError::EventNetns { pod: who.clone(), source })?;
-        let cached = self.zds.netns(&pod.uid);
-        // Another pod enrolled in this namespace: an event never binds a second pod to it.
-        if let Ok(stat) = nix::sys::stat::fstat(std::os::fd::AsFd::as_fd(&fd))
-            && let Some(other) = self.zds.enrolled_with((stat.st_dev, stat.st_ino), &pod.uid)
-        {
-            return Err(DataplaneError::FindNetns {
-                pod: who,
-                message: format!(
-                    "{path}: the namespace is pod {other}'s (enrolled already): never two pods in one"
-                ),
-            });
-        }
-        let (checked, uid, ips, proc) = (fd.try_clone(), pod.uid.clone(), ips.to_vec(), proc.clone());
-        let refused = tokio::task::spawn_blocking(move || -> Result<(), String> {
-            let fd = checked.map_err(|e| format!("duplicate the namespace's descriptor: {e}"))?;
-            if ips.is_empty() {
-                return Err("the event names no address of the pod to check its namespace against".into());
-            }
-            check_owner(&fd, &ips)?;
-            let id = |f: &OwnedFd| {
-                nix::sys::stat::fstat(std::os::fd::AsFd::as_fd(f)).map(|s| (s.st_dev, s.st_ino))
-            };
-            if let Some(old) = cached
-                && let (Ok(old_id), Ok(new_id)) = (id(&old), id(&fd))
-                && old_id != new_id
-            {
-                match podns::pod_in_namespace(&proc, &uid, old_id) {
-                    Ok(false) => {}
-                    Ok(true) => {
-                        return Err(format!(
-                            "the pod is enrolled in namespace net:[{}] and its processes still run there: \
-                             an event cannot move it to net:[{}]",
-                            old_id.1, new_id.1
-                        ));
-                    }
-                    Err(e) => {
-                        return Err(format!(
-                            "cannot tell whether the pod still runs in its enrolled namespace: {e}"
-                        ));
-                    }
-                }
-            }
-            Ok(())
-        })
-        .await
-        .map_err(|e| DataplaneError::Task { pod: who.clone(), message: e.to_string() })?;
-        refused.map_err(|message| DataplaneError::FindNetns {
-            pod: who,
-            message: format!("{path}: {message}"),
-        })?;
-        Ok(fd)
-    }
-
-    /// Captures the pod as `WEIR_AMBIENT_CAPTURE` says: the in-pod rules, Weir's eBPF
-    /// programs, or (`auto`) eBPF when the node capture is attached and takes the pod,
-    /// else the rules. Under `auto` a pod that is captured already keeps the capture it
-    /// has (changing it under running connections would break them). The choice and
-    /// its reason are logged; whichever the pod gets, the other is taken out after it
-    /// is in place.
-    async fn apply_capture(
-        &self,
-        pod: &AmbientPod,
-        netns: &OwnedFd,
-        recorded: Option<PathBuf>,
-        cfg: InpodConfig,
-    ) -> Result<&'static str, DataplaneError> {
-        use crate::node::cni::ebpf;
-        let who = pod.key();
-        let node = self.settings.ebpf_node_capture.clone();
-        let has_ebpf = ebpf::ambient_record_exists(&node, &pod.uid);
-        let mode = self.settings.capture;
-        let (want_ebpf, mut reason) = match mode {
-            AmbientCapture::Rules => (false, "WEIR_AMBIENT_CAPTURE=rules".to_string()),
-            AmbientCapture::Ebpf => (true, "WEIR_AMBIENT_CAPTURE=ebpf".to_string()),
-            AmbientCapture::Auto if has_ebpf => {
-                (true, "auto: the pod is captured by eBPF already".to_string())
-            }
-            AmbientCapture::Auto if pod.fully_enrolled() || pod.partially_enrolled() => {
-                (false, "auto: the pod is captured by the in-pod rules already".to_string())
-            }
-            AmbientCapture::Auto if !ebpf::node_capture_present(&node) => {
-                (false, format!("auto: no eBPF node capture named {node} is attached"))
-            }
-            // Multus adds the pod's other networks after this chain's ADD: the classifier
-            // would sit on one interface of several.
-            AmbientCapture::Auto
-                if pod.annotations.iter().any(|(k, v)| k == MULTUS_NETWORKS && !v.trim().is_empty()) =>
-            {
-                (
-                    false,
-                    format!(
-                        "auto: the pod asks for more networks ({MULTUS_NETWORKS}); eBPF inbound capture sits on one interface"
-                    ),
-                )
-            }
-            // A pod enrolled while it runs has listeners that predate capture (the
-            // inbound guard records a listener when it starts listening).
-            AmbientCapture::Auto if recorded.is_none() => {
-                (false, "auto: the pod was running before it was enrolled, not a new sandbox".to_string())
-            }
-            AmbientCapture::Auto => (true, format!("auto: node capture {node} is attached")),
-        };
-        if want_ebpf {
-            match self.apply_ebpf(pod, netns, recorded, cfg.clone()).await {
-                Ok(()) => {
-                    tracing::info!(pod = %who, uid = %pod.uid, capture = "ebpf", reason = %reason, "ambient capture");
-                    return Ok("ebpf");
-                }
-                Err(e) if mode == AmbientCapture::Ebpf || has_ebpf => return Err(e),
-                Err(e) => {
-                    reason = format!("auto: eBPF capture did not take the pod: {}", crate::error_chain(&e))
-                }
-            }
-        }
-        self.apply_rules(&who, netns, cfg).await?;
-        tracing::info!(pod = %who, uid = %pod.uid, capture = "rules", reason = %reason, "ambient capture");
-        if has_ebpf || ebpf::ambient_record_exists(&node, &pod.uid) {
-            // Captured by eBPF before (WEIR_AMBIENT_CAPTURE changed), or registered by the
-            // attempt `auto` fell back from: the registration goes.
-            let (uid, path) = (pod.uid.clone(), fd_path(netns));
-            let fd = netns.try_clone().ok();
-            tokio::task::spawn_blocking(move || {
-                let _hold = fd;
-                ebpf::unregister_ambient(&node, &uid, Some(&path))
-            })
-            .await
-            .map_err(|e| DataplaneError::Task { pod: who.clone(), message: e.to_string() })?
-            .map_err(|source| DataplaneError::Ebpf { pod: who.clone(), source })?;
-            let fd = netns.try_clone().ok();
-            let path = fd_path(netns);
-            tokio::task::spawn_blocking(move || {
-                let _hold = fd;
-                weir_iptables::ambient::clear_inpod_ebpf(&path)
-            })
-            .await
-            .map_err(|e| DataplaneError::Task { pod: who.clone(), message: e.to_string() })?
-            .map_err(|source| DataplaneError::Rules { pod: who.clone(), source: Box::new(source) })?;
-            tracing::info!(pod = %who, uid = %pod.uid, "the pod's eBPF registration removed: the rules capture it now");
-        }
-        Ok("rules")
+        self.capture.find_netns(pod, ips).await
     }
 
     /// At the agent's start (`AMBIENT_RECONCILE_POD_RULES_ON_STARTUP`): the capture of
@@ -439,70 +293,7 @@ impl Dataplane {
         let cfg = self.settings.rules.for_pod(overrides);
         let lock = self.lock(&pod.uid);
         let _held = lock.lock().await;
-        self.apply_capture(pod, &fd, None, cfg).await.map(Some)
-    }
-
-    /// Registers the pod with the node capture for ztunnel and sets the in-pod part
-    /// eBPF capture needs (`weir_iptables::ambient::apply_inpod_ebpf`: the reply route,
-    /// `tcp_fwmark_accept`, no in-pod rules). If the in-pod part fails, the registration
-    /// stays (the pod stays captured, its replies may not find ztunnel: closed) and the
-    /// add fails.
-    async fn apply_ebpf(
-        &self,
-        pod: &AmbientPod,
-        netns: &OwnedFd,
-        recorded: Option<PathBuf>,
-        cfg: InpodConfig,
-    ) -> Result<(), DataplaneError> {
-        use crate::node::cni::ebpf;
-        let who = pod.key();
-        let fd = netns.try_clone().map_err(|source| DataplaneError::OpenNetns {
-            pod: who.clone(),
-            path: fd_path(netns),
-            source,
-        })?;
-        let node = self.settings.ebpf_node_capture.clone();
-        let identity = ebpf::PodIdentity { name: who.clone(), uid: pod.uid.clone() };
-        let task_who = who.clone();
-        tokio::task::spawn_blocking(move || {
-            let path = fd_path(&fd);
-            let started = std::time::Instant::now();
-            ebpf::register_ambient(&node, &path, recorded.as_deref(), &cfg, &identity)
-                .map_err(|source| Box::new(DataplaneError::Ebpf { pod: task_who.clone(), source }))?;
-            let registered = started.elapsed();
-            // A failure here keeps the registration: the pod stays captured (its
-            // replies may not find ztunnel yet, which fails closed), never less
-            // captured than before; the add fails and is tried again.
-            if let Err(source) = weir_iptables::ambient::apply_inpod_ebpf(&path, &cfg) {
-                return Err(Box::new(DataplaneError::Rules { pod: task_who, source: Box::new(source) }));
-            }
-            tracing::debug!(
-                pod = %task_who,
-                register_us = registered.as_micros(),
-                inpod_us = (started.elapsed() - registered).as_micros(),
-                "eBPF capture applied"
-            );
-            Ok(())
-        })
-        .await
-        .map_err(|e| DataplaneError::Task { pod: who, message: e.to_string() })?
-        .map_err(|e| *e)
-    }
-
-    async fn apply_rules(&self, who: &str, netns: &OwnedFd, cfg: InpodConfig) -> Result<(), DataplaneError> {
-        let fd = netns.try_clone().map_err(|source| DataplaneError::OpenNetns {
-            pod: who.to_string(),
-            path: fd_path(netns),
-            source,
-        })?;
-        let who_owned = who.to_string();
-        let report =
-            tokio::task::spawn_blocking(move || weir_iptables::ambient::apply_inpod(&fd_path(&fd), &cfg))
-                .await
-                .map_err(|e| DataplaneError::Task { pod: who_owned.clone(), message: e.to_string() })?
-                .map_err(|source| DataplaneError::Rules { pod: who_owned, source: Box::new(source) })?;
-        tracing::info!(pod = %who, action = ?report.action, backend = ?report.backend, path = %report.path, "in-pod rules");
-        Ok(())
+        self.capture.apply(pod, &fd, None, cfg).await.map(Some)
     }
 
     async fn probe_upsert(&self, pod: &AmbientPod, ips: &[IpAddr]) -> Result<(), DataplaneError> {
@@ -549,28 +340,7 @@ impl Dataplane {
             }
         }
         let netns = if deleting { None } else { self.zds.netns(&pod.uid) };
-        let (node, uid, who_owned) = (self.settings.ebpf_node_capture.clone(), pod.uid.clone(), who.clone());
-        tokio::task::spawn_blocking(move || {
-            let path = netns.as_ref().map(fd_path);
-            // eBPF capture's registration (if the pod had one) goes first: the rules
-            // it leaves behind are only the in-pod part.
-            let ebpf = crate::node::cni::ebpf::unregister_ambient(&node, &uid, path.as_deref())
-                .map_err(|source| Box::new(DataplaneError::Ebpf { pod: who_owned.clone(), source }))?;
-            if let Some(path) = path {
-                let removed = if ebpf {
-                    weir_iptables::ambient::remove_inpod_ebpf(&path)
-                } else {
-                    weir_iptables::ambient::remove_inpod(&path)
-                };
-                removed.map_err(|source| {
-                    Box::new(DataplaneError::Rules { pod: who_owned, source: Box::new(source) })
-                })?;
-            }
-            Ok::<_, Box<DataplaneError>>(())
-        })
-        .await
-        .map_err(|e| DataplaneError::Task { pod: who.clone(), message: e.to_string() })?
-        .map_err(|e| *e)?;
+        self.capture.remove(pod, netns).await?;
         self.zds
             .del_pod(&pod.uid)
             .await
@@ -584,35 +354,5 @@ impl Dataplane {
         }
         tracing::info!(pod = %who, uid = %pod.uid, deleting, "pod removed from the ambient mesh");
         Ok(())
-    }
-}
-
-/// The netns of a running pod found through the node's /proc, opened, and checked to
-/// hold one of the pod's addresses (a pod with none is not placed yet).
-pub fn find_owned_netns(proc: &std::path::Path, uid: &str, ips: &[IpAddr]) -> Result<OwnedFd, String> {
-    if ips.is_empty() {
-        return Err("the pod has no address yet: its namespace cannot be checked".into());
-    }
-    let path = podns::find(proc, uid)
-        .map_err(|e| e.to_string())?
-        .ok_or_else(|| format!("no process of pod {uid} runs on this node (per {})", proc.display()))?;
-    let fd: OwnedFd = std::fs::File::open(&path).map_err(|e| format!("open {}: {e}", path.display()))?.into();
-    check_owner(&fd, ips)?;
-    Ok(fd)
-}
-
-/// Whether the namespace `fd` holds one of `ips`.
-pub fn check_owner(fd: &OwnedFd, ips: &[IpAddr]) -> Result<(), String> {
-    let facts = weir_iptables::detect::SystemFacts { netns: Some(fd_path(fd)) };
-    let held: Vec<IpAddr> = facts
-        .addresses()
-        .map_err(|e| format!("read the addresses in {}: {e}", fd_path(fd).display()))?
-        .into_iter()
-        .map(super::objects::unmapped)
-        .collect();
-    if ips.iter().any(|ip| held.contains(ip)) {
-        Ok(())
-    } else {
-        Err(format!("the namespace found holds {held:?}, none of the pod's addresses {ips:?}: not the pod's"))
     }
 }

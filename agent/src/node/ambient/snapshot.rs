@@ -10,17 +10,16 @@
 //! and stale addresses are pruned when every enrolled pod has one (Istio's rule: an
 //! incomplete snapshot prunes nothing).
 
+#[cfg(test)]
+mod tests;
+
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::IpAddr,
-    os::fd::OwnedFd,
 };
 
-use super::{
-    dataplane::{Dataplane, check_owner},
-    objects::AmbientPod,
-};
-use crate::node::{cni::podns, zds::WorkloadInfo};
+use super::{dataplane::Dataplane, objects::AmbientPod};
+use crate::node::zds::WorkloadInfo;
 
 /// What the start found.
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -45,11 +44,9 @@ pub async fn restore(dp: &Dataplane, pods: &[AmbientPod]) -> SnapshotReport {
     for pod in &enrolled {
         dp.zds().keep_pod(&pod.uid);
     }
-    let uids: BTreeSet<String> = enrolled.iter().map(|p| p.uid.clone()).collect();
-    let proc = dp.settings().host_proc.clone();
     let ips: BTreeMap<String, Vec<IpAddr>> =
         enrolled.iter().map(|p| (p.uid.clone(), p.ips.clone())).collect();
-    let found = tokio::task::spawn_blocking(move || open_all(&proc, &uids, &ips)).await.unwrap_or_default();
+    let found = dp.capture().find_netns_of_pods(ips).await;
     for pod in &enrolled {
         let who = pod.key();
         let Some(fd) = found.get(&pod.uid).and_then(|r| r.as_ref().ok()) else {
@@ -88,37 +85,6 @@ pub async fn restore(dp: &Dataplane, pods: &[AmbientPod]) -> SnapshotReport {
         "ambient snapshot restored"
     );
     report
-}
-
-/// Opens each pod's namespace (one /proc pass), checked against its addresses.
-fn open_all(
-    proc: &std::path::Path,
-    uids: &BTreeSet<String>,
-    ips: &BTreeMap<String, Vec<IpAddr>>,
-) -> BTreeMap<String, Result<OwnedFd, String>> {
-    let paths = match podns::find_many(proc, uids) {
-        Ok(p) => p,
-        Err(e) => return uids.iter().map(|u| (u.clone(), Err(e.to_string()))).collect(),
-    };
-    paths
-        .into_iter()
-        .map(|(uid, found)| {
-            let opened = found.map_err(|e| e.to_string()).and_then(|path| {
-                let path = path.ok_or_else(|| {
-                    format!("no process of the pod runs on this node (per {})", proc.display())
-                })?;
-                let fd: OwnedFd =
-                    std::fs::File::open(&path).map_err(|e| format!("open {}: {e}", path.display()))?.into();
-                let pod_ips = ips.get(&uid).cloned().unwrap_or_default();
-                if pod_ips.is_empty() {
-                    return Err("the pod has no address: its namespace cannot be checked".into());
-                }
-                check_owner(&fd, &pod_ips)?;
-                Ok(fd)
-            });
-            (uid, opened)
-        })
-        .collect()
 }
 
 /// Applies every cached pod's capture again (its rules, or its eBPF registration);

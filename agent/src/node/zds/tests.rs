@@ -3,7 +3,7 @@
 //! named after Istio's test), the ones that follow from ztunnel's side (S12–S16), bad
 //! input from a peer, and binding.
 
-mod fake;
+pub(crate) mod fake;
 
 use std::{sync::Arc, time::Duration};
 

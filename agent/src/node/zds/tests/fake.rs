@@ -69,12 +69,12 @@ pub fn own_netns() -> OwnedFd {
 }
 
 pub struct FakeZtunnel {
-    pub sock: Seqpacket,
+    pub(in crate::node::zds) sock: Seqpacket,
     buf: Vec<u8>,
 }
 
 impl FakeZtunnel {
-    pub fn over(sock: Seqpacket) -> Self {
+    pub(in crate::node::zds) fn over(sock: Seqpacket) -> Self {
         Self { sock, buf: vec![0; 64 * 1024] }
     }
 
