@@ -220,7 +220,7 @@ pub async fn run(
         let (dp, cl, q, r, p) =
             (dataplane.clone(), cluster.clone(), queue.clone(), retries.clone(), probed.clone());
         tokio::spawn(async move {
-            let _permit = permit;
+            let permit = permit;
             let step = {
                 let c = read(&cl);
                 let seen = p.lock().unwrap_or_else(|e| e.into_inner()).get(&uid).cloned();
@@ -247,6 +247,9 @@ pub async fn run(
                     };
                     let delay = RETRY_START.saturating_mul(1 << attempt.min(20)).min(RETRY_MAX);
                     tracing::warn!(uid = %uid, attempt, retry_in = ?delay, error = %crate::error_chain(&e), "ambient reconcile failed: retrying");
+                    // The backoff holds no permit: pods that keep failing never hold up
+                    // another pod's reconcile (as Istio's rate-limited queue).
+                    drop(permit);
                     tokio::time::sleep(delay).await;
                     let _ = q.send(uid);
                 }

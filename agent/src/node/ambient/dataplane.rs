@@ -222,9 +222,15 @@ impl Dataplane {
                 return Err(e);
             }
         };
-        let overrides =
-            PodOverrides::from_annotations(pod.annotations.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-                .map_err(|source| DataplaneError::Annotation { pod: who.clone(), source })?;
+        let overrides = match PodOverrides::from_annotations(
+            pod.annotations.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+        ) {
+            Ok(o) => o,
+            Err(source) => {
+                self.zds_forget(pod);
+                return Err(DataplaneError::Annotation { pod: who.clone(), source });
+            }
+        };
         let cfg = self.settings.rules.for_pod(overrides);
         steps.mark("netns");
         // The path as the node names it (records are read on the node, not in this

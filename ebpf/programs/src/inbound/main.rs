@@ -355,27 +355,35 @@ fn try_inbound<'a>(
     Some(Verdict::Pass)
 }
 
-/// Whether `tuple` (the SYN's own, ports set) is a socket of this namespace in TIME_WAIT.
+/// Whether `tuple` (the SYN's own, ports set; `size` its family's part) is a socket of
+/// this namespace in TIME_WAIT.
 #[inline(always)]
-unsafe fn in_time_wait(ctx: &TcContext, tuple: &mut bpf_sock_tuple, size: usize) -> bool {
-    let previous = bpf_skc_lookup_tcp(ctx.skb.skb.cast(), tuple, size as u32, CURRENT_NETNS, 0);
-    if previous.is_null() {
-        return false;
+fn in_time_wait(ctx: &TcContext, tuple: &mut bpf_sock_tuple, size: usize) -> bool {
+    // SAFETY: the lookup gets a tuple of `size` bytes; a socket it returns is read once
+    // and released before returning.
+    unsafe {
+        let previous = bpf_skc_lookup_tcp(ctx.skb.skb.cast(), tuple, size as u32, CURRENT_NETNS, 0);
+        if previous.is_null() {
+            return false;
+        }
+        let time_wait = (*previous).state == TCP_TIME_WAIT;
+        bpf_sk_release(previous.cast());
+        time_wait
     }
-    let time_wait = (*previous).state == TCP_TIME_WAIT;
-    bpf_sk_release(previous.cast());
-    time_wait
 }
 
 /// The reopen map's key for `tuple` (the SYN's own, ports set) of its family.
 #[inline(always)]
-unsafe fn reopen_key(tuple: &bpf_sock_tuple, ethertype: u16) -> ReopenKey {
-    if ethertype == ETH_P_IP {
-        let t = &tuple.__bindgen_anon_1.ipv4;
-        ReopenKey::v4(t.saddr, t.sport, t.daddr, u16::from_be(t.dport))
-    } else {
-        let t = &tuple.__bindgen_anon_1.ipv6;
-        ReopenKey::v6(t.saddr, t.sport, t.daddr, u16::from_be(t.dport))
+fn reopen_key(tuple: &bpf_sock_tuple, ethertype: u16) -> ReopenKey {
+    // SAFETY: the union's member is the one `ethertype` filled in.
+    unsafe {
+        if ethertype == ETH_P_IP {
+            let t = &tuple.__bindgen_anon_1.ipv4;
+            ReopenKey::v4(t.saddr, t.sport, t.daddr, u16::from_be(t.dport))
+        } else {
+            let t = &tuple.__bindgen_anon_1.ipv6;
+            ReopenKey::v6(t.saddr, t.sport, t.daddr, u16::from_be(t.dport))
+        }
     }
 }
 

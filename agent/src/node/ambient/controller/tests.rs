@@ -126,9 +126,6 @@ async fn a_pod_backing_off_does_not_hold_up_another_pods_add() {
 }
 
 #[tokio::test(start_paused = true)]
-#[ignore = "found broken: a reconcile that fails retryably sleeps out its backoff (up to 5 s) \
-            while holding its permit, so PARALLEL pods that ztunnel refuses hold every permit \
-            and every other pod's reconcile waits for one of their backoffs to end"]
 async fn pods_backing_off_leave_the_permits_to_other_pods() {
     let node = FakeNode::default();
     let failing: Vec<u8> = (1..=PARALLEL as u8).collect();

@@ -112,9 +112,6 @@ async fn a_pod_whose_namespace_is_not_found_is_forgotten_by_zds_and_not_captured
 }
 
 #[tokio::test]
-#[ignore = "found broken: an add that fails on the pod's annotations (a bad \
-            istio.io/reroute-virtual-interfaces) returns before the ZDS forget every other \
-            failure before ztunnel makes, so the uid stays cached as Keep until the pod is deleted"]
 async fn a_pod_whose_annotations_cannot_stand_in_its_rules_is_forgotten_by_zds() {
     let node = FakeNode::default();
     let mut bad = pod(1);

@@ -8,7 +8,7 @@ use std::{path::Path, time::Duration};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
 use super::Agent;
-use crate::config::{AgentConfig, MapEnv, ProxyArgs};
+use crate::sidecar::config::{AgentConfig, MapEnv, ProxyArgs};
 
 /// A liveness bound, not a timing assertion.
 const PATIENCE: Duration = Duration::from_secs(10);
