@@ -16,9 +16,10 @@
 //! - `support`: plumbing every job uses and that imports none of them (HTTP/1, TLS,
 //!   atomic files, logs, exit codes, privileges, runtimes, shutdown, supervised tasks).
 //!
-//! Imports between these run one way: `cmd` → `sidecar`, `node`, `capture`, `sandbox`
-//! → `support` (`agent/tests/structure.rs` checks that no modules import each other in
-//! a circle, at any level).
+//! Imports between these run one way: `cmd` uses every job; `node` and `sandbox` use
+//! `capture` (the plugin registers pods with it, the reaper removes what it pinned);
+//! every job uses `support`, and `support` none (`agent/tests/structure.rs` checks that
+//! no modules import each other in a circle, at any level).
 
 pub mod capture;
 pub mod cmd;
