@@ -21,6 +21,7 @@ pub mod nft_batch;
 pub mod nft_encode;
 pub mod nft_exec;
 pub mod nft_wire;
+pub mod outcome;
 pub mod plan;
 pub mod render;
 pub mod routes;

@@ -7,7 +7,7 @@ use std::{
     process::{Command, Stdio},
 };
 
-use crate::{apply::ApplyPath, nft::NftTable, nft_batch, nft_wire};
+use crate::{nft::NftTable, nft_batch, nft_wire, outcome::ApplyPath};
 
 #[derive(Debug, thiserror::Error)]
 pub enum NftError {
