@@ -11,7 +11,6 @@ pub mod config;
 pub mod decisions;
 pub mod detect;
 pub mod explain;
-pub mod fast_path;
 pub mod flags;
 pub mod ipset;
 pub mod netlink;
@@ -30,5 +29,6 @@ pub mod validation;
 pub mod xt_wire;
 pub mod xtables;
 
-pub use apply::{Action, ApplyPath, Backend, CaptureError, Report, program};
+pub use apply::{CaptureError, Report, program};
 pub use config::{CaptureConfig, ConfigError, RunOptions};
+pub use outcome::{Action, ApplyPath, Backend};

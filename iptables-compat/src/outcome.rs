@@ -39,7 +39,7 @@ pub enum Action {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ApplyPath {
     /// The state probed in process, the rules in with one step: for iptables
-    /// ([`crate::fast_path`]) one restore per family (or removal); for nftables, on a
+    /// ([`crate::apply::fast_path`]) one restore per family (or removal); for nftables, on a
     /// namespace with no Istio table, one nf_tables batch sent in process
     /// ([`crate::nft_wire`]), no `nft` run.
     Fast,

@@ -11,12 +11,12 @@ use std::path::Path;
 use crate::{
     ambient::{AmbientBackend, AmbientConfig, InpodConfig, nft as anft, plan, routes},
     apply::{
-        Action, ApplyPath, Backend, CaptureError, Report, in_netns, program_plan_from, rollback_iptables,
+        CaptureError, Report, fast_path, in_netns, iptables::program_plan_from, rollback::rollback_iptables,
     },
     config::{ConfigError, IptablesBackend, RunOptions},
-    fast_path,
     netlink::{Family, Netlink, NetlinkError},
     nft_exec::{self, Nft, NftError},
+    outcome::{Action, ApplyPath, Backend},
     plan::RulePlan,
     render,
     state::{self, Leftovers, Verdict},

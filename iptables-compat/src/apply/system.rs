@@ -7,15 +7,21 @@
 use std::path::Path;
 
 use super::{
-    Action, ApplyPath, Backend, CaptureError, Report, check_names, dry_run, program_iptables,
-    program_iptables_from, program_nft_from, rollback_iptables,
+    dry_run::dry_run,
+    error::CaptureError,
+    fast_path,
+    iptables::{program_iptables, program_iptables_from},
+    names::check_names,
+    nft::program_nft_from,
+    report::Report,
+    rollback::rollback_iptables,
 };
 use crate::{
     config::{CaptureConfig, RunOptions},
-    fast_path,
     netlink::{Family, Netlink, NetlinkError},
     nft,
     nft_exec::{Nft as _, SystemNft},
+    outcome::{Action, ApplyPath, Backend},
     plan::{self, RulePlan},
     render, routes,
     state::{self, Verdict},

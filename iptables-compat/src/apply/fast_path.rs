@@ -13,6 +13,7 @@
 
 use std::path::PathBuf;
 
+use super::{error::CaptureError, rollback::rollback_iptables};
 use crate::{
     config::{CaptureConfig, IptablesBackend, RunOptions},
     netlink::Family,
@@ -170,7 +171,7 @@ pub enum Applied {
 
 /// Installs the plan's restores into a namespace the probe shows clean. A restore
 /// that fails is an error after the families already applied are rolled back.
-pub fn apply(plan: &RulePlan, probe: &Probe, lock: Lock) -> Result<Applied, crate::apply::CaptureError> {
+pub fn apply(plan: &RulePlan, probe: &Probe, lock: Lock) -> Result<Applied, CaptureError> {
     if let Some(table) = probe.legacy_in_use.first() {
         return Ok(Applied::Declined(Decline(format!("legacy table {table} holds rules"))));
     }
@@ -207,7 +208,7 @@ pub fn apply(plan: &RulePlan, probe: &Probe, lock: Lock) -> Result<Applied, crat
             // tables before the one that failed are in.
             let snapshots: Vec<_> =
                 applied.iter().chain([&family]).map(|f| (*f, Some(String::new()))).collect();
-            return Err(crate::apply::rollback_iptables(&mut x, e.into(), &snapshots));
+            return Err(rollback_iptables(&mut x, e.into(), &snapshots));
         }
         applied.push(family);
         // Istio logs the final state; here it is what went into an empty namespace.
@@ -221,7 +222,7 @@ pub fn apply(plan: &RulePlan, probe: &Probe, lock: Lock) -> Result<Applied, crat
 /// ([`crate::xt_wire`]): true when the kernel took it. A text it does not know, or a
 /// batch the kernel refused (it changed nothing), is left to `iptables-restore`; a
 /// batch whose answer was lost may be in, and is an error.
-fn in_process(text: &str, probe: &Probe) -> Result<bool, crate::apply::CaptureError> {
+fn in_process(text: &str, probe: &Probe) -> Result<bool, CaptureError> {
     // iptables-nft leaves a builtin chain it finds alone (sending it again re-registers
     // its hook: a kernel round of synchronisation, milliseconds); so does this.
     let existing: Vec<&str> = probe
@@ -251,11 +252,7 @@ fn in_process(text: &str, probe: &Probe) -> Result<bool, crate::apply::CaptureEr
 /// and no Istio chain (another's chains are not Istio's to remove); else one restore
 /// per family of the plan's removal, and the probe must then find no Istio chain. `Ok(Some(decline))` hands the run to the full path (a restore that
 /// did not match changed nothing: restores are atomic).
-pub fn remove(
-    plan: &RulePlan,
-    probe: &Probe,
-    lock: Lock,
-) -> Result<Option<Decline>, crate::apply::CaptureError> {
+pub fn remove(plan: &RulePlan, probe: &Probe, lock: Lock) -> Result<Option<Decline>, CaptureError> {
     if let Some(table) = probe.legacy_in_use.first() {
         return Ok(Some(Decline(format!("legacy table {table} holds rules"))));
     }
