@@ -9,7 +9,10 @@
 use std::path::Path;
 
 use crate::{
-    ambient::{AmbientBackend, AmbientConfig, InpodConfig, nft as anft, plan, routes},
+    ambient::{
+        config::{AmbientBackend, AmbientConfig, InpodConfig},
+        nft as anft, plan, routes,
+    },
     apply::{
         CaptureError, Report, fast_path, in_netns, iptables::program_plan_from, rollback::rollback_iptables,
     },

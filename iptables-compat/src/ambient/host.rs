@@ -9,10 +9,10 @@ use std::{collections::BTreeMap, path::Path};
 
 use crate::{
     ambient::{
-        AmbientBackend, AmbientConfig,
         apply::{
             AmbientError, AmbientNft, detect, iptables_verdict, owned_leftovers, owned_saves, removal_restore,
         },
+        config::{AmbientBackend, AmbientConfig},
         nft as anft, plan,
     },
     apply::{CaptureError, Report, in_netns},

@@ -9,7 +9,11 @@
 use std::{collections::BTreeSet, net::IpAddr};
 
 use crate::{
-    ambient::{AmbientBackend, AmbientConfig, PROBE_SET_V4, PROBE_SET_V6, nft as anft},
+    ambient::{
+        config::{AmbientBackend, AmbientConfig},
+        constants::{PROBE_SET_V4, PROBE_SET_V6},
+        nft as anft,
+    },
     ipset::{self, IpsetError},
     nft_exec::{self, NftError},
 };

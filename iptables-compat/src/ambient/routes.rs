@@ -5,7 +5,7 @@
 //! replies back to the local stack.
 
 use crate::{
-    ambient::{INPOD_RULE_PRIORITY, INPOD_TPROXY_MARK, INPOD_TPROXY_MASK, ROUTE_TABLE_INBOUND},
+    ambient::constants::{INPOD_RULE_PRIORITY, INPOD_TPROXY_MARK, INPOD_TPROXY_MASK, ROUTE_TABLE_INBOUND},
     netlink::{Family, MarkRule, Netlink, NetlinkError},
 };
 
