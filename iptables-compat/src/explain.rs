@@ -10,7 +10,7 @@
 
 use std::{collections::HashMap, net::IpAddr};
 
-use crate::config::Cidr;
+use crate::inputs::config::Cidr;
 
 /// The connection's first packet, as the nat OUTPUT hook (made by the pod) or
 /// PREROUTING hook (arriving at the pod) sees it.
@@ -519,7 +519,10 @@ fn parse_nft_rule(line: &str) -> Result<Rule, ExplainError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{detect::HostFacts, flags::IstioIptablesArgs, render};
+    use crate::{
+        inputs::{detect::HostFacts, flags::IstioIptablesArgs},
+        render,
+    };
     use clap::Parser;
 
     #[derive(Parser)]

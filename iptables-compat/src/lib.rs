@@ -7,11 +7,8 @@
 
 pub mod ambient;
 pub mod apply;
-pub mod config;
-pub mod decisions;
-pub mod detect;
 pub mod explain;
-pub mod flags;
+pub mod inputs;
 pub mod ipset;
 pub mod netlink;
 pub mod nf_probe;
@@ -30,5 +27,9 @@ pub mod xt_wire;
 pub mod xtables;
 
 pub use apply::{CaptureError, Report, program};
-pub use config::{CaptureConfig, ConfigError, RunOptions};
+pub use inputs::config::{CaptureConfig, ConfigError, RunOptions};
 pub use outcome::{Action, ApplyPath, Backend};
+
+// The paths other crates (the agent, the tests) use, from before the modules were
+// laid out in folders by job.
+pub use inputs::{config, decisions, detect, flags};

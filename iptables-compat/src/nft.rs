@@ -3,8 +3,10 @@
 //! `nft -f` transaction Istio's knftables would send.
 
 use crate::{
-    config::{CaptureConfig, InboundPorts, InterceptionMode, OwnerGroups},
-    decisions::Decisions,
+    inputs::{
+        config::{CaptureConfig, InboundPorts, InterceptionMode, OwnerGroups},
+        decisions::Decisions,
+    },
     plan::{DNS_PROXY_PORT, OUTBOUND_MARK},
 };
 

@@ -322,7 +322,7 @@ const NFT_KEYWORDS_LIKE_NAMES: &[&str] = &[
 /// none of nft's words. A bare word without one (`counter`, `tcp`, `docker`) may be a
 /// keyword; nft decides those.
 pub(crate) fn plain_interface(name: &str) -> bool {
-    let chars_ok = crate::config::check_interface_name("", name).is_ok();
+    let chars_ok = crate::inputs::config::check_interface_name("", name).is_ok();
     let marked = name == "lo" || name.chars().any(|c| c.is_ascii_digit() || matches!(c, '.' | '_' | '-'));
     chars_ok && marked && !NFT_KEYWORDS_LIKE_NAMES.contains(&name)
 }

@@ -4,7 +4,7 @@
 
 use std::fmt;
 
-use crate::{
+use crate::inputs::{
     config::{CaptureConfig, InboundPorts, InterceptionMode, OwnerGroups},
     decisions::{Decisions, FamilyRanges},
 };

@@ -163,7 +163,7 @@ pub fn guardrails_cleanup() -> Vec<Vec<String>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{config::CaptureConfig, plan::plan};
+    use crate::{inputs::config::CaptureConfig, plan::plan};
 
     #[test]
     fn an_empty_rule_list_renders_nothing() {
@@ -173,7 +173,7 @@ mod tests {
     #[test]
     fn checks_turn_appends_and_inserts_into_c() {
         let cfg = CaptureConfig {
-            interception_mode: crate::config::InterceptionMode::Tproxy,
+            interception_mode: crate::inputs::config::InterceptionMode::Tproxy,
             ..Default::default()
         };
         let p = plan(&cfg);

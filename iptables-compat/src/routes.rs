@@ -5,7 +5,7 @@
 use std::net::{IpAddr, Ipv6Addr};
 
 use crate::{
-    config::{CaptureConfig, InterceptionMode},
+    inputs::config::{CaptureConfig, InterceptionMode},
     netlink::{Family, Netlink, NetlinkError},
 };
 

@@ -182,7 +182,7 @@ pub fn compile(text: &str, existing: &[&str]) -> Result<Batch, Unsupported> {
 /// An interface match as iptables-nft makes it: the name and its terminating NUL.
 fn interface(key: u32, name: &str, invert: bool) -> Result<[Expr; 2], Unsupported> {
     // Istio's form (the one the flags were checked against); the wildcard `+` is not in it.
-    if crate::config::check_interface_name("", name).is_err() {
+    if crate::inputs::config::check_interface_name("", name).is_err() {
         return unsupported(format!("interface {name:?}"));
     }
     let mut data = name.as_bytes().to_vec();

@@ -8,15 +8,15 @@
 
 use std::path::Path;
 
+use super::{
+    config::{AmbientBackend, AmbientConfig, InpodConfig},
+    nft as anft, plan, routes,
+};
 use crate::{
-    ambient::{
-        config::{AmbientBackend, AmbientConfig, InpodConfig},
-        nft as anft, plan, routes,
-    },
     apply::{
         CaptureError, Report, fast_path, in_netns, iptables::program_plan_from, rollback::rollback_iptables,
     },
-    config::{ConfigError, IptablesBackend, RunOptions},
+    inputs::config::{ConfigError, IptablesBackend, RunOptions},
     netlink::{Family, Netlink, NetlinkError},
     nft_exec::{self, Nft, NftError},
     outcome::{Action, ApplyPath, Backend},

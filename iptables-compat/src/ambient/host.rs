@@ -7,14 +7,14 @@
 
 use std::{collections::BTreeMap, path::Path};
 
-use crate::{
-    ambient::{
-        apply::{
-            AmbientError, AmbientNft, detect, iptables_verdict, owned_leftovers, owned_saves, removal_restore,
-        },
-        config::{AmbientBackend, AmbientConfig},
-        nft as anft, plan,
+use super::{
+    apply::{
+        AmbientError, AmbientNft, detect, iptables_verdict, owned_leftovers, owned_saves, removal_restore,
     },
+    config::{AmbientBackend, AmbientConfig},
+    nft as anft, plan,
+};
+use crate::{
     apply::{CaptureError, Report, in_netns},
     netlink::Family,
     nft_exec::{self, Nft as _, NftError},

@@ -3,7 +3,7 @@
 //! `istio-ambient-nat`'s postrouting chain for the node's probe SNAT, rendered as the
 //! one `nft -f` transaction Istio's knftables sends.
 
-use crate::ambient::{
+use super::{
     config::{AmbientConfig, InpodConfig},
     constants::{
         INPOD_MARK, INPOD_MASK, INPOD_TPROXY_MARK, INPOD_TPROXY_MASK, PROBE_SET_V4, PROBE_SET_V6,

@@ -4,17 +4,15 @@
 //! builds them, so the shared renderer ([`crate::render`]) writes Istio's exact
 //! iptables-restore input.
 
-use crate::{
-    ambient::{
-        config::{AmbientConfig, InpodConfig},
-        constants::{
-            INPOD_MARK, INPOD_MASK, INPOD_RESTORE_MASK, INPOD_TPROXY_MARK, INPOD_TPROXY_MASK, PROBE_SET_V4,
-            PROBE_SET_V6, ZTUNNEL_DNS_PORT, ZTUNNEL_INBOUND_PLAINTEXT_PORT, ZTUNNEL_INBOUND_PORT,
-            ZTUNNEL_OUTBOUND_PORT,
-        },
+use super::{
+    config::{AmbientConfig, InpodConfig},
+    constants::{
+        INPOD_MARK, INPOD_MASK, INPOD_RESTORE_MASK, INPOD_TPROXY_MARK, INPOD_TPROXY_MASK, PROBE_SET_V4,
+        PROBE_SET_V6, ZTUNNEL_DNS_PORT, ZTUNNEL_INBOUND_PLAINTEXT_PORT, ZTUNNEL_INBOUND_PORT,
+        ZTUNNEL_OUTBOUND_PORT,
     },
-    plan::{Builder, RulePlan, SPECIFIC, Table},
 };
+use crate::plan::{Builder, RulePlan, SPECIFIC, Table};
 
 /// The chains the in-pod rules own (both in mangle, nat and raw).
 pub const CHAIN_OUTPUT: &str = "ISTIO_OUTPUT";

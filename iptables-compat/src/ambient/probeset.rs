@@ -8,12 +8,12 @@
 
 use std::{collections::BTreeSet, net::IpAddr};
 
+use super::{
+    config::{AmbientBackend, AmbientConfig},
+    constants::{PROBE_SET_V4, PROBE_SET_V6},
+    nft as anft,
+};
 use crate::{
-    ambient::{
-        config::{AmbientBackend, AmbientConfig},
-        constants::{PROBE_SET_V4, PROBE_SET_V6},
-        nft as anft,
-    },
     ipset::{self, IpsetError},
     nft_exec::{self, NftError},
 };

@@ -3,7 +3,7 @@
 
 use super::{error::CaptureError, iptables::program_iptables, nft::program_nft, report::Report};
 use crate::{
-    config::{CaptureConfig, RunOptions},
+    inputs::config::{CaptureConfig, RunOptions},
     nft_exec::NftRecorder,
     xtables::Recorder,
 };

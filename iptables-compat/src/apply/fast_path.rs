@@ -15,7 +15,7 @@ use std::path::PathBuf;
 
 use super::{error::CaptureError, rollback::rollback_iptables};
 use crate::{
-    config::{CaptureConfig, IptablesBackend, RunOptions},
+    inputs::config::{CaptureConfig, IptablesBackend, RunOptions},
     netlink::Family,
     nf_probe::{self, NFPROTO_IPV4, NFPROTO_IPV6},
     plan::{RulePlan, chain},
@@ -290,7 +290,7 @@ pub fn routes_needed(cfg: &CaptureConfig) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::CaptureConfig;
+    use crate::inputs::config::CaptureConfig;
 
     fn chain(family: u8, table: &str, name: &str) -> nf_probe::Object {
         nf_probe::Object { family, table: table.into(), name: name.into(), base_chain: false }

@@ -6,7 +6,7 @@
 
 use super::{error::CaptureError, report::Report, rollback::rollback_iptables};
 use crate::{
-    config::{CaptureConfig, RunOptions},
+    inputs::config::{CaptureConfig, RunOptions},
     netlink::Family,
     outcome::{Action, ApplyPath, Backend},
     plan, render,

@@ -2,7 +2,7 @@
 //! before anything changes ([`check_names`]).
 
 use super::error::CaptureError;
-use crate::{
+use crate::inputs::{
     config::{CaptureConfig, OwnerGroups},
     detect::HostFacts,
 };

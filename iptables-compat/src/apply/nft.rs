@@ -4,7 +4,7 @@
 
 use super::{error::CaptureError, report::Report};
 use crate::{
-    config::{CaptureConfig, RunOptions},
+    inputs::config::{CaptureConfig, RunOptions},
     nft,
     nft_exec::Nft,
     outcome::{Action, ApplyPath, Backend},

@@ -17,7 +17,7 @@ use super::{
     rollback::rollback_iptables,
 };
 use crate::{
-    config::{CaptureConfig, RunOptions},
+    inputs::config::{CaptureConfig, RunOptions},
     netlink::{Family, Netlink, NetlinkError},
     nft,
     nft_exec::{Nft as _, SystemNft},
@@ -45,7 +45,7 @@ fn program_here(cfg: &CaptureConfig, opts: &RunOptions) -> Result<Report, Captur
     if opts.cleanup_only {
         return remove_here(cfg, opts);
     }
-    check_names(cfg, &crate::detect::SystemFacts::default())?;
+    check_names(cfg, &crate::inputs::detect::SystemFacts::default())?;
     if opts.native_nftables {
         return apply_nft(cfg, opts);
     }

@@ -2,7 +2,7 @@
 //! outbound ranges split by family, whether DNS capture is really on, whether loopback
 //! is explicitly included.
 
-use crate::config::{CaptureConfig, Cidr, IpRanges};
+use super::config::{CaptureConfig, Cidr, IpRanges};
 
 /// Prefixes of one family to capture outbound.
 #[derive(Debug, Clone, Default)]

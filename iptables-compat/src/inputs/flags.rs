@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use clap::Args;
 
-use crate::{
+use super::{
     config::{
         CaptureConfig, ConfigError, InboundPorts, InterceptionMode, IpRanges, IptablesBackend, OwnerGroups,
         RunOptions, parse_exclude_ranges, parse_interfaces, parse_loopback_cidr, parse_ports, split,
