@@ -25,7 +25,7 @@
 //!   uid ([`kubelet_uid`] finds it in `/proc`); iptables matches `--socket-exists`
 //!   and needs the `istio-inpod-probes-v4`/`-v6` ipsets to exist; for nftables the
 //!   sets are created in the table if missing. [`probeset::ProbeSets`] creates them
-//!   and keeps the pods' addresses in them (ipsets over netlink, [`crate::ipset`]).
+//!   and keeps the pods' addresses in them (ipsets over netlink, [`crate::kernel::ipset`]).
 //!
 //! [`program_inpod_iptables`], [`program_inpod_nft`], [`program_host_iptables`] and
 //! [`program_host_nft`] are the same runs through any executor (a recorder writes

@@ -9,18 +9,13 @@ pub mod ambient;
 pub mod apply;
 pub mod explain;
 pub mod inputs;
-pub mod ipset;
-pub mod netlink;
-pub mod nf_probe;
+pub mod kernel;
 pub mod nft;
-pub mod nft_batch;
-pub mod nft_encode;
 pub mod nft_exec;
 pub mod nft_wire;
 pub mod outcome;
 pub mod plan;
 pub mod render;
-pub mod routes;
 pub mod state;
 pub mod validation;
 pub mod xt_wire;
@@ -33,3 +28,4 @@ pub use outcome::{Action, ApplyPath, Backend};
 // The paths other crates (the agent, the tests) use, from before the modules were
 // laid out in folders by job.
 pub use inputs::{config, decisions, detect, flags};
+pub use kernel::{ipset, netlink, nft_batch};

@@ -7,7 +7,7 @@ use std::{
     process::{Command, Stdio},
 };
 
-use crate::{nft::NftTable, nft_batch, nft_wire, outcome::ApplyPath};
+use crate::{kernel::nft_batch, nft::NftTable, nft_wire, outcome::ApplyPath};
 
 #[derive(Debug, thiserror::Error)]
 pub enum NftError {
@@ -87,8 +87,8 @@ pub(crate) fn nft(args: &[&str], stdin: Option<&str>) -> Result<String, NftError
 /// The inet tables present: read in process (no nft run), or from `nft list tables`
 /// if that probe fails.
 pub(crate) fn inet_tables() -> Result<Vec<String>, NftError> {
-    match crate::nf_probe::tables() {
-        Ok(t) => Ok(t.nft_in(crate::nf_probe::NFPROTO_INET).map(|t| t.table.clone()).collect()),
+    match crate::kernel::nf_probe::tables() {
+        Ok(t) => Ok(t.nft_in(crate::kernel::nf_probe::NFPROTO_INET).map(|t| t.table.clone()).collect()),
         Err(e) => {
             tracing::debug!(error = %e, "netfilter probe failed; asking nft");
             Ok(nft(&["list", "tables"], None)?

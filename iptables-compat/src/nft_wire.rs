@@ -3,18 +3,18 @@
 //! table (add table, add chain, add/insert rule) compiled into one batch, with the
 //! same expressions nft's compiler emits (its implicit `meta nfproto`/`meta l4proto`
 //! dependencies, its shortened loads for byte-aligned prefixes, its anonymous sets).
-//! A pure function: [`compile`] returns the bytes, [`crate::nft_batch`] sends them.
+//! A pure function: [`compile`] returns the bytes, [`crate::kernel::nft_batch`] sends them.
 //! Only the forms Weir's sidecar plans use are known; anything else (user or group
 //! names, wildcard interfaces, other sets, other statements) is [`Unsupported`] and
 //! the transaction goes to `nft -f` as before, so nothing is ever guessed.
 
 use std::net::IpAddr;
 
-pub use crate::nft_encode::{
+pub use crate::kernel::nft_encode::{
     Batch, MAX_BATCH_BYTES, Message, NFT_MSG_NEWCHAIN, NFT_MSG_NEWRULE, NFT_MSG_NEWSET, NFT_MSG_NEWSETELEM,
     NFT_MSG_NEWTABLE, Unsupported,
 };
-use crate::{
+use crate::kernel::{
     nf_probe::{NFPROTO_INET, NFPROTO_IPV4, NFPROTO_IPV6},
     nft_encode::*,
 };

@@ -6,12 +6,12 @@
 //! (interfaces, protocol, addresses, then the matches in order, a counter, the target;
 //! `-m owner` and `-j REDIRECT` as x_tables structs, the rule's protocol in
 //! `NFTA_RULE_COMPAT`), so `iptables-nft-save`, `-C` and `-D` read them as their own.
-//! A pure function; [`crate::nft_batch`] sends the result. Only the nat table's forms
+//! A pure function; [`crate::kernel::nft_batch`] sends the result. Only the nat table's forms
 //! REDIRECT mode uses are known; the mangle and raw tables (TPROXY, DNS conntrack
 //! zones), IPv6, multiport, marks and the rest are [`Unsupported`] and go to
 //! `iptables-restore` as before.
 
-use crate::{
+use crate::kernel::{
     nf_probe::NFPROTO_IPV4,
     nft_encode::{
         Batch, Expr, IPPROTO_TCP, IPPROTO_UDP, Message, NF_ACCEPT, NF_DROP, NFT_CMP_EQ, NFT_CMP_NEQ,
@@ -176,7 +176,7 @@ pub fn compile(text: &str, existing: &[&str]) -> Result<Batch, Unsupported> {
             }
         }
     }
-    crate::nft_encode::within_size(batch)
+    crate::kernel::nft_encode::within_size(batch)
 }
 
 /// An interface match as iptables-nft makes it: the name and its terminating NUL.

@@ -17,7 +17,7 @@ use crate::{
         CaptureError, Report, fast_path, in_netns, iptables::program_plan_from, rollback::rollback_iptables,
     },
     inputs::config::{ConfigError, IptablesBackend, RunOptions},
-    netlink::{Family, Netlink, NetlinkError},
+    kernel::netlink::{Family, Netlink, NetlinkError},
     nft_exec::{self, Nft, NftError},
     outcome::{Action, ApplyPath, Backend},
     plan::RulePlan,

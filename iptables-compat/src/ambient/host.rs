@@ -16,7 +16,7 @@ use super::{
 };
 use crate::{
     apply::{CaptureError, Report, in_netns},
-    netlink::Family,
+    kernel::netlink::Family,
     nft_exec::{self, Nft as _, NftError},
     outcome::{Action, ApplyPath, Backend},
     render,

@@ -1,6 +1,6 @@
 //! The node's sets of ambient pod addresses the host-probe rule matches
 //! (`istio-inpod-probes-v4` / `-v6`): ipsets (`hash:ip` with comments, over netlink:
-//! [`crate::ipset`]) for iptables, sets in `inet istio-ambient-nat` for nftables. As
+//! [`crate::kernel::ipset`]) for iptables, sets in `inet istio-ambient-nat` for nftables. As
 //! Istio keeps them: each address carries its pod's uid as the comment; adding is an
 //! upsert (a newer pod with a reused address takes the entry over); removing deletes an
 //! address only while its comment is still this pod's uid. Runs in the calling thread's
@@ -14,7 +14,7 @@ use super::{
     nft as anft,
 };
 use crate::{
-    ipset::{self, IpsetError},
+    kernel::ipset::{self, IpsetError},
     nft_exec::{self, NftError},
 };
 

@@ -5,7 +5,7 @@
 //! replies back to the local stack.
 
 use super::constants::{INPOD_RULE_PRIORITY, INPOD_TPROXY_MARK, INPOD_TPROXY_MASK, ROUTE_TABLE_INBOUND};
-use crate::netlink::{Family, MarkRule, Netlink, NetlinkError};
+use crate::kernel::netlink::{Family, MarkRule, Netlink, NetlinkError};
 
 /// `fwmark 0x111/0xfff pref 32764 lookup 100`.
 pub const INPOD_ROUTE_RULE: MarkRule = MarkRule {

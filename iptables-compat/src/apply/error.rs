@@ -2,7 +2,9 @@
 //! refused, a rollback and how it went, and the namespace, runtime, sysctl and name
 //! checks around a run.
 
-use crate::{inputs::config::ConfigError, netlink::NetlinkError, nft_exec::NftError, xtables::XtablesError};
+use crate::{
+    inputs::config::ConfigError, kernel::netlink::NetlinkError, nft_exec::NftError, xtables::XtablesError,
+};
 
 /// Why programming capture failed.
 #[derive(Debug, thiserror::Error)]

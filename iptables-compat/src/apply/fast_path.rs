@@ -16,8 +16,10 @@ use std::path::PathBuf;
 use super::{error::CaptureError, rollback::rollback_iptables};
 use crate::{
     inputs::config::{CaptureConfig, IptablesBackend, RunOptions},
-    netlink::Family,
-    nf_probe::{self, NFPROTO_IPV4, NFPROTO_IPV6},
+    kernel::{
+        netlink::Family,
+        nf_probe::{self, NFPROTO_IPV4, NFPROTO_IPV6},
+    },
     plan::{RulePlan, chain},
     render,
     xtables::{Binaries, Lock, SystemXtables, Xtables as _},
@@ -238,7 +240,7 @@ fn in_process(text: &str, probe: &Probe) -> Result<bool, CaptureError> {
             return Ok(false);
         }
     };
-    match crate::nft_batch::send(&batch) {
+    match crate::kernel::nft_batch::send(&batch) {
         Ok(()) => Ok(true),
         Err(e) if e.applied_nothing() => {
             tracing::warn!(error = %e, "the in-process iptables-nft batch did not go in; running iptables-restore");
@@ -284,7 +286,7 @@ pub fn remove(plan: &RulePlan, probe: &Probe, lock: Lock) -> Result<Option<Decli
 
 /// Whether `cfg` needs any route or address work when applying.
 pub fn routes_needed(cfg: &CaptureConfig) -> bool {
-    cfg.enable_ipv6 || crate::routes::tproxy_needed(cfg)
+    cfg.enable_ipv6 || crate::kernel::routes::tproxy_needed(cfg)
 }
 
 #[cfg(test)]

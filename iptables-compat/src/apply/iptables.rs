@@ -7,7 +7,7 @@
 use super::{error::CaptureError, report::Report, rollback::rollback_iptables};
 use crate::{
     inputs::config::{CaptureConfig, RunOptions},
-    netlink::Family,
+    kernel::netlink::Family,
     outcome::{Action, ApplyPath, Backend},
     plan, render,
     state::{self, Verdict},

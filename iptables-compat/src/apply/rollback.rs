@@ -3,7 +3,7 @@
 //! chains and the jumps into them removed.
 
 use super::error::CaptureError;
-use crate::{netlink::Family, state, xtables::Xtables};
+use crate::{kernel::netlink::Family, state, xtables::Xtables};
 
 /// Puts each family back to its snapshot: the saved tables restored whole; from tables
 /// the snapshot did not have, Istio's chains and the jumps into them removed, and

@@ -18,12 +18,15 @@ use super::{
 };
 use crate::{
     inputs::config::{CaptureConfig, RunOptions},
-    netlink::{Family, Netlink, NetlinkError},
+    kernel::{
+        netlink::{Family, Netlink, NetlinkError},
+        routes,
+    },
     nft,
     nft_exec::{Nft as _, SystemNft},
     outcome::{Action, ApplyPath, Backend},
     plan::{self, RulePlan},
-    render, routes,
+    render,
     state::{self, Verdict},
     xtables::{Lock, SystemXtables, Xtables as _},
 };

@@ -2,7 +2,7 @@
 //! run), its error ([`XtablesError`]), and the dry-run implementation ([`Recorder`])
 //! that writes Istio's transcript instead of running anything.
 
-use crate::netlink::Family;
+use crate::kernel::netlink::Family;
 
 /// A failed iptables command, with xtables' exit status named.
 #[derive(Debug, thiserror::Error)]

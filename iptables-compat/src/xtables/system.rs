@@ -13,7 +13,7 @@ use super::{
     executor::{Xtables, XtablesError},
     lock::{Confinement, Lock, NODE_LOCK},
 };
-use crate::{inputs::config::IptablesBackend, netlink::Family};
+use crate::{inputs::config::IptablesBackend, kernel::netlink::Family};
 
 /// The system's iptables binaries.
 #[derive(Debug)]

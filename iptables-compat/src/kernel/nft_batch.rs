@@ -6,9 +6,9 @@
 
 use std::{io, os::fd::AsRawFd as _, time::Duration};
 
-use crate::{
+use super::{
     nf_probe::{NFNL_SUBSYS_NFTABLES, NLMSG_ERROR, NLMSG_HDRLEN, netfilter_socket},
-    nft_wire::Batch,
+    nft_encode::Batch,
 };
 
 const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
@@ -230,7 +230,7 @@ fn ext_ack_message(payload: &[u8], flags: u16) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nft_wire::Message;
+    use crate::kernel::nft_encode::Message;
 
     const FIRST: u32 = 100;
 
