@@ -521,7 +521,7 @@ mod tests {
     use super::*;
     use crate::{
         inputs::{detect::HostFacts, flags::IstioIptablesArgs},
-        render,
+        iptables::render,
     };
     use clap::Parser;
 
@@ -573,7 +573,7 @@ mod tests {
         argv.extend(extra);
         let cli = Cli::try_parse_from(argv).unwrap();
         let (cfg, _) = cli.args.resolve(&|_| None, &Pod).unwrap();
-        render::restore(&crate::plan::plan(&cfg).v4)
+        render::restore(&crate::iptables::plan::plan(&cfg).v4)
     }
 
     fn app(dst: &str, port: u16) -> Connection {

@@ -9,17 +9,13 @@ pub mod ambient;
 pub mod apply;
 pub mod explain;
 pub mod inputs;
+pub mod iptables;
 pub mod kernel;
 pub mod nft;
 pub mod nft_exec;
 pub mod nft_wire;
 pub mod outcome;
-pub mod plan;
-pub mod render;
-pub mod state;
 pub mod validation;
-pub mod xt_wire;
-pub mod xtables;
 
 pub use apply::{CaptureError, Report, program};
 pub use inputs::config::{CaptureConfig, ConfigError, RunOptions};
@@ -28,4 +24,5 @@ pub use outcome::{Action, ApplyPath, Backend};
 // The paths other crates (the agent, the tests) use, from before the modules were
 // laid out in folders by job.
 pub use inputs::{config, decisions, detect, flags};
+pub use iptables::{plan, render, state, xt_wire, xtables};
 pub use kernel::{ipset, netlink, nft_batch};

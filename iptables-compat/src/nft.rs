@@ -7,7 +7,7 @@ use crate::{
         config::{CaptureConfig, InboundPorts, InterceptionMode, OwnerGroups},
         decisions::Decisions,
     },
-    plan::{DNS_PROXY_PORT, OUTBOUND_MARK},
+    iptables::plan::{DNS_PROXY_PORT, OUTBOUND_MARK},
 };
 
 /// An Istio nftables table (family inet).

@@ -17,13 +17,15 @@ use crate::{
         CaptureError, Report, fast_path, in_netns, iptables::program_plan_from, rollback::rollback_iptables,
     },
     inputs::config::{ConfigError, IptablesBackend, RunOptions},
+    iptables::{
+        plan::RulePlan,
+        render,
+        state::{self, Leftovers, Verdict},
+        xtables::{Lock, SystemXtables, Xtables},
+    },
     kernel::netlink::{Family, Netlink, NetlinkError},
     nft_exec::{self, Nft, NftError},
     outcome::{Action, ApplyPath, Backend},
-    plan::RulePlan,
-    render,
-    state::{self, Leftovers, Verdict},
-    xtables::{Lock, SystemXtables, Xtables},
 };
 
 /// Why an ambient run failed.

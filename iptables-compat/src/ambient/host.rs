@@ -16,12 +16,14 @@ use super::{
 };
 use crate::{
     apply::{CaptureError, Report, in_netns},
+    iptables::{
+        render,
+        state::Verdict,
+        xtables::{Lock, Xtables},
+    },
     kernel::netlink::Family,
     nft_exec::{self, Nft as _, NftError},
     outcome::{Action, ApplyPath, Backend},
-    render,
-    state::Verdict,
-    xtables::{Lock, Xtables},
 };
 
 const OWNED: [&str; 1] = [plan::CHAIN_POSTROUTING];

@@ -1,7 +1,7 @@
 //! Istio's ambient iptables rules as pure plans: the in-pod rules that send a pod's
 //! traffic to ztunnel (15001 out, 15006 in, 15053 DNS) and the node's host-probe rule
 //! that SNATs kubelet's probes to 169.254.7.127, in the order Istio's node agent
-//! builds them, so the shared renderer ([`crate::render`]) writes Istio's exact
+//! builds them, so the shared renderer ([`crate::iptables::render`]) writes Istio's exact
 //! iptables-restore input.
 
 use super::{
@@ -12,7 +12,7 @@ use super::{
         ZTUNNEL_OUTBOUND_PORT,
     },
 };
-use crate::plan::{Builder, RulePlan, SPECIFIC, Table};
+use crate::iptables::plan::{Builder, RulePlan, SPECIFIC, Table};
 
 /// The chains the in-pod rules own (both in mangle, nat and raw).
 pub const CHAIN_OUTPUT: &str = "ISTIO_OUTPUT";
@@ -282,7 +282,7 @@ mod tests {
     use super::*;
     use crate::{
         ambient::{PodDns, PodOverrides},
-        render,
+        iptables::render,
     };
 
     #[test]

@@ -4,8 +4,8 @@
 use super::{error::CaptureError, iptables::program_iptables, nft::program_nft, report::Report};
 use crate::{
     inputs::config::{CaptureConfig, RunOptions},
+    iptables::xtables::Recorder,
     nft_exec::NftRecorder,
-    xtables::Recorder,
 };
 
 /// A dry run: the same path with recorders; nothing is changed.

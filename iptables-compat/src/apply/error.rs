@@ -3,7 +3,8 @@
 //! checks around a run.
 
 use crate::{
-    inputs::config::ConfigError, kernel::netlink::NetlinkError, nft_exec::NftError, xtables::XtablesError,
+    inputs::config::ConfigError, iptables::xtables::XtablesError, kernel::netlink::NetlinkError,
+    nft_exec::NftError,
 };
 
 /// Why programming capture failed.

@@ -4,7 +4,7 @@
 //! chain in any ip/ip6 table and no legacy rule is clean for Istio's verify and makes
 //! its binary detection choose iptables-nft; it is programmed with one
 //! `iptables-restore --noflush` per planned family, nothing else spawned, or, for IPv4
-//! rules [`crate::xt_wire`] knows, with one nf_tables batch written in process as
+//! rules [`crate::iptables::xt_wire`] knows, with one nf_tables batch written in process as
 //! iptables-nft would write it, nothing spawned at all. Removal is
 //! one restore per family of the plan's `-D`/`-F`/`-X` (Istio's chains by name, never
 //! another's), done only where Istio's rules or chains exist and checked by the probe
@@ -16,13 +16,15 @@ use std::path::PathBuf;
 use super::{error::CaptureError, rollback::rollback_iptables};
 use crate::{
     inputs::config::{CaptureConfig, IptablesBackend, RunOptions},
+    iptables::{
+        plan::{RulePlan, chain},
+        render,
+        xtables::{Binaries, Lock, SystemXtables, Xtables as _},
+    },
     kernel::{
         netlink::Family,
         nf_probe::{self, NFPROTO_IPV4, NFPROTO_IPV6},
     },
-    plan::{RulePlan, chain},
-    render,
-    xtables::{Binaries, Lock, SystemXtables, Xtables as _},
 };
 
 /// Why the fast path left a run to the full path (logged at debug).
@@ -221,7 +223,7 @@ pub fn apply(plan: &RulePlan, probe: &Probe, lock: Lock) -> Result<Applied, Capt
 }
 
 /// Writes one family's restore text as iptables-nft would, in process
-/// ([`crate::xt_wire`]): true when the kernel took it. A text it does not know, or a
+/// ([`crate::iptables::xt_wire`]): true when the kernel took it. A text it does not know, or a
 /// batch the kernel refused (it changed nothing), is left to `iptables-restore`; a
 /// batch whose answer was lost may be in, and is an error.
 fn in_process(text: &str, probe: &Probe) -> Result<bool, CaptureError> {
@@ -233,7 +235,7 @@ fn in_process(text: &str, probe: &Probe) -> Result<bool, CaptureError> {
         .filter(|c| c.family == NFPROTO_IPV4 && c.table == "nat")
         .map(|c| c.name.as_str())
         .collect();
-    let batch = match crate::xt_wire::compile(text, &existing) {
+    let batch = match crate::iptables::xt_wire::compile(text, &existing) {
         Ok(batch) => batch,
         Err(why) => {
             tracing::debug!(%why, "running iptables-restore");
@@ -302,7 +304,7 @@ mod tests {
     fn another_s_empty_chain_is_not_a_clean_namespace() {
         let probe = Probe { user_chains: vec![chain(NFPROTO_IPV4, "nat", "FOREIGN")], ..Probe::default() };
         assert!(!probe.no_rules(), "an empty user chain is still there");
-        let plan = crate::plan::plan(&CaptureConfig::default());
+        let plan = crate::iptables::plan::plan(&CaptureConfig::default());
         match apply(&plan, &probe, Lock::Global).unwrap() {
             Applied::Declined(Decline(why)) => assert!(why.contains("nat FOREIGN"), "{why}"),
             Applied::Done(_) => panic!("the fast path took a namespace holding another's chain"),

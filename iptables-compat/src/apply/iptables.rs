@@ -7,11 +7,13 @@
 use super::{error::CaptureError, report::Report, rollback::rollback_iptables};
 use crate::{
     inputs::config::{CaptureConfig, RunOptions},
+    iptables::{
+        plan, render,
+        state::{self, Verdict},
+        xtables::Xtables,
+    },
     kernel::netlink::Family,
     outcome::{Action, ApplyPath, Backend},
-    plan, render,
-    state::{self, Verdict},
-    xtables::Xtables,
 };
 
 /// Programs Istio's iptables rules through `x` (the system's binaries, or a recorder

@@ -5,10 +5,10 @@
 use super::{error::CaptureError, report::Report};
 use crate::{
     inputs::config::{CaptureConfig, RunOptions},
+    iptables::state::Verdict,
     nft,
     nft_exec::Nft,
     outcome::{Action, ApplyPath, Backend},
-    state::Verdict,
 };
 
 /// Programs Istio's nftables rules through `n` as one transaction.

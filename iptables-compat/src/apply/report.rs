@@ -2,8 +2,8 @@
 //! what it did, which way it went, and a dry run's transcript.
 
 use crate::{
+    iptables::state::Verdict,
     outcome::{Action, ApplyPath, Backend},
-    state::Verdict,
 };
 
 /// The outcome of a run.

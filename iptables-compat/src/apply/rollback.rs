@@ -3,7 +3,10 @@
 //! chains and the jumps into them removed.
 
 use super::error::CaptureError;
-use crate::{kernel::netlink::Family, state, xtables::Xtables};
+use crate::{
+    iptables::{state, xtables::Xtables},
+    kernel::netlink::Family,
+};
 
 /// Puts each family back to its snapshot: the saved tables restored whole; from tables
 /// the snapshot did not have, Istio's chains and the jumps into them removed, and
@@ -48,7 +51,7 @@ pub(crate) fn rollback_iptables(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::xtables::XtablesError;
+    use crate::iptables::xtables::XtablesError;
 
     /// An executor whose `save` answers with `now` and which records every change.
     struct Saved {

@@ -18,6 +18,12 @@ use super::{
 };
 use crate::{
     inputs::config::{CaptureConfig, RunOptions},
+    iptables::{
+        plan::{self, RulePlan},
+        render,
+        state::{self, Verdict},
+        xtables::{Lock, SystemXtables, Xtables as _},
+    },
     kernel::{
         netlink::{Family, Netlink, NetlinkError},
         routes,
@@ -25,10 +31,6 @@ use crate::{
     nft,
     nft_exec::{Nft as _, SystemNft},
     outcome::{Action, ApplyPath, Backend},
-    plan::{self, RulePlan},
-    render,
-    state::{self, Verdict},
-    xtables::{Lock, SystemXtables, Xtables as _},
 };
 
 /// The whole run on the system: rules with the chosen backend, and routes. Runs in

@@ -1,7 +1,7 @@
 //! One family's iptables binaries as detection found them ([`Binaries`]), and what
 //! detection reads from their output: the version, and whether a dump holds rules.
 
-use crate::plan::is_builtin;
+use crate::iptables::plan::is_builtin;
 
 /// One family's detected binaries.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, HashSet};
 
-use crate::plan::{Rule, Table, chain, is_builtin};
+use super::plan::{Rule, Table, chain, is_builtin};
 
 /// `iptables-restore` input for one family, as Istio builds it: tables sorted by name
 /// (`* <table>`), `-N` for each non-builtin chain in order of its first rule, then for
@@ -163,7 +163,7 @@ pub fn guardrails_cleanup() -> Vec<Vec<String>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{inputs::config::CaptureConfig, plan::plan};
+    use crate::{inputs::config::CaptureConfig, iptables::plan::plan};
 
     #[test]
     fn an_empty_rule_list_renders_nothing() {
