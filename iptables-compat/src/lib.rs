@@ -3,7 +3,17 @@
 //! ([`plan::plan`], [`nft::plan`]), rendered for iptables-restore ([`render`]) and
 //! native nftables ([`nft::render`]), then applied, verified, reconciled and cleaned
 //! ([`apply`]) in one transaction per family. TPROXY's policy routes go over netlink
-//! ([`routes`], [`netlink`]). [`flags`] is istio-iptables' command line.
+//! ([`kernel::routes`], [`netlink`]). [`flags`] is istio-iptables' command line.
+//!
+//! Laid out by job, each folder importing only those listed before it:
+//! - [`inputs`]: the capture configuration, the command line, detected facts;
+//! - [`kernel`]: rtnetlink and netfilter netlink, in process;
+//! - [`iptables`], [`nft`]: each back end's plan, text, state and executors;
+//! - [`outcome`]: what a run did (shared by [`nft`] and [`apply`]);
+//! - [`apply`]: runs that take a plan into a namespace, the fast path among them;
+//! - [`ambient`]: ambient mode's rules and runs;
+//! - [`explain`] and [`validation`]: which rule a connection meets, and Istio's
+//!   validation probe.
 
 pub mod ambient;
 pub mod apply;
@@ -12,8 +22,6 @@ pub mod inputs;
 pub mod iptables;
 pub mod kernel;
 pub mod nft;
-pub mod nft_exec;
-pub mod nft_wire;
 pub mod outcome;
 pub mod validation;
 
@@ -26,3 +34,4 @@ pub use outcome::{Action, ApplyPath, Backend};
 pub use inputs::{config, decisions, detect, flags};
 pub use iptables::{plan, render, state, xt_wire, xtables};
 pub use kernel::{ipset, netlink, nft_batch};
+pub use nft::{exec as nft_exec, wire as nft_wire};

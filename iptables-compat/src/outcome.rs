@@ -41,7 +41,7 @@ pub enum ApplyPath {
     /// The state probed in process, the rules in with one step: for iptables
     /// ([`crate::apply::fast_path`]) one restore per family (or removal); for nftables, on a
     /// namespace with no Istio table, one nf_tables batch sent in process
-    /// ([`crate::nft_wire`]), no `nft` run.
+    /// ([`crate::nft::wire`]), no `nft` run.
     Fast,
     /// Istio's way: the binaries detected, the state saved and verified, then the
     /// restore (or cleanup); for nftables, `nft -f`; every dry run.

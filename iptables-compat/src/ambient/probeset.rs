@@ -15,7 +15,7 @@ use super::{
 };
 use crate::{
     kernel::ipset::{self, IpsetError},
-    nft_exec::{self, NftError},
+    nft::exec::{self, NftError},
 };
 
 /// Why a probe-set change failed.
@@ -71,7 +71,7 @@ impl ProbeSets {
                 }
             }
             AmbientBackend::Nftables => {
-                nft_exec::nft(&["-f", "-"], Some(&anft::render_probe_sets(self.ipv6)))?;
+                exec::nft(&["-f", "-"], Some(&anft::render_probe_sets(self.ipv6)))?;
             }
         }
         Ok(())
@@ -87,7 +87,7 @@ impl ProbeSets {
                     "add element inet {t} {s} {{ {ip} }}\ndelete element inet {t} {s} {{ {ip} }}\n\
                      add element inet {t} {s} {{ {ip} comment \"{c}\" }}\n"
                 );
-                nft_exec::nft(&["-f", "-"], Some(&tx))?;
+                exec::nft(&["-f", "-"], Some(&tx))?;
             }
         }
         Ok(())
@@ -114,7 +114,7 @@ impl ProbeSets {
             AmbientBackend::Iptables => ipset::del(set_of(ip), ip)?,
             AmbientBackend::Nftables => {
                 let tx = format!("delete element inet {} {} {{ {ip} }}\n", anft::TABLE_NAT, set_of(ip));
-                nft_exec::nft(&["-f", "-"], Some(&tx))?;
+                exec::nft(&["-f", "-"], Some(&tx))?;
             }
         }
         Ok(())
@@ -153,10 +153,10 @@ impl ProbeSets {
 
 /// The elements of an nft set, from `nft -j list set`; a missing table or set is empty.
 fn nft_entries(set: &'static str) -> Result<Vec<ProbeEntry>, ProbeSetError> {
-    if !nft_exec::inet_tables()?.iter().any(|t| t == anft::TABLE_NAT) {
+    if !exec::inet_tables()?.iter().any(|t| t == anft::TABLE_NAT) {
         return Ok(Vec::new());
     }
-    let listing = match nft_exec::nft(&["-j", "list", "set", "inet", anft::TABLE_NAT, set], None) {
+    let listing = match exec::nft(&["-j", "list", "set", "inet", anft::TABLE_NAT, set], None) {
         Ok(l) => l,
         Err(NftError::Failed { .. }) => return Ok(Vec::new()),
         Err(e) => return Err(e.into()),

@@ -5,7 +5,7 @@ use super::{error::CaptureError, iptables::program_iptables, nft::program_nft, r
 use crate::{
     inputs::config::{CaptureConfig, RunOptions},
     iptables::xtables::Recorder,
-    nft_exec::NftRecorder,
+    nft::exec::NftRecorder,
 };
 
 /// A dry run: the same path with recorders; nothing is changed.

@@ -4,7 +4,7 @@
 
 use crate::{
     inputs::config::ConfigError, iptables::xtables::XtablesError, kernel::netlink::NetlinkError,
-    nft_exec::NftError,
+    nft::exec::NftError,
 };
 
 /// Why programming capture failed.

@@ -248,7 +248,7 @@ fn in_process(text: &str, probe: &Probe) -> Result<bool, CaptureError> {
             tracing::warn!(error = %e, "the in-process iptables-nft batch did not go in; running iptables-restore");
             Ok(false)
         }
-        Err(e) => Err(crate::nft_exec::NftError::from(e).into()),
+        Err(e) => Err(crate::nft::exec::NftError::from(e).into()),
     }
 }
 

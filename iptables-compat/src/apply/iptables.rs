@@ -17,7 +17,7 @@ use crate::{
 };
 
 /// Programs Istio's iptables rules through `x` (the system's binaries, or a recorder
-/// for a dry run). Routes are not touched here; see [`program`].
+/// for a dry run). Routes are not touched here; see [`crate::apply::program`].
 pub fn program_iptables(
     cfg: &CaptureConfig,
     opts: &RunOptions,

@@ -7,7 +7,7 @@ use crate::{
     inputs::config::{CaptureConfig, RunOptions},
     iptables::state::Verdict,
     nft,
-    nft_exec::Nft,
+    nft::exec::Nft,
     outcome::{Action, ApplyPath, Backend},
 };
 

@@ -29,7 +29,7 @@ use crate::{
         routes,
     },
     nft,
-    nft_exec::{Nft as _, SystemNft},
+    nft::exec::{Nft as _, SystemNft},
     outcome::{Action, ApplyPath, Backend},
 };
 
@@ -146,7 +146,7 @@ fn remove_here(cfg: &CaptureConfig, opts: &RunOptions) -> Result<Report, Capture
 }
 
 fn remove_nft() -> Result<Report, CaptureError> {
-    if crate::nft_exec::istio_tables_present()? {
+    if crate::nft::exec::istio_tables_present()? {
         SystemNft.apply(&nft::render_cleanup())?;
     }
     Ok(Report {

@@ -6,7 +6,7 @@ use std::fmt;
 
 use crate::inputs::{
     config::{CaptureConfig, InboundPorts, InterceptionMode, OwnerGroups},
-    decisions::{Decisions, FamilyRanges},
+    decisions::{DNS_PROXY_PORT, Decisions, FamilyRanges, OUTBOUND_MARK},
 };
 
 /// The chains Istio creates.
@@ -22,11 +22,6 @@ pub mod chain {
     /// Every chain name Istio uses starts with this.
     pub const PREFIX: &str = "ISTIO_";
 }
-
-/// The agent's DNS listener port.
-pub const DNS_PROXY_PORT: &str = "15053";
-/// The mark Envoy's outbound traffic to the workload gets in TPROXY mode.
-pub const OUTBOUND_MARK: &str = "1338";
 
 /// Chains and targets built into iptables: never created or deleted.
 pub const BUILTIN: &[&str] =

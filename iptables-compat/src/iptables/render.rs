@@ -1,6 +1,6 @@
-//! Renders an iptables [`RulePlan`]: the `iptables-restore --noflush` input per family,
-//! the `-C` checks that verify a rule is present, and the `-D`/`-F`/`-X` commands that
-//! undo it. Text only; nothing here runs a command.
+//! Renders an iptables [`RulePlan`](super::plan::RulePlan): the `iptables-restore
+//! --noflush` input per family, the `-C` checks that verify a rule is present, and the
+//! `-D`/`-F`/`-X` commands that undo it. Text only; nothing here runs a command.
 
 use std::collections::{BTreeMap, HashSet};
 

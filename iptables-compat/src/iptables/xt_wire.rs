@@ -1,5 +1,5 @@
 //! iptables-nft's rules made in process: the IPv4 `iptables-restore` text Weir renders
-//! for a namespace the probe found clean ([`crate::fast_path`]) compiled into the
+//! for a namespace the probe found clean ([`crate::apply::fast_path`]) compiled into the
 //! nf_tables messages `iptables-nft-restore --noflush` sends for it (family ip, table
 //! nat): user chains created exclusively, builtin chains created as iptables-nft
 //! creates them (hook, priority; a new one's policy is accept), each rule as iptables-nft encodes it

@@ -1,4 +1,4 @@
-//! Sending a compiled nf_tables batch ([`crate::nft_wire`]) as one kernel transaction:
+//! Sending a compiled nf_tables batch ([`crate::nft::wire`]) as one kernel transaction:
 //! batch begin, the messages (each asking for an acknowledgement), batch end, on one
 //! NETLINK_NETFILTER socket of the calling thread's network namespace. The kernel
 //! applies all of it or none of it; the first message it refuses is named with the
