@@ -18,6 +18,7 @@ use crate::kernel::{
         NFT_JUMP, NFT_META_IIFNAME, NFT_META_L4PROTO, NFT_META_OIFNAME, NFT_MSG_NEWCHAIN, NFT_MSG_NEWRULE,
         NFT_MSG_NEWTABLE, NFT_PAYLOAD_TRANSPORT_HEADER, NFT_RETURN, NLM_F_CREATE, NLM_F_EXCL, RuleOrder,
         Unsupported, decimal, encode, nest, position, prefix_match, put_str, put_u32, unsupported,
+        within_size,
     },
 };
 
@@ -50,6 +51,14 @@ struct Rule<'a> {
     referenced: bool,
 }
 
+/// A restore's nat table, parsed.
+struct Restore<'a> {
+    lines: Vec<Line<'a>>,
+    rules: Vec<Rule<'a>>,
+    /// The user chains it creates, in order.
+    user_chains: Vec<&'a str>,
+}
+
 enum Line<'a> {
     UserChain(&'a str),
     Rule(usize),
@@ -59,6 +68,34 @@ enum Line<'a> {
 /// would send on a namespace without Istio's chains, whose nat table already holds the
 /// builtin chains `existing` (none in a fresh namespace).
 pub fn compile(text: &str, existing: &[&str]) -> Result<Batch, Unsupported> {
+    let Restore { lines, rules, user_chains } = parse_restore(text)?;
+    let mut batch = Batch { family: NFPROTO_IPV4, messages: Vec::new() };
+    if rules.is_empty() && user_chains.is_empty() {
+        return Ok(batch);
+    }
+    batch.messages.push(table_message());
+    let mut builtins_made: Vec<&str> = existing.to_vec();
+    for line in &lines {
+        match line {
+            Line::UserChain(chain) => batch.messages.push(user_chain_message(chain)),
+            Line::Rule(n) => {
+                let rule = &rules[*n];
+                if let Some((hooknum, prio)) = nat_builtin(rule.chain)
+                    && !builtins_made.contains(&rule.chain)
+                {
+                    builtins_made.push(rule.chain);
+                    batch.messages.push(builtin_chain_message(rule.chain, hooknum, prio));
+                }
+                batch.messages.push(rule_message(*n, rule, &user_chains)?);
+            }
+        }
+    }
+    within_size(batch)
+}
+
+/// The nat table's lines in order, its rules (where each goes, which a later insert
+/// names) and the user chains it creates; any other table, line or form is refused.
+fn parse_restore(text: &str) -> Result<Restore<'_>, Unsupported> {
     let mut lines = Vec::new();
     let mut rules: Vec<Rule> = Vec::new();
     let mut user_chains: Vec<&str> = Vec::new();
@@ -103,80 +140,63 @@ pub fn compile(text: &str, existing: &[&str]) -> Result<Batch, Unsupported> {
     if in_nat {
         return unsupported("a table without COMMIT");
     }
-    let mut batch = Batch { family: NFPROTO_IPV4, messages: Vec::new() };
-    if rules.is_empty() && user_chains.is_empty() {
-        return Ok(batch);
-    }
+    Ok(Restore { lines, rules, user_chains })
+}
+
+/// The nat table, created if missing.
+fn table_message() -> Message {
     let mut table = Vec::new();
     put_str(&mut table, 1, TABLE);
-    batch.messages.push(Message {
-        kind: NFT_MSG_NEWTABLE,
-        flags: NLM_F_CREATE,
-        attrs: table,
-        what: "table ip nat".into(),
+    Message { kind: NFT_MSG_NEWTABLE, flags: NLM_F_CREATE, attrs: table, what: "table ip nat".into() }
+}
+
+/// `-N <chain>`, created exclusively.
+fn user_chain_message(chain: &str) -> Message {
+    let mut a = Vec::new();
+    put_str(&mut a, 1, TABLE);
+    put_str(&mut a, 3, chain);
+    Message { kind: NFT_MSG_NEWCHAIN, flags: NLM_F_EXCL, attrs: a, what: format!("-t nat -N {chain}") }
+}
+
+/// A nat builtin chain as iptables-nft makes it on first use: hooked, at its priority.
+fn builtin_chain_message(chain: &str, hooknum: u32, prio: i32) -> Message {
+    let mut a = Vec::new();
+    put_str(&mut a, 1, TABLE);
+    put_str(&mut a, 3, chain);
+    nest(&mut a, 4, |h| {
+        put_u32(h, 1, hooknum);
+        put_u32(h, 2, prio as u32);
     });
-    let mut builtins_made: Vec<&str> = existing.to_vec();
-    for line in &lines {
-        match line {
-            Line::UserChain(chain) => {
-                let mut a = Vec::new();
-                put_str(&mut a, 1, TABLE);
-                put_str(&mut a, 3, chain);
-                batch.messages.push(Message {
-                    kind: NFT_MSG_NEWCHAIN,
-                    flags: NLM_F_EXCL,
-                    attrs: a,
-                    what: format!("-t nat -N {chain}"),
-                });
-            }
-            Line::Rule(n) => {
-                let rule = &rules[*n];
-                if let Some((hooknum, prio)) = nat_builtin(rule.chain)
-                    && !builtins_made.contains(&rule.chain)
-                {
-                    builtins_made.push(rule.chain);
-                    let mut a = Vec::new();
-                    put_str(&mut a, 1, TABLE);
-                    put_str(&mut a, 3, rule.chain);
-                    nest(&mut a, 4, |h| {
-                        put_u32(h, 1, hooknum);
-                        put_u32(h, 2, prio as u32);
-                    });
-                    // No policy: a new chain's is accept, as iptables-nft makes it, and
-                    // one already there (the probe allows builtin chains) keeps its own.
-                    put_str(&mut a, 7, TABLE);
-                    batch.messages.push(Message {
-                        kind: NFT_MSG_NEWCHAIN,
-                        flags: NLM_F_CREATE,
-                        attrs: a,
-                        what: format!("the builtin chain nat {}", rule.chain),
-                    });
-                }
-                let (exprs, proto) = compile_rule(rule.chain, &rule.args, &user_chains)
-                    .map_err(|Unsupported(why)| Unsupported(format!("{why} in `{}`", rule.line)))?;
-                let mut a = Vec::new();
-                put_str(&mut a, 1, TABLE);
-                put_str(&mut a, 2, rule.chain);
-                nest(&mut a, 4, |list| {
-                    for e in &exprs {
-                        encode(list, e);
-                    }
-                });
-                nest(&mut a, NFTA_RULE_COMPAT, |c| {
-                    put_u32(c, 1, u32::from(proto));
-                    put_u32(c, 2, 0);
-                });
-                let flags = position(&mut a, *n, rule.referenced, rule.before);
-                batch.messages.push(Message {
-                    kind: NFT_MSG_NEWRULE,
-                    flags,
-                    attrs: a,
-                    what: format!("-t nat {}", rule.line),
-                });
-            }
-        }
+    // No policy: a new chain's is accept, as iptables-nft makes it, and
+    // one already there (the probe allows builtin chains) keeps its own.
+    put_str(&mut a, 7, TABLE);
+    Message {
+        kind: NFT_MSG_NEWCHAIN,
+        flags: NLM_F_CREATE,
+        attrs: a,
+        what: format!("the builtin chain nat {chain}"),
     }
-    crate::kernel::nft_encode::within_size(batch)
+}
+
+/// Rule number `n` of the restore: its expressions, its protocol for the x_tables
+/// extensions (`NFTA_RULE_COMPAT`), placed as its line says.
+fn rule_message(n: usize, rule: &Rule, user_chains: &[&str]) -> Result<Message, Unsupported> {
+    let (exprs, proto) = compile_rule(rule.chain, &rule.args, user_chains)
+        .map_err(|Unsupported(why)| Unsupported(format!("{why} in `{}`", rule.line)))?;
+    let mut a = Vec::new();
+    put_str(&mut a, 1, TABLE);
+    put_str(&mut a, 2, rule.chain);
+    nest(&mut a, 4, |list| {
+        for e in &exprs {
+            encode(list, e);
+        }
+    });
+    nest(&mut a, NFTA_RULE_COMPAT, |c| {
+        put_u32(c, 1, u32::from(proto));
+        put_u32(c, 2, 0);
+    });
+    let flags = position(&mut a, n, rule.referenced, rule.before);
+    Ok(Message { kind: NFT_MSG_NEWRULE, flags, attrs: a, what: format!("-t nat {}", rule.line) })
 }
 
 /// An interface match as iptables-nft makes it: the name and its terminating NUL.
@@ -230,114 +250,165 @@ fn redirect_info(port: u16) -> Vec<u8> {
 /// One rule's arguments (after `-A CHAIN` / `-I CHAIN N`) as iptables-nft's
 /// expressions, and the rule's protocol (0 without `-p`).
 fn compile_rule(chain: &str, args: &[&str], user_chains: &[&str]) -> Result<(Vec<Expr>, u8), Unsupported> {
-    let (mut iif, mut oif, mut proto) = (None, None, 0u8);
-    let (mut saddr, mut daddr) = (None, None);
-    let mut matches: Vec<Expr> = Vec::new();
-    let mut target: Option<Expr> = None;
-    let mut invert = false;
-    let mut i = 0;
-    let at = |i: usize| args.get(i).copied().unwrap_or("");
-    while i < args.len() {
-        let word = args[i];
-        i += 1;
-        if target.is_some() {
-            return unsupported(format!("`{word}` after the target"));
-        }
-        let inv = std::mem::take(&mut invert);
-        match word {
-            "!" if !inv => invert = true,
-            "-p" if !inv && proto == 0 => {
-                proto = match at(i) {
-                    "tcp" => IPPROTO_TCP,
-                    "udp" => IPPROTO_UDP,
-                    other => return unsupported(format!("-p {other}")),
-                };
-                i += 1;
+    Ok(RuleParts::read(chain, args, user_chains)?.expressions())
+}
+
+/// The word at `i` of a rule's arguments (`""` past the end).
+fn word<'a>(args: &[&'a str], i: usize) -> &'a str {
+    args.get(i).copied().unwrap_or("")
+}
+
+/// What one rule's arguments say, each part kept for its place in iptables-nft's
+/// encoding.
+#[derive(Default)]
+struct RuleParts {
+    iif: Option<[Expr; 2]>,
+    oif: Option<[Expr; 2]>,
+    /// `-p`'s protocol; 0 without.
+    proto: u8,
+    saddr: Option<Vec<Expr>>,
+    daddr: Option<Vec<Expr>>,
+    /// Ports and `-m` matches, in the order given.
+    matches: Vec<Expr>,
+    target: Option<Expr>,
+}
+
+impl RuleParts {
+    /// Reads `args` left to right; each option at most once, `!` only before one that
+    /// takes it, nothing after the target.
+    fn read(chain: &str, args: &[&str], user_chains: &[&str]) -> Result<Self, Unsupported> {
+        let mut r = Self::default();
+        let mut invert = false;
+        let mut i = 0;
+        let at = |i: usize| word(args, i);
+        while i < args.len() {
+            let word = args[i];
+            i += 1;
+            if r.target.is_some() {
+                return unsupported(format!("`{word}` after the target"));
             }
-            // iptables refuses an input interface where packets have none yet, and an
-            // output one where they have none yet.
-            "-i" if iif.is_none() && !matches!(chain, "OUTPUT" | "POSTROUTING") => {
-                iif = Some(interface(NFT_META_IIFNAME, at(i), inv)?);
-                i += 1;
-            }
-            "-o" if oif.is_none() && !matches!(chain, "PREROUTING" | "INPUT") => {
-                oif = Some(interface(NFT_META_OIFNAME, at(i), inv)?);
-                i += 1;
-            }
-            "-s" if saddr.is_none() => {
-                saddr = Some(address(at(i), 12, inv)?);
-                i += 1;
-            }
-            "-d" if daddr.is_none() => {
-                daddr = Some(address(at(i), 16, inv)?);
-                i += 1;
-            }
-            "--dport" | "--sport" if proto != 0 => {
-                let port: u16 = decimal(at(i)).ok_or_else(|| Unsupported(format!("{word} {}", at(i))))?;
-                i += 1;
-                let offset = if word == "--sport" { 0 } else { 2 };
-                matches.push(Expr::Payload { base: NFT_PAYLOAD_TRANSPORT_HEADER, offset, len: 2 });
-                let op = if inv { NFT_CMP_NEQ } else { NFT_CMP_EQ };
-                matches.push(Expr::Cmp { op, data: port.to_be_bytes().to_vec() });
-            }
-            "-m" if !inv && at(i) == "owner" => {
-                // Exactly one [!] --uid-owner N or --gid-owner N.
-                let mut j = i + 1;
-                let negated = at(j) == "!";
-                if negated {
-                    j += 1;
+            let inv = std::mem::take(&mut invert);
+            match word {
+                "!" if !inv => invert = true,
+                "-p" if !inv && r.proto == 0 => {
+                    r.proto = match at(i) {
+                        "tcp" => IPPROTO_TCP,
+                        "udp" => IPPROTO_UDP,
+                        other => return unsupported(format!("-p {other}")),
+                    };
+                    i += 1;
                 }
-                let id: u32 =
-                    decimal(at(j + 1)).ok_or_else(|| Unsupported(format!("owner {}", at(j + 1))))?;
-                let info = match at(j) {
-                    "--uid-owner" => owner_info(Some(id), None, negated),
-                    "--gid-owner" => owner_info(None, Some(id), negated),
-                    other => return unsupported(format!("-m owner {other}")),
-                };
-                i = j + 2;
-                matches.push(Expr::XtMatch { name: "owner", rev: 1, info });
+                // iptables refuses an input interface where packets have none yet, and an
+                // output one where they have none yet.
+                "-i" if r.iif.is_none() && !matches!(chain, "OUTPUT" | "POSTROUTING") => {
+                    r.iif = Some(interface(NFT_META_IIFNAME, at(i), inv)?);
+                    i += 1;
+                }
+                "-o" if r.oif.is_none() && !matches!(chain, "PREROUTING" | "INPUT") => {
+                    r.oif = Some(interface(NFT_META_OIFNAME, at(i), inv)?);
+                    i += 1;
+                }
+                "-s" if r.saddr.is_none() => {
+                    r.saddr = Some(address(at(i), 12, inv)?);
+                    i += 1;
+                }
+                "-d" if r.daddr.is_none() => {
+                    r.daddr = Some(address(at(i), 16, inv)?);
+                    i += 1;
+                }
+                "--dport" | "--sport" if r.proto != 0 => {
+                    let port: u16 = decimal(at(i)).ok_or_else(|| Unsupported(format!("{word} {}", at(i))))?;
+                    i += 1;
+                    let offset = if word == "--sport" { 0 } else { 2 };
+                    r.matches.push(Expr::Payload { base: NFT_PAYLOAD_TRANSPORT_HEADER, offset, len: 2 });
+                    let op = if inv { NFT_CMP_NEQ } else { NFT_CMP_EQ };
+                    r.matches.push(Expr::Cmp { op, data: port.to_be_bytes().to_vec() });
+                }
+                "-m" if !inv && at(i) == "owner" => {
+                    let (owner, next) = owner_match(args, i)?;
+                    r.matches.push(owner);
+                    i = next;
+                }
+                "-j" if !inv => {
+                    let (target, next) = jump_target(args, i, r.proto, user_chains)?;
+                    r.target = Some(target);
+                    i = next;
+                }
+                other => return unsupported(format!("`{other}`")),
             }
-            "-j" if !inv => {
-                let name = at(i);
-                i += 1;
-                target = Some(match name {
-                    "RETURN" => Expr::Verdict { code: NFT_RETURN, chain: None },
-                    "ACCEPT" => Expr::Verdict { code: NF_ACCEPT, chain: None },
-                    "DROP" => Expr::Verdict { code: NF_DROP, chain: None },
-                    // A port needs a protocol, as iptables says.
-                    "REDIRECT" if at(i) == "--to-ports" && proto != 0 => {
-                        let port: u16 = decimal(at(i + 1))
-                            .ok_or_else(|| Unsupported(format!("--to-ports {}", at(i + 1))))?;
-                        i += 2;
-                        Expr::XtTarget { name: "REDIRECT", rev: 0, info: redirect_info(port) }
-                    }
-                    chain if user_chains.contains(&chain) => {
-                        Expr::Verdict { code: NFT_JUMP, chain: Some(chain.to_string()) }
-                    }
-                    other => return unsupported(format!("-j {other}")),
-                });
-            }
-            other => return unsupported(format!("`{other}`")),
         }
+        if invert {
+            return unsupported("a trailing `!`");
+        }
+        Ok(r)
     }
-    if invert {
-        return unsupported("a trailing `!`");
+
+    /// The expressions in iptables-nft's order (interfaces, protocol, addresses, the
+    /// matches, a counter, the target), and the rule's protocol.
+    fn expressions(self) -> (Vec<Expr>, u8) {
+        let mut out = Vec::new();
+        for part in [self.iif, self.oif].into_iter().flatten() {
+            out.extend(part);
+        }
+        if self.proto != 0 {
+            out.push(Expr::MetaLoad(NFT_META_L4PROTO));
+            out.push(Expr::Cmp { op: NFT_CMP_EQ, data: vec![self.proto] });
+        }
+        for part in [self.saddr, self.daddr].into_iter().flatten() {
+            out.extend(part);
+        }
+        out.extend(self.matches);
+        out.push(Expr::CounterZeroed);
+        out.extend(self.target);
+        (out, self.proto)
     }
-    let mut out = Vec::new();
-    for part in [iif, oif].into_iter().flatten() {
-        out.extend(part);
+}
+
+/// `-m owner [!] --uid-owner N` or `... --gid-owner N` from `owner` at `i`: the match,
+/// and the index after it.
+fn owner_match(args: &[&str], i: usize) -> Result<(Expr, usize), Unsupported> {
+    let at = |i: usize| word(args, i);
+    // Exactly one [!] --uid-owner N or --gid-owner N.
+    let mut j = i + 1;
+    let negated = at(j) == "!";
+    if negated {
+        j += 1;
     }
-    if proto != 0 {
-        out.push(Expr::MetaLoad(NFT_META_L4PROTO));
-        out.push(Expr::Cmp { op: NFT_CMP_EQ, data: vec![proto] });
-    }
-    for part in [saddr, daddr].into_iter().flatten() {
-        out.extend(part);
-    }
-    out.extend(matches);
-    out.push(Expr::CounterZeroed);
-    out.extend(target);
-    Ok((out, proto))
+    let id: u32 = decimal(at(j + 1)).ok_or_else(|| Unsupported(format!("owner {}", at(j + 1))))?;
+    let info = match at(j) {
+        "--uid-owner" => owner_info(Some(id), None, negated),
+        "--gid-owner" => owner_info(None, Some(id), negated),
+        other => return unsupported(format!("-m owner {other}")),
+    };
+    Ok((Expr::XtMatch { name: "owner", rev: 1, info }, j + 2))
+}
+
+/// `-j`'s target from its name at `i`: a verdict, `REDIRECT --to-ports N` (with a
+/// protocol), or a jump to a chain this restore creates; and the index after it.
+fn jump_target(
+    args: &[&str],
+    i: usize,
+    proto: u8,
+    user_chains: &[&str],
+) -> Result<(Expr, usize), Unsupported> {
+    let at = |i: usize| word(args, i);
+    let name = at(i);
+    let i = i + 1;
+    Ok(match name {
+        "RETURN" => (Expr::Verdict { code: NFT_RETURN, chain: None }, i),
+        "ACCEPT" => (Expr::Verdict { code: NF_ACCEPT, chain: None }, i),
+        "DROP" => (Expr::Verdict { code: NF_DROP, chain: None }, i),
+        // A port needs a protocol, as iptables says.
+        "REDIRECT" if at(i) == "--to-ports" && proto != 0 => {
+            let port: u16 =
+                decimal(at(i + 1)).ok_or_else(|| Unsupported(format!("--to-ports {}", at(i + 1))))?;
+            (Expr::XtTarget { name: "REDIRECT", rev: 0, info: redirect_info(port) }, i + 2)
+        }
+        chain if user_chains.contains(&chain) => {
+            (Expr::Verdict { code: NFT_JUMP, chain: Some(chain.to_string()) }, i)
+        }
+        other => return unsupported(format!("-j {other}")),
+    })
 }
 
 #[cfg(test)]
