@@ -25,13 +25,14 @@
 //!   uid ([`kubelet_uid`] finds it in `/proc`); iptables matches `--socket-exists`
 //!   and needs the `istio-inpod-probes-v4`/`-v6` ipsets to exist; for nftables the
 //!   sets are created in the table if missing. [`probeset::ProbeSets`] creates them
-//!   and keeps the pods' addresses in them (ipsets over netlink, [`crate::ipset`]).
+//!   and keeps the pods' addresses in them (ipsets over netlink, [`crate::kernel::ipset`]).
 //!
 //! [`program_inpod_iptables`], [`program_inpod_nft`], [`program_host_iptables`] and
 //! [`program_host_nft`] are the same runs through any executor (a recorder writes
 //! Istio's golden transcripts).
 
 pub mod config;
+mod constants;
 pub mod nft;
 pub mod plan;
 pub mod probeset;
@@ -45,31 +46,13 @@ pub use apply::{
     remove_inpod, remove_inpod_ebpf, verify_inpod,
 };
 pub use config::{AmbientBackend, AmbientConfig, InpodConfig, PodDns, PodOverrides};
+pub use constants::{
+    INPOD_MARK, INPOD_MASK, INPOD_RESTORE_MASK, INPOD_RULE_PRIORITY, INPOD_TPROXY_MARK, INPOD_TPROXY_MASK,
+    PROBE_SET_V4, PROBE_SET_V6, ROUTE_TABLE_INBOUND, ZTUNNEL_DNS_PORT, ZTUNNEL_INBOUND_PLAINTEXT_PORT,
+    ZTUNNEL_INBOUND_PORT, ZTUNNEL_OUTBOUND_PORT,
+};
 pub use host::{
     apply_host_probe, kubelet_uid, kubelet_uid_in, program_host_iptables, program_host_nft,
     remove_host_probe, verify_host_probe,
 };
 pub use routes::INPOD_ROUTE_RULE;
-
-/// The mark ztunnel puts on its own packets (must match ztunnel's inpod config).
-pub const INPOD_MARK: u32 = 1337;
-pub const INPOD_MASK: u32 = 0xfff;
-/// The connection mark for connections ztunnel accepted, restored on replies.
-pub const INPOD_TPROXY_MARK: u32 = 0x111;
-pub const INPOD_TPROXY_MASK: u32 = 0xfff;
-pub const INPOD_RESTORE_MASK: u32 = 0xffff_ffff;
-/// The routing table the in-pod fwmark rule looks up (`local default dev lo`).
-pub const ROUTE_TABLE_INBOUND: u32 = 100;
-/// The in-pod rule's priority.
-pub const INPOD_RULE_PRIORITY: u32 = 32764;
-
-pub const ZTUNNEL_OUTBOUND_PORT: u16 = 15001;
-pub const ZTUNNEL_INBOUND_PLAINTEXT_PORT: u16 = 15006;
-/// HBONE: arrives at ztunnel directly, never redirected.
-pub const ZTUNNEL_INBOUND_PORT: u16 = 15008;
-pub const ZTUNNEL_DNS_PORT: u16 = 15053;
-
-/// The node's sets of ambient pod addresses that kubelet probes (ipsets for iptables,
-/// sets in `istio-ambient-nat` for nftables).
-pub const PROBE_SET_V4: &str = "istio-inpod-probes-v4";
-pub const PROBE_SET_V6: &str = "istio-inpod-probes-v6";

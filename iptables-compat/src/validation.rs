@@ -10,7 +10,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::config::{CaptureConfig, RunOptions};
+use crate::inputs::config::{CaptureConfig, RunOptions};
 
 /// `SO_ORIGINAL_DST` (netfilter), also `IP6T_SO_ORIGINAL_DST` at SOL_IPV6.
 pub const SO_ORIGINAL_DST: libc::c_int = 80;

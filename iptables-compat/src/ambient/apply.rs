@@ -8,19 +8,24 @@
 
 use std::path::Path;
 
+use super::{
+    config::{AmbientBackend, AmbientConfig, InpodConfig},
+    nft as anft, plan, routes,
+};
 use crate::{
-    ambient::{AmbientBackend, AmbientConfig, InpodConfig, nft as anft, plan, routes},
     apply::{
-        Action, ApplyPath, Backend, CaptureError, Report, in_netns, program_plan_from, rollback_iptables,
+        CaptureError, Report, fast_path, in_netns, iptables::program_plan_from, rollback::rollback_iptables,
     },
-    config::{ConfigError, IptablesBackend, RunOptions},
-    fast_path,
-    netlink::{Family, Netlink, NetlinkError},
-    nft_exec::{self, Nft, NftError},
-    plan::RulePlan,
-    render,
-    state::{self, Leftovers, Verdict},
-    xtables::{Lock, SystemXtables, Xtables},
+    inputs::config::{ConfigError, IptablesBackend, RunOptions},
+    iptables::{
+        plan::RulePlan,
+        render,
+        state::{self, Leftovers, Verdict},
+        xtables::{Lock, SystemXtables, Xtables},
+    },
+    kernel::netlink::{Family, Netlink, NetlinkError},
+    nft::exec::{self, Nft, NftError},
+    outcome::{Action, ApplyPath, Backend},
 };
 
 /// Why an ambient run failed.
@@ -116,18 +121,18 @@ pub(crate) struct AmbientNft(pub(crate) &'static [&'static str]);
 
 impl Nft for AmbientNft {
     fn list(&mut self) -> Result<String, NftError> {
-        nft_exec::list_tables(self.0)
+        exec::list_tables(self.0)
     }
     fn expected(&mut self, tx: &str) -> Result<String, NftError> {
         let tables = self.0;
-        nft_exec::in_scratch_netns(|| {
-            nft_exec::nft(&["-f", "-"], Some(tx))?;
-            nft_exec::list_tables(tables)
+        exec::in_scratch_netns(|| {
+            exec::nft(&["-f", "-"], Some(tx))?;
+            exec::list_tables(tables)
         })
     }
     fn apply(&mut self, tx: &str) -> Result<(), NftError> {
         tracing::info!("nft -f:\n{}", tx.trim());
-        nft_exec::nft(&["-f", "-"], Some(tx)).map(drop)
+        exec::nft(&["-f", "-"], Some(tx)).map(drop)
     }
     fn is_real(&self) -> bool {
         true
@@ -372,7 +377,7 @@ fn remove_iptables_here(cfg: &AmbientConfig, netns: &Path) -> Result<bool, Captu
 
 /// Deletes the in-pod nft tables, in one transaction, if there are any.
 fn remove_nft_here() -> Result<bool, CaptureError> {
-    let present = nft_exec::inet_tables()?;
+    let present = exec::inet_tables()?;
     let ours: Vec<&str> = anft::INPOD_TABLES.into_iter().filter(|t| present.iter().any(|p| p == t)).collect();
     if ours.is_empty() {
         return Ok(false);

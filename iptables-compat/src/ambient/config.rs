@@ -6,7 +6,7 @@
 
 use std::net::{Ipv4Addr, Ipv6Addr};
 
-use crate::config::{ConfigError, IptablesBackend};
+use crate::inputs::config::{ConfigError, IptablesBackend};
 
 /// `ambient.istio.io/dns-capture`: `true`/`false` overrides the agent's DNS capture.
 pub const ANNOTATION_DNS_CAPTURE: &str = "ambient.istio.io/dns-capture";
@@ -150,7 +150,7 @@ pub struct PodOverrides {
 /// rule: the sidecar's rule, Istio's (a letter, then letters, digits, `_`, `.` or `-`;
 /// at most 15 bytes), so no name can read as an iptables option either.
 fn check_interface(input: &str, name: &str) -> Result<(), ConfigError> {
-    crate::config::check_interface_name(input, name)
+    crate::inputs::config::check_interface_name(input, name)
 }
 
 impl PodOverrides {

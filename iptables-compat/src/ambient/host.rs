@@ -7,20 +7,23 @@
 
 use std::{collections::BTreeMap, path::Path};
 
-use crate::{
-    ambient::{
-        AmbientBackend, AmbientConfig,
-        apply::{
-            AmbientError, AmbientNft, detect, iptables_verdict, owned_leftovers, owned_saves, removal_restore,
-        },
-        nft as anft, plan,
+use super::{
+    apply::{
+        AmbientError, AmbientNft, detect, iptables_verdict, owned_leftovers, owned_saves, removal_restore,
     },
-    apply::{Action, ApplyPath, Backend, CaptureError, Report, in_netns},
-    netlink::Family,
-    nft_exec::{self, Nft as _, NftError},
-    render,
-    state::Verdict,
-    xtables::{Lock, Xtables},
+    config::{AmbientBackend, AmbientConfig},
+    nft as anft, plan,
+};
+use crate::{
+    apply::{CaptureError, Report, in_netns},
+    iptables::{
+        render,
+        state::Verdict,
+        xtables::{Lock, Xtables},
+    },
+    kernel::netlink::Family,
+    nft::exec::{self, Nft as _, NftError},
+    outcome::{Action, ApplyPath, Backend},
 };
 
 const OWNED: [&str; 1] = [plan::CHAIN_POSTROUTING];
@@ -73,7 +76,7 @@ pub fn program_host_iptables(cfg: &AmbientConfig, x: &mut dyn Xtables) -> Result
 pub fn program_host_nft(
     cfg: &AmbientConfig,
     kubelet_uid: u32,
-    n: &mut dyn nft_exec::Nft,
+    n: &mut dyn exec::Nft,
 ) -> Result<Report, CaptureError> {
     n.apply(&anft::render(&anft::host_probe(cfg, kubelet_uid)))?;
     Ok(Report {
@@ -130,11 +133,11 @@ pub fn apply_host_probe(
 
 /// The node's probe chain as nft lists it (counters zeroed), `None` without it.
 fn list_probe_chain() -> Result<Option<String>, NftError> {
-    if !nft_exec::inet_tables()?.iter().any(|t| t == anft::TABLE_NAT) {
+    if !exec::inet_tables()?.iter().any(|t| t == anft::TABLE_NAT) {
         return Ok(None);
     }
-    match nft_exec::nft(&["list", "chain", "inet", anft::TABLE_NAT, CHAIN], None) {
-        Ok(listing) => Ok(Some(nft_exec::zero_counters(&listing))),
+    match exec::nft(&["list", "chain", "inet", anft::TABLE_NAT, CHAIN], None) {
+        Ok(listing) => Ok(Some(exec::zero_counters(&listing))),
         Err(NftError::Failed { .. }) => Ok(None),
         Err(e) => Err(e),
     }
@@ -147,8 +150,8 @@ fn host_nft_verdict(cfg: &AmbientConfig, kubelet_uid: u32) -> Result<Verdict, Ca
         anft::render_probe_sets(cfg.enable_ipv6),
         anft::render(&anft::host_probe(cfg, kubelet_uid))
     );
-    let expected = nft_exec::in_scratch_netns(|| {
-        nft_exec::nft(&["-f", "-"], Some(&tx))?;
+    let expected = exec::in_scratch_netns(|| {
+        exec::nft(&["-f", "-"], Some(&tx))?;
         list_probe_chain()
     })?;
     Ok(if expected.as_deref() == Some(current.as_str()) { Verdict::Applied } else { Verdict::Drifted })

@@ -3,10 +3,12 @@
 //! `istio-ambient-nat`'s postrouting chain for the node's probe SNAT, rendered as the
 //! one `nft -f` transaction Istio's knftables sends.
 
-use crate::ambient::{
-    AmbientConfig, INPOD_MARK, INPOD_MASK, INPOD_TPROXY_MARK, INPOD_TPROXY_MASK, InpodConfig, PROBE_SET_V4,
-    PROBE_SET_V6, ZTUNNEL_DNS_PORT, ZTUNNEL_INBOUND_PLAINTEXT_PORT, ZTUNNEL_INBOUND_PORT,
-    ZTUNNEL_OUTBOUND_PORT,
+use super::{
+    config::{AmbientConfig, InpodConfig},
+    constants::{
+        INPOD_MARK, INPOD_MASK, INPOD_TPROXY_MARK, INPOD_TPROXY_MASK, PROBE_SET_V4, PROBE_SET_V6,
+        ZTUNNEL_DNS_PORT, ZTUNNEL_INBOUND_PLAINTEXT_PORT, ZTUNNEL_INBOUND_PORT, ZTUNNEL_OUTBOUND_PORT,
+    },
 };
 
 pub const TABLE_NAT: &str = "istio-ambient-nat";

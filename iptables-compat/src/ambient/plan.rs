@@ -1,17 +1,18 @@
 //! Istio's ambient iptables rules as pure plans: the in-pod rules that send a pod's
 //! traffic to ztunnel (15001 out, 15006 in, 15053 DNS) and the node's host-probe rule
 //! that SNATs kubelet's probes to 169.254.7.127, in the order Istio's node agent
-//! builds them, so the shared renderer ([`crate::render`]) writes Istio's exact
+//! builds them, so the shared renderer ([`crate::iptables::render`]) writes Istio's exact
 //! iptables-restore input.
 
-use crate::{
-    ambient::{
-        AmbientConfig, INPOD_MARK, INPOD_MASK, INPOD_RESTORE_MASK, INPOD_TPROXY_MARK, INPOD_TPROXY_MASK,
-        InpodConfig, PROBE_SET_V4, PROBE_SET_V6, ZTUNNEL_DNS_PORT, ZTUNNEL_INBOUND_PLAINTEXT_PORT,
-        ZTUNNEL_INBOUND_PORT, ZTUNNEL_OUTBOUND_PORT,
+use super::{
+    config::{AmbientConfig, InpodConfig},
+    constants::{
+        INPOD_MARK, INPOD_MASK, INPOD_RESTORE_MASK, INPOD_TPROXY_MARK, INPOD_TPROXY_MASK, PROBE_SET_V4,
+        PROBE_SET_V6, ZTUNNEL_DNS_PORT, ZTUNNEL_INBOUND_PLAINTEXT_PORT, ZTUNNEL_INBOUND_PORT,
+        ZTUNNEL_OUTBOUND_PORT,
     },
-    plan::{Builder, RulePlan, SPECIFIC, Table},
 };
+use crate::iptables::plan::{Builder, RulePlan, SPECIFIC, Table};
 
 /// The chains the in-pod rules own (both in mangle, nat and raw).
 pub const CHAIN_OUTPUT: &str = "ISTIO_OUTPUT";
@@ -281,7 +282,7 @@ mod tests {
     use super::*;
     use crate::{
         ambient::{PodDns, PodOverrides},
-        render,
+        iptables::render,
     };
 
     #[test]

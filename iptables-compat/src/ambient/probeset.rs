@@ -1,6 +1,6 @@
 //! The node's sets of ambient pod addresses the host-probe rule matches
 //! (`istio-inpod-probes-v4` / `-v6`): ipsets (`hash:ip` with comments, over netlink:
-//! [`crate::ipset`]) for iptables, sets in `inet istio-ambient-nat` for nftables. As
+//! [`crate::kernel::ipset`]) for iptables, sets in `inet istio-ambient-nat` for nftables. As
 //! Istio keeps them: each address carries its pod's uid as the comment; adding is an
 //! upsert (a newer pod with a reused address takes the entry over); removing deletes an
 //! address only while its comment is still this pod's uid. Runs in the calling thread's
@@ -8,10 +8,14 @@
 
 use std::{collections::BTreeSet, net::IpAddr};
 
+use super::{
+    config::{AmbientBackend, AmbientConfig},
+    constants::{PROBE_SET_V4, PROBE_SET_V6},
+    nft as anft,
+};
 use crate::{
-    ambient::{AmbientBackend, AmbientConfig, PROBE_SET_V4, PROBE_SET_V6, nft as anft},
-    ipset::{self, IpsetError},
-    nft_exec::{self, NftError},
+    kernel::ipset::{self, IpsetError},
+    nft::exec::{self, NftError},
 };
 
 /// Why a probe-set change failed.
@@ -67,7 +71,7 @@ impl ProbeSets {
                 }
             }
             AmbientBackend::Nftables => {
-                nft_exec::nft(&["-f", "-"], Some(&anft::render_probe_sets(self.ipv6)))?;
+                exec::nft(&["-f", "-"], Some(&anft::render_probe_sets(self.ipv6)))?;
             }
         }
         Ok(())
@@ -83,7 +87,7 @@ impl ProbeSets {
                     "add element inet {t} {s} {{ {ip} }}\ndelete element inet {t} {s} {{ {ip} }}\n\
                      add element inet {t} {s} {{ {ip} comment \"{c}\" }}\n"
                 );
-                nft_exec::nft(&["-f", "-"], Some(&tx))?;
+                exec::nft(&["-f", "-"], Some(&tx))?;
             }
         }
         Ok(())
@@ -110,7 +114,7 @@ impl ProbeSets {
             AmbientBackend::Iptables => ipset::del(set_of(ip), ip)?,
             AmbientBackend::Nftables => {
                 let tx = format!("delete element inet {} {} {{ {ip} }}\n", anft::TABLE_NAT, set_of(ip));
-                nft_exec::nft(&["-f", "-"], Some(&tx))?;
+                exec::nft(&["-f", "-"], Some(&tx))?;
             }
         }
         Ok(())
@@ -149,10 +153,10 @@ impl ProbeSets {
 
 /// The elements of an nft set, from `nft -j list set`; a missing table or set is empty.
 fn nft_entries(set: &'static str) -> Result<Vec<ProbeEntry>, ProbeSetError> {
-    if !nft_exec::inet_tables()?.iter().any(|t| t == anft::TABLE_NAT) {
+    if !exec::inet_tables()?.iter().any(|t| t == anft::TABLE_NAT) {
         return Ok(Vec::new());
     }
-    let listing = match nft_exec::nft(&["-j", "list", "set", "inet", anft::TABLE_NAT, set], None) {
+    let listing = match exec::nft(&["-j", "list", "set", "inet", anft::TABLE_NAT, set], None) {
         Ok(l) => l,
         Err(NftError::Failed { .. }) => return Ok(Vec::new()),
         Err(e) => return Err(e.into()),

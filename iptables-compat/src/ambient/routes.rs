@@ -4,10 +4,8 @@
 //! when `lo` has IPv6). Connections ztunnel accepted (connmark 0x111) route their
 //! replies back to the local stack.
 
-use crate::{
-    ambient::{INPOD_RULE_PRIORITY, INPOD_TPROXY_MARK, INPOD_TPROXY_MASK, ROUTE_TABLE_INBOUND},
-    netlink::{Family, MarkRule, Netlink, NetlinkError},
-};
+use super::constants::{INPOD_RULE_PRIORITY, INPOD_TPROXY_MARK, INPOD_TPROXY_MASK, ROUTE_TABLE_INBOUND};
+use crate::kernel::netlink::{Family, MarkRule, Netlink, NetlinkError};
 
 /// `fwmark 0x111/0xfff pref 32764 lookup 100`.
 pub const INPOD_ROUTE_RULE: MarkRule = MarkRule {

@@ -7,19 +7,30 @@
 use std::path::Path;
 
 use super::{
-    Action, ApplyPath, Backend, CaptureError, Report, check_names, dry_run, program_iptables,
-    program_iptables_from, program_nft_from, rollback_iptables,
+    dry_run::dry_run,
+    error::CaptureError,
+    fast_path,
+    iptables::{program_iptables, program_iptables_from},
+    names::check_names,
+    nft::program_nft_from,
+    report::Report,
+    rollback::rollback_iptables,
 };
 use crate::{
-    config::{CaptureConfig, RunOptions},
-    fast_path,
-    netlink::{Family, Netlink, NetlinkError},
+    inputs::config::{CaptureConfig, RunOptions},
+    iptables::{
+        plan::{self, RulePlan},
+        render,
+        state::{self, Verdict},
+        xtables::{Lock, SystemXtables, Xtables as _},
+    },
+    kernel::{
+        netlink::{Family, Netlink, NetlinkError},
+        routes,
+    },
     nft,
-    nft_exec::{Nft as _, SystemNft},
-    plan::{self, RulePlan},
-    render, routes,
-    state::{self, Verdict},
-    xtables::{Lock, SystemXtables, Xtables as _},
+    nft::exec::{Nft as _, SystemNft},
+    outcome::{Action, ApplyPath, Backend},
 };
 
 /// The whole run on the system: rules with the chosen backend, and routes. Runs in
@@ -39,7 +50,7 @@ fn program_here(cfg: &CaptureConfig, opts: &RunOptions) -> Result<Report, Captur
     if opts.cleanup_only {
         return remove_here(cfg, opts);
     }
-    check_names(cfg, &crate::detect::SystemFacts::default())?;
+    check_names(cfg, &crate::inputs::detect::SystemFacts::default())?;
     if opts.native_nftables {
         return apply_nft(cfg, opts);
     }
@@ -135,7 +146,7 @@ fn remove_here(cfg: &CaptureConfig, opts: &RunOptions) -> Result<Report, Capture
 }
 
 fn remove_nft() -> Result<Report, CaptureError> {
-    if crate::nft_exec::istio_tables_present()? {
+    if crate::nft::exec::istio_tables_present()? {
         SystemNft.apply(&nft::render_cleanup())?;
     }
     Ok(Report {

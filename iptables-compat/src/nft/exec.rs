@@ -7,7 +7,8 @@ use std::{
     process::{Command, Stdio},
 };
 
-use crate::{apply::ApplyPath, nft::NftTable, nft_batch, nft_wire};
+use super::{table::NftTable, wire};
+use crate::{kernel::nft_batch, outcome::ApplyPath};
 
 #[derive(Debug, thiserror::Error)]
 pub enum NftError {
@@ -87,8 +88,8 @@ pub(crate) fn nft(args: &[&str], stdin: Option<&str>) -> Result<String, NftError
 /// The inet tables present: read in process (no nft run), or from `nft list tables`
 /// if that probe fails.
 pub(crate) fn inet_tables() -> Result<Vec<String>, NftError> {
-    match crate::nf_probe::tables() {
-        Ok(t) => Ok(t.nft_in(crate::nf_probe::NFPROTO_INET).map(|t| t.table.clone()).collect()),
+    match crate::kernel::nf_probe::tables() {
+        Ok(t) => Ok(t.nft_in(crate::kernel::nf_probe::NFPROTO_INET).map(|t| t.table.clone()).collect()),
         Err(e) => {
             tracing::debug!(error = %e, "netfilter probe failed; asking nft");
             Ok(nft(&["list", "tables"], None)?
@@ -176,12 +177,12 @@ impl Nft for SystemNft {
         nft(&["-f", "-"], Some(tx)).map(drop)
     }
 
-    /// In process when [`nft_wire`] knows every line: the same messages `nft -f` would
+    /// In process when [`wire`] knows every line: the same messages `nft -f` would
     /// send, one batch, no process. A batch the kernel refuses changed nothing; `nft -f`
     /// then runs the same text (and reports in its own words if it fails too). A batch
     /// whose answer was lost may be in: that is an error, never a second try on top.
     fn apply_new(&mut self, tx: &str) -> Result<ApplyPath, NftError> {
-        match nft_wire::compile(tx) {
+        match wire::compile(tx) {
             Ok(batch) => match nft_batch::send(&batch) {
                 Ok(()) => {
                     tracing::info!(

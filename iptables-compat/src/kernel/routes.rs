@@ -4,10 +4,8 @@
 
 use std::net::{IpAddr, Ipv6Addr};
 
-use crate::{
-    config::{CaptureConfig, InterceptionMode},
-    netlink::{Family, Netlink, NetlinkError},
-};
+use super::netlink::{Family, Netlink, NetlinkError};
+use crate::inputs::config::{CaptureConfig, InterceptionMode};
 
 /// The IPv6 source address of Envoy's inbound passthrough (127.0.0.6's counterpart).
 pub const INBOUND_PASSTHROUGH_V6: Ipv6Addr = Ipv6Addr::new(0, 0, 0, 0, 0, 0, 0, 6);

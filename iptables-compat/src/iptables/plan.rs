@@ -4,9 +4,9 @@
 
 use std::fmt;
 
-use crate::{
+use crate::inputs::{
     config::{CaptureConfig, InboundPorts, InterceptionMode, OwnerGroups},
-    decisions::{Decisions, FamilyRanges},
+    decisions::{DNS_PROXY_PORT, Decisions, FamilyRanges, OUTBOUND_MARK},
 };
 
 /// The chains Istio creates.
@@ -22,11 +22,6 @@ pub mod chain {
     /// Every chain name Istio uses starts with this.
     pub const PREFIX: &str = "ISTIO_";
 }
-
-/// The agent's DNS listener port.
-pub const DNS_PROXY_PORT: &str = "15053";
-/// The mark Envoy's outbound traffic to the workload gets in TPROXY mode.
-pub const OUTBOUND_MARK: &str = "1338";
 
 /// Chains and targets built into iptables: never created or deleted.
 pub const BUILTIN: &[&str] =
@@ -162,18 +157,43 @@ pub(crate) const SPECIFIC: &str = "\u{0}family-specific";
 
 /// Generates Istio's iptables rules for `cfg`, in Istio's order.
 pub fn plan(cfg: &CaptureConfig) -> RulePlan {
-    use Table::*;
-    use chain::*;
     let d = Decisions::of(cfg);
     let mut b = Builder { plan: RulePlan { ipv6: cfg.enable_ipv6, ..Default::default() } };
     let tproxy = cfg.interception_mode == InterceptionMode::Tproxy;
     let lo4 = cfg.host_ipv4_loopback_cidr.to_string();
     let lo4 = lo4.as_str();
     let mark = cfg.tproxy_mark.to_string();
-    let proxy_port = cfg.proxy_port.to_string();
     let capture_port = cfg.inbound_capture_port.to_string();
     let tunnel_port = cfg.inbound_tunnel_port.to_string();
 
+    uncaptured_interfaces(&mut b, cfg, tproxy);
+    if cfg.drop_invalid {
+        invalid_drop(&mut b);
+    }
+    redirect_targets(&mut b, cfg, &tunnel_port, &capture_port);
+    inbound(&mut b, cfg, &mark, &capture_port, lo4);
+    output_entry(&mut b, cfg);
+    for uid in &cfg.proxy_uids {
+        proxy_uid(&mut b, &d, uid, lo4, &tunnel_port);
+    }
+    for gid in &cfg.proxy_gids {
+        proxy_gid(&mut b, &d, gid, lo4, &tunnel_port);
+    }
+    owner_groups(&mut b, cfg);
+    if d.redirect_dns {
+        dns(&mut b, cfg);
+    }
+    outbound_destinations(&mut b, cfg, &d, lo4);
+    if tproxy {
+        tproxy_marks(&mut b, cfg, &mark, lo4);
+    }
+    b.plan
+}
+
+/// Interfaces whose traffic is not captured: the excluded ones in neither direction
+/// (in mangle too for TPROXY), the virtual (VM) ones not as inbound.
+fn uncaptured_interfaces(b: &mut Builder, cfg: &CaptureConfig, tproxy: bool) {
+    use Table::*;
     // Excluded interfaces: neither direction captured.
     for nic in &cfg.exclude_interfaces {
         b.append("PREROUTING", Nat, &["-i", nic, "-j", "RETURN"]);
@@ -189,16 +209,32 @@ pub fn plan(cfg: &CaptureConfig) -> RulePlan {
     for nic in &cfg.reroute_virtual_interfaces {
         b.insert("PREROUTING", Nat, 1, &["-i", nic, "-j", "RETURN"]);
     }
-    if cfg.drop_invalid {
-        b.append("PREROUTING", Mangle, &["-m", "conntrack", "--ctstate", "INVALID", "-j", DROP]);
-        b.append(DROP, Mangle, &["-j", "DROP"]);
-    }
-    b.append(INBOUND, Nat, &["-p", "tcp", "--dport", &tunnel_port, "-j", "RETURN"]);
+}
+
+/// Conntrack-INVALID packets dropped (`--drop-invalid`).
+fn invalid_drop(b: &mut Builder) {
+    use Table::*;
+    use chain::*;
+    b.append("PREROUTING", Mangle, &["-m", "conntrack", "--ctstate", "INVALID", "-j", DROP]);
+    b.append(DROP, Mangle, &["-j", "DROP"]);
+}
+
+/// The tunnel port's exemption from inbound capture, and the two redirect chains'
+/// targets (Envoy's outbound and inbound ports).
+fn redirect_targets(b: &mut Builder, cfg: &CaptureConfig, tunnel_port: &str, capture_port: &str) {
+    use Table::*;
+    use chain::*;
+    let proxy_port = cfg.proxy_port.to_string();
+    b.append(INBOUND, Nat, &["-p", "tcp", "--dport", tunnel_port, "-j", "RETURN"]);
     b.append(REDIRECT, Nat, &["-p", "tcp", "-j", "REDIRECT", "--to-ports", &proxy_port]);
-    b.append(IN_REDIRECT, Nat, &["-p", "tcp", "-j", "REDIRECT", "--to-ports", &capture_port]);
+    b.append(IN_REDIRECT, Nat, &["-p", "tcp", "-j", "REDIRECT", "--to-ports", capture_port]);
+}
 
-    inbound(&mut b, cfg, &mark, &capture_port, lo4);
-
+/// OUTPUT into ISTIO_OUTPUT, the outbound ports never captured, and the inbound
+/// passthrough's own source address let through.
+fn output_entry(b: &mut Builder, cfg: &CaptureConfig) {
+    use Table::*;
+    use chain::*;
     b.append("OUTPUT", Nat, &["-j", OUTPUT]);
     for port in &cfg.outbound_ports_exclude {
         let port = port.to_string();
@@ -207,94 +243,44 @@ pub fn plan(cfg: &CaptureConfig) -> RulePlan {
     }
     // 127.0.0.6 / ::6 is the inbound passthrough cluster's source address.
     b.append_versioned("127.0.0.6/32", "::6/128", OUTPUT, Nat, &["-o", "lo", "-s", SPECIFIC, "-j", "RETURN"]);
+}
 
+/// One proxy uid's rules: the proxy's calls to itself through a service VIP go to
+/// Envoy's inbound, an app's calls to itself over lo are not captured (unless loopback
+/// was included), and the proxy's own traffic is never captured.
+fn proxy_uid(b: &mut Builder, d: &Decisions, uid: &str, lo4: &str, tunnel_port: &str) {
+    use Table::*;
+    use chain::*;
     let dns_and_tunnel = format!("53,{tunnel_port}");
-    for uid in &cfg.proxy_uids {
-        // Proxy → itself via a service VIP goes through Envoy's inbound.
-        if d.redirect_dns {
-            b.append_versioned(
-                lo4,
-                "::1/128",
-                OUTPUT,
-                Nat,
-                &[
-                    "-o",
-                    "lo",
-                    "!",
-                    "-d",
-                    SPECIFIC,
-                    "-p",
-                    "tcp",
-                    "-m",
-                    "multiport",
-                    "!",
-                    "--dports",
-                    &dns_and_tunnel,
-                    "-m",
-                    "owner",
-                    "--uid-owner",
-                    uid,
-                    "-j",
-                    IN_REDIRECT,
-                ],
-            );
-        } else {
-            b.append_versioned(
-                lo4,
-                "::1/128",
-                OUTPUT,
-                Nat,
-                &[
-                    "-o",
-                    "lo",
-                    "!",
-                    "-d",
-                    SPECIFIC,
-                    "-p",
-                    "tcp",
-                    "!",
-                    "--dport",
-                    &tunnel_port,
-                    "-m",
-                    "owner",
-                    "--uid-owner",
-                    uid,
-                    "-j",
-                    IN_REDIRECT,
-                ],
-            );
-        }
-        // App → itself over lo is not captured, unless loopback was included.
-        if !d.includes_loopback() {
-            if d.redirect_dns {
-                b.append(
-                    OUTPUT,
-                    Nat,
-                    &[
-                        "-o",
-                        "lo",
-                        "-p",
-                        "tcp",
-                        "!",
-                        "--dport",
-                        "53",
-                        "-m",
-                        "owner",
-                        "!",
-                        "--uid-owner",
-                        uid,
-                        "-j",
-                        "RETURN",
-                    ],
-                );
-            } else {
-                b.append(OUTPUT, Nat, &["-o", "lo", "-m", "owner", "!", "--uid-owner", uid, "-j", "RETURN"]);
-            }
-        }
-        // Never loop Envoy's own traffic back to Envoy.
-        b.append(OUTPUT, Nat, &["-m", "owner", "--uid-owner", uid, "-j", "RETURN"]);
-    }
-    for gid in &cfg.proxy_gids {
+    // Proxy → itself via a service VIP goes through Envoy's inbound.
+    if d.redirect_dns {
+        b.append_versioned(
+            lo4,
+            "::1/128",
+            OUTPUT,
+            Nat,
+            &[
+                "-o",
+                "lo",
+                "!",
+                "-d",
+                SPECIFIC,
+                "-p",
+                "tcp",
+                "-m",
+                "multiport",
+                "!",
+                "--dports",
+                &dns_and_tunnel,
+                "-m",
+                "owner",
+                "--uid-owner",
+                uid,
+                "-j",
+                IN_REDIRECT,
+            ],
+        );
+    } else {
         b.append_versioned(
             lo4,
             "::1/128",
@@ -310,44 +296,108 @@ pub fn plan(cfg: &CaptureConfig) -> RulePlan {
                 "tcp",
                 "!",
                 "--dport",
-                &tunnel_port,
+                tunnel_port,
                 "-m",
                 "owner",
-                "--gid-owner",
-                gid,
+                "--uid-owner",
+                uid,
                 "-j",
                 IN_REDIRECT,
             ],
         );
-        if !d.includes_loopback() {
-            if d.redirect_dns {
-                b.append(
-                    OUTPUT,
-                    Nat,
-                    &[
-                        "-o",
-                        "lo",
-                        "-p",
-                        "tcp",
-                        "!",
-                        "--dport",
-                        "53",
-                        "-m",
-                        "owner",
-                        "!",
-                        "--gid-owner",
-                        gid,
-                        "-j",
-                        "RETURN",
-                    ],
-                );
-            } else {
-                b.append(OUTPUT, Nat, &["-o", "lo", "-m", "owner", "!", "--gid-owner", gid, "-j", "RETURN"]);
-            }
-        }
-        b.append(OUTPUT, Nat, &["-m", "owner", "--gid-owner", gid, "-j", "RETURN"]);
     }
+    // App → itself over lo is not captured, unless loopback was included.
+    if !d.includes_loopback() {
+        if d.redirect_dns {
+            b.append(
+                OUTPUT,
+                Nat,
+                &[
+                    "-o",
+                    "lo",
+                    "-p",
+                    "tcp",
+                    "!",
+                    "--dport",
+                    "53",
+                    "-m",
+                    "owner",
+                    "!",
+                    "--uid-owner",
+                    uid,
+                    "-j",
+                    "RETURN",
+                ],
+            );
+        } else {
+            b.append(OUTPUT, Nat, &["-o", "lo", "-m", "owner", "!", "--uid-owner", uid, "-j", "RETURN"]);
+        }
+    }
+    // Never loop Envoy's own traffic back to Envoy.
+    b.append(OUTPUT, Nat, &["-m", "owner", "--uid-owner", uid, "-j", "RETURN"]);
+}
 
+/// One proxy gid's rules, as [`proxy_uid`]'s for a group.
+fn proxy_gid(b: &mut Builder, d: &Decisions, gid: &str, lo4: &str, tunnel_port: &str) {
+    use Table::*;
+    use chain::*;
+    b.append_versioned(
+        lo4,
+        "::1/128",
+        OUTPUT,
+        Nat,
+        &[
+            "-o",
+            "lo",
+            "!",
+            "-d",
+            SPECIFIC,
+            "-p",
+            "tcp",
+            "!",
+            "--dport",
+            tunnel_port,
+            "-m",
+            "owner",
+            "--gid-owner",
+            gid,
+            "-j",
+            IN_REDIRECT,
+        ],
+    );
+    if !d.includes_loopback() {
+        if d.redirect_dns {
+            b.append(
+                OUTPUT,
+                Nat,
+                &[
+                    "-o",
+                    "lo",
+                    "-p",
+                    "tcp",
+                    "!",
+                    "--dport",
+                    "53",
+                    "-m",
+                    "owner",
+                    "!",
+                    "--gid-owner",
+                    gid,
+                    "-j",
+                    "RETURN",
+                ],
+            );
+        } else {
+            b.append(OUTPUT, Nat, &["-o", "lo", "-m", "owner", "!", "--gid-owner", gid, "-j", "RETURN"]);
+        }
+    }
+    b.append(OUTPUT, Nat, &["-m", "owner", "--gid-owner", gid, "-j", "RETURN"]);
+}
+
+/// ISTIO_OUTBOUND_OWNER_GROUPS[_EXCLUDE]: the groups whose traffic is not captured.
+fn owner_groups(b: &mut Builder, cfg: &CaptureConfig) {
+    use Table::*;
+    use chain::*;
     match &cfg.owner_groups {
         OwnerGroups::AllExcept(groups) => {
             for group in groups {
@@ -363,11 +413,13 @@ pub fn plan(cfg: &CaptureConfig) -> RulePlan {
             b.append(OUTPUT, Nat, &params);
         }
     }
+}
 
-    if d.redirect_dns {
-        dns(&mut b, cfg);
-    }
-
+/// Outbound destinations: localhost and the excluded ranges let through, the included
+/// ports and ranges (per family) redirected to Envoy.
+fn outbound_destinations(b: &mut Builder, cfg: &CaptureConfig, d: &Decisions, lo4: &str) {
+    use Table::*;
+    use chain::*;
     // Envoy-aware apps and container-to-container traffic use localhost explicitly.
     b.append_versioned(lo4, "::1/128", OUTPUT, Nat, &["-d", SPECIFIC, "-j", "RETURN"]);
     for cidr in &d.exclude_v4 {
@@ -379,85 +431,88 @@ pub fn plan(cfg: &CaptureConfig) -> RulePlan {
     for port in &cfg.outbound_ports_include {
         b.append(OUTPUT, Nat, &["-p", "tcp", "--dport", &port.to_string(), "-j", REDIRECT]);
     }
-    outbound_include(&mut b, cfg, &d.include_v4, false);
-    outbound_include(&mut b, cfg, &d.include_v6, true);
+    outbound_include(b, cfg, &d.include_v4, false);
+    outbound_include(b, cfg, &d.include_v6, true);
+}
 
-    if tproxy {
-        // Save the mark set by envoy.filters.listener.original_src as the connection mark.
-        b.append(
-            "PREROUTING",
-            Mangle,
-            &["-p", "tcp", "-m", "mark", "--mark", &mark, "-j", "CONNMARK", "--save-mark"],
-        );
-        // Already marked: Envoy → app; do not mark again.
-        b.append("OUTPUT", Mangle, &["-p", "tcp", "-o", "lo", "-m", "mark", "--mark", &mark, "-j", "RETURN"]);
-        for uid in &cfg.proxy_uids {
-            b.append_versioned(
-                lo4,
-                "::1/128",
-                "OUTPUT",
-                Mangle,
-                &[
-                    "!",
-                    "-d",
-                    SPECIFIC,
-                    "-p",
-                    "tcp",
-                    "-o",
-                    "lo",
-                    "-m",
-                    "owner",
-                    "--uid-owner",
-                    uid,
-                    "-j",
-                    "MARK",
-                    "--set-mark",
-                    OUTBOUND_MARK,
-                ],
-            );
-        }
-        for gid in &cfg.proxy_gids {
-            b.append_versioned(
-                lo4,
-                "::1/128",
-                "OUTPUT",
-                Mangle,
-                &[
-                    "!",
-                    "-d",
-                    SPECIFIC,
-                    "-p",
-                    "tcp",
-                    "-o",
-                    "lo",
-                    "-m",
-                    "owner",
-                    "--gid-owner",
-                    gid,
-                    "-j",
-                    "MARK",
-                    "--set-mark",
-                    OUTBOUND_MARK,
-                ],
-            );
-        }
-        // Workload replies follow the TPROXY policy route.
-        b.append(
+/// TPROXY's marks: Envoy's mark saved as the connection mark and restored on the
+/// workload's replies, and the proxy's loopback traffic to the workload marked.
+fn tproxy_marks(b: &mut Builder, cfg: &CaptureConfig, mark: &str, lo4: &str) {
+    use Table::*;
+    use chain::*;
+    // Save the mark set by envoy.filters.listener.original_src as the connection mark.
+    b.append(
+        "PREROUTING",
+        Mangle,
+        &["-p", "tcp", "-m", "mark", "--mark", mark, "-j", "CONNMARK", "--save-mark"],
+    );
+    // Already marked: Envoy → app; do not mark again.
+    b.append("OUTPUT", Mangle, &["-p", "tcp", "-o", "lo", "-m", "mark", "--mark", mark, "-j", "RETURN"]);
+    for uid in &cfg.proxy_uids {
+        b.append_versioned(
+            lo4,
+            "::1/128",
             "OUTPUT",
             Mangle,
-            &["-p", "tcp", "-m", "connmark", "--mark", &mark, "-j", "CONNMARK", "--restore-mark"],
-        );
-        b.insert(INBOUND, Mangle, 1, &["-p", "tcp", "-m", "mark", "--mark", &mark, "-j", "RETURN"]);
-        b.insert_v4(INBOUND, Mangle, 2, &["-p", "tcp", "-s", "127.0.0.6/32", "-i", "lo", "-j", "RETURN"]);
-        b.insert_v6(INBOUND, Mangle, 2, &["-p", "tcp", "-s", "::6/128", "-i", "lo", "-j", "RETURN"]);
-        b.insert(
-            INBOUND,
-            Mangle,
-            3,
-            &["-p", "tcp", "-i", "lo", "-m", "mark", "!", "--mark", OUTBOUND_MARK, "-j", "RETURN"],
+            &[
+                "!",
+                "-d",
+                SPECIFIC,
+                "-p",
+                "tcp",
+                "-o",
+                "lo",
+                "-m",
+                "owner",
+                "--uid-owner",
+                uid,
+                "-j",
+                "MARK",
+                "--set-mark",
+                OUTBOUND_MARK,
+            ],
         );
     }
-    b.plan
+    for gid in &cfg.proxy_gids {
+        b.append_versioned(
+            lo4,
+            "::1/128",
+            "OUTPUT",
+            Mangle,
+            &[
+                "!",
+                "-d",
+                SPECIFIC,
+                "-p",
+                "tcp",
+                "-o",
+                "lo",
+                "-m",
+                "owner",
+                "--gid-owner",
+                gid,
+                "-j",
+                "MARK",
+                "--set-mark",
+                OUTBOUND_MARK,
+            ],
+        );
+    }
+    // Workload replies follow the TPROXY policy route.
+    b.append(
+        "OUTPUT",
+        Mangle,
+        &["-p", "tcp", "-m", "connmark", "--mark", mark, "-j", "CONNMARK", "--restore-mark"],
+    );
+    b.insert(INBOUND, Mangle, 1, &["-p", "tcp", "-m", "mark", "--mark", mark, "-j", "RETURN"]);
+    b.insert_v4(INBOUND, Mangle, 2, &["-p", "tcp", "-s", "127.0.0.6/32", "-i", "lo", "-j", "RETURN"]);
+    b.insert_v6(INBOUND, Mangle, 2, &["-p", "tcp", "-s", "::6/128", "-i", "lo", "-j", "RETURN"]);
+    b.insert(
+        INBOUND,
+        Mangle,
+        3,
+        &["-p", "tcp", "-i", "lo", "-m", "mark", "!", "--mark", OUTBOUND_MARK, "-j", "RETURN"],
+    );
 }
 
 fn inbound(b: &mut Builder, cfg: &CaptureConfig, mark: &str, capture_port: &str, lo4: &str) {

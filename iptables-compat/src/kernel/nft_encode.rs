@@ -1,7 +1,7 @@
 //! The pieces of nf_tables messages that Weir writes in process: netlink attributes,
 //! rule expressions (as nft and iptables-nft encode them), rule positions within one
-//! transaction, and the batch they make. [`crate::nft_wire`] (nft's text) and
-//! [`crate::xt_wire`] (iptables-nft's) compile into these; [`crate::nft_batch`] sends
+//! transaction, and the batch they make. [`crate::nft::wire`] (nft's text) and
+//! [`crate::iptables::xt_wire`] (iptables-nft's) compile into these; [`crate::kernel::nft_batch`] sends
 //! them.
 
 /// Why a transaction is left to the kernel tool (`nft -f`, `iptables-restore`).

@@ -406,7 +406,7 @@ mod tests {
 
     const SEQ: u32 = 7;
 
-    use crate::nft_encode::put as attr;
+    use crate::kernel::nft_encode::put as attr;
 
     /// A chain message's payload: nfgenmsg, table, handle, name, and a hook if `base`.
     fn chain(family: u8, table: &str, name: &str, base: bool) -> Vec<u8> {

@@ -2,14 +2,15 @@
 //! environment variables (flag > additional env > env > default, as pflag binding
 //! gives), turned into a validated [`CaptureConfig`] and [`RunOptions`].
 
-use std::time::Duration;
+use std::{net::IpAddr, time::Duration};
 
 use clap::Args;
 
-use crate::{
+use super::{
     config::{
-        CaptureConfig, ConfigError, InboundPorts, InterceptionMode, IpRanges, IptablesBackend, OwnerGroups,
-        RunOptions, parse_exclude_ranges, parse_interfaces, parse_loopback_cidr, parse_ports, split,
+        CaptureConfig, Cidr, ConfigError, InboundPorts, InterceptionMode, IpRanges, IptablesBackend,
+        OwnerGroups, PortSpec, RunOptions, parse_exclude_ranges, parse_interfaces, parse_loopback_cidr,
+        parse_ports, split,
     },
     detect::{self, HostFacts},
 };
@@ -134,6 +135,81 @@ struct Source<'a> {
     envs: &'static [&'static str],
 }
 
+/// A flag's [`Source`]: the flag's value, its names for errors, its variables.
+macro_rules! src {
+    ($flag:expr, $names:literal, [$($env:literal),*]) => {
+        Source { flag: &$flag, names: $names, envs: &[$($env),*] }
+    };
+}
+
+/// The environment a resolve reads, and each kind of value read from a [`Source`]
+/// (flag > additional env > env > default).
+struct Env<'a>(&'a dyn Fn(&str) -> Option<String>);
+
+impl Env<'_> {
+    fn get(&self, name: &str) -> Option<String> {
+        (self.0)(name)
+    }
+
+    /// `(input, value)`: the names (and variable) the value came from, and the value.
+    fn value(&self, s: Source<'_>) -> Option<(String, String)> {
+        // pflag binding: the primary env, then the additional env, then the flag.
+        if let Some(v) = s.flag {
+            return Some((s.names.to_string(), v.clone()));
+        }
+        s.envs.iter().rev().find_map(|e| self.get(e).map(|v| (format!("{} (env {e})", s.names), v)))
+    }
+
+    fn text(&self, s: Source<'_>, default: &str) -> (String, String) {
+        let names = s.names;
+        self.value(s).unwrap_or_else(|| (names.to_string(), default.to_string()))
+    }
+
+    fn boolean(&self, s: Source<'_>) -> Result<bool, ConfigError> {
+        match self.value(s) {
+            None => Ok(false),
+            Some((input, v)) => parse_bool(&v).ok_or_else(|| ConfigError::new(input, v, "true or false")),
+        }
+    }
+
+    fn port(&self, s: Source<'_>, default: &str) -> Result<u16, ConfigError> {
+        let (input, v) = self.text(s, default);
+        v.trim()
+            .parse::<u16>()
+            .ok()
+            .filter(|p| *p != 0)
+            .ok_or_else(|| ConfigError::new(input, v, "a port 1-65535"))
+    }
+
+    fn number(&self, s: Source<'_>, default: &str) -> Result<u32, ConfigError> {
+        let (input, v) = self.text(s, default);
+        v.trim().parse::<u32>().map_err(|_| ConfigError::new(input, v, "a non-negative integer"))
+    }
+
+    fn interfaces(&self, s: Source<'_>) -> Result<Vec<String>, ConfigError> {
+        let (input, v) = self.text(s, "");
+        parse_interfaces(&input, &v)
+    }
+}
+
+/// The run options read from flags before the pod's facts are detected.
+struct Tooling {
+    force_iptables_binary: Option<IptablesBackend>,
+    probe_port: u16,
+    probe_timeout: Duration,
+    network_namespace: Option<std::path::PathBuf>,
+}
+
+/// What is detected rather than given: the pod's address and whether IPv6 is in use
+/// (from its addresses), and the DNS servers (from resolv.conf, when DNS is captured
+/// but not all of it).
+struct Detected {
+    host_ip: IpAddr,
+    enable_ipv6: bool,
+    dns_servers_v4: Vec<String>,
+    dns_servers_v6: Vec<String>,
+}
+
 impl IstioIptablesArgs {
     /// Resolves flags, the environment (`env`) and detected facts into a validated
     /// configuration. Every error names the flag or variable and the expected form.
@@ -142,168 +218,46 @@ impl IstioIptablesArgs {
         env: &dyn Fn(&str) -> Option<String>,
         facts: &dyn HostFacts,
     ) -> Result<(CaptureConfig, RunOptions), ConfigError> {
-        // pflag binding: the primary env, then the additional env, then the flag.
-        let value = |s: Source<'_>| -> Option<(String, String)> {
-            if let Some(v) = s.flag {
-                return Some((s.names.to_string(), v.clone()));
-            }
-            s.envs.iter().rev().find_map(|e| env(e).map(|v| (format!("{} (env {e})", s.names), v)))
-        };
-        let text = |s: Source<'_>, default: &str| -> (String, String) {
-            let names = s.names;
-            value(s).unwrap_or_else(|| (names.to_string(), default.to_string()))
-        };
-        let boolean = |s: Source<'_>| -> Result<bool, ConfigError> {
-            match value(s) {
-                None => Ok(false),
-                Some((input, v)) => parse_bool(&v).ok_or_else(|| ConfigError::new(input, v, "true or false")),
-            }
-        };
-        let port = |s: Source<'_>, default: &str| -> Result<u16, ConfigError> {
-            let (input, v) = text(s, default);
-            v.trim()
-                .parse::<u16>()
-                .ok()
-                .filter(|p| *p != 0)
-                .ok_or_else(|| ConfigError::new(input, v, "a port 1-65535"))
-        };
-        let number = |s: Source<'_>, default: &str| -> Result<u32, ConfigError> {
-            let (input, v) = text(s, default);
-            v.trim().parse::<u32>().map_err(|_| ConfigError::new(input, v, "a non-negative integer"))
-        };
-        macro_rules! src {
-            ($field:ident, $names:literal, [$($env:literal),*]) => {
-                Source { flag: &self.$field, names: $names, envs: &[$($env),*] }
-            };
-        }
-
-        let proxy_port = port(src!(envoy_port, "-p/--envoy-port", []), "15001")?;
-        let inbound_capture_port =
-            port(src!(inbound_capture_port, "-z/--inbound-capture-port", ["INBOUND_CAPTURE_PORT"]), "15006")?;
-        let inbound_tunnel_port =
-            port(src!(inbound_tunnel_port, "-e/--inbound-tunnel-port", ["INBOUND_TUNNEL_PORT"]), "15008")?;
-
-        let (uid_input, uids) = text(src!(proxy_uid, "-u/--proxy-uid", ["PROXY_UID"]), "");
-        let uids = if uids.is_empty() {
-            // Default to ENVOY_USER's uid, else 1337.
-            let user = env("ENVOY_USER").unwrap_or_else(|| "istio-proxy".into());
-            facts.user_id(&user).map(|u| u.to_string()).unwrap_or_else(|| "1337".into())
-        } else {
-            uids
-        };
-        // Names stay names: the kernel's tools resolve them when the rules go in
-        // (`apply::check_names` names an unknown one first), so a dry run is the
-        // same on any host.
-        let proxy_uids: Vec<String> = split(&uids).into_iter().map(String::from).collect();
-        if proxy_uids.is_empty() {
-            return Err(ConfigError::new(uid_input, uids, "a uid or user name (comma-separated)"));
-        }
-        let (_, gids) = text(src!(proxy_gid, "-g/--proxy-gid", ["PROXY_GID"]), "");
-        let gids = if gids.is_empty() { uids.clone() } else { gids };
-        let proxy_gids: Vec<String> = split(&gids).into_iter().map(String::from).collect();
-
-        let (input, mode) =
-            text(src!(mode, "-m/--istio-inbound-interception-mode", ["ISTIO_INBOUND_INTERCEPTION_MODE"]), "");
-        let interception_mode = InterceptionMode::parse(&input, &mode)?;
-        let tproxy_mark = number(
-            src!(tproxy_mark, "-t/--istio-inbound-tproxy-mark", ["ISTIO_INBOUND_TPROXY_MARK"]),
-            "1337",
-        )?;
-        let tproxy_route_table = number(
-            src!(
-                tproxy_route_table,
-                "-r/--istio-inbound-tproxy-route-table",
-                ["ISTIO_INBOUND_TPROXY_ROUTE_TABLE"]
-            ),
-            "133",
-        )?;
-
-        let (input, v) = text(src!(inbound_ports, "-b/--istio-inbound-ports", ["ISTIO_INBOUND_PORTS"]), "");
-        let inbound_ports = InboundPorts::parse(&input, &v)?;
-        let (input, v) = text(
-            src!(inbound_ports_exclude, "-d/--istio-local-exclude-ports", ["ISTIO_LOCAL_EXCLUDE_PORTS"]),
-            "",
-        );
-        let inbound_ports_exclude = parse_ports(&input, &v)?;
-        let (input, v) =
-            text(src!(outbound_ports_include, "-q/--istio-outbound-ports", ["ISTIO_OUTBOUND_PORTS"]), "");
-        let outbound_ports_include = parse_ports(&input, &v)?;
-        let (input, v) = text(
-            src!(
-                outbound_ports_exclude,
-                "-o/--istio-local-outbound-ports-exclude",
-                ["ISTIO_LOCAL_OUTBOUND_PORTS_EXCLUDE"]
-            ),
-            "",
-        );
-        let outbound_ports_exclude = parse_ports(&input, &v)?;
-        let (input, v) = text(src!(outbound_include, "-i/--istio-service-cidr", ["ISTIO_SERVICE_CIDR"]), "");
-        let outbound_ip_ranges_include = IpRanges::parse(&input, &v)?;
-        let (input, v) = text(
-            src!(outbound_exclude, "-x/--istio-service-exclude-cidr", ["ISTIO_SERVICE_EXCLUDE_CIDR"]),
-            "",
-        );
-        let outbound_ip_ranges_exclude = parse_exclude_ranges(&input, &v)?;
-        let interfaces = |s: Source<'_>| -> Result<Vec<String>, ConfigError> {
-            let (input, v) = text(s, "");
-            parse_interfaces(&input, &v)
-        };
-        let exclude_interfaces = interfaces(src!(
-            exclude_interfaces,
+        // Values are read in this order, so of several bad ones the first is reported.
+        let env = Env(env);
+        let (proxy_port, inbound_capture_port, inbound_tunnel_port) = self.listener_ports(&env)?;
+        let (proxy_uids, proxy_gids) = self.proxy_ids(&env, facts)?;
+        let (interception_mode, tproxy_mark, tproxy_route_table) = self.interception(&env)?;
+        let (inbound_ports, inbound_ports_exclude) = self.inbound_ports(&env)?;
+        let (outbound_ports_include, outbound_ports_exclude) = self.outbound_ports(&env)?;
+        let (outbound_ip_ranges_include, outbound_ip_ranges_exclude) = self.outbound_ranges(&env)?;
+        let exclude_interfaces = env.interfaces(src!(
+            self.exclude_interfaces,
             "-c/--istio-exclude-interfaces",
             ["ISTIO_EXCLUDE_INTERFACES"]
         ))?;
-        let reroute_virtual_interfaces =
-            interfaces(src!(kube_virt_interfaces, "-k/--kube-virt-interfaces", ["KUBE_VIRT_INTERFACES"]))?;
+        let reroute_virtual_interfaces = env.interfaces(src!(
+            self.kube_virt_interfaces,
+            "-k/--kube-virt-interfaces",
+            ["KUBE_VIRT_INTERFACES"]
+        ))?;
 
-        let redirect_dns =
-            boolean(src!(redirect_dns, "--redirect-dns", ["REDIRECT_DNS", "ISTIO_META_DNS_CAPTURE"]))?;
-        let capture_all_dns = boolean(src!(capture_all_dns, "--capture-all-dns", ["CAPTURE_ALL_DNS"]))?;
-        let drop_invalid = boolean(src!(drop_invalid, "--drop-invalid", ["DROP_INVALID", "INVALID_DROP"]))?;
-        let dual_stack = boolean(src!(dual_stack, "--dual-stack", ["DUAL_STACK", "ISTIO_DUAL_STACK"]))?;
+        let redirect_dns = env.boolean(src!(
+            self.redirect_dns,
+            "--redirect-dns",
+            ["REDIRECT_DNS", "ISTIO_META_DNS_CAPTURE"]
+        ))?;
+        let capture_all_dns =
+            env.boolean(src!(self.capture_all_dns, "--capture-all-dns", ["CAPTURE_ALL_DNS"]))?;
+        let drop_invalid =
+            env.boolean(src!(self.drop_invalid, "--drop-invalid", ["DROP_INVALID", "INVALID_DROP"]))?;
+        let dual_stack =
+            env.boolean(src!(self.dual_stack, "--dual-stack", ["DUAL_STACK", "ISTIO_DUAL_STACK"]))?;
 
         let owner_groups = OwnerGroups::from_env(
-            &env("ISTIO_OUTBOUND_OWNER_GROUPS").unwrap_or_else(|| "*".into()),
-            &env("ISTIO_OUTBOUND_OWNER_GROUPS_EXCLUDE").unwrap_or_default(),
+            &env.get("ISTIO_OUTBOUND_OWNER_GROUPS").unwrap_or_else(|| "*".into()),
+            &env.get("ISTIO_OUTBOUND_OWNER_GROUPS_EXCLUDE").unwrap_or_default(),
         )?;
         let host_ipv4_loopback_cidr = parse_loopback_cidr(
-            &env("ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR").unwrap_or_else(|| "127.0.0.1/32".into()),
+            &env.get("ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR").unwrap_or_else(|| "127.0.0.1/32".into()),
         )?;
-
-        let (input, v) =
-            text(src!(force_iptables_binary, "--force-iptables-binary", ["FORCE_IPTABLES_BINARY"]), "");
-        let force_iptables_binary = IptablesBackend::parse(&input, &v)?;
-        let (input, v) = text(src!(probe_port, "--iptables-probe-port", ["IPTABLES_PROBE_PORT"]), "15002");
-        let probe_port = v.trim().parse::<u16>().map_err(|_| ConfigError::new(input, v, "a port 0-65535"))?;
-        let (input, v) = text(src!(probe_timeout, "--probe-timeout", ["PROBE_TIMEOUT"]), "5s");
-        let probe_timeout = parse_go_duration(&v)
-            .ok_or_else(|| ConfigError::new(input, v, "a duration such as 5s or 500ms"))?;
-        let (_, netns) = text(src!(network_namespace, "--network-namespace", ["NETWORK_NAMESPACE"]), "");
-        let network_namespace = (!netns.is_empty()).then(|| std::path::PathBuf::from(netns));
-
-        // Detected, as Istio does: IPv6 from the pod's addresses, DNS servers from resolv.conf.
-        let addresses = facts.addresses().map_err(|e| {
-            ConfigError::new("local interface addresses", e.to_string(), "readable addresses")
-        })?;
-        let (host_ip, enable_ipv6) = detect::local_ip(&addresses, dual_stack).ok_or_else(|| {
-            ConfigError::new(
-                "local interface addresses",
-                format!("{addresses:?}"),
-                "at least one non-loopback, non-link-local address",
-            )
-        })?;
-        let (dns_servers_v4, dns_servers_v6) = if redirect_dns && !capture_all_dns {
-            let text = facts.resolv_conf().map_err(|e| {
-                ConfigError::new(
-                    "/etc/resolv.conf",
-                    e.to_string(),
-                    "a readable resolv.conf (needed by --redirect-dns)",
-                )
-            })?;
-            detect::resolv_conf_servers(&text)
-        } else {
-            (Vec::new(), Vec::new())
-        };
+        let tooling = self.tooling(&env)?;
+        let detected = detect_facts(facts, dual_stack, redirect_dns && !capture_all_dns)?;
 
         let cfg = CaptureConfig {
             proxy_port,
@@ -326,28 +280,174 @@ impl IstioIptablesArgs {
             redirect_dns,
             capture_all_dns,
             drop_invalid,
-            enable_ipv6,
-            dns_servers_v4,
-            dns_servers_v6,
+            enable_ipv6: detected.enable_ipv6,
+            dns_servers_v4: detected.dns_servers_v4,
+            dns_servers_v6: detected.dns_servers_v6,
             host_ipv4_loopback_cidr,
         };
-        let opts = RunOptions {
-            dry_run: boolean(src!(dry_run, "-n/--dry-run", ["DRY_RUN"]))?,
-            reconcile: boolean(src!(reconcile, "--reconcile", ["RECONCILE"]))?,
-            cleanup_only: boolean(src!(cleanup_only, "--cleanup-only", ["CLEANUP_ONLY"]))?,
-            force_apply: boolean(src!(force_apply, "--force-apply", ["FORCE_APPLY"]))?,
-            native_nftables: boolean(src!(native_nftables, "--native-nftables", ["NATIVE_NFTABLES"]))?,
+        let opts = self.run_options(&env, tooling, detected.host_ip)?;
+        Ok((cfg, opts))
+    }
+
+    /// Envoy's outbound port, its inbound capture port and the inbound tunnel port.
+    fn listener_ports(&self, env: &Env<'_>) -> Result<(u16, u16, u16), ConfigError> {
+        let proxy_port = env.port(src!(self.envoy_port, "-p/--envoy-port", []), "15001")?;
+        let inbound_capture_port = env.port(
+            src!(self.inbound_capture_port, "-z/--inbound-capture-port", ["INBOUND_CAPTURE_PORT"]),
+            "15006",
+        )?;
+        let inbound_tunnel_port = env.port(
+            src!(self.inbound_tunnel_port, "-e/--inbound-tunnel-port", ["INBOUND_TUNNEL_PORT"]),
+            "15008",
+        )?;
+        Ok((proxy_port, inbound_capture_port, inbound_tunnel_port))
+    }
+
+    /// The proxy's uids (default: ENVOY_USER's, else 1337) and gids (default: as the uids).
+    fn proxy_ids(
+        &self,
+        env: &Env<'_>,
+        facts: &dyn HostFacts,
+    ) -> Result<(Vec<String>, Vec<String>), ConfigError> {
+        let (uid_input, uids) = env.text(src!(self.proxy_uid, "-u/--proxy-uid", ["PROXY_UID"]), "");
+        let uids = if uids.is_empty() {
+            // Default to ENVOY_USER's uid, else 1337.
+            let user = env.get("ENVOY_USER").unwrap_or_else(|| "istio-proxy".into());
+            facts.user_id(&user).map(|u| u.to_string()).unwrap_or_else(|| "1337".into())
+        } else {
+            uids
+        };
+        // Names stay names: the kernel's tools resolve them when the rules go in
+        // (`apply::check_names` names an unknown one first), so a dry run is the
+        // same on any host.
+        let proxy_uids: Vec<String> = split(&uids).into_iter().map(String::from).collect();
+        if proxy_uids.is_empty() {
+            return Err(ConfigError::new(uid_input, uids, "a uid or user name (comma-separated)"));
+        }
+        let (_, gids) = env.text(src!(self.proxy_gid, "-g/--proxy-gid", ["PROXY_GID"]), "");
+        let gids = if gids.is_empty() { uids.clone() } else { gids };
+        let proxy_gids: Vec<String> = split(&gids).into_iter().map(String::from).collect();
+        Ok((proxy_uids, proxy_gids))
+    }
+
+    /// The inbound interception mode, and TPROXY's mark and route table.
+    fn interception(&self, env: &Env<'_>) -> Result<(InterceptionMode, u32, u32), ConfigError> {
+        let (input, mode) = env.text(
+            src!(self.mode, "-m/--istio-inbound-interception-mode", ["ISTIO_INBOUND_INTERCEPTION_MODE"]),
+            "",
+        );
+        let interception_mode = InterceptionMode::parse(&input, &mode)?;
+        let tproxy_mark = env.number(
+            src!(self.tproxy_mark, "-t/--istio-inbound-tproxy-mark", ["ISTIO_INBOUND_TPROXY_MARK"]),
+            "1337",
+        )?;
+        let tproxy_route_table = env.number(
+            src!(
+                self.tproxy_route_table,
+                "-r/--istio-inbound-tproxy-route-table",
+                ["ISTIO_INBOUND_TPROXY_ROUTE_TABLE"]
+            ),
+            "133",
+        )?;
+        Ok((interception_mode, tproxy_mark, tproxy_route_table))
+    }
+
+    /// The inbound ports captured, and those excluded when all are.
+    fn inbound_ports(&self, env: &Env<'_>) -> Result<(InboundPorts, Vec<PortSpec>), ConfigError> {
+        let (input, v) =
+            env.text(src!(self.inbound_ports, "-b/--istio-inbound-ports", ["ISTIO_INBOUND_PORTS"]), "");
+        let inbound_ports = InboundPorts::parse(&input, &v)?;
+        let (input, v) = env.text(
+            src!(self.inbound_ports_exclude, "-d/--istio-local-exclude-ports", ["ISTIO_LOCAL_EXCLUDE_PORTS"]),
+            "",
+        );
+        let inbound_ports_exclude = parse_ports(&input, &v)?;
+        Ok((inbound_ports, inbound_ports_exclude))
+    }
+
+    /// The outbound ports always captured, and those never captured.
+    fn outbound_ports(&self, env: &Env<'_>) -> Result<(Vec<PortSpec>, Vec<PortSpec>), ConfigError> {
+        let (input, v) = env.text(
+            src!(self.outbound_ports_include, "-q/--istio-outbound-ports", ["ISTIO_OUTBOUND_PORTS"]),
+            "",
+        );
+        let outbound_ports_include = parse_ports(&input, &v)?;
+        let (input, v) = env.text(
+            src!(
+                self.outbound_ports_exclude,
+                "-o/--istio-local-outbound-ports-exclude",
+                ["ISTIO_LOCAL_OUTBOUND_PORTS_EXCLUDE"]
+            ),
+            "",
+        );
+        let outbound_ports_exclude = parse_ports(&input, &v)?;
+        Ok((outbound_ports_include, outbound_ports_exclude))
+    }
+
+    /// The outbound address ranges captured, and those excluded.
+    fn outbound_ranges(&self, env: &Env<'_>) -> Result<(IpRanges, Vec<Cidr>), ConfigError> {
+        let (input, v) =
+            env.text(src!(self.outbound_include, "-i/--istio-service-cidr", ["ISTIO_SERVICE_CIDR"]), "");
+        let outbound_ip_ranges_include = IpRanges::parse(&input, &v)?;
+        let (input, v) = env.text(
+            src!(self.outbound_exclude, "-x/--istio-service-exclude-cidr", ["ISTIO_SERVICE_EXCLUDE_CIDR"]),
+            "",
+        );
+        let outbound_ip_ranges_exclude = parse_exclude_ranges(&input, &v)?;
+        Ok((outbound_ip_ranges_include, outbound_ip_ranges_exclude))
+    }
+
+    /// The iptables flavour, the validation probe's port and timeout, and the network
+    /// namespace to program.
+    fn tooling(&self, env: &Env<'_>) -> Result<Tooling, ConfigError> {
+        let (input, v) = env
+            .text(src!(self.force_iptables_binary, "--force-iptables-binary", ["FORCE_IPTABLES_BINARY"]), "");
+        let force_iptables_binary = IptablesBackend::parse(&input, &v)?;
+        let (input, v) =
+            env.text(src!(self.probe_port, "--iptables-probe-port", ["IPTABLES_PROBE_PORT"]), "15002");
+        let probe_port = v.trim().parse::<u16>().map_err(|_| ConfigError::new(input, v, "a port 0-65535"))?;
+        let (input, v) = env.text(src!(self.probe_timeout, "--probe-timeout", ["PROBE_TIMEOUT"]), "5s");
+        let probe_timeout = parse_go_duration(&v)
+            .ok_or_else(|| ConfigError::new(input, v, "a duration such as 5s or 500ms"))?;
+        let (_, netns) =
+            env.text(src!(self.network_namespace, "--network-namespace", ["NETWORK_NAMESPACE"]), "");
+        let network_namespace = (!netns.is_empty()).then(|| std::path::PathBuf::from(netns));
+        Ok(Tooling { force_iptables_binary, probe_port, probe_timeout, network_namespace })
+    }
+
+    /// How the rules are run: the switches, then what [`Self::tooling`] read and the
+    /// detected address.
+    fn run_options(
+        &self,
+        env: &Env<'_>,
+        tooling: Tooling,
+        host_ip: IpAddr,
+    ) -> Result<RunOptions, ConfigError> {
+        let Tooling { force_iptables_binary, probe_port, probe_timeout, network_namespace } = tooling;
+        Ok(RunOptions {
+            dry_run: env.boolean(src!(self.dry_run, "-n/--dry-run", ["DRY_RUN"]))?,
+            reconcile: env.boolean(src!(self.reconcile, "--reconcile", ["RECONCILE"]))?,
+            cleanup_only: env.boolean(src!(self.cleanup_only, "--cleanup-only", ["CLEANUP_ONLY"]))?,
+            force_apply: env.boolean(src!(self.force_apply, "--force-apply", ["FORCE_APPLY"]))?,
+            native_nftables: env.boolean(src!(
+                self.native_nftables,
+                "--native-nftables",
+                ["NATIVE_NFTABLES"]
+            ))?,
             force_iptables_binary,
-            run_validation: boolean(src!(run_validation, "--run-validation", ["RUN_VALIDATION"]))?,
-            skip_rule_apply: boolean(src!(skip_rule_apply, "--skip-rule-apply", ["SKIP_RULE_APPLY"]))?,
+            run_validation: env.boolean(src!(self.run_validation, "--run-validation", ["RUN_VALIDATION"]))?,
+            skip_rule_apply: env.boolean(src!(
+                self.skip_rule_apply,
+                "--skip-rule-apply",
+                ["SKIP_RULE_APPLY"]
+            ))?,
             probe_port,
             probe_timeout,
             network_namespace,
-            cni_mode: boolean(src!(cni_mode, "--cni-mode", ["CNI_MODE"]))?,
+            cni_mode: env.boolean(src!(self.cni_mode, "--cni-mode", ["CNI_MODE"]))?,
             host_ip: Some(host_ip),
-            dry_run_file: env("DRY_RUN_FILE_PATH").filter(|p| !p.is_empty()).map(Into::into),
-        };
-        Ok((cfg, opts))
+            dry_run_file: env.get("DRY_RUN_FILE_PATH").filter(|p| !p.is_empty()).map(Into::into),
+        })
     }
 
     /// The process-wide log level from `--log_output_level` (`default:<level>`).
@@ -358,6 +458,38 @@ impl IstioIptablesArgs {
             (name == "default" || name == "all").then(|| level.to_string())
         })
     }
+}
+
+/// Detected, as Istio does: IPv6 from the pod's addresses, DNS servers from
+/// resolv.conf (read only when `read_resolv_conf`).
+fn detect_facts(
+    facts: &dyn HostFacts,
+    dual_stack: bool,
+    read_resolv_conf: bool,
+) -> Result<Detected, ConfigError> {
+    let addresses = facts
+        .addresses()
+        .map_err(|e| ConfigError::new("local interface addresses", e.to_string(), "readable addresses"))?;
+    let (host_ip, enable_ipv6) = detect::local_ip(&addresses, dual_stack).ok_or_else(|| {
+        ConfigError::new(
+            "local interface addresses",
+            format!("{addresses:?}"),
+            "at least one non-loopback, non-link-local address",
+        )
+    })?;
+    let (dns_servers_v4, dns_servers_v6) = if read_resolv_conf {
+        let text = facts.resolv_conf().map_err(|e| {
+            ConfigError::new(
+                "/etc/resolv.conf",
+                e.to_string(),
+                "a readable resolv.conf (needed by --redirect-dns)",
+            )
+        })?;
+        detect::resolv_conf_servers(&text)
+    } else {
+        (Vec::new(), Vec::new())
+    };
+    Ok(Detected { host_ip, enable_ipv6, dns_servers_v4, dns_servers_v6 })
 }
 
 /// pflag's boolean forms.

@@ -16,7 +16,7 @@ use std::{
     process::Command,
 };
 
-use super::Binaries;
+use super::binaries::Binaries;
 
 /// Seconds to wait for the xtables lock, as Istio.
 pub const LOCK_WAIT_SECS: u32 = 30;

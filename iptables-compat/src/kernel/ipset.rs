@@ -160,7 +160,7 @@ fn message(cmd: u16, flags: u16, family: u8, attrs: &Attrs, seq: u32) -> Vec<u8>
 }
 
 fn socket(what: &str) -> Result<OwnedFd, IpsetError> {
-    crate::nf_probe::netfilter_socket()
+    crate::kernel::nf_probe::netfilter_socket()
         .map_err(|source| IpsetError::Io { what: format!("{what}: open a netfilter netlink socket"), source })
 }
 

@@ -1,108 +1,19 @@
-//! Running iptables: choosing the binaries the way Istio does (legacy if it already
-//! holds rules, else nft, else plain `iptables`; or what FORCE_IPTABLES_BINARY says),
-//! the xtables lock ([`lock`]), and an executor interface with two implementations:
-//! the system's binaries, and a recorder that writes Istio's dry-run transcript
-//! instead.
-
-mod lock;
+//! The system's iptables binaries ([`SystemXtables`]): chosen the way Istio chooses
+//! them (legacy if it already holds rules, else nft, else plain `iptables`; or what
+//! FORCE_IPTABLES_BINARY says, each probed with a harmless test rule), and run,
+//! confined as the lock says ([`super::lock`]), with xtables' exit status named.
 
 use std::{
     io::Write as _,
     process::{Child, Command, Stdio},
 };
 
-pub use lock::{Confinement, LOCK_WAIT_SECS, LOCKFILE_ENV_VERSION, Lock, NODE_LOCK};
-
-use crate::{config::IptablesBackend, netlink::Family};
-
-/// A failed iptables command, with xtables' exit status named.
-#[derive(Debug, thiserror::Error)]
-pub enum XtablesError {
-    #[error("{command}: {kind}: {stderr}")]
-    Failed { command: String, kind: String, stderr: String },
-    #[error("run {command}")]
-    Spawn {
-        command: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("no usable {family} binary: {reason}")]
-    NotFound { family: &'static str, reason: String },
-}
-
-/// Executes iptables commands for one namespace.
-pub trait Xtables {
-    /// `iptables-save` output, `None` when it fails.
-    fn save(&mut self, family: Family) -> Option<String>;
-    /// `iptables-restore [--noflush]` with `input` on stdin.
-    fn restore(&mut self, family: Family, input: &str, noflush: bool) -> Result<(), XtablesError>;
-    /// `iptables <args>`.
-    fn run(&mut self, family: Family, args: &[String]) -> Result<(), XtablesError>;
-    /// Whether this executor changes anything (false for the dry-run recorder).
-    fn is_real(&self) -> bool;
-}
-
-/// Records commands as Istio's DependenciesStub does: the binary and its arguments, or
-/// for restores the stdin lines. `save` returns an empty state.
-#[derive(Debug, Default)]
-pub struct Recorder {
-    pub lines: Vec<String>,
-}
-
-impl Recorder {
-    fn name(family: Family, suffix: &str) -> String {
-        let base = if family == Family::V4 { "iptables" } else { "ip6tables" };
-        format!("{base}{suffix}")
-    }
-
-    /// The transcript, one command or stdin line per line.
-    pub fn transcript(&self) -> String {
-        let mut out = self.lines.join("\n");
-        out.push('\n');
-        out
-    }
-}
-
-impl Xtables for Recorder {
-    fn save(&mut self, family: Family) -> Option<String> {
-        self.lines.push(Self::name(family, "-save"));
-        Some(String::new())
-    }
-    fn restore(&mut self, _family: Family, input: &str, _noflush: bool) -> Result<(), XtablesError> {
-        self.lines.extend(input.lines().map(String::from));
-        Ok(())
-    }
-    fn run(&mut self, family: Family, args: &[String]) -> Result<(), XtablesError> {
-        let mut line = Self::name(family, "");
-        for a in args {
-            line.push(' ');
-            line.push_str(a);
-        }
-        self.lines.push(line);
-        Ok(())
-    }
-    fn is_real(&self) -> bool {
-        false
-    }
-}
-
-/// One family's detected binaries.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Binaries {
-    pub iptables: String,
-    pub save: String,
-    pub restore: String,
-    pub version: (u32, u32, u32),
-    pub legacy: bool,
-    pub existing_rules: bool,
-}
-
-impl Binaries {
-    /// Whether writes take the xtables lock (`--wait`): legacy ≥ 1.6.2 only.
-    pub fn needs_lock(&self) -> bool {
-        self.legacy && self.version >= (1, 6, 2)
-    }
-}
+use super::{
+    binaries::{Binaries, has_rules, parse_version},
+    executor::{Xtables, XtablesError},
+    lock::{Confinement, Lock, NODE_LOCK},
+};
+use crate::{inputs::config::IptablesBackend, kernel::netlink::Family};
 
 /// The system's iptables binaries.
 #[derive(Debug)]
@@ -266,33 +177,6 @@ impl Xtables for SystemXtables {
     }
 }
 
-/// Parses `vX.Y.Z` out of `iptables-save --version` output.
-pub fn parse_version(text: &str) -> Option<(u32, u32, u32)> {
-    let start = text
-        .char_indices()
-        .find(|(i, c)| *c == 'v' && text[i + 1..].starts_with(|d: char| d.is_ascii_digit()))?
-        .0;
-    let digits: String = text[start + 1..].chars().take_while(|c| c.is_ascii_digit() || *c == '.').collect();
-    let mut parts = digits.split('.').map(|p| p.parse::<u32>().ok());
-    let major = parts.next()??;
-    let minor = parts.next().flatten().unwrap_or(0);
-    let patch = parts.next().flatten().unwrap_or(0);
-    Some((major, minor, patch))
-}
-
-/// Whether an `iptables-save` dump holds rules or user chains. Istio counts lines
-/// (three or more), which an empty table left by its own probe rule already passes, so
-/// a second run would switch to a backend that has no rules; Weir counts real ones.
-pub fn has_rules(dump: &str) -> bool {
-    dump.lines().any(|l| {
-        l.starts_with("-A ")
-            || l.strip_prefix(':').is_some_and(|decl| {
-                let chain = decl.split_whitespace().next().unwrap_or_default();
-                !crate::plan::is_builtin(chain)
-            })
-    })
-}
-
 /// Istio's shouldUseBinaryForCurrentContext: the binary exists, reports a version, and
 /// can add (then delete) a harmless test rule in nat/INPUT (so a kernel without
 /// `iptable_nat` fails it and detection moves on to iptables-nft, istio/istio#57385).
@@ -358,48 +242,4 @@ fn detect_family(
         return Ok(b);
     }
     probe_binary(base, lock).map_err(|e| not_found(format!("tried {legacy}, {nft} and {base} (last: {e})")))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn an_empty_table_is_not_existing_rules() {
-        let empty = "# Generated by iptables-save v1.8.9\n*nat\n:PREROUTING ACCEPT [0:0]\n:INPUT ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\nCOMMIT\n";
-        assert!(!has_rules(empty));
-        assert!(has_rules(&format!("{empty}*filter\n:INPUT ACCEPT [0:0]\n-A INPUT -j DROP\nCOMMIT\n")));
-        assert!(has_rules("*nat\n:KUBE-SERVICES - [0:0]\nCOMMIT\n"));
-    }
-
-    #[test]
-    fn versions_parse() {
-        assert_eq!(parse_version("iptables-save v1.8.9 (nf_tables)"), Some((1, 8, 9)));
-        assert_eq!(parse_version("iptables v1.6.1"), Some((1, 6, 1)));
-        assert_eq!(parse_version("garbage"), None);
-    }
-
-    #[test]
-    fn only_new_legacy_binaries_lock() {
-        let b = |legacy, version| Binaries {
-            iptables: "iptables".into(),
-            save: "iptables-save".into(),
-            restore: "iptables-restore".into(),
-            version,
-            legacy,
-            existing_rules: false,
-        };
-        assert!(b(true, (1, 8, 9)).needs_lock());
-        assert!(!b(true, (1, 6, 1)).needs_lock());
-        assert!(!b(false, (1, 8, 9)).needs_lock());
-    }
-
-    #[test]
-    fn the_recorder_writes_istios_transcript() {
-        let mut r = Recorder::default();
-        r.save(Family::V4);
-        r.restore(Family::V4, "* nat\n-N X\nCOMMIT\n", true).unwrap();
-        r.run(Family::V6, &["-t".into(), "nat".into(), "-F".into(), "X".into()]).unwrap();
-        assert_eq!(r.transcript(), "iptables-save\n* nat\n-N X\nCOMMIT\nip6tables -t nat -F X\n");
-    }
 }

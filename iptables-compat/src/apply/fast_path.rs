@@ -4,7 +4,7 @@
 //! chain in any ip/ip6 table and no legacy rule is clean for Istio's verify and makes
 //! its binary detection choose iptables-nft; it is programmed with one
 //! `iptables-restore --noflush` per planned family, nothing else spawned, or, for IPv4
-//! rules [`crate::xt_wire`] knows, with one nf_tables batch written in process as
+//! rules [`crate::iptables::xt_wire`] knows, with one nf_tables batch written in process as
 //! iptables-nft would write it, nothing spawned at all. Removal is
 //! one restore per family of the plan's `-D`/`-F`/`-X` (Istio's chains by name, never
 //! another's), done only where Istio's rules or chains exist and checked by the probe
@@ -13,13 +13,18 @@
 
 use std::path::PathBuf;
 
+use super::{error::CaptureError, rollback::rollback_iptables};
 use crate::{
-    config::{CaptureConfig, IptablesBackend, RunOptions},
-    netlink::Family,
-    nf_probe::{self, NFPROTO_IPV4, NFPROTO_IPV6},
-    plan::{RulePlan, chain},
-    render,
-    xtables::{Binaries, Lock, SystemXtables, Xtables as _},
+    inputs::config::{CaptureConfig, IptablesBackend, RunOptions},
+    iptables::{
+        plan::{RulePlan, chain},
+        render,
+        xtables::{Binaries, Lock, SystemXtables, Xtables as _},
+    },
+    kernel::{
+        netlink::Family,
+        nf_probe::{self, NFPROTO_IPV4, NFPROTO_IPV6},
+    },
 };
 
 /// Why the fast path left a run to the full path (logged at debug).
@@ -170,7 +175,7 @@ pub enum Applied {
 
 /// Installs the plan's restores into a namespace the probe shows clean. A restore
 /// that fails is an error after the families already applied are rolled back.
-pub fn apply(plan: &RulePlan, probe: &Probe, lock: Lock) -> Result<Applied, crate::apply::CaptureError> {
+pub fn apply(plan: &RulePlan, probe: &Probe, lock: Lock) -> Result<Applied, CaptureError> {
     if let Some(table) = probe.legacy_in_use.first() {
         return Ok(Applied::Declined(Decline(format!("legacy table {table} holds rules"))));
     }
@@ -207,7 +212,7 @@ pub fn apply(plan: &RulePlan, probe: &Probe, lock: Lock) -> Result<Applied, crat
             // tables before the one that failed are in.
             let snapshots: Vec<_> =
                 applied.iter().chain([&family]).map(|f| (*f, Some(String::new()))).collect();
-            return Err(crate::apply::rollback_iptables(&mut x, e.into(), &snapshots));
+            return Err(rollback_iptables(&mut x, e.into(), &snapshots));
         }
         applied.push(family);
         // Istio logs the final state; here it is what went into an empty namespace.
@@ -218,10 +223,10 @@ pub fn apply(plan: &RulePlan, probe: &Probe, lock: Lock) -> Result<Applied, crat
 }
 
 /// Writes one family's restore text as iptables-nft would, in process
-/// ([`crate::xt_wire`]): true when the kernel took it. A text it does not know, or a
+/// ([`crate::iptables::xt_wire`]): true when the kernel took it. A text it does not know, or a
 /// batch the kernel refused (it changed nothing), is left to `iptables-restore`; a
 /// batch whose answer was lost may be in, and is an error.
-fn in_process(text: &str, probe: &Probe) -> Result<bool, crate::apply::CaptureError> {
+fn in_process(text: &str, probe: &Probe) -> Result<bool, CaptureError> {
     // iptables-nft leaves a builtin chain it finds alone (sending it again re-registers
     // its hook: a kernel round of synchronisation, milliseconds); so does this.
     let existing: Vec<&str> = probe
@@ -230,20 +235,20 @@ fn in_process(text: &str, probe: &Probe) -> Result<bool, crate::apply::CaptureEr
         .filter(|c| c.family == NFPROTO_IPV4 && c.table == "nat")
         .map(|c| c.name.as_str())
         .collect();
-    let batch = match crate::xt_wire::compile(text, &existing) {
+    let batch = match crate::iptables::xt_wire::compile(text, &existing) {
         Ok(batch) => batch,
         Err(why) => {
             tracing::debug!(%why, "running iptables-restore");
             return Ok(false);
         }
     };
-    match crate::nft_batch::send(&batch) {
+    match crate::kernel::nft_batch::send(&batch) {
         Ok(()) => Ok(true),
         Err(e) if e.applied_nothing() => {
             tracing::warn!(error = %e, "the in-process iptables-nft batch did not go in; running iptables-restore");
             Ok(false)
         }
-        Err(e) => Err(crate::nft_exec::NftError::from(e).into()),
+        Err(e) => Err(crate::nft::exec::NftError::from(e).into()),
     }
 }
 
@@ -251,11 +256,7 @@ fn in_process(text: &str, probe: &Probe) -> Result<bool, crate::apply::CaptureEr
 /// and no Istio chain (another's chains are not Istio's to remove); else one restore
 /// per family of the plan's removal, and the probe must then find no Istio chain. `Ok(Some(decline))` hands the run to the full path (a restore that
 /// did not match changed nothing: restores are atomic).
-pub fn remove(
-    plan: &RulePlan,
-    probe: &Probe,
-    lock: Lock,
-) -> Result<Option<Decline>, crate::apply::CaptureError> {
+pub fn remove(plan: &RulePlan, probe: &Probe, lock: Lock) -> Result<Option<Decline>, CaptureError> {
     if let Some(table) = probe.legacy_in_use.first() {
         return Ok(Some(Decline(format!("legacy table {table} holds rules"))));
     }
@@ -287,13 +288,13 @@ pub fn remove(
 
 /// Whether `cfg` needs any route or address work when applying.
 pub fn routes_needed(cfg: &CaptureConfig) -> bool {
-    cfg.enable_ipv6 || crate::routes::tproxy_needed(cfg)
+    cfg.enable_ipv6 || crate::kernel::routes::tproxy_needed(cfg)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::CaptureConfig;
+    use crate::inputs::config::CaptureConfig;
 
     fn chain(family: u8, table: &str, name: &str) -> nf_probe::Object {
         nf_probe::Object { family, table: table.into(), name: name.into(), base_chain: false }
@@ -303,7 +304,7 @@ mod tests {
     fn another_s_empty_chain_is_not_a_clean_namespace() {
         let probe = Probe { user_chains: vec![chain(NFPROTO_IPV4, "nat", "FOREIGN")], ..Probe::default() };
         assert!(!probe.no_rules(), "an empty user chain is still there");
-        let plan = crate::plan::plan(&CaptureConfig::default());
+        let plan = crate::iptables::plan::plan(&CaptureConfig::default());
         match apply(&plan, &probe, Lock::Global).unwrap() {
             Applied::Declined(Decline(why)) => assert!(why.contains("nat FOREIGN"), "{why}"),
             Applied::Done(_) => panic!("the fast path took a namespace holding another's chain"),

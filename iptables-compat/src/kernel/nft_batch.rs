@@ -1,4 +1,4 @@
-//! Sending a compiled nf_tables batch ([`crate::nft_wire`]) as one kernel transaction:
+//! Sending a compiled nf_tables batch ([`crate::nft::wire`]) as one kernel transaction:
 //! batch begin, the messages (each asking for an acknowledgement), batch end, on one
 //! NETLINK_NETFILTER socket of the calling thread's network namespace. The kernel
 //! applies all of it or none of it; the first message it refuses is named with the
@@ -6,9 +6,9 @@
 
 use std::{io, os::fd::AsRawFd as _, time::Duration};
 
-use crate::{
+use super::{
     nf_probe::{NFNL_SUBSYS_NFTABLES, NLMSG_ERROR, NLMSG_HDRLEN, netfilter_socket},
-    nft_wire::Batch,
+    nft_encode::Batch,
 };
 
 const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
@@ -230,7 +230,7 @@ fn ext_ack_message(payload: &[u8], flags: u16) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::nft_wire::Message;
+    use crate::kernel::nft_encode::Message;
 
     const FIRST: u32 = 100;
 

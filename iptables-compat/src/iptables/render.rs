@@ -1,10 +1,10 @@
-//! Renders an iptables [`RulePlan`]: the `iptables-restore --noflush` input per family,
-//! the `-C` checks that verify a rule is present, and the `-D`/`-F`/`-X` commands that
-//! undo it. Text only; nothing here runs a command.
+//! Renders an iptables [`RulePlan`](super::plan::RulePlan): the `iptables-restore
+//! --noflush` input per family, the `-C` checks that verify a rule is present, and the
+//! `-D`/`-F`/`-X` commands that undo it. Text only; nothing here runs a command.
 
 use std::collections::{BTreeMap, HashSet};
 
-use crate::plan::{Rule, Table, chain, is_builtin};
+use super::plan::{Rule, Table, chain, is_builtin};
 
 /// `iptables-restore` input for one family, as Istio builds it: tables sorted by name
 /// (`* <table>`), `-N` for each non-builtin chain in order of its first rule, then for
@@ -163,7 +163,7 @@ pub fn guardrails_cleanup() -> Vec<Vec<String>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{config::CaptureConfig, plan::plan};
+    use crate::{inputs::config::CaptureConfig, iptables::plan::plan};
 
     #[test]
     fn an_empty_rule_list_renders_nothing() {
@@ -173,7 +173,7 @@ mod tests {
     #[test]
     fn checks_turn_appends_and_inserts_into_c() {
         let cfg = CaptureConfig {
-            interception_mode: crate::config::InterceptionMode::Tproxy,
+            interception_mode: crate::inputs::config::InterceptionMode::Tproxy,
             ..Default::default()
         };
         let p = plan(&cfg);

@@ -3,18 +3,18 @@
 //! table (add table, add chain, add/insert rule) compiled into one batch, with the
 //! same expressions nft's compiler emits (its implicit `meta nfproto`/`meta l4proto`
 //! dependencies, its shortened loads for byte-aligned prefixes, its anonymous sets).
-//! A pure function: [`compile`] returns the bytes, [`crate::nft_batch`] sends them.
+//! A pure function: [`compile`] returns the bytes, [`crate::kernel::nft_batch`] sends them.
 //! Only the forms Weir's sidecar plans use are known; anything else (user or group
 //! names, wildcard interfaces, other sets, other statements) is [`Unsupported`] and
 //! the transaction goes to `nft -f` as before, so nothing is ever guessed.
 
 use std::net::IpAddr;
 
-pub use crate::nft_encode::{
+pub use crate::kernel::nft_encode::{
     Batch, MAX_BATCH_BYTES, Message, NFT_MSG_NEWCHAIN, NFT_MSG_NEWRULE, NFT_MSG_NEWSET, NFT_MSG_NEWSETELEM,
     NFT_MSG_NEWTABLE, Unsupported,
 };
-use crate::{
+use crate::kernel::{
     nf_probe::{NFPROTO_INET, NFPROTO_IPV4, NFPROTO_IPV6},
     nft_encode::*,
 };
@@ -62,16 +62,16 @@ enum Line {
 /// if one appeared since the caller looked, the kernel refuses the whole batch rather
 /// than add to it (`nft -f`'s `flush table` is then the way).
 pub fn compile(tx: &str) -> Result<Batch, Unsupported> {
+    let (lines, rules) = parse_transaction(tx)?;
+    encode_transaction(&lines, &rules)
+}
+
+/// The transaction's lines in order, and its rules: where each goes (an insert before
+/// which rule), and which of them a later insert names.
+fn parse_transaction(tx: &str) -> Result<(Vec<Line>, Vec<Rule<'_>>), Unsupported> {
     let mut lines: Vec<Line> = Vec::new();
     let mut rules: Vec<Rule> = Vec::new();
     let mut order = RuleOrder::default();
-    let declared = |lines: &[Line], table: &str, chain: Option<&str>| {
-        lines.iter().any(|l| match l {
-            Line::Table(t) => chain.is_none() && t == table,
-            Line::Chain(c) => Some(c.name.as_str()) == chain && c.table == table,
-            Line::Rule(_) => false,
-        })
-    };
     for line in tx.lines().map(str::trim).filter(|l| !l.is_empty()) {
         let words: Vec<&str> = line.split_whitespace().collect();
         match words.as_slice() {
@@ -84,24 +84,7 @@ pub fn compile(tx: &str) -> Result<Batch, Unsupported> {
                 if !declared(&lines, table, None) {
                     return unsupported(format!("chain {chain} in table {table} this batch does not create"));
                 }
-                let base = match rest {
-                    [] => None,
-                    ["{", "type", kind, "hook", hook, "priority", prio, ";", "}"] => {
-                        let hooknum = match *hook {
-                            "prerouting" => 0,
-                            "input" => 1,
-                            "forward" => 2,
-                            "output" => 3,
-                            "postrouting" => 4,
-                            other => return unsupported(format!("hook {other}")),
-                        };
-                        let Ok(prio) = prio.parse::<i32>() else {
-                            return unsupported(format!("priority {prio}"));
-                        };
-                        Some((kind.to_string(), hooknum, prio))
-                    }
-                    _ => return unsupported(format!("`{line}`")),
-                };
+                let base = base_chain(rest, line)?;
                 lines.push(Line::Chain(Chain { table: table.to_string(), name: chain.to_string(), base }));
             }
             [verb @ ("add" | "insert"), "rule", "inet", table, chain, ..] => {
@@ -130,21 +113,49 @@ pub fn compile(tx: &str) -> Result<Batch, Unsupported> {
             _ => return unsupported(format!("`{line}`")),
         }
     }
+    Ok((lines, rules))
+}
+
+/// Whether `lines` create `table` (with `chain`: that chain of it).
+fn declared(lines: &[Line], table: &str, chain: Option<&str>) -> bool {
+    lines.iter().any(|l| match l {
+        Line::Table(t) => chain.is_none() && t == table,
+        Line::Chain(c) => Some(c.name.as_str()) == chain && c.table == table,
+        Line::Rule(_) => false,
+    })
+}
+
+/// A base chain's `{ type <kind> hook <hook> priority <prio> ; }` (after `add chain
+/// inet <table> <chain>`): type, hook number, priority; `None` for a regular chain.
+fn base_chain(rest: &[&str], line: &str) -> Result<Option<(String, u32, i32)>, Unsupported> {
+    match rest {
+        [] => Ok(None),
+        ["{", "type", kind, "hook", hook, "priority", prio, ";", "}"] => {
+            let hooknum = match *hook {
+                "prerouting" => 0,
+                "input" => 1,
+                "forward" => 2,
+                "output" => 3,
+                "postrouting" => 4,
+                other => return unsupported(format!("hook {other}")),
+            };
+            let Ok(prio) = prio.parse::<i32>() else {
+                return unsupported(format!("priority {prio}"));
+            };
+            Ok(Some((kind.to_string(), hooknum, prio)))
+        }
+        _ => unsupported(format!("`{line}`")),
+    }
+}
+
+/// The batch for parsed lines: a message per table, chain and rule in order, each
+/// rule's anonymous sets right before it.
+fn encode_transaction(lines: &[Line], rules: &[Rule]) -> Result<Batch, Unsupported> {
     let mut batch = Batch { family: NFPROTO_INET, messages: Vec::new() };
     let mut next_set_id = 1;
-    for line in &lines {
+    for line in lines {
         match line {
-            Line::Table(table) => batch.messages.push(Message {
-                kind: NFT_MSG_NEWTABLE,
-                flags: NLM_F_CREATE | NLM_F_EXCL,
-                attrs: {
-                    let mut a = Vec::new();
-                    put_str(&mut a, 1, table);
-                    put_u32(&mut a, 2, 0);
-                    a
-                },
-                what: format!("add table inet {table}"),
-            }),
+            Line::Table(table) => batch.messages.push(table_message(table)),
             Line::Chain(chain) => batch.messages.push(chain_message(chain)),
             Line::Rule(n) => {
                 let rule = &rules[*n];
@@ -153,20 +164,39 @@ pub fn compile(tx: &str) -> Result<Batch, Unsupported> {
                 for set in &sets {
                     batch.messages.extend(set_messages(rule.table, set, &what));
                 }
-                let mut a = Vec::new();
-                put_str(&mut a, 1, rule.table);
-                put_str(&mut a, 2, rule.chain);
-                nest(&mut a, 4, |list| {
-                    for e in &exprs {
-                        encode(list, e);
-                    }
-                });
-                let flags = position(&mut a, *n, rule.referenced, rule.before);
-                batch.messages.push(Message { kind: NFT_MSG_NEWRULE, flags, attrs: a, what });
+                batch.messages.push(rule_message(*n, rule, &exprs, what));
             }
         }
     }
     within_size(batch)
+}
+
+/// `add table inet <table>`, created exclusively.
+fn table_message(table: &str) -> Message {
+    let mut a = Vec::new();
+    put_str(&mut a, 1, table);
+    put_u32(&mut a, 2, 0);
+    Message {
+        kind: NFT_MSG_NEWTABLE,
+        flags: NLM_F_CREATE | NLM_F_EXCL,
+        attrs: a,
+        what: format!("add table inet {table}"),
+    }
+}
+
+/// Rule number `n` of the transaction with its compiled expressions, placed as its
+/// line says.
+fn rule_message(n: usize, rule: &Rule, exprs: &[Expr], what: String) -> Message {
+    let mut a = Vec::new();
+    put_str(&mut a, 1, rule.table);
+    put_str(&mut a, 2, rule.chain);
+    nest(&mut a, 4, |list| {
+        for e in exprs {
+            encode(list, e);
+        }
+    });
+    let flags = position(&mut a, n, rule.referenced, rule.before);
+    Message { kind: NFT_MSG_NEWRULE, flags, attrs: a, what }
 }
 
 /// `line` after its first `n` words.
@@ -322,212 +352,278 @@ const NFT_KEYWORDS_LIKE_NAMES: &[&str] = &[
 /// none of nft's words. A bare word without one (`counter`, `tcp`, `docker`) may be a
 /// keyword; nft decides those.
 pub(crate) fn plain_interface(name: &str) -> bool {
-    let chars_ok = crate::config::check_interface_name("", name).is_ok();
+    let chars_ok = crate::inputs::config::check_interface_name("", name).is_ok();
     let marked = name == "lo" || name.chars().any(|c| c.is_ascii_digit() || matches!(c, '.' | '_' | '-'));
     chars_ok && marked && !NFT_KEYWORDS_LIKE_NAMES.contains(&name)
 }
 
 fn compile_rule(expr: &str, next_set_id: &mut u32) -> Result<(Vec<Expr>, Vec<PortSet>), Unsupported> {
-    let words: Vec<&str> = expr.split_whitespace().collect();
-    let mut out = Vec::new();
-    let mut sets = Vec::new();
-    let mut cx = Context::default();
-    let mut i = 0;
-    let at = |i: usize| words.get(i).copied().unwrap_or("");
-    // An optional `!=` before a value.
-    let op_at = |i: &mut usize| {
-        if at(*i) == "!=" {
-            *i += 1;
+    let mut r = RuleWords {
+        expr,
+        words: expr.split_whitespace().collect(),
+        i: 0,
+        out: Vec::new(),
+        sets: Vec::new(),
+        cx: Context::default(),
+    };
+    while r.i < r.words.len() {
+        let word = r.words[r.i];
+        r.i += 1;
+        match word {
+            "meta" if matches!(r.at(0), "l4proto") => r.l4proto()?,
+            "meta" | "mark" | "skuid" | "skgid" => r.meta(word)?,
+            "iifname" | "oifname" => r.interface(word)?,
+            "ip" | "ip6" if matches!(r.at(0), "saddr" | "daddr") => r.address(word)?,
+            "tcp" | "udp" if matches!(r.at(0), "dport" | "sport") => r.port(word, next_set_id)?,
+            "ct" => r.ct()?,
+            "counter" => r.out.push(Expr::Counter),
+            "return" => r.out.push(Expr::Verdict { code: NFT_RETURN, chain: None }),
+            "accept" => r.out.push(Expr::Verdict { code: NF_ACCEPT, chain: None }),
+            "drop" => r.out.push(Expr::Verdict { code: NF_DROP, chain: None }),
+            "jump" => r.jump()?,
+            "redirect" if r.at(0) == "to" => r.redirect()?,
+            "tproxy" if matches!(r.at(0), "ip" | "ip6") && r.at(1) == "to" => r.tproxy()?,
+            other => return unsupported(format!("`{other}` in `{expr}`")),
+        }
+    }
+    Ok((r.out, r.sets))
+}
+
+/// One rule's words, read left to right: each statement read by the method for it
+/// appends its expressions (and the anonymous sets its `{ ... }` port lists make).
+struct RuleWords<'a> {
+    expr: &'a str,
+    words: Vec<&'a str>,
+    /// The next word to read.
+    i: usize,
+    out: Vec<Expr>,
+    sets: Vec<PortSet>,
+    cx: Context,
+}
+
+impl<'a> RuleWords<'a> {
+    /// The word `ahead` words past the next one to read (`""` past the end).
+    fn at(&self, ahead: usize) -> &'a str {
+        self.words.get(self.i + ahead).copied().unwrap_or("")
+    }
+
+    /// An optional `!=` before a value.
+    fn op(&mut self) -> u32 {
+        if self.at(0) == "!=" {
+            self.i += 1;
             NFT_CMP_NEQ
         } else {
             NFT_CMP_EQ
         }
-    };
-    while i < words.len() {
-        let word = words[i];
-        i += 1;
-        match word {
-            "meta" if matches!(at(i), "l4proto") => {
-                i += 1;
-                let op = op_at(&mut i);
-                let proto = l4(at(i))?;
-                i += 1;
-                if op != NFT_CMP_EQ || cx.l4proto.is_some() {
-                    return unsupported(format!("`{expr}`"));
-                }
-                out.push(Expr::MetaLoad(NFT_META_L4PROTO));
-                out.push(Expr::Cmp { op, data: vec![proto] });
-                cx.l4proto = Some(proto);
-            }
-            "meta" | "mark" | "skuid" | "skgid" => {
-                let key_word = if word == "meta" {
-                    i += 1;
-                    at(i - 1)
-                } else {
-                    word
-                };
-                let key = match key_word {
-                    "mark" => NFT_META_MARK,
-                    "skuid" => NFT_META_SKUID,
-                    "skgid" => NFT_META_SKGID,
-                    other => return unsupported(format!("meta {other}")),
-                };
-                if at(i) == "set" {
-                    // `meta mark set N` / `meta mark set ct mark`
-                    i += 1;
-                    if key != NFT_META_MARK {
-                        return unsupported(format!("`{expr}`"));
-                    }
-                    if at(i) == "ct" && at(i + 1) == "mark" {
-                        i += 2;
-                        out.push(Expr::CtLoad(NFT_CT_MARK));
-                    } else {
-                        let v = number(at(i)).ok_or_else(|| Unsupported(format!("mark {}", at(i))))?;
-                        i += 1;
-                        out.push(Expr::Data(v.to_ne_bytes().to_vec()));
-                    }
-                    out.push(Expr::MetaSet(NFT_META_MARK));
-                    continue;
-                }
-                let op = op_at(&mut i);
-                let v = number(at(i)).ok_or_else(|| Unsupported(format!("{key_word} {}", at(i))))?;
-                i += 1;
-                out.push(Expr::MetaLoad(key));
-                out.push(Expr::Cmp { op, data: v.to_ne_bytes().to_vec() });
-            }
-            "iifname" | "oifname" => {
-                let op = op_at(&mut i);
-                let name = at(i);
-                i += 1;
-                if !plain_interface(name) {
-                    return unsupported(format!("interface {name:?}"));
-                }
-                let mut data = name.as_bytes().to_vec();
-                data.resize(IFNAMSIZ, 0);
-                let key = if word == "iifname" { NFT_META_IIFNAME } else { NFT_META_OIFNAME };
-                out.push(Expr::MetaLoad(key));
-                out.push(Expr::Cmp { op, data });
-            }
-            "ip" | "ip6" if matches!(at(i), "saddr" | "daddr") => {
-                let v6 = word == "ip6";
-                let field = at(i);
-                i += 1;
-                let op = op_at(&mut i);
-                let (addr, prefix) = address(at(i), v6)?;
-                i += 1;
-                let family = if v6 { NFPROTO_IPV6 } else { NFPROTO_IPV4 };
-                depend(&mut out, &mut cx.nfproto, NFT_META_NFPROTO, family, expr)?;
-                let offset = match (v6, field) {
-                    (false, "saddr") => 12,
-                    (false, _) => 16,
-                    (true, "saddr") => 8,
-                    (true, _) => 24,
-                };
-                out.extend(prefix_match(&addr, prefix, offset, op)?);
-            }
-            "tcp" | "udp" if matches!(at(i), "dport" | "sport") => {
-                let proto = if word == "tcp" { IPPROTO_TCP } else { IPPROTO_UDP };
-                let offset = if at(i) == "sport" { 0 } else { 2 };
-                i += 1;
-                depend(&mut out, &mut cx.l4proto, NFT_META_L4PROTO, proto, expr)?;
-                let op = op_at(&mut i);
-                out.push(Expr::Payload { base: NFT_PAYLOAD_TRANSPORT_HEADER, offset, len: 2 });
-                if at(i) == "{" {
-                    let close = words[i..].iter().position(|w| *w == "}").map(|p| p + i);
-                    let Some(close) = close else { return unsupported(format!("`{expr}`")) };
-                    let ports: Option<Vec<u16>> =
-                        words[i + 1..close].join(" ").split(',').map(|p| decimal(p.trim())).collect();
-                    i = close + 1;
-                    match ports {
-                        Some(ports) if proto == IPPROTO_TCP && offset == 2 && ports.len() >= 2 => {
-                            let id = *next_set_id;
-                            *next_set_id += 1;
-                            out.push(Expr::Lookup { set_id: id, invert: op == NFT_CMP_NEQ });
-                            sets.push(PortSet { id, ports });
-                        }
-                        _ => return unsupported(format!("the set in `{expr}`")),
-                    }
-                } else {
-                    let port: u16 = decimal(at(i)).ok_or_else(|| Unsupported(format!("port {}", at(i))))?;
-                    i += 1;
-                    out.push(Expr::Cmp { op, data: port.to_be_bytes().to_vec() });
-                }
-            }
-            "ct" => {
-                let key = at(i);
-                i += 1;
-                match key {
-                    "state" => {
-                        let mut mask = 0u32;
-                        for state in at(i).split(',') {
-                            mask |= match state {
-                                "invalid" => 1,
-                                "established" => 2,
-                                "related" => 4,
-                                "new" => 8,
-                                "untracked" => 64,
-                                other => return unsupported(format!("ct state {other}")),
-                            };
-                        }
-                        i += 1;
-                        out.push(Expr::CtLoad(NFT_CT_STATE));
-                        out.push(Expr::Bitwise { mask: mask.to_ne_bytes().to_vec() });
-                        out.push(Expr::Cmp { op: NFT_CMP_NEQ, data: vec![0; 4] });
-                    }
-                    "mark" if at(i) == "set" && at(i + 1) == "mark" => {
-                        i += 2;
-                        out.push(Expr::MetaLoad(NFT_META_MARK));
-                        out.push(Expr::CtSet(NFT_CT_MARK));
-                    }
-                    "mark" => {
-                        let op = op_at(&mut i);
-                        let v = number(at(i)).ok_or_else(|| Unsupported(format!("ct mark {}", at(i))))?;
-                        i += 1;
-                        out.push(Expr::CtLoad(NFT_CT_MARK));
-                        out.push(Expr::Cmp { op, data: v.to_ne_bytes().to_vec() });
-                    }
-                    "zone" if at(i) == "set" => {
-                        let zone: u16 = decimal(at(i + 1))
-                            .ok_or_else(|| Unsupported(format!("ct zone {}", at(i + 1))))?;
-                        i += 2;
-                        out.push(Expr::Data(zone.to_ne_bytes().to_vec()));
-                        out.push(Expr::CtSet(NFT_CT_ZONE));
-                    }
-                    other => return unsupported(format!("ct {other}")),
-                }
-            }
-            "counter" => out.push(Expr::Counter),
-            "return" => out.push(Expr::Verdict { code: NFT_RETURN, chain: None }),
-            "accept" => out.push(Expr::Verdict { code: NF_ACCEPT, chain: None }),
-            "drop" => out.push(Expr::Verdict { code: NF_DROP, chain: None }),
-            "jump" => {
-                let chain = at(i);
-                i += 1;
-                if chain.is_empty() {
-                    return unsupported(format!("`{expr}`"));
-                }
-                out.push(Expr::Verdict { code: NFT_JUMP, chain: Some(chain.to_string()) });
-            }
-            "redirect" if at(i) == "to" => {
-                let port = port_after_colon(at(i + 1))?;
-                i += 2;
-                out.push(Expr::Data(port.to_be_bytes().to_vec()));
-                out.push(Expr::Redirect);
-            }
-            "tproxy" if matches!(at(i), "ip" | "ip6") && at(i + 1) == "to" => {
-                let family = if at(i) == "ip6" { NFPROTO_IPV6 } else { NFPROTO_IPV4 };
-                if cx.nfproto != Some(family) {
-                    return unsupported(format!("`{expr}`"));
-                }
-                let port = port_after_colon(at(i + 2))?;
-                i += 3;
-                out.push(Expr::Data(port.to_be_bytes().to_vec()));
-                out.push(Expr::Tproxy { family });
-            }
-            other => return unsupported(format!("`{other}` in `{expr}`")),
-        }
     }
-    Ok((out, sets))
+
+    /// The whole rule, unsupported as written.
+    fn whole<T>(&self) -> Result<T, Unsupported> {
+        unsupported(format!("`{}`", self.expr))
+    }
+
+    /// `meta l4proto [!=] tcp|udp`: only once, only equal.
+    fn l4proto(&mut self) -> Result<(), Unsupported> {
+        self.i += 1;
+        let op = self.op();
+        let proto = l4(self.at(0))?;
+        self.i += 1;
+        if op != NFT_CMP_EQ || self.cx.l4proto.is_some() {
+            return self.whole();
+        }
+        self.out.push(Expr::MetaLoad(NFT_META_L4PROTO));
+        self.out.push(Expr::Cmp { op, data: vec![proto] });
+        self.cx.l4proto = Some(proto);
+        Ok(())
+    }
+
+    /// `[meta] mark|skuid|skgid [!=] N`, or `meta mark set N` / `meta mark set ct mark`.
+    fn meta(&mut self, word: &'a str) -> Result<(), Unsupported> {
+        let key_word = if word == "meta" {
+            let key = self.at(0);
+            self.i += 1;
+            key
+        } else {
+            word
+        };
+        let key = match key_word {
+            "mark" => NFT_META_MARK,
+            "skuid" => NFT_META_SKUID,
+            "skgid" => NFT_META_SKGID,
+            other => return unsupported(format!("meta {other}")),
+        };
+        if self.at(0) == "set" {
+            // `meta mark set N` / `meta mark set ct mark`
+            self.i += 1;
+            if key != NFT_META_MARK {
+                return self.whole();
+            }
+            if self.at(0) == "ct" && self.at(1) == "mark" {
+                self.i += 2;
+                self.out.push(Expr::CtLoad(NFT_CT_MARK));
+            } else {
+                let v = number(self.at(0)).ok_or_else(|| Unsupported(format!("mark {}", self.at(0))))?;
+                self.i += 1;
+                self.out.push(Expr::Data(v.to_ne_bytes().to_vec()));
+            }
+            self.out.push(Expr::MetaSet(NFT_META_MARK));
+            return Ok(());
+        }
+        let op = self.op();
+        let v = number(self.at(0)).ok_or_else(|| Unsupported(format!("{key_word} {}", self.at(0))))?;
+        self.i += 1;
+        self.out.push(Expr::MetaLoad(key));
+        self.out.push(Expr::Cmp { op, data: v.to_ne_bytes().to_vec() });
+        Ok(())
+    }
+
+    /// `iifname|oifname [!=] <name>`: a plain name only.
+    fn interface(&mut self, word: &str) -> Result<(), Unsupported> {
+        let op = self.op();
+        let name = self.at(0);
+        self.i += 1;
+        if !plain_interface(name) {
+            return unsupported(format!("interface {name:?}"));
+        }
+        let mut data = name.as_bytes().to_vec();
+        data.resize(IFNAMSIZ, 0);
+        let key = if word == "iifname" { NFT_META_IIFNAME } else { NFT_META_OIFNAME };
+        self.out.push(Expr::MetaLoad(key));
+        self.out.push(Expr::Cmp { op, data });
+        Ok(())
+    }
+
+    /// `ip|ip6 saddr|daddr [!=] <address>[/<prefix>]`, after its family dependency.
+    fn address(&mut self, word: &str) -> Result<(), Unsupported> {
+        let v6 = word == "ip6";
+        let field = self.at(0);
+        self.i += 1;
+        let op = self.op();
+        let (addr, prefix) = address(self.at(0), v6)?;
+        self.i += 1;
+        let family = if v6 { NFPROTO_IPV6 } else { NFPROTO_IPV4 };
+        depend(&mut self.out, &mut self.cx.nfproto, NFT_META_NFPROTO, family, self.expr)?;
+        let offset = match (v6, field) {
+            (false, "saddr") => 12,
+            (false, _) => 16,
+            (true, "saddr") => 8,
+            (true, _) => 24,
+        };
+        self.out.extend(prefix_match(&addr, prefix, offset, op)?);
+        Ok(())
+    }
+
+    /// `tcp|udp dport|sport [!=] <port>`, or `tcp dport [!=] { a, b, ... }` (an anonymous
+    /// set), after its protocol dependency.
+    fn port(&mut self, word: &str, next_set_id: &mut u32) -> Result<(), Unsupported> {
+        let proto = if word == "tcp" { IPPROTO_TCP } else { IPPROTO_UDP };
+        let offset = if self.at(0) == "sport" { 0 } else { 2 };
+        self.i += 1;
+        depend(&mut self.out, &mut self.cx.l4proto, NFT_META_L4PROTO, proto, self.expr)?;
+        let op = self.op();
+        self.out.push(Expr::Payload { base: NFT_PAYLOAD_TRANSPORT_HEADER, offset, len: 2 });
+        if self.at(0) == "{" {
+            let i = self.i;
+            let close = self.words[i..].iter().position(|w| *w == "}").map(|p| p + i);
+            let Some(close) = close else { return self.whole() };
+            let ports: Option<Vec<u16>> =
+                self.words[i + 1..close].join(" ").split(',').map(|p| decimal(p.trim())).collect();
+            self.i = close + 1;
+            match ports {
+                Some(ports) if proto == IPPROTO_TCP && offset == 2 && ports.len() >= 2 => {
+                    let id = *next_set_id;
+                    *next_set_id += 1;
+                    self.out.push(Expr::Lookup { set_id: id, invert: op == NFT_CMP_NEQ });
+                    self.sets.push(PortSet { id, ports });
+                }
+                _ => return unsupported(format!("the set in `{}`", self.expr)),
+            }
+        } else {
+            let port: u16 = decimal(self.at(0)).ok_or_else(|| Unsupported(format!("port {}", self.at(0))))?;
+            self.i += 1;
+            self.out.push(Expr::Cmp { op, data: port.to_be_bytes().to_vec() });
+        }
+        Ok(())
+    }
+
+    /// `ct state <states>`, `ct mark set mark`, `ct mark [!=] N`, `ct zone set N`.
+    fn ct(&mut self) -> Result<(), Unsupported> {
+        let key = self.at(0);
+        self.i += 1;
+        match key {
+            "state" => {
+                let mut mask = 0u32;
+                for state in self.at(0).split(',') {
+                    mask |= match state {
+                        "invalid" => 1,
+                        "established" => 2,
+                        "related" => 4,
+                        "new" => 8,
+                        "untracked" => 64,
+                        other => return unsupported(format!("ct state {other}")),
+                    };
+                }
+                self.i += 1;
+                self.out.push(Expr::CtLoad(NFT_CT_STATE));
+                self.out.push(Expr::Bitwise { mask: mask.to_ne_bytes().to_vec() });
+                self.out.push(Expr::Cmp { op: NFT_CMP_NEQ, data: vec![0; 4] });
+            }
+            "mark" if self.at(0) == "set" && self.at(1) == "mark" => {
+                self.i += 2;
+                self.out.push(Expr::MetaLoad(NFT_META_MARK));
+                self.out.push(Expr::CtSet(NFT_CT_MARK));
+            }
+            "mark" => {
+                let op = self.op();
+                let v = number(self.at(0)).ok_or_else(|| Unsupported(format!("ct mark {}", self.at(0))))?;
+                self.i += 1;
+                self.out.push(Expr::CtLoad(NFT_CT_MARK));
+                self.out.push(Expr::Cmp { op, data: v.to_ne_bytes().to_vec() });
+            }
+            "zone" if self.at(0) == "set" => {
+                let zone: u16 =
+                    decimal(self.at(1)).ok_or_else(|| Unsupported(format!("ct zone {}", self.at(1))))?;
+                self.i += 2;
+                self.out.push(Expr::Data(zone.to_ne_bytes().to_vec()));
+                self.out.push(Expr::CtSet(NFT_CT_ZONE));
+            }
+            other => return unsupported(format!("ct {other}")),
+        }
+        Ok(())
+    }
+
+    /// `jump <chain>`.
+    fn jump(&mut self) -> Result<(), Unsupported> {
+        let chain = self.at(0);
+        self.i += 1;
+        if chain.is_empty() {
+            return self.whole();
+        }
+        self.out.push(Expr::Verdict { code: NFT_JUMP, chain: Some(chain.to_string()) });
+        Ok(())
+    }
+
+    /// `redirect to :<port>`.
+    fn redirect(&mut self) -> Result<(), Unsupported> {
+        let port = port_after_colon(self.at(1))?;
+        self.i += 2;
+        self.out.push(Expr::Data(port.to_be_bytes().to_vec()));
+        self.out.push(Expr::Redirect);
+        Ok(())
+    }
+
+    /// `tproxy ip|ip6 to :<port>`, where the rule already matches that family.
+    fn tproxy(&mut self) -> Result<(), Unsupported> {
+        let family = if self.at(0) == "ip6" { NFPROTO_IPV6 } else { NFPROTO_IPV4 };
+        if self.cx.nfproto != Some(family) {
+            return self.whole();
+        }
+        let port = port_after_colon(self.at(2))?;
+        self.i += 3;
+        self.out.push(Expr::Data(port.to_be_bytes().to_vec()));
+        self.out.push(Expr::Tproxy { family });
+        Ok(())
+    }
 }
 
 /// nft's implicit dependency: `meta <key> <value>` before the first match that needs

@@ -1,8 +1,13 @@
 //! What both generators (iptables and nft) decide the same way from a config: the
 //! outbound ranges split by family, whether DNS capture is really on, whether loopback
-//! is explicitly included.
+//! is explicitly included; and the fixed values both write into rules.
 
-use crate::config::{CaptureConfig, Cidr, IpRanges};
+use super::config::{CaptureConfig, Cidr, IpRanges};
+
+/// The agent's DNS listener port.
+pub const DNS_PROXY_PORT: &str = "15053";
+/// The mark Envoy's outbound traffic to the workload gets in TPROXY mode.
+pub const OUTBOUND_MARK: &str = "1338";
 
 /// Prefixes of one family to capture outbound.
 #[derive(Debug, Clone, Default)]
