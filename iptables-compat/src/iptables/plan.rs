@@ -6,7 +6,7 @@ use std::fmt;
 
 use crate::inputs::{
     config::{CaptureConfig, InboundPorts, OwnerGroups},
-    decisions::{DNS_PROXY_PORT, FamilyRanges, IstioOrder, OUTBOUND_MARK, Steps, in_istio_order},
+    decisions::{DNS_PROXY_PORT, Decisions, FamilyRanges, IstioOrder, OUTBOUND_MARK, Steps, in_istio_order},
 };
 
 /// The chains Istio creates.
@@ -303,150 +303,22 @@ impl IstioOrder for Steps<'_, Builder> {
     }
 
     fn proxy_uid(&mut self, uid: &str) {
-        use Table::*;
-        use chain::*;
         let Steps { ref mut b, ref d, ref lo4, ref tunnel_port, .. } = *self;
         let dns_and_tunnel = format!("53,{tunnel_port}");
         // Proxy → itself via a service VIP goes through Envoy's inbound.
         if d.redirect_dns {
-            b.append_versioned(
-                lo4,
-                "::1/128",
-                OUTPUT,
-                Nat,
-                &[
-                    "-o",
-                    "lo",
-                    "!",
-                    "-d",
-                    SPECIFIC,
-                    "-p",
-                    "tcp",
-                    "-m",
-                    "multiport",
-                    "!",
-                    "--dports",
-                    &dns_and_tunnel,
-                    "-m",
-                    "owner",
-                    "--uid-owner",
-                    uid,
-                    "-j",
-                    IN_REDIRECT,
-                ],
-            );
+            let ports = ["-m", "multiport", "!", "--dports", dns_and_tunnel.as_str()];
+            proxy_to_inbound(b, lo4, &ports, "--uid-owner", uid);
         } else {
-            b.append_versioned(
-                lo4,
-                "::1/128",
-                OUTPUT,
-                Nat,
-                &[
-                    "-o",
-                    "lo",
-                    "!",
-                    "-d",
-                    SPECIFIC,
-                    "-p",
-                    "tcp",
-                    "!",
-                    "--dport",
-                    tunnel_port,
-                    "-m",
-                    "owner",
-                    "--uid-owner",
-                    uid,
-                    "-j",
-                    IN_REDIRECT,
-                ],
-            );
+            proxy_to_inbound(b, lo4, &["!", "--dport", tunnel_port], "--uid-owner", uid);
         }
-        // App → itself over lo is not captured, unless loopback was included.
-        if !d.includes_loopback() {
-            if d.redirect_dns {
-                b.append(
-                    OUTPUT,
-                    Nat,
-                    &[
-                        "-o",
-                        "lo",
-                        "-p",
-                        "tcp",
-                        "!",
-                        "--dport",
-                        "53",
-                        "-m",
-                        "owner",
-                        "!",
-                        "--uid-owner",
-                        uid,
-                        "-j",
-                        "RETURN",
-                    ],
-                );
-            } else {
-                b.append(OUTPUT, Nat, &["-o", "lo", "-m", "owner", "!", "--uid-owner", uid, "-j", "RETURN"]);
-            }
-        }
-        // Never loop Envoy's own traffic back to Envoy.
-        b.append(OUTPUT, Nat, &["-m", "owner", "--uid-owner", uid, "-j", "RETURN"]);
+        proxy_returns(b, d, "--uid-owner", uid);
     }
 
     fn proxy_gid(&mut self, gid: &str) {
-        use Table::*;
-        use chain::*;
         let Steps { ref mut b, ref d, ref lo4, ref tunnel_port, .. } = *self;
-        b.append_versioned(
-            lo4,
-            "::1/128",
-            OUTPUT,
-            Nat,
-            &[
-                "-o",
-                "lo",
-                "!",
-                "-d",
-                SPECIFIC,
-                "-p",
-                "tcp",
-                "!",
-                "--dport",
-                tunnel_port,
-                "-m",
-                "owner",
-                "--gid-owner",
-                gid,
-                "-j",
-                IN_REDIRECT,
-            ],
-        );
-        if !d.includes_loopback() {
-            if d.redirect_dns {
-                b.append(
-                    OUTPUT,
-                    Nat,
-                    &[
-                        "-o",
-                        "lo",
-                        "-p",
-                        "tcp",
-                        "!",
-                        "--dport",
-                        "53",
-                        "-m",
-                        "owner",
-                        "!",
-                        "--gid-owner",
-                        gid,
-                        "-j",
-                        "RETURN",
-                    ],
-                );
-            } else {
-                b.append(OUTPUT, Nat, &["-o", "lo", "-m", "owner", "!", "--gid-owner", gid, "-j", "RETURN"]);
-            }
-        }
-        b.append(OUTPUT, Nat, &["-m", "owner", "--gid-owner", gid, "-j", "RETURN"]);
+        proxy_to_inbound(b, lo4, &["!", "--dport", tunnel_port], "--gid-owner", gid);
+        proxy_returns(b, d, "--gid-owner", gid);
     }
 
     fn owner_groups(&mut self) {
@@ -594,55 +466,32 @@ impl IstioOrder for Steps<'_, Builder> {
         );
         // Already marked: Envoy → app; do not mark again.
         b.append("OUTPUT", Mangle, &["-p", "tcp", "-o", "lo", "-m", "mark", "--mark", mark, "-j", "RETURN"]);
-        for uid in &cfg.proxy_uids {
-            b.append_versioned(
-                lo4,
-                "::1/128",
-                "OUTPUT",
-                Mangle,
-                &[
-                    "!",
-                    "-d",
-                    SPECIFIC,
-                    "-p",
-                    "tcp",
-                    "-o",
-                    "lo",
-                    "-m",
-                    "owner",
-                    "--uid-owner",
-                    uid,
-                    "-j",
-                    "MARK",
-                    "--set-mark",
-                    OUTBOUND_MARK,
-                ],
-            );
-        }
-        for gid in &cfg.proxy_gids {
-            b.append_versioned(
-                lo4,
-                "::1/128",
-                "OUTPUT",
-                Mangle,
-                &[
-                    "!",
-                    "-d",
-                    SPECIFIC,
-                    "-p",
-                    "tcp",
-                    "-o",
-                    "lo",
-                    "-m",
-                    "owner",
-                    "--gid-owner",
-                    gid,
-                    "-j",
-                    "MARK",
-                    "--set-mark",
-                    OUTBOUND_MARK,
-                ],
-            );
+        for (owner, ids) in [("--uid-owner", &cfg.proxy_uids), ("--gid-owner", &cfg.proxy_gids)] {
+            for id in ids {
+                b.append_versioned(
+                    lo4,
+                    "::1/128",
+                    "OUTPUT",
+                    Mangle,
+                    &[
+                        "!",
+                        "-d",
+                        SPECIFIC,
+                        "-p",
+                        "tcp",
+                        "-o",
+                        "lo",
+                        "-m",
+                        "owner",
+                        owner,
+                        id,
+                        "-j",
+                        "MARK",
+                        "--set-mark",
+                        OUTBOUND_MARK,
+                    ],
+                );
+            }
         }
         // Workload replies follow the TPROXY policy route.
         b.append(
@@ -660,6 +509,40 @@ impl IstioOrder for Steps<'_, Builder> {
             &["-p", "tcp", "-i", "lo", "-m", "mark", "!", "--mark", OUTBOUND_MARK, "-j", "RETURN"],
         );
     }
+}
+
+/// The proxy's own TCP over lo to a non-loopback address (its calls to itself
+/// through a service VIP), but for the ports `ports` matches, sent to Envoy's inbound;
+/// `owner` is `--uid-owner` or `--gid-owner`.
+fn proxy_to_inbound(b: &mut Builder, lo4: &str, ports: &[&str], owner: &str, id: &str) {
+    use chain::*;
+    let head = ["-o", "lo", "!", "-d", SPECIFIC, "-p", "tcp"];
+    let tail = ["-m", "owner", owner, id, "-j", IN_REDIRECT];
+    b.append_versioned(lo4, "::1/128", OUTPUT, Table::Nat, &[&head[..], ports, &tail].concat());
+}
+
+/// An app's calls to itself over lo not captured (unless loopback was included; DNS
+/// aside when it is captured), and the proxy's own traffic never captured.
+fn proxy_returns(b: &mut Builder, d: &Decisions, owner: &str, id: &str) {
+    use Table::*;
+    use chain::*;
+    // App → itself over lo is not captured, unless loopback was included.
+    if !d.includes_loopback() {
+        if d.redirect_dns {
+            b.append(
+                OUTPUT,
+                Nat,
+                &[
+                    "-o", "lo", "-p", "tcp", "!", "--dport", "53", "-m", "owner", "!", owner, id, "-j",
+                    "RETURN",
+                ],
+            );
+        } else {
+            b.append(OUTPUT, Nat, &["-o", "lo", "-m", "owner", "!", owner, id, "-j", "RETURN"]);
+        }
+    }
+    // Never loop Envoy's own traffic back to Envoy.
+    b.append(OUTPUT, Nat, &["-m", "owner", owner, id, "-j", "RETURN"]);
 }
 
 fn outbound_include(b: &mut Builder, cfg: &CaptureConfig, ranges: &FamilyRanges, v6: bool) {

@@ -4,7 +4,7 @@
 use super::table::{NftPlan, NftRule, NftTable};
 use crate::inputs::{
     config::{CaptureConfig, InboundPorts, OwnerGroups},
-    decisions::{DNS_PROXY_PORT, IstioOrder, OUTBOUND_MARK, Steps, in_istio_order},
+    decisions::{DNS_PROXY_PORT, Decisions, IstioOrder, OUTBOUND_MARK, Steps, in_istio_order},
 };
 
 struct Builder {
@@ -105,143 +105,17 @@ impl IstioOrder for Steps<'_, Builder> {
     }
 
     fn proxy_uid(&mut self, uid: &str) {
-        use NftTable::*;
         let Steps { ref mut b, ref d, ref lo4, tunnel_port: ref tunnel, .. } = *self;
         let dns_and_tunnel = format!("{{ 53, {tunnel} }}");
         let ports = if d.redirect_dns { dns_and_tunnel.as_str() } else { tunnel };
-        b.append(
-            "istio-output",
-            Nat,
-            &[
-                "oifname",
-                "lo",
-                "meta l4proto tcp",
-                "ip daddr",
-                "!=",
-                lo4,
-                "tcp dport",
-                "!=",
-                ports,
-                "skuid",
-                uid,
-                COUNTER,
-                "jump",
-                "istio-in-redirect",
-            ],
-        );
-        b.append_v6(
-            "istio-output",
-            Nat,
-            &[
-                "oifname",
-                "lo",
-                "meta l4proto tcp",
-                "ip6 daddr",
-                "!=",
-                "::1/128",
-                "tcp dport",
-                "!=",
-                ports,
-                "skuid",
-                uid,
-                COUNTER,
-                "jump",
-                "istio-in-redirect",
-            ],
-        );
-        if !d.includes_loopback() {
-            if d.redirect_dns {
-                b.append(
-                    "istio-output",
-                    Nat,
-                    &[
-                        "oifname",
-                        "lo",
-                        "meta l4proto tcp",
-                        "tcp dport",
-                        "!=",
-                        "53",
-                        "skuid",
-                        "!=",
-                        uid,
-                        COUNTER,
-                        "return",
-                    ],
-                );
-            } else {
-                b.append("istio-output", Nat, &["oifname", "lo", "skuid", "!=", uid, COUNTER, "return"]);
-            }
-        }
-        b.append("istio-output", Nat, &["skuid", uid, COUNTER, "return"]);
+        proxy_to_inbound(b, lo4, ports, "skuid", uid);
+        proxy_returns(b, d, "skuid", uid);
     }
 
     fn proxy_gid(&mut self, gid: &str) {
-        use NftTable::*;
         let Steps { ref mut b, ref d, ref lo4, tunnel_port: ref tunnel, .. } = *self;
-        b.append(
-            "istio-output",
-            Nat,
-            &[
-                "oifname",
-                "lo",
-                "meta l4proto tcp",
-                "ip daddr",
-                "!=",
-                lo4,
-                "tcp dport",
-                "!=",
-                tunnel,
-                "skgid",
-                gid,
-                COUNTER,
-                "jump",
-                "istio-in-redirect",
-            ],
-        );
-        b.append_v6(
-            "istio-output",
-            Nat,
-            &[
-                "oifname",
-                "lo",
-                "meta l4proto tcp",
-                "ip6 daddr",
-                "!=",
-                "::1/128",
-                "tcp dport",
-                "!=",
-                tunnel,
-                "skgid",
-                gid,
-                COUNTER,
-                "jump",
-                "istio-in-redirect",
-            ],
-        );
-        if !d.includes_loopback() {
-            if d.redirect_dns {
-                b.append(
-                    "istio-output",
-                    Nat,
-                    &[
-                        "oifname",
-                        "lo",
-                        "meta l4proto tcp",
-                        "tcp dport",
-                        "!=",
-                        "53",
-                        "skgid",
-                        "!=",
-                        gid,
-                        COUNTER,
-                        "return",
-                    ],
-                );
-            } else {
-                b.append("istio-output", Nat, &["oifname", "lo", "skgid", "!=", gid, COUNTER, "return"]);
-            }
-        }
-        b.append("istio-output", Nat, &["skgid", gid, COUNTER, "return"]);
+        proxy_to_inbound(b, lo4, tunnel, "skgid", gid);
+        proxy_returns(b, d, "skgid", gid);
     }
 
     fn owner_groups(&mut self) {
@@ -275,44 +149,20 @@ impl IstioOrder for Steps<'_, Builder> {
         }
         let v4: Vec<String> = cfg.dns_servers_v4.iter().map(|s| format!("{s}/32")).collect();
         let v6: Vec<String> = cfg.dns_servers_v6.iter().map(|s| format!("{s}/128")).collect();
-        if all {
-            b.append(
-                "istio-output-dns",
-                Nat,
-                &["meta l4proto tcp", "tcp dport", "53", COUNTER, "redirect", "to", &to],
-            );
-        } else {
+        // TCP, then UDP: to every address (TCP's naming its protocol), or to each server.
+        for (proto, to_all) in
+            [("tcp dport", &["meta l4proto tcp", "tcp dport"][..]), ("udp dport", &["udp dport"])]
+        {
+            let redirect = ["53", COUNTER, "redirect", "to", &to];
+            if all {
+                b.append("istio-output-dns", Nat, &[to_all, &redirect].concat());
+                continue;
+            }
             for s in &v4 {
-                b.append(
-                    "istio-output-dns",
-                    Nat,
-                    &["ip daddr", s, "tcp dport", "53", COUNTER, "redirect", "to", &to],
-                );
+                b.append("istio-output-dns", Nat, &[&["ip daddr", s, proto][..], &redirect].concat());
             }
             for s in &v6 {
-                b.append_v6(
-                    "istio-output-dns",
-                    Nat,
-                    &["ip6 daddr", s, "tcp dport", "53", COUNTER, "redirect", "to", &to],
-                );
-            }
-        }
-        if all {
-            b.append("istio-output-dns", Nat, &["udp dport", "53", COUNTER, "redirect", "to", &to]);
-        } else {
-            for s in &v4 {
-                b.append(
-                    "istio-output-dns",
-                    Nat,
-                    &["ip daddr", s, "udp dport", "53", COUNTER, "redirect", "to", &to],
-                );
-            }
-            for s in &v6 {
-                b.append_v6(
-                    "istio-output-dns",
-                    Nat,
-                    &["ip6 daddr", s, "udp dport", "53", COUNTER, "redirect", "to", &to],
-                );
+                b.append_v6("istio-output-dns", Nat, &[&["ip6 daddr", s, proto][..], &redirect].concat());
             }
         }
         for (key, ids) in [("skuid", &cfg.proxy_uids), ("skgid", &cfg.proxy_gids)] {
@@ -508,6 +358,52 @@ fn inbound_redirect(b: &mut Builder, cfg: &CaptureConfig) {
         }
         InboundPorts::None => {}
     }
+}
+
+/// The proxy's own TCP over lo to a non-loopback address (its calls to itself
+/// through a service VIP), but to the ports `ports`, sent to Envoy's inbound; `key` is
+/// `skuid` or `skgid`.
+fn proxy_to_inbound(b: &mut Builder, lo4: &str, ports: &str, key: &str, id: &str) {
+    use NftTable::*;
+    for (v6, daddr, lo) in [(false, "ip daddr", lo4), (true, "ip6 daddr", "::1/128")] {
+        let rule = ["oifname", "lo", "meta l4proto tcp", daddr, "!=", lo, "tcp dport", "!=", ports, key, id];
+        let rule = [&rule[..], &[COUNTER, "jump", "istio-in-redirect"]].concat();
+        if v6 {
+            b.append_v6("istio-output", Nat, &rule);
+        } else {
+            b.append("istio-output", Nat, &rule);
+        }
+    }
+}
+
+/// An app's calls to itself over lo not captured (unless loopback was included; DNS
+/// aside when it is captured), and the proxy's own traffic never captured.
+fn proxy_returns(b: &mut Builder, d: &Decisions, key: &str, id: &str) {
+    use NftTable::*;
+    if !d.includes_loopback() {
+        if d.redirect_dns {
+            b.append(
+                "istio-output",
+                Nat,
+                &[
+                    "oifname",
+                    "lo",
+                    "meta l4proto tcp",
+                    "tcp dport",
+                    "!=",
+                    "53",
+                    key,
+                    "!=",
+                    id,
+                    COUNTER,
+                    "return",
+                ],
+            );
+        } else {
+            b.append("istio-output", Nat, &["oifname", "lo", key, "!=", id, COUNTER, "return"]);
+        }
+    }
+    b.append("istio-output", Nat, &[key, id, COUNTER, "return"]);
 }
 
 fn inbound_tproxy(b: &mut Builder, cfg: &CaptureConfig, mark: &str, lo4: &str) {
