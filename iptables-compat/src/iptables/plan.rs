@@ -5,8 +5,8 @@
 use std::fmt;
 
 use crate::inputs::{
-    config::{CaptureConfig, InboundPorts, InterceptionMode, OwnerGroups},
-    decisions::{DNS_PROXY_PORT, Decisions, FamilyRanges, OUTBOUND_MARK},
+    config::{CaptureConfig, InboundPorts, OwnerGroups},
+    decisions::{DNS_PROXY_PORT, Decisions, FamilyRanges, IstioOrder, OUTBOUND_MARK, Steps, in_istio_order},
 };
 
 /// The chains Istio creates.
@@ -157,155 +157,375 @@ pub(crate) const SPECIFIC: &str = "\u{0}family-specific";
 
 /// Generates Istio's iptables rules for `cfg`, in Istio's order.
 pub fn plan(cfg: &CaptureConfig) -> RulePlan {
-    let d = Decisions::of(cfg);
-    let mut b = Builder { plan: RulePlan { ipv6: cfg.enable_ipv6, ..Default::default() } };
-    let tproxy = cfg.interception_mode == InterceptionMode::Tproxy;
-    let lo4 = cfg.host_ipv4_loopback_cidr.to_string();
-    let lo4 = lo4.as_str();
-    let mark = cfg.tproxy_mark.to_string();
-    let capture_port = cfg.inbound_capture_port.to_string();
-    let tunnel_port = cfg.inbound_tunnel_port.to_string();
-
-    uncaptured_interfaces(&mut b, cfg, tproxy);
-    if cfg.drop_invalid {
-        invalid_drop(&mut b);
-    }
-    redirect_targets(&mut b, cfg, &tunnel_port, &capture_port);
-    inbound(&mut b, cfg, &mark, &capture_port, lo4);
-    output_entry(&mut b, cfg);
-    for uid in &cfg.proxy_uids {
-        proxy_uid(&mut b, &d, uid, lo4, &tunnel_port);
-    }
-    for gid in &cfg.proxy_gids {
-        proxy_gid(&mut b, &d, gid, lo4, &tunnel_port);
-    }
-    owner_groups(&mut b, cfg);
-    if d.redirect_dns {
-        dns(&mut b, cfg);
-    }
-    outbound_destinations(&mut b, cfg, &d, lo4);
-    if tproxy {
-        tproxy_marks(&mut b, cfg, &mark, lo4);
-    }
-    b.plan
+    let rules = Builder { plan: RulePlan { ipv6: cfg.enable_ipv6, ..Default::default() } };
+    in_istio_order(Steps::new(cfg, rules)).plan
 }
 
-/// Interfaces whose traffic is not captured: the excluded ones in neither direction
-/// (in mangle too for TPROXY), the virtual (VM) ones not as inbound.
-fn uncaptured_interfaces(b: &mut Builder, cfg: &CaptureConfig, tproxy: bool) {
-    use Table::*;
-    // Excluded interfaces: neither direction captured.
-    for nic in &cfg.exclude_interfaces {
-        b.append("PREROUTING", Nat, &["-i", nic, "-j", "RETURN"]);
-        b.append("OUTPUT", Nat, &["-o", nic, "-j", "RETURN"]);
-    }
-    if tproxy {
+/// Each part of Istio's rules in iptables' words, per family (`-A`/`-I` arguments).
+impl IstioOrder for Steps<'_, Builder> {
+    fn uncaptured_interfaces(&mut self) {
+        use Table::*;
+        let Steps { ref mut b, cfg, tproxy, .. } = *self;
+        // Excluded interfaces: neither direction captured.
         for nic in &cfg.exclude_interfaces {
-            b.append("PREROUTING", Mangle, &["-i", nic, "-j", "RETURN"]);
-            b.append("OUTPUT", Mangle, &["-o", nic, "-j", "RETURN"]);
+            b.append("PREROUTING", Nat, &["-i", nic, "-j", "RETURN"]);
+            b.append("OUTPUT", Nat, &["-o", nic, "-j", "RETURN"]);
+        }
+        if tproxy {
+            for nic in &cfg.exclude_interfaces {
+                b.append("PREROUTING", Mangle, &["-i", nic, "-j", "RETURN"]);
+                b.append("OUTPUT", Mangle, &["-o", nic, "-j", "RETURN"]);
+            }
+        }
+        // Virtual (VM) interfaces are not captured as inbound.
+        for nic in &cfg.reroute_virtual_interfaces {
+            b.insert("PREROUTING", Nat, 1, &["-i", nic, "-j", "RETURN"]);
         }
     }
-    // Virtual (VM) interfaces are not captured as inbound.
-    for nic in &cfg.reroute_virtual_interfaces {
-        b.insert("PREROUTING", Nat, 1, &["-i", nic, "-j", "RETURN"]);
+
+    fn invalid_drop(&mut self) {
+        use Table::*;
+        use chain::*;
+        let Steps { ref mut b, .. } = *self;
+        b.append("PREROUTING", Mangle, &["-m", "conntrack", "--ctstate", "INVALID", "-j", DROP]);
+        b.append(DROP, Mangle, &["-j", "DROP"]);
     }
-}
 
-/// Conntrack-INVALID packets dropped (`--drop-invalid`).
-fn invalid_drop(b: &mut Builder) {
-    use Table::*;
-    use chain::*;
-    b.append("PREROUTING", Mangle, &["-m", "conntrack", "--ctstate", "INVALID", "-j", DROP]);
-    b.append(DROP, Mangle, &["-j", "DROP"]);
-}
-
-/// The tunnel port's exemption from inbound capture, and the two redirect chains'
-/// targets (Envoy's outbound and inbound ports).
-fn redirect_targets(b: &mut Builder, cfg: &CaptureConfig, tunnel_port: &str, capture_port: &str) {
-    use Table::*;
-    use chain::*;
-    let proxy_port = cfg.proxy_port.to_string();
-    b.append(INBOUND, Nat, &["-p", "tcp", "--dport", tunnel_port, "-j", "RETURN"]);
-    b.append(REDIRECT, Nat, &["-p", "tcp", "-j", "REDIRECT", "--to-ports", &proxy_port]);
-    b.append(IN_REDIRECT, Nat, &["-p", "tcp", "-j", "REDIRECT", "--to-ports", capture_port]);
-}
-
-/// OUTPUT into ISTIO_OUTPUT, the outbound ports never captured, and the inbound
-/// passthrough's own source address let through.
-fn output_entry(b: &mut Builder, cfg: &CaptureConfig) {
-    use Table::*;
-    use chain::*;
-    b.append("OUTPUT", Nat, &["-j", OUTPUT]);
-    for port in &cfg.outbound_ports_exclude {
-        let port = port.to_string();
-        b.append(OUTPUT, Nat, &["-p", "tcp", "--dport", &port, "-j", "RETURN"]);
-        b.append(OUTPUT, Nat, &["-p", "udp", "--dport", &port, "-j", "RETURN"]);
+    fn redirect_targets(&mut self) {
+        use Table::*;
+        use chain::*;
+        let Steps { ref mut b, cfg, ref tunnel_port, ref capture_port, .. } = *self;
+        let proxy_port = cfg.proxy_port.to_string();
+        b.append(INBOUND, Nat, &["-p", "tcp", "--dport", tunnel_port, "-j", "RETURN"]);
+        b.append(REDIRECT, Nat, &["-p", "tcp", "-j", "REDIRECT", "--to-ports", &proxy_port]);
+        b.append(IN_REDIRECT, Nat, &["-p", "tcp", "-j", "REDIRECT", "--to-ports", capture_port]);
     }
-    // 127.0.0.6 / ::6 is the inbound passthrough cluster's source address.
-    b.append_versioned("127.0.0.6/32", "::6/128", OUTPUT, Nat, &["-o", "lo", "-s", SPECIFIC, "-j", "RETURN"]);
-}
 
-/// One proxy uid's rules: the proxy's calls to itself through a service VIP go to
-/// Envoy's inbound, an app's calls to itself over lo are not captured (unless loopback
-/// was included), and the proxy's own traffic is never captured.
-fn proxy_uid(b: &mut Builder, d: &Decisions, uid: &str, lo4: &str, tunnel_port: &str) {
-    use Table::*;
-    use chain::*;
-    let dns_and_tunnel = format!("53,{tunnel_port}");
-    // Proxy → itself via a service VIP goes through Envoy's inbound.
-    if d.redirect_dns {
+    fn inbound(&mut self) {
+        use Table::*;
+        use chain::*;
+        let Steps { ref mut b, cfg, tproxy, ref mark, ref capture_port, ref lo4, .. } = *self;
+        if cfg.inbound_ports.is_none() {
+            return;
+        }
+        let table = if tproxy {
+            b.append(DIVERT, Mangle, &["-j", "MARK", "--set-mark", mark]);
+            b.append(DIVERT, Mangle, &["-j", "ACCEPT"]);
+            let tproxy_mark = format!("{mark}/0xffffffff");
+            b.append_versioned(
+                lo4,
+                "::1/128",
+                TPROXY,
+                Mangle,
+                &[
+                    "!",
+                    "-d",
+                    SPECIFIC,
+                    "-p",
+                    "tcp",
+                    "-j",
+                    "TPROXY",
+                    "--tproxy-mark",
+                    &tproxy_mark,
+                    "--on-port",
+                    capture_port,
+                ],
+            );
+            Mangle
+        } else {
+            Nat
+        };
+        b.append("PREROUTING", table, &["-p", "tcp", "-j", INBOUND]);
+        match &cfg.inbound_ports {
+            InboundPorts::None => {}
+            InboundPorts::All => {
+                for port in &cfg.inbound_ports_exclude {
+                    b.append(INBOUND, table, &["-p", "tcp", "--dport", &port.to_string(), "-j", "RETURN"]);
+                }
+                if tproxy {
+                    b.append(
+                        INBOUND,
+                        Mangle,
+                        &["-p", "tcp", "-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED", "-j", DIVERT],
+                    );
+                    b.append(INBOUND, Mangle, &["-p", "tcp", "-j", TPROXY]);
+                } else {
+                    b.append(INBOUND, Nat, &["-p", "tcp", "-j", IN_REDIRECT]);
+                }
+            }
+            InboundPorts::Only(ports) => {
+                for port in ports {
+                    let port = port.to_string();
+                    if tproxy {
+                        b.append(
+                            INBOUND,
+                            Mangle,
+                            &[
+                                "-p",
+                                "tcp",
+                                "--dport",
+                                &port,
+                                "-m",
+                                "conntrack",
+                                "--ctstate",
+                                "RELATED,ESTABLISHED",
+                                "-j",
+                                DIVERT,
+                            ],
+                        );
+                        b.append(INBOUND, Mangle, &["-p", "tcp", "--dport", &port, "-j", TPROXY]);
+                    } else {
+                        b.append(INBOUND, Nat, &["-p", "tcp", "--dport", &port, "-j", IN_REDIRECT]);
+                    }
+                }
+            }
+        }
+    }
+
+    fn output_entry(&mut self) {
+        use Table::*;
+        use chain::*;
+        let Steps { ref mut b, cfg, .. } = *self;
+        b.append("OUTPUT", Nat, &["-j", OUTPUT]);
+        for port in &cfg.outbound_ports_exclude {
+            let port = port.to_string();
+            b.append(OUTPUT, Nat, &["-p", "tcp", "--dport", &port, "-j", "RETURN"]);
+            b.append(OUTPUT, Nat, &["-p", "udp", "--dport", &port, "-j", "RETURN"]);
+        }
+        // 127.0.0.6 / ::6 is the inbound passthrough cluster's source address.
         b.append_versioned(
-            lo4,
-            "::1/128",
+            "127.0.0.6/32",
+            "::6/128",
             OUTPUT,
             Nat,
-            &[
-                "-o",
-                "lo",
-                "!",
-                "-d",
-                SPECIFIC,
-                "-p",
-                "tcp",
-                "-m",
-                "multiport",
-                "!",
-                "--dports",
-                &dns_and_tunnel,
-                "-m",
-                "owner",
-                "--uid-owner",
-                uid,
-                "-j",
-                IN_REDIRECT,
-            ],
-        );
-    } else {
-        b.append_versioned(
-            lo4,
-            "::1/128",
-            OUTPUT,
-            Nat,
-            &[
-                "-o",
-                "lo",
-                "!",
-                "-d",
-                SPECIFIC,
-                "-p",
-                "tcp",
-                "!",
-                "--dport",
-                tunnel_port,
-                "-m",
-                "owner",
-                "--uid-owner",
-                uid,
-                "-j",
-                IN_REDIRECT,
-            ],
+            &["-o", "lo", "-s", SPECIFIC, "-j", "RETURN"],
         );
     }
+
+    fn proxy_uid(&mut self, uid: &str) {
+        let Steps { ref mut b, ref d, ref lo4, ref tunnel_port, .. } = *self;
+        let dns_and_tunnel = format!("53,{tunnel_port}");
+        // Proxy → itself via a service VIP goes through Envoy's inbound.
+        if d.redirect_dns {
+            let ports = ["-m", "multiport", "!", "--dports", dns_and_tunnel.as_str()];
+            proxy_to_inbound(b, lo4, &ports, "--uid-owner", uid);
+        } else {
+            proxy_to_inbound(b, lo4, &["!", "--dport", tunnel_port], "--uid-owner", uid);
+        }
+        proxy_returns(b, d, "--uid-owner", uid);
+    }
+
+    fn proxy_gid(&mut self, gid: &str) {
+        let Steps { ref mut b, ref d, ref lo4, ref tunnel_port, .. } = *self;
+        proxy_to_inbound(b, lo4, &["!", "--dport", tunnel_port], "--gid-owner", gid);
+        proxy_returns(b, d, "--gid-owner", gid);
+    }
+
+    fn owner_groups(&mut self) {
+        use Table::*;
+        use chain::*;
+        let Steps { ref mut b, cfg, .. } = *self;
+        match &cfg.owner_groups {
+            OwnerGroups::AllExcept(groups) => {
+                for group in groups {
+                    b.append(OUTPUT, Nat, &["-m", "owner", "--gid-owner", group, "-j", "RETURN"]);
+                }
+            }
+            OwnerGroups::Only(groups) => {
+                let mut params: Vec<&str> = Vec::new();
+                for group in groups {
+                    params.extend(["-m", "owner", "!", "--gid-owner", group.as_str()]);
+                }
+                params.extend(["-j", "RETURN"]);
+                b.append(OUTPUT, Nat, &params);
+            }
+        }
+    }
+
+    fn dns(&mut self) {
+        use Table::*;
+        use chain::*;
+        let Steps { ref mut b, cfg, .. } = *self;
+        let all = cfg.capture_all_dns;
+        b.append("OUTPUT", Raw, &["-j", OUTPUT_DNS]);
+        if all || !cfg.dns_servers_v4.is_empty() {
+            b.append_v4(OUTPUT, Nat, &["-j", OUTPUT_DNS]);
+        }
+        if all || !cfg.dns_servers_v6.is_empty() {
+            b.append_v6(OUTPUT, Nat, &["-j", OUTPUT_DNS]);
+        }
+        let v4_hosts: Vec<String> = cfg.dns_servers_v4.iter().map(|s| format!("{s}/32")).collect();
+        let v6_hosts: Vec<String> = cfg.dns_servers_v6.iter().map(|s| format!("{s}/128")).collect();
+        for proto in ["tcp", "udp"] {
+            // Istio spells the UDP redirect `--to-port`, the TCP one `--to-ports`.
+            let to = if proto == "tcp" { "--to-ports" } else { "--to-port" };
+            if all {
+                b.append(
+                    OUTPUT_DNS,
+                    Nat,
+                    &["-p", proto, "--dport", "53", "-j", "REDIRECT", to, DNS_PROXY_PORT],
+                );
+            } else {
+                for host in &v4_hosts {
+                    b.append_v4(
+                        OUTPUT_DNS,
+                        Nat,
+                        &["-p", proto, "--dport", "53", "-d", host, "-j", "REDIRECT", to, DNS_PROXY_PORT],
+                    );
+                }
+                for host in &v6_hosts {
+                    b.append_v6(
+                        OUTPUT_DNS,
+                        Nat,
+                        &["-p", proto, "--dport", "53", "-d", host, "-j", "REDIRECT", to, DNS_PROXY_PORT],
+                    );
+                }
+            }
+        }
+        // Conntrack zones: agent ↔ upstream resolvers in zone 1, app ↔ agent in zone 2.
+        for (flag, ids) in [("--uid-owner", &cfg.proxy_uids), ("--gid-owner", &cfg.proxy_gids)] {
+            for id in ids {
+                b.append(
+                    OUTPUT_DNS,
+                    Raw,
+                    &["-p", "udp", "--dport", "53", "-m", "owner", flag, id, "-j", "CT", "--zone", "1"],
+                );
+                b.append(
+                    OUTPUT_DNS,
+                    Raw,
+                    &["-p", "udp", "--sport", "15053", "-m", "owner", flag, id, "-j", "CT", "--zone", "2"],
+                );
+            }
+        }
+        if all {
+            b.append("PREROUTING", Raw, &["-j", INBOUND]);
+            b.append(OUTPUT_DNS, Raw, &["-p", "udp", "--dport", "53", "-j", "CT", "--zone", "2"]);
+            b.append(INBOUND, Raw, &["-p", "udp", "--sport", "53", "-j", "CT", "--zone", "1"]);
+        } else {
+            if !v4_hosts.is_empty() {
+                b.append_v4("PREROUTING", Raw, &["-j", INBOUND]);
+            }
+            for host in &v4_hosts {
+                b.append_v4(
+                    OUTPUT_DNS,
+                    Raw,
+                    &["-p", "udp", "--dport", "53", "-d", host, "-j", "CT", "--zone", "2"],
+                );
+                b.append_v4(
+                    INBOUND,
+                    Raw,
+                    &["-p", "udp", "--sport", "53", "-s", host, "-j", "CT", "--zone", "1"],
+                );
+            }
+            if !v6_hosts.is_empty() {
+                b.append_v6("PREROUTING", Raw, &["-j", INBOUND]);
+            }
+            for host in &v6_hosts {
+                b.append_v6(
+                    OUTPUT_DNS,
+                    Raw,
+                    &["-p", "udp", "--dport", "53", "-d", host, "-j", "CT", "--zone", "2"],
+                );
+                b.append_v6(
+                    INBOUND,
+                    Raw,
+                    &["-p", "udp", "--sport", "53", "-s", host, "-j", "CT", "--zone", "1"],
+                );
+            }
+        }
+    }
+
+    fn outbound_destinations(&mut self) {
+        use Table::*;
+        use chain::*;
+        let Steps { ref mut b, cfg, ref d, ref lo4, .. } = *self;
+        // Envoy-aware apps and container-to-container traffic use localhost explicitly.
+        b.append_versioned(lo4, "::1/128", OUTPUT, Nat, &["-d", SPECIFIC, "-j", "RETURN"]);
+        for cidr in &d.exclude_v4 {
+            b.append_v4(OUTPUT, Nat, &["-d", &cidr.to_string(), "-j", "RETURN"]);
+        }
+        for cidr in &d.exclude_v6 {
+            b.append_v6(OUTPUT, Nat, &["-d", &cidr.to_string(), "-j", "RETURN"]);
+        }
+        for port in &cfg.outbound_ports_include {
+            b.append(OUTPUT, Nat, &["-p", "tcp", "--dport", &port.to_string(), "-j", REDIRECT]);
+        }
+        outbound_include(b, cfg, &d.include_v4, false);
+        outbound_include(b, cfg, &d.include_v6, true);
+    }
+
+    fn tproxy_marks(&mut self) {
+        use Table::*;
+        use chain::*;
+        let Steps { ref mut b, cfg, ref mark, ref lo4, .. } = *self;
+        // Save the mark set by envoy.filters.listener.original_src as the connection mark.
+        b.append(
+            "PREROUTING",
+            Mangle,
+            &["-p", "tcp", "-m", "mark", "--mark", mark, "-j", "CONNMARK", "--save-mark"],
+        );
+        // Already marked: Envoy → app; do not mark again.
+        b.append("OUTPUT", Mangle, &["-p", "tcp", "-o", "lo", "-m", "mark", "--mark", mark, "-j", "RETURN"]);
+        for (owner, ids) in [("--uid-owner", &cfg.proxy_uids), ("--gid-owner", &cfg.proxy_gids)] {
+            for id in ids {
+                b.append_versioned(
+                    lo4,
+                    "::1/128",
+                    "OUTPUT",
+                    Mangle,
+                    &[
+                        "!",
+                        "-d",
+                        SPECIFIC,
+                        "-p",
+                        "tcp",
+                        "-o",
+                        "lo",
+                        "-m",
+                        "owner",
+                        owner,
+                        id,
+                        "-j",
+                        "MARK",
+                        "--set-mark",
+                        OUTBOUND_MARK,
+                    ],
+                );
+            }
+        }
+        // Workload replies follow the TPROXY policy route.
+        b.append(
+            "OUTPUT",
+            Mangle,
+            &["-p", "tcp", "-m", "connmark", "--mark", mark, "-j", "CONNMARK", "--restore-mark"],
+        );
+        b.insert(INBOUND, Mangle, 1, &["-p", "tcp", "-m", "mark", "--mark", mark, "-j", "RETURN"]);
+        b.insert_v4(INBOUND, Mangle, 2, &["-p", "tcp", "-s", "127.0.0.6/32", "-i", "lo", "-j", "RETURN"]);
+        b.insert_v6(INBOUND, Mangle, 2, &["-p", "tcp", "-s", "::6/128", "-i", "lo", "-j", "RETURN"]);
+        b.insert(
+            INBOUND,
+            Mangle,
+            3,
+            &["-p", "tcp", "-i", "lo", "-m", "mark", "!", "--mark", OUTBOUND_MARK, "-j", "RETURN"],
+        );
+    }
+}
+
+/// The proxy's own TCP over lo to a non-loopback address (its calls to itself
+/// through a service VIP), but for the ports `ports` matches, sent to Envoy's inbound;
+/// `owner` is `--uid-owner` or `--gid-owner`.
+fn proxy_to_inbound(b: &mut Builder, lo4: &str, ports: &[&str], owner: &str, id: &str) {
+    use chain::*;
+    let head = ["-o", "lo", "!", "-d", SPECIFIC, "-p", "tcp"];
+    let tail = ["-m", "owner", owner, id, "-j", IN_REDIRECT];
+    b.append_versioned(lo4, "::1/128", OUTPUT, Table::Nat, &[&head[..], ports, &tail].concat());
+}
+
+/// An app's calls to itself over lo not captured (unless loopback was included; DNS
+/// aside when it is captured), and the proxy's own traffic never captured.
+fn proxy_returns(b: &mut Builder, d: &Decisions, owner: &str, id: &str) {
+    use Table::*;
+    use chain::*;
     // App → itself over lo is not captured, unless loopback was included.
     if !d.includes_loopback() {
         if d.redirect_dns {
@@ -313,287 +533,16 @@ fn proxy_uid(b: &mut Builder, d: &Decisions, uid: &str, lo4: &str, tunnel_port: 
                 OUTPUT,
                 Nat,
                 &[
-                    "-o",
-                    "lo",
-                    "-p",
-                    "tcp",
-                    "!",
-                    "--dport",
-                    "53",
-                    "-m",
-                    "owner",
-                    "!",
-                    "--uid-owner",
-                    uid,
-                    "-j",
+                    "-o", "lo", "-p", "tcp", "!", "--dport", "53", "-m", "owner", "!", owner, id, "-j",
                     "RETURN",
                 ],
             );
         } else {
-            b.append(OUTPUT, Nat, &["-o", "lo", "-m", "owner", "!", "--uid-owner", uid, "-j", "RETURN"]);
+            b.append(OUTPUT, Nat, &["-o", "lo", "-m", "owner", "!", owner, id, "-j", "RETURN"]);
         }
     }
     // Never loop Envoy's own traffic back to Envoy.
-    b.append(OUTPUT, Nat, &["-m", "owner", "--uid-owner", uid, "-j", "RETURN"]);
-}
-
-/// One proxy gid's rules, as [`proxy_uid`]'s for a group.
-fn proxy_gid(b: &mut Builder, d: &Decisions, gid: &str, lo4: &str, tunnel_port: &str) {
-    use Table::*;
-    use chain::*;
-    b.append_versioned(
-        lo4,
-        "::1/128",
-        OUTPUT,
-        Nat,
-        &[
-            "-o",
-            "lo",
-            "!",
-            "-d",
-            SPECIFIC,
-            "-p",
-            "tcp",
-            "!",
-            "--dport",
-            tunnel_port,
-            "-m",
-            "owner",
-            "--gid-owner",
-            gid,
-            "-j",
-            IN_REDIRECT,
-        ],
-    );
-    if !d.includes_loopback() {
-        if d.redirect_dns {
-            b.append(
-                OUTPUT,
-                Nat,
-                &[
-                    "-o",
-                    "lo",
-                    "-p",
-                    "tcp",
-                    "!",
-                    "--dport",
-                    "53",
-                    "-m",
-                    "owner",
-                    "!",
-                    "--gid-owner",
-                    gid,
-                    "-j",
-                    "RETURN",
-                ],
-            );
-        } else {
-            b.append(OUTPUT, Nat, &["-o", "lo", "-m", "owner", "!", "--gid-owner", gid, "-j", "RETURN"]);
-        }
-    }
-    b.append(OUTPUT, Nat, &["-m", "owner", "--gid-owner", gid, "-j", "RETURN"]);
-}
-
-/// ISTIO_OUTBOUND_OWNER_GROUPS[_EXCLUDE]: the groups whose traffic is not captured.
-fn owner_groups(b: &mut Builder, cfg: &CaptureConfig) {
-    use Table::*;
-    use chain::*;
-    match &cfg.owner_groups {
-        OwnerGroups::AllExcept(groups) => {
-            for group in groups {
-                b.append(OUTPUT, Nat, &["-m", "owner", "--gid-owner", group, "-j", "RETURN"]);
-            }
-        }
-        OwnerGroups::Only(groups) => {
-            let mut params: Vec<&str> = Vec::new();
-            for group in groups {
-                params.extend(["-m", "owner", "!", "--gid-owner", group.as_str()]);
-            }
-            params.extend(["-j", "RETURN"]);
-            b.append(OUTPUT, Nat, &params);
-        }
-    }
-}
-
-/// Outbound destinations: localhost and the excluded ranges let through, the included
-/// ports and ranges (per family) redirected to Envoy.
-fn outbound_destinations(b: &mut Builder, cfg: &CaptureConfig, d: &Decisions, lo4: &str) {
-    use Table::*;
-    use chain::*;
-    // Envoy-aware apps and container-to-container traffic use localhost explicitly.
-    b.append_versioned(lo4, "::1/128", OUTPUT, Nat, &["-d", SPECIFIC, "-j", "RETURN"]);
-    for cidr in &d.exclude_v4 {
-        b.append_v4(OUTPUT, Nat, &["-d", &cidr.to_string(), "-j", "RETURN"]);
-    }
-    for cidr in &d.exclude_v6 {
-        b.append_v6(OUTPUT, Nat, &["-d", &cidr.to_string(), "-j", "RETURN"]);
-    }
-    for port in &cfg.outbound_ports_include {
-        b.append(OUTPUT, Nat, &["-p", "tcp", "--dport", &port.to_string(), "-j", REDIRECT]);
-    }
-    outbound_include(b, cfg, &d.include_v4, false);
-    outbound_include(b, cfg, &d.include_v6, true);
-}
-
-/// TPROXY's marks: Envoy's mark saved as the connection mark and restored on the
-/// workload's replies, and the proxy's loopback traffic to the workload marked.
-fn tproxy_marks(b: &mut Builder, cfg: &CaptureConfig, mark: &str, lo4: &str) {
-    use Table::*;
-    use chain::*;
-    // Save the mark set by envoy.filters.listener.original_src as the connection mark.
-    b.append(
-        "PREROUTING",
-        Mangle,
-        &["-p", "tcp", "-m", "mark", "--mark", mark, "-j", "CONNMARK", "--save-mark"],
-    );
-    // Already marked: Envoy → app; do not mark again.
-    b.append("OUTPUT", Mangle, &["-p", "tcp", "-o", "lo", "-m", "mark", "--mark", mark, "-j", "RETURN"]);
-    for uid in &cfg.proxy_uids {
-        b.append_versioned(
-            lo4,
-            "::1/128",
-            "OUTPUT",
-            Mangle,
-            &[
-                "!",
-                "-d",
-                SPECIFIC,
-                "-p",
-                "tcp",
-                "-o",
-                "lo",
-                "-m",
-                "owner",
-                "--uid-owner",
-                uid,
-                "-j",
-                "MARK",
-                "--set-mark",
-                OUTBOUND_MARK,
-            ],
-        );
-    }
-    for gid in &cfg.proxy_gids {
-        b.append_versioned(
-            lo4,
-            "::1/128",
-            "OUTPUT",
-            Mangle,
-            &[
-                "!",
-                "-d",
-                SPECIFIC,
-                "-p",
-                "tcp",
-                "-o",
-                "lo",
-                "-m",
-                "owner",
-                "--gid-owner",
-                gid,
-                "-j",
-                "MARK",
-                "--set-mark",
-                OUTBOUND_MARK,
-            ],
-        );
-    }
-    // Workload replies follow the TPROXY policy route.
-    b.append(
-        "OUTPUT",
-        Mangle,
-        &["-p", "tcp", "-m", "connmark", "--mark", mark, "-j", "CONNMARK", "--restore-mark"],
-    );
-    b.insert(INBOUND, Mangle, 1, &["-p", "tcp", "-m", "mark", "--mark", mark, "-j", "RETURN"]);
-    b.insert_v4(INBOUND, Mangle, 2, &["-p", "tcp", "-s", "127.0.0.6/32", "-i", "lo", "-j", "RETURN"]);
-    b.insert_v6(INBOUND, Mangle, 2, &["-p", "tcp", "-s", "::6/128", "-i", "lo", "-j", "RETURN"]);
-    b.insert(
-        INBOUND,
-        Mangle,
-        3,
-        &["-p", "tcp", "-i", "lo", "-m", "mark", "!", "--mark", OUTBOUND_MARK, "-j", "RETURN"],
-    );
-}
-
-fn inbound(b: &mut Builder, cfg: &CaptureConfig, mark: &str, capture_port: &str, lo4: &str) {
-    use Table::*;
-    use chain::*;
-    if cfg.inbound_ports.is_none() {
-        return;
-    }
-    let tproxy = cfg.interception_mode == InterceptionMode::Tproxy;
-    let table = if tproxy {
-        b.append(DIVERT, Mangle, &["-j", "MARK", "--set-mark", mark]);
-        b.append(DIVERT, Mangle, &["-j", "ACCEPT"]);
-        let tproxy_mark = format!("{mark}/0xffffffff");
-        b.append_versioned(
-            lo4,
-            "::1/128",
-            TPROXY,
-            Mangle,
-            &[
-                "!",
-                "-d",
-                SPECIFIC,
-                "-p",
-                "tcp",
-                "-j",
-                "TPROXY",
-                "--tproxy-mark",
-                &tproxy_mark,
-                "--on-port",
-                capture_port,
-            ],
-        );
-        Mangle
-    } else {
-        Nat
-    };
-    b.append("PREROUTING", table, &["-p", "tcp", "-j", INBOUND]);
-    match &cfg.inbound_ports {
-        InboundPorts::None => {}
-        InboundPorts::All => {
-            for port in &cfg.inbound_ports_exclude {
-                b.append(INBOUND, table, &["-p", "tcp", "--dport", &port.to_string(), "-j", "RETURN"]);
-            }
-            if tproxy {
-                b.append(
-                    INBOUND,
-                    Mangle,
-                    &["-p", "tcp", "-m", "conntrack", "--ctstate", "RELATED,ESTABLISHED", "-j", DIVERT],
-                );
-                b.append(INBOUND, Mangle, &["-p", "tcp", "-j", TPROXY]);
-            } else {
-                b.append(INBOUND, Nat, &["-p", "tcp", "-j", IN_REDIRECT]);
-            }
-        }
-        InboundPorts::Only(ports) => {
-            for port in ports {
-                let port = port.to_string();
-                if tproxy {
-                    b.append(
-                        INBOUND,
-                        Mangle,
-                        &[
-                            "-p",
-                            "tcp",
-                            "--dport",
-                            &port,
-                            "-m",
-                            "conntrack",
-                            "--ctstate",
-                            "RELATED,ESTABLISHED",
-                            "-j",
-                            DIVERT,
-                        ],
-                    );
-                    b.append(INBOUND, Mangle, &["-p", "tcp", "--dport", &port, "-j", TPROXY]);
-                } else {
-                    b.append(INBOUND, Nat, &["-p", "tcp", "--dport", &port, "-j", IN_REDIRECT]);
-                }
-            }
-        }
-    }
+    b.append(OUTPUT, Nat, &["-m", "owner", owner, id, "-j", "RETURN"]);
 }
 
 fn outbound_include(b: &mut Builder, cfg: &CaptureConfig, ranges: &FamilyRanges, v6: bool) {
@@ -617,88 +566,6 @@ fn outbound_include(b: &mut Builder, cfg: &CaptureConfig, ranges: &FamilyRanges,
                 insert(b, &["-i", nic, "-d", &cidr, "-j", REDIRECT]);
             }
             append(b, OUTPUT, &["-d", &cidr, "-j", REDIRECT]);
-        }
-    }
-}
-
-/// DNS redirection to the agent's 15053 and the conntrack zones that keep the
-/// agent's upstream queries apart from the app's.
-fn dns(b: &mut Builder, cfg: &CaptureConfig) {
-    use Table::*;
-    use chain::*;
-    let all = cfg.capture_all_dns;
-    b.append("OUTPUT", Raw, &["-j", OUTPUT_DNS]);
-    if all || !cfg.dns_servers_v4.is_empty() {
-        b.append_v4(OUTPUT, Nat, &["-j", OUTPUT_DNS]);
-    }
-    if all || !cfg.dns_servers_v6.is_empty() {
-        b.append_v6(OUTPUT, Nat, &["-j", OUTPUT_DNS]);
-    }
-    let v4_hosts: Vec<String> = cfg.dns_servers_v4.iter().map(|s| format!("{s}/32")).collect();
-    let v6_hosts: Vec<String> = cfg.dns_servers_v6.iter().map(|s| format!("{s}/128")).collect();
-    for proto in ["tcp", "udp"] {
-        // Istio spells the UDP redirect `--to-port`, the TCP one `--to-ports`.
-        let to = if proto == "tcp" { "--to-ports" } else { "--to-port" };
-        if all {
-            b.append(OUTPUT_DNS, Nat, &["-p", proto, "--dport", "53", "-j", "REDIRECT", to, DNS_PROXY_PORT]);
-        } else {
-            for host in &v4_hosts {
-                b.append_v4(
-                    OUTPUT_DNS,
-                    Nat,
-                    &["-p", proto, "--dport", "53", "-d", host, "-j", "REDIRECT", to, DNS_PROXY_PORT],
-                );
-            }
-            for host in &v6_hosts {
-                b.append_v6(
-                    OUTPUT_DNS,
-                    Nat,
-                    &["-p", proto, "--dport", "53", "-d", host, "-j", "REDIRECT", to, DNS_PROXY_PORT],
-                );
-            }
-        }
-    }
-    // Conntrack zones: agent ↔ upstream resolvers in zone 1, app ↔ agent in zone 2.
-    for (flag, ids) in [("--uid-owner", &cfg.proxy_uids), ("--gid-owner", &cfg.proxy_gids)] {
-        for id in ids {
-            b.append(
-                OUTPUT_DNS,
-                Raw,
-                &["-p", "udp", "--dport", "53", "-m", "owner", flag, id, "-j", "CT", "--zone", "1"],
-            );
-            b.append(
-                OUTPUT_DNS,
-                Raw,
-                &["-p", "udp", "--sport", "15053", "-m", "owner", flag, id, "-j", "CT", "--zone", "2"],
-            );
-        }
-    }
-    if all {
-        b.append("PREROUTING", Raw, &["-j", INBOUND]);
-        b.append(OUTPUT_DNS, Raw, &["-p", "udp", "--dport", "53", "-j", "CT", "--zone", "2"]);
-        b.append(INBOUND, Raw, &["-p", "udp", "--sport", "53", "-j", "CT", "--zone", "1"]);
-    } else {
-        if !v4_hosts.is_empty() {
-            b.append_v4("PREROUTING", Raw, &["-j", INBOUND]);
-        }
-        for host in &v4_hosts {
-            b.append_v4(
-                OUTPUT_DNS,
-                Raw,
-                &["-p", "udp", "--dport", "53", "-d", host, "-j", "CT", "--zone", "2"],
-            );
-            b.append_v4(INBOUND, Raw, &["-p", "udp", "--sport", "53", "-s", host, "-j", "CT", "--zone", "1"]);
-        }
-        if !v6_hosts.is_empty() {
-            b.append_v6("PREROUTING", Raw, &["-j", INBOUND]);
-        }
-        for host in &v6_hosts {
-            b.append_v6(
-                OUTPUT_DNS,
-                Raw,
-                &["-p", "udp", "--dport", "53", "-d", host, "-j", "CT", "--zone", "2"],
-            );
-            b.append_v6(INBOUND, Raw, &["-p", "udp", "--sport", "53", "-s", host, "-j", "CT", "--zone", "1"]);
         }
     }
 }
