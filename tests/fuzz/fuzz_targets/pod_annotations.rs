@@ -6,11 +6,11 @@ use std::{collections::BTreeMap, path::PathBuf};
 
 use libfuzzer_sys::fuzz_target;
 use weir_agent::{
+    node::cni::pod::{PodInfo, capture_config},
     sidecar::{
         config::{AgentConfig, MapEnv, ProxyArgs, paths},
         podinfo,
     },
-    node::cni::pod::{PodInfo, capture_config},
 };
 
 fuzz_target!(|data: &[u8]| {
