@@ -1,7 +1,8 @@
 //! Every command, each in a module of its own with its arguments and its run; here the
-//! command line they hang from: `weir`'s three personalities chosen by argv[0]'s file
+//! command line they hang from: `weir`'s four personalities chosen by argv[0]'s file
 //! name — `weir` (everything), `pilot-agent` (the command lines Istio's injector
-//! writes) and `weir-cni`/`istio-cni` (the CNI plugin) — and the per-pod
+//! writes), `weir-cni`/`istio-cni` (the CNI plugin) and `install-cni` (Istio's
+//! istio-cni container, as its chart runs it) — and the per-pod
 //! `weir-init`'s, and [`main`], which picks one and runs it.
 
 use std::{ffi::OsString, path::Path};
@@ -15,6 +16,7 @@ pub mod capture;
 pub mod cni;
 pub mod config;
 pub mod demo;
+pub mod install_cni;
 pub mod istio_iptables;
 pub mod local;
 pub mod proxy;
@@ -33,6 +35,7 @@ pub fn main(argv: Vec<OsString>) -> u8 {
         Personality::Weir => run_weir(WeirCli::parse_from(&argv)),
         Personality::PilotAgent => run_pilot_agent(PilotAgentCli::parse_from(&argv)),
         Personality::Cni => crate::node::cni::main(|level| crate::support::logs::init(&argv, level)),
+        Personality::InstallCni => edge(install_cni::run(install_cni::InstallCniCli::parse_from(&argv))),
     }
 }
 
@@ -79,15 +82,19 @@ pub enum Personality {
     Weir,
     PilotAgent,
     Cni,
+    /// Istio's `install-cni` container command (its chart runs Weir's image so).
+    InstallCni,
 }
 
 impl Personality {
-    /// Chooses by argv[0]'s file name: `pilot-agent`, `weir-cni` / `istio-cni`, else Weir.
+    /// Chooses by argv[0]'s file name: `pilot-agent`, `weir-cni` / `istio-cni`,
+    /// `install-cni`, else Weir.
     pub fn from_argv0(argv0: &OsString) -> Self {
         let name = Path::new(argv0).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         match name.as_str() {
             "pilot-agent" => Self::PilotAgent,
             "weir-cni" | "istio-cni" => Self::Cni,
+            "install-cni" => Self::InstallCni,
             _ => Self::Weir,
         }
     }

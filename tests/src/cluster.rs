@@ -2,9 +2,11 @@
 //! own network and mount namespaces, its own containerd (`containerd`), a kubelet
 //! stand-in that runs the API stand-in's pods through CRI (`kubelet`), a primary CNI
 //! (the reference bridge and host-local, chained as a cluster's), and an underlay
-//! network routing every node's pod CIDR. Images come from `scripts/image`'s archives
+//! network routing every node's pod CIDR. Weir runs from its own DaemonSet or from
+//! Istio's istio-cni chart with Weir's image (`chart`). Images come from `scripts/image`'s archives
 //! and the rig's own (`images`); nothing is pulled.
 
+pub mod chart;
 pub mod containerd;
 pub mod images;
 pub mod kubelet;

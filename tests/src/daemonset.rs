@@ -14,6 +14,47 @@ pub fn manifest_path() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../agent/deploy/weir-cni.yaml")
 }
 
+/// The manifest's documents.
+fn documents() -> Vec<Value> {
+    let text = std::fs::read_to_string(manifest_path()).expect("read agent/deploy/weir-cni.yaml");
+    serde_yaml_ng::Deserializer::from_str(&text)
+        .map(|d| serde::Deserialize::deserialize(d).expect("the manifest is YAML"))
+        .collect()
+}
+
+/// The `weir-cni-config` ConfigMap's data: the settings every container reads.
+pub fn config_map_data() -> Vec<(String, String)> {
+    let docs = documents();
+    let cm = docs
+        .iter()
+        .find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == "weir-cni-config")
+        .expect("the manifest has the weir-cni-config ConfigMap");
+    cm["data"]
+        .as_object()
+        .expect("its data")
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_str().expect("ConfigMap values are strings").to_string()))
+        .collect()
+}
+
+/// Container `name`'s environment as kubelet makes it from the manifest: its
+/// `envFrom` ConfigMap, then its `env` values (which win); `valueFrom` entries are left
+/// out.
+pub fn container_env(name: &str) -> std::collections::BTreeMap<String, String> {
+    let c = container(name);
+    let mut env = std::collections::BTreeMap::new();
+    for from in c["envFrom"].as_array().into_iter().flatten() {
+        assert_eq!(from["configMapRef"]["name"], "weir-cni-config", "{name}: envFrom {from}");
+        env.extend(config_map_data());
+    }
+    for e in c["env"].as_array().into_iter().flatten() {
+        if let (Some(k), Some(v)) = (e["name"].as_str(), e["value"].as_str()) {
+            env.insert(k.to_string(), v.to_string());
+        }
+    }
+    env
+}
+
 /// The DaemonSet's pod spec.
 pub fn pod_spec() -> Value {
     let text = std::fs::read_to_string(manifest_path()).expect("read agent/deploy/weir-cni.yaml");

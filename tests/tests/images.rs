@@ -240,12 +240,7 @@ fn the_cni_image_installs_the_daemonsets_node_agent() {
         mounts.push(Mount::Bind { source, target: under(&path), read_only: false });
     }
     // The pods' cgroup the manifest names, inside the cgroup volume: the test cgroup.
-    let env: BTreeMap<String, String> = container["env"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter_map(|e| Some((e["name"].as_str()?.to_string(), e["value"].as_str()?.to_string())))
-        .collect();
+    let env: BTreeMap<String, String> = weir_tests::daemonset::container_env("install");
     let pods_cgroup = &env["WEIR_EBPF_CGROUP"];
     let cgroup_volume = &volumes["cgroup"];
     let inside =

@@ -230,3 +230,44 @@ fn the_daemonset_asks_for_least_privilege() {
         }
     }
 }
+
+/// Weir's DaemonSet keeps the settings its containers share in one ConfigMap (as
+/// istio-cni's `istio-cni-config`), read by every container through `envFrom` and set
+/// in no container's own `env`, so the plugin, repair and the ambient agent cannot
+/// disagree about which pods are whose; and every setting it shares with Istio's chart
+/// has the chart's value (`tests/testdata/istio-cni-chart`, ambient profile). Before,
+/// the selector and exclusions were written out in two containers each, and
+/// `EXCLUDE_NAMESPACES` added istio-system, which the chart does not: after a swap,
+/// ambient pods in istio-system were taken out of the mesh.
+#[test]
+fn the_daemonsets_shared_settings_are_one_config_map_with_the_charts_values() {
+    use weir_tests::cluster::chart::{Profile, config_map};
+    let ours: std::collections::BTreeMap<String, String> =
+        weir_tests::daemonset::config_map_data().into_iter().collect();
+    let spec = weir_tests::daemonset::pod_spec();
+    for c in spec["containers"].as_array().unwrap() {
+        let name = c["name"].as_str().unwrap();
+        assert_eq!(
+            c["envFrom"],
+            serde_json::json!([{"configMapRef": {"name": "weir-cni-config"}}]),
+            "{name} reads the ConfigMap"
+        );
+        for e in c["env"].as_array().into_iter().flatten() {
+            let key = e["name"].as_str().unwrap();
+            assert!(!ours.contains_key(key), "{name} sets {key} itself, beside the ConfigMap");
+        }
+    }
+    let chart = config_map(Profile::Ambient).unwrap();
+    let mut shared = 0;
+    for (key, theirs) in &chart {
+        let Some(mine) = ours.get(key) else { continue };
+        shared += 1;
+        if key == "AMBIENT_ENABLEMENT_SELECTOR" {
+            let parse = |t: &str| serde_yaml_ng::from_str::<serde_json::Value>(t).unwrap();
+            assert_eq!(parse(mine), parse(theirs), "{key}");
+        } else {
+            assert_eq!(mine, theirs, "{key}: Weir's DaemonSet and Istio's chart differ");
+        }
+    }
+    assert!(shared >= 7, "only {shared} settings shared with the chart: {ours:?}");
+}

@@ -82,3 +82,64 @@ fn three_nodes_under_traffic_through_rolls_restarts_reboots_and_deletions() {
     let mut scene = Scene::up(&test_name!()).unwrap_or_else(|e| panic!("{e:#}"));
     scene.run_events(&|| false).unwrap_or_else(|e| panic!("{e:#}"));
 }
+
+/// Istio's istio-cni chart, rendered for the ambient profile, with only its image
+/// changed to weir-cni: on every node Weir runs as Istio's one `install-cni` container
+/// (not privileged, not on the host's network, no bpffs: netfilter capture), with the
+/// chart's ConfigMap, mounts, capabilities and ports. The standing workloads (sidecar
+/// pods with istio-init and with the CNI plugin, native and classic; ambient pods with
+/// ztunnel; plain pods) call each other across the nodes with nothing bypassed and every
+/// call answered; the plugin is chained as `istio-cni`, the config written 0600;
+/// readiness is the chart's probe on 8000 and metrics are served on 15014 under Istio's
+/// names.
+#[test]
+fn istios_chart_with_weirs_image_runs_sidecar_and_ambient_pods_under_traffic() {
+    use weir_tests::cluster::{
+        chart::{self, Profile},
+        scene::{NodeAgent, Scene, Touched},
+    };
+    require_root!();
+    let mut scene = Scene::up_with(&test_name!(), NodeAgent::IstioChart(Profile::Ambient))
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    let since = weir_tests::busynode::now_ms();
+    std::thread::sleep(Duration::from_secs(10));
+    scene.judge("the chart's steady state", since, &Touched::none()).unwrap_or_else(|e| panic!("{e:#}"));
+    for i in 1..=3u8 {
+        let node = scene.cluster.node(i);
+        let path = node.folder("/etc/cni/net.d/10-primary.conflist");
+        let list: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        let types: Vec<&str> =
+            list["plugins"].as_array().unwrap().iter().filter_map(|p| p["type"].as_str()).collect();
+        assert_eq!(types.last(), Some(&"istio-cni"), "node {i}: {types:?}");
+        assert_eq!(types.iter().filter(|t| **t == "istio-cni").count(), 1, "node {i}: {types:?}");
+        use std::os::unix::fs::PermissionsExt as _;
+        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600, "node {i}");
+        let pod = scene.cluster.pod_view(chart::NAMESPACE, &chart::pod_name(i)).expect("the agent's pod");
+        let ip = pod.ip.expect("the agent's pod has an address (not the host's network)");
+        let metrics = node
+            .run("curl", &["-sS", "--max-time", "5", &format!("http://{ip}:15014/metrics")])
+            .unwrap_or_else(|e| panic!("node {i}: metrics: {e:#}"));
+        for name in [
+            "istio_cni_install_ready 1",
+            "ztunnel_connected 1",
+            "nodeagent_reconcile_events_total{type=\"add\"}",
+        ] {
+            assert!(metrics.contains(name), "node {i}: {name} not in\n{metrics}");
+        }
+    }
+    let ambient_node = scene
+        .workloads
+        .iter()
+        .find(|w| w.kind == weir_tests::cluster::workloads::Kind::Ambient)
+        .map(|w| w.node)
+        .expect("an ambient workload");
+    let node = scene.cluster.node(ambient_node);
+    let pod = scene.cluster.pod_view(chart::NAMESPACE, &chart::pod_name(ambient_node)).unwrap();
+    let metrics = node
+        .run("curl", &["-sS", "--max-time", "5", &format!("http://{}:15014/metrics", pod.ip.unwrap())])
+        .unwrap();
+    assert!(
+        metrics.contains("istio_cni_plugin_requests_total{response_code=\"200\"}"),
+        "the ambient pod's add event is counted:\n{metrics}"
+    );
+}

@@ -75,7 +75,7 @@ pub struct AmbientRulesArgs {
 
 /// The Kubernetes client of the ambient agent: the kubeconfig given, else the pod's
 /// service account (`KUBERNETES_SERVICE_HOST`/`_PORT`, its token re-read per request).
-fn ambient_kube(a: &AmbientArgs) -> anyhow::Result<crate::node::cni::kube::KubeClient> {
+pub(crate) fn ambient_kube(a: &AmbientArgs) -> anyhow::Result<crate::node::cni::kube::KubeClient> {
     use crate::node::cni::kube::{Credentials, KubeClient, Kubeconfig};
     if let Some(path) = &a.kubeconfig {
         return Ok(KubeClient::load(path)?);
@@ -154,7 +154,7 @@ pub struct RepairArgs {
 }
 
 fn repair(a: &RepairArgs) -> anyhow::Result<()> {
-    use crate::node::cni::{kube::KubeClient, repair, spec::NetConf};
+    use crate::node::cni::{repair, spec::NetConf};
     let mut conf = a.plugin.fields()?;
     conf.insert("cniVersion".into(), json!("1.0.0"));
     conf.insert("name".into(), json!("weir-repair"));
@@ -162,16 +162,7 @@ fn repair(a: &RepairArgs) -> anyhow::Result<()> {
     let conf = Value::Object(conf);
     let conf = NetConf::parse(conf.to_string().as_bytes()).map_err(|e| anyhow::anyhow!("{e}"))?;
     loop {
-        let client = KubeClient::load(&a.kubeconfig)?;
-        let report = repair::repair(&conf, repair::list(&client, &a.node_name)?, &a.proc_dir);
-        tracing::info!(
-            node = %a.node_name,
-            repaired = report.repaired.len(),
-            already_captured = report.already_captured.len(),
-            not_found = report.not_found.len(),
-            failed = report.failed.len(),
-            "repair pass"
-        );
+        let report = repair::pass(&conf, &a.kubeconfig, &a.node_name, &a.proc_dir)?;
         if a.once {
             for (pod, netns) in &report.repaired {
                 println!("repaired {pod} in {}", netns.display());
@@ -221,6 +212,12 @@ pub struct InstallArgs {
     pub service_account_dir: PathBuf,
     #[command(flatten)]
     pub plugin: PluginOptions,
+    /// Write the CNI config with group read (0640) instead of Istio's 0600.
+    #[arg(long, env = "CNI_CONF_GROUP_READ", default_value = "false", value_parser = go_bool, action = clap::ArgAction::Set)]
+    pub cni_conf_group_read: bool,
+    /// The kubeconfig's file mode (Istio's `KUBECONFIG_MODE`: `0600`; a leading 0 is octal).
+    #[arg(long, env = "KUBECONFIG_MODE", default_value = "0600", value_parser = file_mode)]
+    pub kubeconfig_mode: u32,
     /// The plugin's log level.
     #[arg(long, env = "PLUGIN_LOG_LEVEL", default_value = "info")]
     pub plugin_log_level: String,
@@ -298,7 +295,7 @@ pub struct PluginOptions {
 
 impl PluginOptions {
     /// The plugin's config fields.
-    fn fields(&self) -> anyhow::Result<Map<String, Value>> {
+    pub(crate) fn fields(&self) -> anyhow::Result<Map<String, Value>> {
         let mode = self.capture_mode.as_str();
         anyhow::ensure!(
             matches!(mode, "ebpf" | "nftables" | "iptables" | "auto"),
@@ -328,7 +325,35 @@ impl PluginOptions {
     }
 }
 
-fn parse_duration(v: &str) -> Result<Duration, String> {
+/// A boolean as Go's `strconv.ParseBool` reads it (Istio's settings are parsed so).
+pub fn go_bool(v: &str) -> Result<bool, String> {
+    match v.trim() {
+        "1" | "t" | "T" | "TRUE" | "true" | "True" => Ok(true),
+        "0" | "f" | "F" | "FALSE" | "false" | "False" | "" => Ok(false),
+        other => Err(format!("{other:?} is not a boolean (true or false)")),
+    }
+}
+
+/// A file mode as Istio's `KUBECONFIG_MODE` is read (Go's base-0 integers: `0600` and
+/// `0o600` octal, `384` decimal), at most 0777.
+pub fn file_mode(v: &str) -> Result<u32, String> {
+    let t = v.trim();
+    let parsed = if let Some(hex) = t.strip_prefix("0x").or_else(|| t.strip_prefix("0X")) {
+        u32::from_str_radix(hex, 16)
+    } else if let Some(oct) = t.strip_prefix("0o").or_else(|| t.strip_prefix("0O")) {
+        u32::from_str_radix(oct, 8)
+    } else if t.len() > 1 && t.starts_with('0') {
+        u32::from_str_radix(&t[1..], 8)
+    } else {
+        t.parse()
+    };
+    parsed
+        .ok()
+        .filter(|m| *m <= 0o777)
+        .ok_or_else(|| format!("{v:?} is not a file mode such as 0600 or 0640 (at most 0777)"))
+}
+
+pub(crate) fn parse_duration(v: &str) -> Result<Duration, String> {
     crate::support::text::parse_duration(v)
         .ok_or_else(|| format!("{v:?} is not a duration such as 1s or 500ms"))
 }
@@ -358,6 +383,13 @@ impl InstallArgs {
             },
             kubeconfig,
             ebpf: self.ebpf_cgroup.clone().map(|cgroup| (self.plugin.ebpf_name.clone(), cgroup)),
+            plugin_type: install::PLUGIN_TYPE,
+            config_mode: if self.cni_conf_group_read {
+                install::CONFIG_MODE_GROUP_READ
+            } else {
+                install::CONFIG_MODE
+            },
+            kubeconfig_mode: self.kubeconfig_mode,
         })
     }
 }

@@ -10,7 +10,10 @@ pub fn init(argv: &[OsString], level: Option<&str>) {
     use tracing_subscriber::{EnvFilter, fmt};
     let istio_level = argv.iter().filter_map(|a| a.to_str()).find_map(|a| {
         let spec = a.strip_prefix("--log_output_level=")?;
-        spec.split(',').find_map(|s| s.strip_prefix("default:").or_else(|| s.strip_prefix("all:")))
+        // `info` alone is the default scope's level, as Istio reads it.
+        spec.split(',').find_map(|s| {
+            s.strip_prefix("default:").or_else(|| s.strip_prefix("all:")).or((!s.contains(':')).then_some(s))
+        })
     });
     let level = level.or(istio_level).map(istio_level_name).unwrap_or("info");
     use std::io::IsTerminal as _;

@@ -134,7 +134,7 @@ impl Node {
         std::fs::write(dir.join("etc/cni/net.d/10-primary.conflist"), primary_conflist(index))?;
         let mount = weir_agent::sandbox::cgroup::cgroup2_mount()?;
         let kubepods_relative = kubepods.path().strip_prefix(&mount)?.to_path_buf();
-        let mounts = Some(spawn_mounts(&dir)?);
+        let mounts = Some(spawn_mounts(&dir, netns.path())?);
         let netns_path = netns.path().to_path_buf();
         let mut node = Self {
             name: name.to_string(),
@@ -149,6 +149,14 @@ impl Node {
         };
         node.containerd = Containerd::start(&dir.join("containerd"), &netns_path, node.mount_ns())?;
         Ok(node)
+    }
+
+    /// A process that lives as long as the node, in its network and mount namespaces:
+    /// what PID 1 is to a real node. The nodes share the machine's PID namespace, so a
+    /// pod's `/host/proc/1` is the machine's: Istio's chart's `/host/proc/1/ns/net` is
+    /// re-rooted to `/host/proc/<this>/ns/net`.
+    pub fn host_netns_pid(&self) -> u32 {
+        self.mounts.as_ref().map(Child::id).unwrap_or(0)
     }
 
     /// `/proc/<holder>/ns/mnt`: the node's mount namespace.
@@ -192,7 +200,7 @@ impl Node {
                 std::fs::create_dir_all(&folder)?;
             }
         }
-        self.mounts = Some(spawn_mounts(&self.dir)?);
+        self.mounts = Some(spawn_mounts(&self.dir, self.netns.path())?);
         self.containerd.set_mount_ns(self.mount_ns());
         self.containerd.restart()
     }
@@ -229,8 +237,9 @@ impl Drop for Node {
 
 /// The node's mount namespace: each [`BOUND`] folder bound over its path, a bpffs of its
 /// own at /sys/fs/bpf, each made shared (for containers' propagation), held by a
-/// process that waits.
-fn spawn_mounts(dir: &Path) -> anyhow::Result<Child> {
+/// process that waits, in the node's network namespace `netns` (the node's "PID 1":
+/// [`Node::host_netns_pid`]).
+fn spawn_mounts(dir: &Path, netns: &Path) -> anyhow::Result<Child> {
     let mut script = String::from("set -e; mount --make-rprivate /; ");
     for (path, _) in BOUND {
         let from = dir.join(path.trim_start_matches('/'));
@@ -240,8 +249,9 @@ fn spawn_mounts(dir: &Path) -> anyhow::Result<Child> {
     // check a propagated hostPath's mount: `/` for `/var/run/netns`); the namespace is
     // private from the machine's, so nothing propagates out of it.
     script.push_str("mount -t bpf bpf /sys/fs/bpf; mount --make-rshared /; echo ready; exec sleep infinity");
-    let mut child = Command::new("unshare")
-        .args(["--mount", "--propagation", "private", "--", "sh", "-c", &script])
+    let mut child = Command::new("nsenter")
+        .arg(format!("--net={}", netns.display()))
+        .args(["--", "unshare", "--mount", "--propagation", "private", "--", "sh", "-c", &script])
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -384,7 +384,8 @@ impl Cluster {
     }
 
     /// Creates the DaemonSet's ServiceAccount tokens (the agent's and the plugin's
-    /// read-only one, as the manifest's Secret) and its pod on every node.
+    /// read-only one, as the manifest's Secret), its ConfigMap, and its pod on every
+    /// node.
     pub fn apply_daemonset(&self, image: &str) -> anyhow::Result<()> {
         let all: Vec<u8> = self.nodes.iter().map(|n| n.node.index).collect();
         self.apply_daemonset_on(image, &all)
@@ -402,6 +403,9 @@ impl Cluster {
             "weir-cni-plugin-token",
             &[("token", plugin_token), ("ca.crt", self.ca.root_pem()), ("namespace", "kube-system")],
         );
+        let data = crate::daemonset::config_map_data();
+        let data: Vec<(&str, &str)> = data.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        self.config_map("kube-system", "weir-cni-config", &data);
         for &index in nodes {
             let pod = self.daemonset_pod(index, image)?;
             self.create_pod(pod, index);

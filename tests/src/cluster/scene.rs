@@ -100,6 +100,8 @@ pub struct Scene {
     owners: BTreeMap<IpAddr, String>,
     /// The image the DaemonSet runs on each node.
     pub daemonset: BTreeMap<u8, String>,
+    /// Which node agent's DaemonSet runs Weir.
+    pub agent: NodeAgent,
     pub progress: Progress,
 }
 
@@ -121,19 +123,54 @@ impl Touched {
     }
 }
 
+/// The DaemonSet that runs Weir on the nodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NodeAgent {
+    /// Weir's own (`agent/deploy/weir-cni.yaml`: eBPF node capture, three containers).
+    Weir,
+    /// Istio's istio-cni chart with Weir's image (`super::chart`).
+    IstioChart(super::chart::Profile),
+}
+
+impl NodeAgent {
+    /// The agent's pod on node `index`: namespace and name.
+    pub fn pod(self, index: u8) -> (&'static str, String) {
+        match self {
+            Self::Weir => ("kube-system", format!("weir-cni-node-{index}")),
+            Self::IstioChart(_) => (super::chart::NAMESPACE, super::chart::pod_name(index)),
+        }
+    }
+}
+
 impl Scene {
     /// Brings the scene up: the cluster, the DaemonSet at [`DEV_IMAGE`] on every node,
     /// istiod, ztunnels, the standing workloads, their calls answered.
     pub fn up(test: &str) -> anyhow::Result<Self> {
+        Self::up_with(test, NodeAgent::Weir)
+    }
+
+    /// [`Scene::up`] with `agent`'s DaemonSet running Weir.
+    pub fn up_with(test: &str, agent: NodeAgent) -> anyhow::Result<Self> {
         let progress = Progress { started: Instant::now() };
         progress
             .step("three nodes: network and mount namespaces, a containerd each, images imported, kubelets");
         let cluster = Cluster::new(test, 3)?;
-        progress.step("Weir's DaemonSet (weir-cni:dev) on every node");
-        cluster.apply_daemonset(DEV_IMAGE)?;
+        match agent {
+            NodeAgent::Weir => {
+                progress.step("Weir's DaemonSet (weir-cni:dev) on every node");
+                cluster.apply_daemonset(DEV_IMAGE)?;
+            }
+            NodeAgent::IstioChart(profile) => {
+                progress.step(&format!(
+                    "Istio's istio-cni chart ({profile:?} profile) with weir-cni:dev on every node"
+                ));
+                cluster.apply_istio_cni_chart(DEV_IMAGE, profile, &[1, 2, 3])?;
+            }
+        }
         let daemonset: BTreeMap<u8, String> = (1..=3).map(|i| (i, DEV_IMAGE.to_string())).collect();
         for i in 1..=3 {
-            cluster.wait_pod("kube-system", &format!("weir-cni-node-{i}"), READY, "Ready", ready)?;
+            let (ns, name) = agent.pod(i);
+            cluster.wait_pod(ns, &name, READY, "Ready", ready)?;
         }
         progress.step("istiod (the test control plane) on node-1");
         let istiod = cluster.start_istiod(1, "permissive")?;
@@ -150,6 +187,7 @@ impl Scene {
                 .collect(),
             owners: BTreeMap::new(),
             daemonset,
+            agent,
             progress,
         };
         scene.progress.step(&format!(
@@ -186,9 +224,7 @@ impl Scene {
     /// report them; the workloads' addresses read again.
     pub fn wait_all_ready(&mut self) -> anyhow::Result<()> {
         for i in 1..=3u8 {
-            for (ns, name) in
-                [("kube-system", format!("weir-cni-node-{i}")), ("istio-system", format!("ztunnel-{i}"))]
-            {
+            for (ns, name) in [self.agent.pod(i), ("istio-system", format!("ztunnel-{i}"))] {
                 self.cluster.wait_pod(ns, &name, READY, "Ready", ready)?;
             }
         }

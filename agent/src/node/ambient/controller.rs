@@ -34,6 +34,7 @@ use super::{
     objects::{AmbientNamespace, AmbientPod},
     watch::WatchEvent,
 };
+use crate::node::metrics::{self, ReconcileEvent};
 
 /// Pods reconciled at once.
 pub const PARALLEL: usize = 8;
@@ -90,11 +91,18 @@ pub fn selected(dataplane: &Dataplane, cluster: &Cluster, pod: &AmbientPod) -> b
         && s.selectors.matches(&pod.facts(), &cluster.namespace_labels(&pod.namespace))
 }
 
+/// Counts an object's event as Istio's informers do (`nodeagent_reconcile_events_total`):
+/// `update` for one the cache held, else `add`.
+fn counted(known: bool) {
+    metrics::reconcile_event(if known { ReconcileEvent::Update } else { ReconcileEvent::Add });
+}
+
 /// Applies a pod watch event to the cache; returns the uids to reconcile.
 pub fn apply_pod_event(cluster: &SharedCluster, event: WatchEvent<AmbientPod>) -> Vec<String> {
     let mut c = write(cluster);
     let mut touched = Vec::new();
     fn store(c: &mut Cluster, pod: AmbientPod) -> String {
+        counted(c.pods.contains_key(&pod.uid));
         if !pod.ips.is_empty() {
             c.last_ips.insert(pod.uid.clone(), pod.ips.clone());
         }
@@ -119,6 +127,7 @@ pub fn apply_pod_event(cluster: &SharedCluster, event: WatchEvent<AmbientPod>) -
         }
         WatchEvent::Applied(pod) => touched.push(store(&mut c, pod)),
         WatchEvent::Deleted(pod) => {
+            metrics::reconcile_event(ReconcileEvent::Delete);
             c.pods.remove(&pod.uid);
             touched.push(pod.uid.clone());
             c.deleted.insert(pod.uid.clone(), pod);
@@ -134,10 +143,14 @@ pub fn apply_namespace_event(cluster: &SharedCluster, event: WatchEvent<AmbientN
     match event {
         WatchEvent::Listed(all) => {
             names.extend(c.namespaces.keys().cloned());
+            for n in &all {
+                counted(c.namespaces.contains_key(&n.name));
+            }
             c.namespaces = all.into_iter().map(|n| (n.name.clone(), n)).collect();
             names.extend(c.namespaces.keys().cloned());
         }
         WatchEvent::Applied(ns) => {
+            counted(c.namespaces.contains_key(&ns.name));
             let changed = c.namespaces.get(&ns.name).is_none_or(|old| old.labels != ns.labels);
             if changed {
                 names.push(ns.name.clone());
@@ -145,6 +158,7 @@ pub fn apply_namespace_event(cluster: &SharedCluster, event: WatchEvent<AmbientN
             c.namespaces.insert(ns.name.clone(), ns);
         }
         WatchEvent::Deleted(ns) => {
+            metrics::reconcile_event(ReconcileEvent::Delete);
             c.namespaces.remove(&ns.name);
             names.push(ns.name);
         }

@@ -115,7 +115,18 @@ fn reply(status: StatusCode, body: String) -> Response<Full<Bytes>> {
     r
 }
 
+/// Answers one request and counts it by its code (`istio_cni_plugin_requests_total`).
 async fn answer(
+    req: Request<hyper::body::Incoming>,
+    dp: &Dataplane,
+    cluster: &SharedCluster,
+) -> Response<Full<Bytes>> {
+    let response = answer_uncounted(req, dp, cluster).await;
+    crate::node::metrics::plugin_request(response.status().as_u16());
+    response
+}
+
+async fn answer_uncounted(
     req: Request<hyper::body::Incoming>,
     dp: &Dataplane,
     cluster: &SharedCluster,

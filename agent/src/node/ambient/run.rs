@@ -60,9 +60,12 @@ const LISTED: &str = "pods and namespaces listed";
 const SNAPSHOT: &str = "ZDS snapshot restored";
 const EVENTS: &str = "plugin event socket open";
 
+/// Every part the agent's readiness waits for.
+pub const BLOCKERS: [&str; 5] = [ZDS_BOUND, HOST_PROBE, LISTED, SNAPSHOT, EVENTS];
+
 /// The agent's readiness: not ready until every part is started.
 pub fn readiness() -> Readiness {
-    Readiness::new(&[ZDS_BOUND, HOST_PROBE, LISTED, SNAPSHOT, EVENTS])
+    Readiness::new(&BLOCKERS)
 }
 
 /// Runs the agent until `stop`, clearing `readiness`'s blockers as it starts.

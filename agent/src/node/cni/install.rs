@@ -6,13 +6,18 @@
 //! rotated token is repaired on the next poll. Uninstall takes out exactly what install
 //! put in (istio/istio.io#16748). The config editing is pure (`insert`, `remove`).
 
-use crate::support::readiness::Readiness;
 use std::{
+    os::unix::fs::PermissionsExt as _,
     path::{Path, PathBuf},
     time::Duration,
 };
 
 use serde_json::{Map, Value, json};
+
+use crate::{
+    node::metrics::{self, InstallStep},
+    support::readiness::Readiness,
+};
 
 /// The plugin type Weir chains as (its binary's name in the CNI bin dir).
 pub const PLUGIN_TYPE: &str = "weir-cni";
@@ -64,7 +69,20 @@ pub struct InstallSettings {
     pub kubeconfig: KubeconfigSource,
     /// eBPF: attach the node capture (its name) to the pods' cgroup.
     pub ebpf: Option<(String, PathBuf)>,
+    /// The plugin's name in the chain and in the bin dir: [`PLUGIN_TYPE`], or
+    /// [`ISTIO_PLUGIN_TYPE`] when Weir runs as Istio's `install-cni` (the swap replaces
+    /// istio-cni's binary and entry in place, and back).
+    pub plugin_type: &'static str,
+    /// The mode of every CNI config file written: Istio's 0600, 0640 with
+    /// `CNI_CONF_GROUP_READ`.
+    pub config_mode: u32,
+    /// The kubeconfig's mode (`KUBECONFIG_MODE`, 0600).
+    pub kubeconfig_mode: u32,
 }
+
+/// Istio's CNI config file mode (`CNIConfModeDefault`), and with group read.
+pub const CONFIG_MODE: u32 = 0o600;
+pub const CONFIG_MODE_GROUP_READ: u32 = 0o640;
 
 /// Where the plugin's kubeconfig comes from.
 #[derive(Debug, Clone)]
@@ -79,7 +97,7 @@ pub enum KubeconfigSource {
 /// The entry Weir adds to a chain.
 pub fn plugin_entry(s: &InstallSettings) -> Value {
     let mut entry = s.plugin.clone();
-    entry.insert("type".into(), json!(PLUGIN_TYPE));
+    entry.insert("type".into(), json!(s.plugin_type));
     entry.insert("cni_agent_run_dir".into(), json!(s.run_dir));
     if let Some((name, _)) = &s.ebpf {
         entry.insert("ebpf_node_capture".into(), json!(name));
@@ -169,14 +187,6 @@ fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), InstallError
     })
 }
 
-/// The mode a rewritten CNI config keeps: the one it had (the primary CNI's, or the
-/// operator's), else `0600` as Istio writes its own (CIS 1.1.9); never wider than
-/// `0644`.
-fn config_mode(path: &Path) -> u32 {
-    use std::os::unix::fs::PermissionsExt as _;
-    std::fs::metadata(path).map(|m| m.permissions().mode() & 0o644).unwrap_or(0o600)
-}
-
 /// The kubeconfig text for the plugin.
 pub fn kubeconfig_text(source: &KubeconfigSource) -> Result<String, InstallError> {
     use base64::Engine as _;
@@ -210,6 +220,58 @@ pub struct Changes {
     pub chained_into: Option<PathBuf>,
 }
 
+/// The plugin binary in the bin dir; whether it was written.
+fn ensure_binary(s: &InstallSettings) -> Result<bool, InstallError> {
+    let target = s.bin_dir.join(s.plugin_type);
+    let want = std::fs::read(&s.binary).map_err(io("read the plugin binary", &s.binary))?;
+    if std::fs::read(&target).ok().as_deref() == Some(&want[..]) {
+        return Ok(false);
+    }
+    std::fs::create_dir_all(&s.bin_dir).map_err(io("create", &s.bin_dir))?;
+    write_atomic(&target, &want, 0o755)?;
+    Ok(true)
+}
+
+/// The plugin's kubeconfig in the run dir; whether it was written.
+fn ensure_kubeconfig(s: &InstallSettings) -> Result<bool, InstallError> {
+    std::fs::create_dir_all(&s.run_dir).map_err(io("create", &s.run_dir))?;
+    let kubeconfig = s.run_dir.join(super::plugin::KUBECONFIG_NAME);
+    let text = kubeconfig_text(&s.kubeconfig)?;
+    let mode = std::fs::metadata(&kubeconfig).map(|m| m.permissions().mode() & 0o7777).ok();
+    if std::fs::read_to_string(&kubeconfig).ok().as_deref() == Some(text.as_str())
+        && mode == Some(s.kubeconfig_mode)
+    {
+        return Ok(false);
+    }
+    write_atomic(&kubeconfig, text.as_bytes(), s.kubeconfig_mode)?;
+    Ok(true)
+}
+
+/// The plugin last in the primary CNI config, the file at the configured mode (as
+/// Istio writes it: the primary CNI's own mode is not kept); the file written, if any.
+fn ensure_chained(s: &InstallSettings) -> Result<Option<PathBuf>, InstallError> {
+    let path = primary_config(&s.net_dir, s.conf_name.as_deref())?;
+    let bad = |message: String| InstallError::Config { path: path.clone(), message };
+    let bytes = std::fs::read(&path).map_err(io("read", &path))?;
+    let existing: Value = serde_json::from_slice(&bytes).map_err(|e| bad(e.to_string()))?;
+    let entry = plugin_entry(s);
+    let mode = std::fs::metadata(&path).map(|m| m.permissions().mode() & 0o7777).ok();
+    if is_installed(&existing, &entry) && mode == Some(s.config_mode) {
+        return Ok(None);
+    }
+    let chained = insert(&existing, &entry).map_err(bad)?;
+    let text = serde_json::to_vec_pretty(&chained).expect("JSON serializes");
+    if path.extension().is_some_and(|e| e == "conf") {
+        // kubelet picks by name: the list takes the .conf's place.
+        let list = path.with_extension("conflist");
+        write_atomic(&list, &text, s.config_mode)?;
+        std::fs::remove_file(&path).map_err(io("remove", &path))?;
+        return Ok(Some(list));
+    }
+    write_atomic(&path, &text, s.config_mode)?;
+    Ok(Some(path))
+}
+
 /// One install pass: makes everything as it should be, changing only what differs.
 pub fn ensure(s: &InstallSettings) -> Result<Changes, InstallError> {
     let mut changes = Changes::default();
@@ -219,44 +281,19 @@ pub fn ensure(s: &InstallSettings) -> Result<Changes, InstallError> {
     {
         tracing::info!(node_capture = %name, cgroup = %cgroup.display(), "eBPF node capture attached");
     }
-    // The binary.
-    let target = s.bin_dir.join(PLUGIN_TYPE);
-    let want = std::fs::read(&s.binary).map_err(io("read the plugin binary", &s.binary))?;
-    if std::fs::read(&target).ok().as_deref() != Some(&want[..]) {
-        std::fs::create_dir_all(&s.bin_dir).map_err(io("create", &s.bin_dir))?;
-        write_atomic(&target, &want, 0o755)?;
-        changes.binary = true;
-    }
-    // The kubeconfig.
-    std::fs::create_dir_all(&s.run_dir).map_err(io("create", &s.run_dir))?;
-    let kubeconfig = s.run_dir.join(super::plugin::KUBECONFIG_NAME);
-    let text = kubeconfig_text(&s.kubeconfig)?;
-    if std::fs::read_to_string(&kubeconfig).ok().as_deref() != Some(text.as_str()) {
-        write_atomic(&kubeconfig, text.as_bytes(), 0o600)?;
-        changes.kubeconfig = true;
-    }
-    // The chain.
-    let path = primary_config(&s.net_dir, s.conf_name.as_deref())?;
-    let bad = |message: String| InstallError::Config { path: path.clone(), message };
-    let bytes = std::fs::read(&path).map_err(io("read", &path))?;
-    let existing: Value = serde_json::from_slice(&bytes).map_err(|e| bad(e.to_string()))?;
-    let entry = plugin_entry(s);
-    if !is_installed(&existing, &entry) {
-        let chained = insert(&existing, &entry).map_err(bad)?;
-        let text = serde_json::to_vec_pretty(&chained).expect("JSON serializes");
-        let mode = config_mode(&path);
-        let target = if path.extension().is_some_and(|e| e == "conf") {
-            // kubelet picks by name: the list takes the .conf's place.
-            let list = path.with_extension("conflist");
-            write_atomic(&list, &text, mode)?;
-            std::fs::remove_file(&path).map_err(io("remove", &path))?;
-            list
-        } else {
-            write_atomic(&path, &text, mode)?;
-            path.clone()
-        };
-        changes.chained_into = Some(target);
-    }
+    // Failures are counted by step, as Istio's `istio_cni_installs_total{result}`; a
+    // primary CNI that has not written its config yet is waited for, not a failure.
+    let step = |step: InstallStep| {
+        move |e: InstallError| {
+            if !matches!(e, InstallError::NoPrimary { .. }) {
+                metrics::install_failed(step);
+            }
+            e
+        }
+    };
+    changes.binary = ensure_binary(s).map_err(step(InstallStep::Binary))?;
+    changes.kubeconfig = ensure_kubeconfig(s).map_err(step(InstallStep::Kubeconfig))?;
+    changes.chained_into = ensure_chained(s).map_err(step(InstallStep::CniConfig))?;
     Ok(changes)
 }
 
@@ -279,7 +316,7 @@ pub fn uninstall(s: &InstallSettings, detach_running_pods: bool) -> Result<Unins
             let cleaned = remove(&existing);
             if cleaned != existing {
                 let text = serde_json::to_vec_pretty(&cleaned).expect("JSON serializes");
-                write_atomic(&path, &text, config_mode(&path))?;
+                write_atomic(&path, &text, s.config_mode)?;
                 tracing::info!(config = %path.display(), "removed weir-cni from the chain");
             }
         }
@@ -295,7 +332,7 @@ pub fn uninstall(s: &InstallSettings, detach_running_pods: bool) -> Result<Unins
             tracing::warn!(node_capture = %name, pods, "eBPF node capture kept: pods are still captured by it (--detach-running-pods takes it away from them)");
         }
     }
-    for path in [s.run_dir.join(super::plugin::KUBECONFIG_NAME), s.bin_dir.join(PLUGIN_TYPE)] {
+    for path in [s.run_dir.join(super::plugin::KUBECONFIG_NAME), s.bin_dir.join(s.plugin_type)] {
         match std::fs::remove_file(&path) {
             Ok(()) => tracing::info!(path = %path.display(), "removed"),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
@@ -327,6 +364,10 @@ pub async fn watch(
         match &pass {
             Ok(_) => readiness.clear(CHAINED),
             Err(_) => readiness.block(CHAINED),
+        }
+        metrics::install_ready(pass.is_ok());
+        if matches!(&pass, Ok(changes) if *changes != Changes::default()) {
+            metrics::installed();
         }
         match pass {
             Ok(changes) if changes != Changes::default() => {
@@ -420,7 +461,7 @@ mod tests {
     /// that was already there (which someone may hold open), and lands 0600.
     #[test]
     fn the_kubeconfig_is_written_to_a_file_of_its_own() {
-        use std::{io::Read as _, os::unix::fs::PermissionsExt as _};
+        use std::io::Read as _;
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join(super::super::plugin::KUBECONFIG_NAME);
         let leftover = dir.path().join(format!(".{}.weir-tmp", super::super::plugin::KUBECONFIG_NAME));

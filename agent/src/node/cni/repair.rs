@@ -83,16 +83,39 @@ pub fn repair(conf: &NetConf, pods: Vec<PodInfo>, proc_root: &Path) -> RepairRep
         match outcome {
             Ok(true) => {
                 tracing::info!(pod = %who, netns = %netns.display(), "repaired: captured a pod that started before the plugin");
+                crate::node::metrics::repaired(true);
                 report.repaired.push((who, netns));
             }
             Ok(false) => report.already_captured.push(who),
             Err(e) => {
                 tracing::error!(pod = %who, error = %e, "cannot repair");
+                crate::node::metrics::repaired(false);
                 report.failed.push((who, e.to_string()));
             }
         }
     }
     report
+}
+
+/// One pass as the node agent runs it: `node`'s pods listed through the kubeconfig at
+/// `kubeconfig`, repaired, and what it did logged.
+pub fn pass(
+    conf: &NetConf,
+    kubeconfig: &Path,
+    node: &str,
+    proc_root: &Path,
+) -> Result<RepairReport, super::kube::KubeError> {
+    let client = KubeClient::load(kubeconfig)?;
+    let report = repair(conf, list(&client, node)?, proc_root);
+    tracing::info!(
+        node,
+        repaired = report.repaired.len(),
+        already_captured = report.already_captured.len(),
+        not_found = report.not_found.len(),
+        failed = report.failed.len(),
+        "repair pass"
+    );
+    Ok(report)
 }
 
 /// Lists `node`'s pods (one API call).

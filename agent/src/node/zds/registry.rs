@@ -107,6 +107,7 @@ impl Registry {
 
     fn publish(&self, conns: &Conns) {
         let status = ZdsStatus { connections: conns.list.len(), synced: conns.synced.len() };
+        crate::node::metrics::ztunnel_connected(status.connections);
         self.status.send_replace(status);
     }
 
