@@ -40,6 +40,9 @@ struct Store {
     version: u64,
     pods: BTreeMap<Key, Value>,
     namespaces: BTreeMap<String, Value>,
+    /// DaemonSets by namespace and name (GET only: the node agent asks whether its own
+    /// still exists when it stops).
+    daemonsets: BTreeMap<Key, Value>,
     history: Vec<Change>,
     /// Versions at or below this are gone (410).
     expired_below: u64,
@@ -233,6 +236,16 @@ impl KubeApi {
     }
 
     /// Creates or relabels a namespace.
+    /// A DaemonSet `namespace/name` as the API serves it (`None`: deleted).
+    pub fn set_daemonset(&self, namespace: &str, name: &str, daemonset: Option<Value>) {
+        let mut s = self.store.lock().expect("store");
+        let key = (namespace.to_string(), name.to_string());
+        match daemonset {
+            Some(d) => s.daemonsets.insert(key, d),
+            None => s.daemonsets.remove(&key),
+        };
+    }
+
     pub fn set_namespace(&self, name: &str, labels: &[(&str, &str)]) {
         let labels: BTreeMap<&str, &str> = labels.iter().copied().collect();
         let mut ns =
@@ -364,6 +377,12 @@ async fn serve(
             match store.lock().expect("store").pods.get(&(ns.to_string(), name.to_string())) {
                 Some(p) => (200, p.clone()),
                 None => status(404, &format!("pods \"{name}\" not found")),
+            }
+        }
+        ("GET", ["apis", "apps", "v1", "namespaces", ns, "daemonsets", name]) => {
+            match store.lock().expect("store").daemonsets.get(&(ns.to_string(), name.to_string())) {
+                Some(d) => (200, d.clone()),
+                None => status(404, &format!("daemonsets.apps \"{name}\" not found")),
             }
         }
         ("PATCH", ["api", "v1", "namespaces", ns, "pods", name, "status"]) => {

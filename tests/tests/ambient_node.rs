@@ -209,3 +209,29 @@ fn the_nodes_probe_rule_and_set_come_back() {
     })
     .unwrap();
 }
+
+/// `NATIVE_NFTABLES=true` on a node whose iptables probe set exists (an iptables-mode
+/// agent ran since the last boot) keeps the agent on iptables until the node reboots,
+/// as Istio 1.31 does (istio/istio#58353): the probe rule and a pod's in-pod rules are
+/// iptables', and the log says why and what completes the move. Before, the agent
+/// switched to nftables at once, leaving the running pods' iptables rules and the
+/// node's ipset behind. Without that set, the same settings get nftables.
+#[test]
+fn native_nftables_stays_on_iptables_while_the_nodes_iptables_set_exists() {
+    require_root!();
+    let mesh = Mesh::new(&test_name!()).unwrap();
+    let mut node = AmbientNode::new(&mesh).unwrap();
+    node.api.set_namespace("apps", &[AMBIENT]);
+    node.in_node(|| ipset::create_hash_ip(PROBE_SET_V4, false).unwrap());
+    node.env.push(("NATIVE_NFTABLES".into(), "true".into()));
+    node.start_agent().unwrap();
+    let _zt = FakeZtunnel::start(&node.zds_socket());
+    let web = mesh.pod("web").unwrap();
+    node.api.set_pod(pod_object("apps", "web", "uid-web", ip(&web), &[], &[]));
+    node.cni_add(&web, "apps", "web").unwrap_or_else(|e| panic!("ADD: {e}\n{}", node.agent_logs()));
+    assert_eq!(node.in_node(|| verify_host_probe(None, &rules(), 0).unwrap()), Verdict::Applied);
+    assert_eq!(inpod(&web), Verdict::Applied, "the pod's rules are iptables'");
+    assert_eq!(probe_set(&node), [(ip(&web), Some("uid-web".into()))]);
+    let logs = node.agent_logs();
+    assert!(logs.contains("staying on iptables") && logs.contains("reboot the node"), "{logs}");
+}

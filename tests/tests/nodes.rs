@@ -91,7 +91,9 @@ fn three_nodes_under_traffic_through_rolls_restarts_reboots_and_deletions() {
 /// ztunnel; plain pods) call each other across the nodes with nothing bypassed and every
 /// call answered; the plugin is chained as `istio-cni`, the config written 0600;
 /// readiness is the chart's probe on 8000 and metrics are served on 15014 under Istio's
-/// names.
+/// names. Then, node by node, the chart's agent is rolled away (Weir leaves the node for
+/// the next agent), the node is left as Istio's installer leaves it, and Weir comes
+/// back: no call fails, nothing is bypassed.
 #[test]
 fn istios_chart_with_weirs_image_runs_sidecar_and_ambient_pods_under_traffic() {
     use weir_tests::cluster::{
@@ -142,4 +144,93 @@ fn istios_chart_with_weirs_image_runs_sidecar_and_ambient_pods_under_traffic() {
         metrics.contains("istio_cni_plugin_requests_total{response_code=\"200\"}"),
         "the ambient pod's add event is counted:\n{metrics}"
     );
+    // The chart rolled node by node to Istio's state and back to Weir's, under traffic.
+    for i in 1..=3u8 {
+        let since = weir_tests::busynode::now_ms();
+        scene.swap_chart_node(i, Duration::from_secs(5)).unwrap_or_else(|e| panic!("node {i}: {e:#}"));
+        std::thread::sleep(Duration::from_secs(5));
+        scene
+            .judge(&format!("the chart swapped on node-{i}"), since, &Touched::none())
+            .unwrap_or_else(|e| panic!("{e:#}"));
+    }
+}
+
+/// Whether the ipset `name` exists in the network namespace at `netns`.
+fn ipset_exists(netns: &std::path::Path, name: &'static str) -> bool {
+    let netns = netns.to_path_buf();
+    std::thread::spawn(move || {
+        use std::os::fd::AsFd as _;
+        let f = std::fs::File::open(&netns).unwrap();
+        nix::sched::setns(f.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+        weir_iptables::kernel::ipset::list(name).unwrap().is_some()
+    })
+    .join()
+    .unwrap()
+}
+
+/// Istio's chart with Weir's image, ambient profile, stopping as istio-cni stops
+/// (cni/pkg/cmd/root.go, the node agent's `ShouldStopCleanup`): while the DaemonSet
+/// exists (a rolling upgrade, a reboot) everything stays for the next agent: the
+/// `istio-cni` entry last in the chain, its binary and kubeconfig, the node's probe
+/// rule and set. The next agent here finds the entry as Istio's installer writes it
+/// (cni/pkg/install/cniconfig.go: `plugin.Config`, name and type `istio-cni`) and
+/// replaces it in place: one `istio-cni` entry, Weir's. Once the DaemonSet is gone (an
+/// uninstall), stopping takes all of it out of the node. Before, Weir kept everything
+/// on every stop: after `helm uninstall`, the chain kept a plugin whose kubeconfig's
+/// token was deleted, and every pod's ADD on the node failed.
+#[test]
+fn the_chart_keeps_the_node_for_the_next_agent_and_cleans_it_once_uninstalled() {
+    use weir_tests::cluster::chart::{self, Profile};
+    require_root!();
+    let cluster = Cluster::new(&test_name!(), 1).unwrap();
+    cluster.apply_istio_cni_chart("localhost/weir-cni:dev", Profile::Ambient, &[1]).unwrap();
+    let name = chart::pod_name(1);
+    let node = cluster.node(1);
+    let conflist = node.folder("/etc/cni/net.d/10-primary.conflist");
+    let entries = || -> Vec<serde_json::Value> {
+        let list: serde_json::Value = serde_json::from_slice(&std::fs::read(&conflist).unwrap()).unwrap();
+        list["plugins"].as_array().unwrap().iter().filter(|p| p["type"] == "istio-cni").cloned().collect()
+    };
+    let binary = node.folder("/opt/cni/bin/istio-cni");
+    let kubeconfig = node.folder("/run/istio-cni/istio-cni-kubeconfig");
+    let probe_rule =
+        || node.run("iptables-save", &["-t", "nat"]).unwrap().contains("-A POSTROUTING -j ISTIO_POSTRT");
+    let probe_set = || ipset_exists(node.netns.path(), "istio-inpod-probes-v4");
+    let ready_again = |what: &str| {
+        cluster.wait_pod(chart::NAMESPACE, &name, READY, "Ready", ready).unwrap_or_else(|e| {
+            panic!(
+                "{what}: {e:#}; install-cni says {:?}",
+                cluster.container_log(chart::NAMESPACE, &name, "install-cni")
+            )
+        })
+    };
+    ready_again("first start");
+    assert_eq!(entries().len(), 1);
+    assert!(binary.exists() && kubeconfig.exists() && probe_rule() && probe_set(), "installed");
+
+    // An upgrade: the DaemonSet stays; the node keeps everything.
+    cluster.delete_pod(chart::NAMESPACE, &name, Duration::from_secs(30));
+    cluster.wait_gone(chart::NAMESPACE, &name, Duration::from_secs(60)).unwrap();
+    assert_eq!(entries().len(), 1, "the plugin stays chained through an upgrade");
+    assert!(binary.exists() && kubeconfig.exists(), "binary and kubeconfig stay");
+    assert!(probe_rule() && probe_set(), "the probe rule and set stay");
+
+    // The entry as Istio's installer leaves it, then the next agent (Weir's) starts.
+    chart::put_chain_entry(&conflist, chart::istio_installer_entry(Profile::Ambient).unwrap()).unwrap();
+    cluster.apply_istio_cni_chart("localhost/weir-cni:dev", Profile::Ambient, &[1]).unwrap();
+    ready_again("after Istio's entry");
+    let now = entries();
+    assert_eq!(now.len(), 1, "one istio-cni entry: {now:?}");
+    assert!(
+        now[0].get("dns").is_none() && now[0]["capture_mode"] == "auto",
+        "Weir's entry in Istio's place: {now:?}"
+    );
+
+    // An uninstall: the DaemonSet is gone; stopping takes Weir out of the node.
+    cluster.api.set_daemonset(chart::NAMESPACE, chart::DAEMONSET, None);
+    cluster.delete_pod(chart::NAMESPACE, &name, Duration::from_secs(30));
+    cluster.wait_gone(chart::NAMESPACE, &name, Duration::from_secs(60)).unwrap();
+    assert_eq!(entries().len(), 0, "the plugin is out of the chain after an uninstall");
+    assert!(!binary.exists() && !kubeconfig.exists(), "binary and kubeconfig removed");
+    assert!(!probe_rule() && !probe_set(), "the probe rule and set removed");
 }

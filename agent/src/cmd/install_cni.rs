@@ -194,19 +194,20 @@ pub fn run(cli: InstallCniCli) -> anyhow::Result<()> {
         install_interval: cli.interval,
         repair: repair_part(&cli, &ambient)?,
         ambient: None,
+        stop_kube: None,
     };
-    let kube = if ambient.enabled {
-        let args = super::cni::AmbientArgs {
-            kubeconfig: None,
-            service_account_dir: cli.service_account_dir.clone(),
-            readiness_port: 0,
-            readiness_address: std::net::Ipv4Addr::LOCALHOST.into(),
-        };
-        Some(super::cni::ambient_kube(&args)?)
+    let args = super::cni::AmbientArgs {
+        kubeconfig: None,
+        service_account_dir: cli.service_account_dir.clone(),
+        readiness_port: 0,
+        readiness_address: std::net::Ipv4Addr::LOCALHOST.into(),
+    };
+    let parts = if ambient.enabled {
+        let (agent, at_stop) = (super::cni::ambient_kube(&args)?, super::cni::ambient_kube(&args)?);
+        Parts { ambient: Some((ambient, agent)), stop_kube: Some(at_stop), ..parts }
     } else {
-        None
+        parts
     };
-    let parts = Parts { ambient: kube.map(|k| (ambient, k)), ..parts };
     tracing::info!(
         version = %crate::support::build_info::BUILD_INFO,
         ambient = parts.ambient.is_some(),

@@ -5,6 +5,8 @@
 //!
 //! - `settings`: istio-cni's ambient environment (`AMBIENT_ENABLED`, the enablement
 //!   selector, DNS capture, IPv6, reconcile, native nftables, `ZTUNNEL_UDS_ADDRESS`...).
+//! - `backend`: whether `NATIVE_NFTABLES` really gets nftables on this node (not while
+//!   the node's iptables probe set exists, nor with an nft without JSON).
 //! - `objects`: the Pod and Namespace fields read, the redirection annotation. Pure.
 //! - `watch`: list+watch of a collection on the agent's own Kubernetes client.
 //! - `dataplane`: one pod into the mesh and out (netns, rules, ZDS, probe set,
@@ -21,6 +23,7 @@
 //! shares them). The rules themselves are `weir_iptables::ambient` (pure plans,
 //! Istio's goldens).
 
+pub mod backend;
 pub mod controller;
 pub mod dataplane;
 pub mod hostprobe;

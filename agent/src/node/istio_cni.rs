@@ -94,6 +94,83 @@ pub struct Parts {
     pub install_interval: Duration,
     pub repair: Option<RepairPart>,
     pub ambient: Option<(AmbientSettings, KubeClient)>,
+    /// The client that asks, at stop, whether the DaemonSet is still there (ambient).
+    pub stop_kube: Option<KubeClient>,
+}
+
+/// Istio's DaemonSet, whose presence at stop tells an upgrade from an uninstall.
+pub const DAEMONSET: &str = "istio-cni-node";
+
+/// What the process does to the node when it stops.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StopPolicy {
+    /// Leave the plugin chained and the node's probe rule: the next agent (Weir's or
+    /// Istio's) adopts them, and pods that start meanwhile wait for it.
+    Keep(&'static str),
+    /// Take the plugin, its kubeconfig and binary out of the node's CNI folders, and the
+    /// probe rule and sets out of the node's netfilter.
+    CleanUp(&'static str),
+}
+
+/// istio-cni's decision at stop (cni/pkg/cmd/root.go's deferred cleanup and the node
+/// agent's `ShouldStopCleanup`), from what the API said about [`DAEMONSET`] (`Some`:
+/// found, being deleted or not). Where the API cannot answer, Istio cleans up; Weir
+/// keeps (pods then wait for the next agent rather than start uncaptured). The
+/// DaemonSet's node affinity is not consulted.
+pub fn stop_policy(
+    ambient: bool,
+    disable_safe_upgrade: bool,
+    daemonset: Result<Option<bool>, String>,
+) -> StopPolicy {
+    if !ambient {
+        return StopPolicy::CleanUp(
+            "ambient is off: istio-cni's installer takes its plugin out on every stop",
+        );
+    }
+    if disable_safe_upgrade {
+        return StopPolicy::CleanUp("AMBIENT_DISABLE_SAFE_UPGRADE is true");
+    }
+    match daemonset {
+        Ok(Some(false)) => StopPolicy::Keep("the DaemonSet is still there: an upgrade or a node reboot"),
+        Ok(Some(true)) => StopPolicy::CleanUp("the DaemonSet is being deleted: an uninstall"),
+        Ok(None) => StopPolicy::CleanUp("the DaemonSet is gone: an uninstall"),
+        Err(_) => StopPolicy::Keep("the API cannot say whether the DaemonSet is there"),
+    }
+}
+
+/// Whether [`DAEMONSET`] exists in `namespace` (and is being deleted).
+async fn daemonset_state(kube: &KubeClient, namespace: &str) -> Result<Option<bool>, String> {
+    let path = format!("/apis/apps/v1/namespaces/{namespace}/daemonsets/{DAEMONSET}");
+    match kube.get_json(&path).await {
+        Ok(ds) => Ok(Some(!ds["metadata"]["deletionTimestamp"].is_null())),
+        Err(crate::node::cni::kube::KubeError::Status { status: 404, .. }) => Ok(None),
+        Err(e) => Err(crate::error_chain(&e)),
+    }
+}
+
+/// Takes Weir out of the node (blocking): the plugin's chain entry, kubeconfig and
+/// binary; with ambient, the probe rule, then its sets.
+fn clean_up(install: &InstallSettings, ambient: Option<&AmbientSettings>) {
+    match install::uninstall(install, false) {
+        Ok(_) => tracing::info!("the plugin is out of the CNI config"),
+        Err(e) => {
+            tracing::error!(error = %crate::error_chain(&e), "cannot take the plugin out of the CNI config")
+        }
+    }
+    if let Some(a) = ambient {
+        let rule = weir_iptables::ambient::remove_host_probe(None, &a.rules)
+            .map(drop)
+            .map_err(|e| crate::error_chain(&e));
+        let sets = rule.clone().and_then(|()| {
+            weir_iptables::ambient::probeset::ProbeSets::new(&a.rules)
+                .destroy()
+                .map_err(|e| crate::error_chain(&e))
+        });
+        match sets {
+            Ok(()) => tracing::info!("the node's probe rule and sets are removed"),
+            Err(e) => tracing::error!(error = %e, "cannot remove the node's probe rule and sets"),
+        }
+    }
 }
 
 /// The ports, bound before anything else (and before the switch to the node's
@@ -187,7 +264,8 @@ fn repair_pass(r: &RepairPart) {
 
 /// Runs every part until `stop` (or until one ends, which is the error).
 pub async fn run(parts: Parts, ports: Ports, stop: CancellationToken) -> Result<(), IstioCniError> {
-    let Parts { install: settings, install_interval, repair, ambient } = parts;
+    let Parts { install: settings, install_interval, repair, ambient, stop_kube } = parts;
+    let ambient_settings = ambient.as_ref().map(|(a, _)| a.clone());
     let readiness = readiness_for(ambient.is_some());
     let bound = |port_name, port, source| IstioCniError::Bind { port_name, port, source };
     let r = tokio::net::TcpListener::from_std(ports.readiness)
@@ -210,8 +288,9 @@ pub async fn run(parts: Parts, ports: Ports, stop: CancellationToken) -> Result<
     }
     let ready = readiness.clone();
     let settings = Arc::new(settings);
+    let installer = settings.clone();
     tasks.start("installer", move |stop| async move {
-        install::watch(&settings, install_interval, &ready, stop.cancelled()).await
+        install::watch(&installer, install_interval, &ready, stop.cancelled()).await
     });
     if let Some(part) = repair {
         let part = Arc::new(part);
@@ -236,8 +315,19 @@ pub async fn run(parts: Parts, ports: Ports, stop: CancellationToken) -> Result<
     readiness.block("stopping");
     metrics::install_ready(false);
     tasks.stop(STOP_GRACE).await;
-    if result.is_ok() {
-        tracing::info!("stopped: the plugin stays chained, every pod keeps its capture");
+    let daemonset = match (&stop_kube, &ambient_settings) {
+        (Some(kube), Some(a)) => daemonset_state(kube, &a.pod_namespace).await,
+        _ => Ok(None),
+    };
+    let disable = ambient_settings.as_ref().is_some_and(|a| a.disable_safe_upgrade);
+    match stop_policy(ambient_settings.is_some(), disable, daemonset) {
+        StopPolicy::Keep(why) => {
+            tracing::info!(reason = why, "stopped: the plugin stays chained, every pod keeps its capture")
+        }
+        StopPolicy::CleanUp(why) => {
+            tracing::info!(reason = why, "stopping for good: taking Weir out of the node");
+            let _ = tokio::task::spawn_blocking(move || clean_up(&settings, ambient_settings.as_ref())).await;
+        }
     }
     result
 }
@@ -245,6 +335,17 @@ pub async fn run(parts: Parts, ports: Ports, stop: CancellationToken) -> Result<
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn it_cleans_up_as_istio_cni_does_and_keeps_where_the_api_cannot_say() {
+        use StopPolicy::*;
+        assert!(matches!(stop_policy(false, false, Ok(Some(false))), CleanUp(_)), "sidecar-only: always");
+        assert!(matches!(stop_policy(true, true, Ok(Some(false))), CleanUp(_)), "safe upgrade disabled");
+        assert!(matches!(stop_policy(true, false, Ok(Some(false))), Keep(_)), "an upgrade");
+        assert!(matches!(stop_policy(true, false, Ok(Some(true))), CleanUp(_)), "being deleted");
+        assert!(matches!(stop_policy(true, false, Ok(None)), CleanUp(_)), "gone");
+        assert!(matches!(stop_policy(true, false, Err("503".into())), Keep(_)), "cannot tell");
+    }
 
     #[test]
     fn readiness_waits_for_the_chain_and_with_ambient_for_the_node_agent() {

@@ -109,12 +109,12 @@ static METRICS: LazyLock<NodeMetrics> = LazyLock::new(|| {
     registry.register("ztunnel_connected", "number of connections to ztunnel", m.ztunnel_connected.clone());
     registry.register(
         "nodeagent_reconcile_events",
-        "The total number of node agent reconcile events.",
+        "The total number of node agent reconcile events",
         m.reconcile_events.clone(),
     );
     registry.register(
         "istio_cni_plugin_requests",
-        "The total number of CNI plugin requests handled by the node agent.",
+        "The total number of CNI plugin requests handled by the node agent",
         m.plugin_requests.clone(),
     );
     NodeMetrics { registry, ..m }

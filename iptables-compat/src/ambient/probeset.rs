@@ -121,6 +121,32 @@ impl ProbeSets {
     }
 
     /// Every address in the sets (missing sets are empty).
+    /// Flushes and destroys the sets (a node agent that cleans up when it stops for
+    /// good, as Istio's `hostAddrSet.Flush()` and `DestroySet()`), after the probe rule
+    /// that refers to them is removed; sets already gone are not an error.
+    pub fn destroy(&self) -> Result<(), ProbeSetError> {
+        for name in self.names() {
+            match self.backend {
+                AmbientBackend::Iptables => {
+                    if ipset::list(name)?.is_some() {
+                        ipset::flush(name)?;
+                        ipset::destroy(name)?;
+                    }
+                }
+                // `destroy` (nft 1.0.8) is not in every node's nft: a set that lists is
+                // deleted (after the probe rule that refers to it).
+                AmbientBackend::Nftables
+                    if exec::nft(&["list", "set", "inet", anft::TABLE_NAT, name], None).is_ok() =>
+                {
+                    let tx = format!("delete set inet {} {name}\n", anft::TABLE_NAT);
+                    exec::nft(&["-f", "-"], Some(&tx))?;
+                }
+                AmbientBackend::Nftables => {}
+            }
+        }
+        Ok(())
+    }
+
     pub fn entries(&self) -> Result<Vec<ProbeEntry>, ProbeSetError> {
         let mut out = Vec::new();
         for name in self.names() {

@@ -30,6 +30,39 @@ pub enum Profile {
 /// The chart's namespace (the golden's) and its DaemonSet's pod name on node `index`.
 pub const NAMESPACE: &str = "istio-system";
 
+/// The chart's DaemonSet.
+pub const DAEMONSET: &str = "istio-cni-node";
+
+/// The plugin's entry as Istio's installer writes it into the chain
+/// (cni/pkg/install/cniconfig.go `createCNIConfigFile`: `plugin.Config` marshalled, name
+/// and type `istio-cni`, `cniVersion` dropped when inserted; `ipam` and `dns` are
+/// `types.NetConf`'s structs, which Go writes even when empty), for `profile`'s values.
+pub fn istio_installer_entry(profile: Profile) -> anyhow::Result<Value> {
+    let data: std::collections::BTreeMap<String, String> = config_map(profile)?.into_iter().collect();
+    let selectors: Value = serde_yaml_ng::from_str(&data["AMBIENT_ENABLEMENT_SELECTOR"])?;
+    Ok(json!({
+        "name": "istio-cni", "type": "istio-cni", "ipam": {}, "dns": {},
+        "plugin_log_level": "warn", "cni_agent_run_dir": "/var/run/istio-cni",
+        "ambient_enabled": data["AMBIENT_ENABLED"] == "true",
+        "enablement_selectors": selectors,
+        "exclude_namespaces": data["EXCLUDE_NAMESPACES"].split(',').collect::<Vec<_>>(),
+        "pod_namespace": NAMESPACE,
+        "native_nftables": data["NATIVE_NFTABLES"] == "true",
+        "enable_ambient_detection_retry": data["ENABLE_AMBIENT_DETECTION_RETRY"] == "true",
+    }))
+}
+
+/// Writes `entry` in place of the chain's `istio-cni` entry (last) in `conflist`, as
+/// Istio's installer does (`insertCNIConfig`: an existing `istio-cni` entry replaced).
+pub fn put_chain_entry(conflist: &std::path::Path, entry: Value) -> anyhow::Result<()> {
+    let mut list: Value = serde_json::from_slice(&std::fs::read(conflist)?)?;
+    let plugins = list["plugins"].as_array_mut().context("a plugin list")?;
+    plugins.retain(|p| p["type"] != "istio-cni");
+    plugins.push(entry);
+    std::fs::write(conflist, serde_json::to_vec_pretty(&list)?)?;
+    Ok(())
+}
+
 pub fn pod_name(index: u8) -> String {
     format!("istio-cni-node-{index}")
 }
@@ -134,8 +167,12 @@ impl Cluster {
         }))
     }
 
-    /// The chart on `nodes`: its ConfigMap, and its DaemonSet's pod on each.
+    /// The chart on `nodes`: its ConfigMap, its DaemonSet (as the API serves it: the
+    /// agent asks for it when it stops), and the DaemonSet's pod on each.
     pub fn apply_istio_cni_chart(&self, image: &str, profile: Profile, nodes: &[u8]) -> anyhow::Result<()> {
+        let mut ds = daemonset(profile)?;
+        ds["metadata"]["namespace"] = json!(NAMESPACE);
+        self.api.set_daemonset(NAMESPACE, DAEMONSET, Some(ds));
         let data = config_map(profile)?;
         let data: Vec<(&str, &str)> = data.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
         self.config_map(NAMESPACE, "istio-cni-config", &data);

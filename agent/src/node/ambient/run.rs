@@ -75,7 +75,7 @@ pub async fn run(
     readiness: Readiness,
     stop: CancellationToken,
 ) -> Result<(), AgentError> {
-    let settings = Arc::new(settings);
+    let settings = Arc::new(settle_backend(settings).await?);
     tracing::info!(settings = %settings.describe(), "ambient node agent starting");
     if settings.selectors.is_empty() {
         tracing::warn!(
@@ -131,6 +131,27 @@ pub async fn run(
         tracing::info!("ambient node agent stopped: pods keep their rules, ztunnel its proxies");
     }
     result
+}
+
+/// `settings` with the backend this node really gets ([`super::backend::choose`]),
+/// probed in the node's namespace (this process's).
+async fn settle_backend(mut settings: AmbientSettings) -> Result<AmbientSettings, AgentError> {
+    let (requested, ipv6) = (settings.rules.backend, settings.rules.enable_ipv6);
+    let (backend, why) = tokio::task::spawn_blocking(move || {
+        super::backend::choose(
+            requested,
+            ipv6,
+            super::backend::ipset_exists,
+            super::backend::nft_json_supported,
+        )
+    })
+    .await
+    .map_err(|e| AgentError::Task(e.to_string()))?;
+    if let Some(why) = why {
+        tracing::warn!(backend = ?backend, "{why}");
+    }
+    settings.rules.backend = backend;
+    Ok(settings)
 }
 
 /// Runs until `stop`, or until one of `tasks` ends first: that one is named in the

@@ -55,6 +55,31 @@ impl Scene {
         }
     }
 
+    /// Istio's chart rolled on `node` away from Weir's image and back, as its
+    /// RollingUpdate (maxUnavailable 1) does it: Weir's pod deleted with the chart's
+    /// grace period and gone (the DaemonSet stays, so Weir leaves the node for the next
+    /// agent); the node as Istio's `install-cni` leaves it when it stops in turn (its
+    /// installer's chain entry: Istio's own agent cannot run here) for `gap`, with no
+    /// agent on the node; then Weir's pod created again and Ready: it adopts the node.
+    pub fn swap_chart_node(&mut self, node: u8, gap: Duration) -> anyhow::Result<()> {
+        use crate::cluster::chart;
+        let super::NodeAgent::IstioChart(profile) = self.agent else {
+            bail!("the scene runs Weir's own DaemonSet, not Istio's chart")
+        };
+        let name = chart::pod_name(node);
+        let image = self.daemonset.get(&node).cloned().unwrap_or_else(|| super::DEV_IMAGE.to_string());
+        let pod = self.cluster.istio_cni_pod(node, &image, profile)?;
+        let grace = pod["spec"]["terminationGracePeriodSeconds"].as_u64().unwrap_or(30);
+        self.cluster.delete_pod(chart::NAMESPACE, &name, Duration::from_secs(grace));
+        self.cluster.wait_gone(chart::NAMESPACE, &name, Duration::from_secs(grace + 30))?;
+        let conflist = self.cluster.node(node).folder("/etc/cni/net.d/10-primary.conflist");
+        chart::put_chain_entry(&conflist, chart::istio_installer_entry(profile)?)?;
+        std::thread::sleep(gap);
+        self.cluster.create_pod(pod, node);
+        self.cluster.wait_pod(chart::NAMESPACE, &name, READY, "Ready", ready)?;
+        Ok(())
+    }
+
     /// The program sets the node's node capture records name (not retired ones).
     pub fn node_capture_sets(&self, node: u8) -> anyhow::Result<Vec<String>> {
         let n = self.cluster.node(node);
