@@ -267,7 +267,7 @@ pub(crate) fn detect(
 
 fn apply_iptables_here(cfg: &InpodConfig, netns: &Path) -> Result<Report, CaptureError> {
     let plan = plan::inpod(cfg);
-    let lock = Lock::PodScoped(netns.to_path_buf());
+    let lock = cfg.ambient.inpod_lock(netns);
     let probe = probe(&cfg.ambient);
     if let Some(p) = &probe {
         match fast_path::apply(&plan, p, lock.clone())? {
@@ -362,7 +362,7 @@ fn remove_iptables_here(cfg: &AmbientConfig, netns: &Path) -> Result<bool, Captu
         return Ok(false);
     }
     let cfg = AmbientConfig { enable_ipv6: false, ..cfg.clone() };
-    let mut x = detect(&cfg, Lock::PodScoped(netns.to_path_buf()), probe.as_ref())?;
+    let mut x = detect(&cfg, cfg.inpod_lock(netns), probe.as_ref())?;
     let mut removed = false;
     for family in [Family::V4, Family::V6] {
         let Some(save) = x.save(family) else { continue };
@@ -443,7 +443,7 @@ fn verify_iptables_here(cfg: &InpodConfig, netns: &Path) -> Result<Verdict, Capt
     if probe.as_ref().is_some_and(fast_path::Probe::no_rules) {
         return Ok(Verdict::Clean);
     }
-    let mut x = detect(&cfg.ambient, Lock::PodScoped(netns.to_path_buf()), probe.as_ref())?;
+    let mut x = detect(&cfg.ambient, cfg.ambient.inpod_lock(netns), probe.as_ref())?;
     let saves = owned_saves((x.save(Family::V4), x.save(Family::V6)), &INPOD_CHAINS);
     Ok(iptables_verdict(&plan::inpod(cfg), &mut x, saves))
 }

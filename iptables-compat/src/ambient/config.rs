@@ -56,6 +56,18 @@ pub struct AmbientConfig {
     pub backend: AmbientBackend,
     /// `FORCE_IPTABLES_BINARY` (`legacy` or `nft`); detected when unset.
     pub force_iptables_binary: Option<IptablesBackend>,
+    /// `AMBIENT_USE_SCOPED_XTABLES_LOCKING` (default true, as Istio's): iptables-legacy
+    /// in a pod's namespace takes a lock of that namespace's own, not the node's
+    /// `/run/xtables.lock`; false takes the node's, as before Istio 1.30.
+    pub scoped_xtables_lock: bool,
+}
+
+impl AmbientConfig {
+    /// The xtables lock for rules in the pod namespace `netns`.
+    pub fn inpod_lock(&self, netns: &std::path::Path) -> crate::iptables::xtables::Lock {
+        use crate::iptables::xtables::Lock;
+        if self.scoped_xtables_lock { Lock::PodScoped(netns.to_path_buf()) } else { Lock::Global }
+    }
 }
 
 impl Default for AmbientConfig {
@@ -70,6 +82,7 @@ impl Default for AmbientConfig {
             reconcile: false,
             backend: AmbientBackend::Iptables,
             force_iptables_binary: None,
+            scoped_xtables_lock: true,
         }
     }
 }
@@ -99,6 +112,7 @@ impl AmbientConfig {
         flag("AMBIENT_IPV6", &mut cfg.enable_ipv6)?;
         flag("AMBIENT_DNS_CAPTURE", &mut cfg.redirect_dns)?;
         flag("AMBIENT_RECONCILE_POD_RULES_ON_STARTUP", &mut cfg.reconcile)?;
+        flag("AMBIENT_USE_SCOPED_XTABLES_LOCKING", &mut cfg.scoped_xtables_lock)?;
         let mut nft = false;
         flag("NATIVE_NFTABLES", &mut nft)?;
         cfg.backend = if nft { AmbientBackend::Nftables } else { AmbientBackend::Iptables };
@@ -228,6 +242,24 @@ mod tests {
     use std::collections::HashMap;
 
     use super::*;
+
+    #[test]
+    fn pod_rules_take_a_lock_of_their_own_unless_scoped_locking_is_off() {
+        use crate::iptables::xtables::Lock;
+        let netns = std::path::Path::new("/var/run/netns/cni-1");
+        let on = AmbientConfig::from_settings(|_| None).unwrap();
+        assert_eq!(on.inpod_lock(netns), Lock::PodScoped(netns.into()));
+        let off = AmbientConfig::from_settings(|k| {
+            (k == "AMBIENT_USE_SCOPED_XTABLES_LOCKING").then(|| "false".to_string())
+        })
+        .unwrap();
+        assert_eq!(off.inpod_lock(netns), Lock::Global);
+        let bad = AmbientConfig::from_settings(|k| {
+            (k == "AMBIENT_USE_SCOPED_XTABLES_LOCKING").then(|| "sometimes".to_string())
+        })
+        .unwrap_err();
+        assert!(bad.to_string().contains("AMBIENT_USE_SCOPED_XTABLES_LOCKING"), "{bad}");
+    }
 
     #[test]
     fn settings_use_istios_names_and_defaults() {
