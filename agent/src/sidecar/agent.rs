@@ -117,6 +117,11 @@ pub struct Agent {
 impl Agent {
     /// Builds the components (nothing is bound yet).
     pub fn new(config: AgentConfig) -> Result<Self, AgentError> {
+        // The agent's own TLS (istiod, the CA, ...) follows COMPLIANCE_POLICY, checked
+        // when the configuration was read.
+        crate::support::tls::Compliance::parse(&config.envoy.bootstrap_env.compliance_policy)
+            .unwrap_or_default()
+            .set_for_process();
         let metrics = Arc::new(Metrics::new());
         let dns = if config.dns.enabled {
             let path = &config.dns.resolv_conf;

@@ -1,7 +1,8 @@
 //! TLS for every connection the agent opens as a client — istiod's xDS and CA, the
 //! Kubernetes API, the STS token endpoint, Wasm module servers and registries, HTTPS
-//! app probes: one rustls configuration ([`client_config`]: ring, TLS 1.2 and 1.3) and
-//! one way to load trust roots ([`Roots`]: a PEM file or bundle, or the system's store
+//! app probes: one rustls configuration ([`client_config`]: ring, TLS 1.2 and 1.3,
+//! narrowed by `COMPLIANCE_POLICY` as pilot-agent's gRPC clients are:
+//! [`Compliance`]) and one way to load trust roots ([`Roots`]: a PEM file or bundle, or the system's store
 //! as Go finds it, `SSL_CERT_FILE` and `SSL_CERT_DIR` included).
 //!
 //! A server's certificate is verified against roots unless the caller's contract says
@@ -97,6 +98,92 @@ impl Roots {
     }
 }
 
+/// `COMPLIANCE_POLICY` as it narrows the agent's own TLS (Istio's
+/// `EnforceGoCompliance`, pkg/model/fips.go): `fips-140-2` is TLS 1.2 only with
+/// ECDHE-{ECDSA,RSA}-AES{128,256}-GCM and P-256; `fips-140-3` is TLS 1.2 or 1.3 with
+/// those suites (TLS 1.3: AES-GCM only, as Go's FIPS mode) and P-256 or P-384.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Compliance {
+    #[default]
+    None,
+    Fips1402,
+    Fips1403,
+}
+
+impl Compliance {
+    /// The variable's value; `pqc` is refused (its X25519MLKEM768 is not in this
+    /// build's TLS), an unknown value is no policy, as in Istio (which logs it).
+    pub fn parse(value: &str) -> Result<Self, String> {
+        match value {
+            "" => Ok(Self::None),
+            "fips-140-2" => Ok(Self::Fips1402),
+            "fips-140-3" => Ok(Self::Fips1403),
+            "pqc" => Err("\"pqc\" requires X25519MLKEM768 key exchange, which this build's TLS (ring) does \
+                          not have; use \"fips-140-3\", \"fips-140-2\" or leave it unset"
+                .into()),
+            other => {
+                tracing::warn!(policy = other, "unknown COMPLIANCE_POLICY; no restriction applied");
+                Ok(Self::None)
+            }
+        }
+    }
+
+    /// The TLS 1.2 cipher suites Envoy's google_grpc client is limited to
+    /// (`GRPC_SSL_CIPHER_SUITES` in Envoy's environment), under either FIPS policy.
+    pub fn grpc_ssl_cipher_suites(self) -> Option<&'static str> {
+        (self != Self::None).then_some(
+            "ECDHE-ECDSA-AES128-GCM-SHA256:ECDHE-RSA-AES128-GCM-SHA256:ECDHE-ECDSA-AES256-GCM-SHA384:ECDHE-RSA-AES256-GCM-SHA384",
+        )
+    }
+
+    /// ring's provider, narrowed to this policy's suites and key exchange groups.
+    pub fn provider(self) -> CryptoProvider {
+        use rustls::{CipherSuite as S, crypto::ring::kx_group};
+        let mut provider = rustls::crypto::ring::default_provider();
+        let groups = match self {
+            Self::None => return provider,
+            Self::Fips1402 => vec![kx_group::SECP256R1],
+            Self::Fips1403 => vec![kx_group::SECP256R1, kx_group::SECP384R1],
+        };
+        provider.cipher_suites.retain(|suite| {
+            matches!(
+                suite.suite(),
+                S::TLS13_AES_128_GCM_SHA256
+                    | S::TLS13_AES_256_GCM_SHA384
+                    | S::TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256
+                    | S::TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256
+                    | S::TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384
+                    | S::TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384
+            )
+        });
+        provider.kx_groups = groups;
+        provider
+    }
+
+    /// The protocol versions this policy allows.
+    pub fn versions(self) -> &'static [&'static rustls::SupportedProtocolVersion] {
+        static TLS12_ONLY: [&rustls::SupportedProtocolVersion; 1] = [&rustls::version::TLS12];
+        match self {
+            Self::Fips1402 => &TLS12_ONLY,
+            _ => rustls::DEFAULT_VERSIONS,
+        }
+    }
+
+    /// Applies to every client configuration made from now on (set once, at start-up,
+    /// before any connection).
+    pub fn set_for_process(self) {
+        if COMPLIANCE.set(self).is_err() && COMPLIANCE.get() != Some(&self) {
+            tracing::warn!(policy = ?self, "the compliance policy was already set; the first one stays");
+        }
+    }
+
+    fn of_process() -> Self {
+        COMPLIANCE.get().copied().unwrap_or_default()
+    }
+}
+
+static COMPLIANCE: OnceLock<Compliance> = OnceLock::new();
+
 /// A client certificate and its key (PEM), for mutual TLS.
 pub struct Identity {
     certs: Vec<CertificateDer<'static>>,
@@ -134,10 +221,11 @@ pub fn client_config(
     identity: Option<Identity>,
     alpn: &[&[u8]],
 ) -> Result<ClientConfig, TlsError> {
-    let provider = provider();
+    let compliance = Compliance::of_process();
+    let provider = provider(compliance);
     let builder = ClientConfig::builder_with_provider(provider.clone())
-        .with_safe_default_protocol_versions()
-        .expect("ring supports TLS 1.2 and 1.3");
+        .with_protocol_versions(compliance.versions())
+        .expect("ring supports TLS 1.2 and 1.3 with every policy's suites");
     let builder = match trust {
         ServerTrust::Roots(roots) => builder.with_root_certificates(roots),
         ServerTrust::AnyCertificate => {
@@ -161,9 +249,12 @@ pub fn http1_connector(trust: ServerTrust) -> Result<tokio_rustls::TlsConnector,
     Ok(tokio_rustls::TlsConnector::from(Arc::new(client_config(trust, None, &[ALPN_HTTP1])?)))
 }
 
-fn provider() -> Arc<CryptoProvider> {
-    static PROVIDER: OnceLock<Arc<CryptoProvider>> = OnceLock::new();
-    PROVIDER.get_or_init(|| Arc::new(rustls::crypto::ring::default_provider())).clone()
+fn provider(compliance: Compliance) -> Arc<CryptoProvider> {
+    static PROVIDER: OnceLock<(Compliance, Arc<CryptoProvider>)> = OnceLock::new();
+    match PROVIDER.get_or_init(|| (compliance, Arc::new(compliance.provider()))) {
+        (c, p) if *c == compliance => p.clone(),
+        _ => Arc::new(compliance.provider()),
+    }
 }
 
 /// Accepts any certificate's identity and validity, but not a forged handshake: the
@@ -212,6 +303,92 @@ impl ServerCertVerifier for AnyCertificate {
 mod tests {
     use super::*;
 
+    /// COMPLIANCE_POLICY=fips-140-3, as Istio's EnforceGoCompliance: TLS 1.2 and 1.3,
+    /// ECDHE with AES-GCM only (no ChaCha20), P-256 and P-384 (no X25519);
+    /// fips-140-2 is TLS 1.2 and P-256 only. Unset changes nothing; `pqc` is refused.
+    #[test]
+    fn fips_140_3_narrows_the_agents_tls_to_aes_gcm_and_p256_or_p384() {
+        use rustls::CipherSuite as S;
+        let suites = |c: Compliance| c.provider().cipher_suites.iter().map(|s| s.suite()).collect::<Vec<_>>();
+        let groups = |c: Compliance| c.provider().kx_groups.iter().map(|g| g.name()).collect::<Vec<_>>();
+        let fips = Compliance::parse("fips-140-3").unwrap();
+        assert_eq!(
+            suites(fips),
+            [
+                S::TLS13_AES_256_GCM_SHA384,
+                S::TLS13_AES_128_GCM_SHA256,
+                S::TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384,
+                S::TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256,
+                S::TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384,
+                S::TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256,
+            ]
+        );
+        assert_eq!(groups(fips), [rustls::NamedGroup::secp256r1, rustls::NamedGroup::secp384r1]);
+        assert_eq!(fips.versions(), rustls::DEFAULT_VERSIONS);
+        let old = Compliance::parse("fips-140-2").unwrap();
+        assert_eq!(groups(old), [rustls::NamedGroup::secp256r1]);
+        assert_eq!(old.versions().len(), 1);
+        assert_eq!(old.versions()[0].version, rustls::ProtocolVersion::TLSv1_2);
+        assert!(suites(Compliance::parse("").unwrap()).contains(&S::TLS13_CHACHA20_POLY1305_SHA256));
+        assert!(groups(Compliance::None).contains(&rustls::NamedGroup::X25519));
+        assert!(Compliance::parse("pqc").unwrap_err().contains("X25519MLKEM768"));
+        assert_eq!(fips.grpc_ssl_cipher_suites(), old.grpc_ssl_cipher_suites());
+        assert_eq!(Compliance::None.grpc_ssl_cipher_suites(), None);
+    }
+
+    /// A fips-140-3 client and a server offering only ChaCha20 or only X25519 find
+    /// nothing in common: the handshake fails, as it must.
+    #[tokio::test]
+    async fn a_fips_140_3_client_refuses_chacha20_and_x25519_servers() {
+        let (cert, key) = self_signed();
+        for (suite, group) in [
+            (
+                rustls::crypto::ring::cipher_suite::TLS13_CHACHA20_POLY1305_SHA256,
+                rustls::crypto::ring::kx_group::SECP256R1,
+            ),
+            (
+                rustls::crypto::ring::cipher_suite::TLS13_AES_128_GCM_SHA256,
+                rustls::crypto::ring::kx_group::X25519,
+            ),
+        ] {
+            let mut narrow = rustls::crypto::ring::default_provider();
+            narrow.cipher_suites = vec![suite];
+            narrow.kx_groups = vec![group];
+            let narrow = Arc::new(narrow);
+            let signing = narrow
+                .key_provider
+                .load_private_key(PrivateKeyDer::try_from(key.serialize_der()).unwrap())
+                .unwrap();
+            let server = rustls::ServerConfig::builder_with_provider(narrow)
+                .with_protocol_versions(&[&rustls::version::TLS13])
+                .unwrap()
+                .with_no_client_auth()
+                .with_cert_resolver(Arc::new(Presents(Arc::new(rustls::sign::CertifiedKey::new(
+                    vec![cert.clone()],
+                    signing,
+                )))));
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(server));
+            tokio::spawn(async move {
+                let (tcp, _) = listener.accept().await.unwrap();
+                let _ = acceptor.accept(tcp).await;
+            });
+            let client = ClientConfig::builder_with_provider(Arc::new(Compliance::Fips1403.provider()))
+                .with_protocol_versions(Compliance::Fips1403.versions())
+                .unwrap()
+                .dangerous()
+                .with_custom_certificate_verifier(Arc::new(AnyCertificate {
+                    algorithms: rustls::crypto::ring::default_provider().signature_verification_algorithms,
+                }))
+                .with_no_client_auth();
+            let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let name = ServerName::try_from("app.local").unwrap();
+            let done = tokio_rustls::TlsConnector::from(Arc::new(client)).connect(name, tcp).await;
+            assert!(done.is_err(), "{:?} with {:?} negotiated", suite.suite(), group.name());
+        }
+    }
+
     fn self_signed() -> (CertificateDer<'static>, rcgen::KeyPair) {
         let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
         let cert =
@@ -235,12 +412,12 @@ mod tests {
         key: &rcgen::KeyPair,
         version: &'static rustls::SupportedProtocolVersion,
     ) -> Result<(), String> {
-        let signing = provider()
+        let signing = provider(Compliance::None)
             .key_provider
             .load_private_key(PrivateKeyDer::try_from(key.serialize_der()).unwrap())
             .unwrap();
         let certified = rustls::sign::CertifiedKey::new(vec![cert.clone()], signing);
-        let server = rustls::ServerConfig::builder_with_provider(provider())
+        let server = rustls::ServerConfig::builder_with_provider(provider(Compliance::None))
             .with_protocol_versions(&[version])
             .unwrap()
             .with_no_client_auth()

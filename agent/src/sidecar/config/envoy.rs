@@ -90,7 +90,14 @@ pub fn settings(
             dual_stack: vars::ISTIO_DUAL_STACK.bool(env)?,
             status_port_proxy_protocol: vars::ENVOY_STATUS_PORT_ENABLE_PROXY_PROTOCOL.bool(env)?,
             strip_fragment_from_path: vars::HTTP_STRIP_FRAGMENT_FROM_PATH_UNSAFE_IF_DISABLED.bool(env)?,
-            compliance_policy: vars::COMPLIANCE_POLICY.text(env),
+            compliance_policy: {
+                let policy = vars::COMPLIANCE_POLICY.text(env);
+                crate::support::tls::Compliance::parse(&policy).map_err(|message| ConfigError::Invalid {
+                    name: vars::COMPLIANCE_POLICY.name,
+                    message,
+                })?;
+                policy
+            },
             xds_root_cert: vars::XDS_ROOT_CA.value(env).unwrap_or_default(),
             host_ip: vars::HOST_IP.value(env),
         },

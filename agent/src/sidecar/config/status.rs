@@ -12,7 +12,8 @@ use super::{ConfigError, PodIdentity, ProxyConfig, ProxyType, Sources, vars};
 pub struct StatusSettings {
     /// `statusPort`; 0 turns the server off.
     pub port: u16,
-    /// Envoy's readiness listener (15021) and Prometheus listener (15090).
+    /// Envoy's readiness listener (15021) and Prometheus listener
+    /// (`ENVOY_PROMETHEUS_PORT`, 15090), which the merged scrape reads.
     pub readiness_port: u16,
     pub prometheus_port: u16,
     /// `ISTIO_KUBE_APP_PROBERS`.
@@ -51,7 +52,10 @@ impl StatusSettings {
         Ok(Self {
             port: pc.status_port,
             readiness_port: 15021,
-            prometheus_port: 15090,
+            // The merged scrape asks Envoy where the bootstrap put its listener.
+            prometheus_port: u16::try_from(vars::ENVOY_PROMETHEUS_PORT.count(env)?).map_err(|e| {
+                ConfigError::Invalid { name: vars::ENVOY_PROMETHEUS_PORT.name, message: e.to_string() }
+            })?,
             app_probers,
             probe_destination,
             app_metrics,

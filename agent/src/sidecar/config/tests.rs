@@ -390,3 +390,14 @@ fn merging_envoy_stats_can_be_turned_off_as_in_istio_1_31() {
     let e = resolve(&["sidecar"], &[("PILOT_AGENT_MERGE_ENVOY_STATS", "sometimes")], &[ROOT]).unwrap_err();
     assert!(e.to_string().contains("PILOT_AGENT_MERGE_ENVOY_STATS"), "{e}");
 }
+
+/// COMPLIANCE_POLICY: the FIPS policies are taken (the agent's TLS and Envoy's
+/// google_grpc ciphers follow them); `pqc`, which this build cannot honour, stops
+/// start-up naming the variable instead of running without the protection asked for.
+#[test]
+fn compliance_policy_pqc_is_refused_at_start_naming_the_variable() {
+    let c = resolve(&["sidecar"], &[("COMPLIANCE_POLICY", "fips-140-3")], &[ROOT]).unwrap();
+    assert_eq!(c.envoy.bootstrap_env.compliance_policy, "fips-140-3");
+    let e = resolve(&["sidecar"], &[("COMPLIANCE_POLICY", "pqc")], &[ROOT]).unwrap_err().to_string();
+    assert!(e.contains("COMPLIANCE_POLICY") && e.contains("X25519MLKEM768"), "{e}");
+}

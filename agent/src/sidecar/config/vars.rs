@@ -169,7 +169,7 @@ vars! {
     ISTIO_META_INTERCEPTION_MODE: Text, "REDIRECT", "TPROXY keeps CAP_NET_ADMIN for Envoy", "pkg/kube/inject/inject.go";
     GRPC_XDS_BOOTSTRAP: Text, "<configPath>/grpc-bootstrap.json", "where proxyless gRPC applications find their bootstrap", "pilot/cmd/pilot-agent/options/options.go";
     ENVOY_STATUS_PORT: Count, "15021", "Envoy's readiness listener (node metadata ENVOY_STATUS_PORT)", "pilot/cmd/pilot-agent/options/options.go";
-    ENVOY_PROMETHEUS_PORT: Count, "15090", "Envoy's Prometheus listener (node metadata ENVOY_PROMETHEUS_PORT)", "pilot/cmd/pilot-agent/options/options.go";
+    ENVOY_PROMETHEUS_PORT: Count, "15090", "Envoy's Prometheus listener, read by the merged /stats/prometheus (and node metadata)", "pilot/cmd/pilot-agent/options/options.go";
     ENVOY_SECURE_METRICS_PORT: Count, "0", "a TLS listener for Envoy's stats (0: none)", "pilot/cmd/pilot-agent/options/options.go";
     ENVOY_SECURE_MERGED_METRICS_PORT: Count, "0", "a TLS listener for the merged stats (0: none)", "pilot/cmd/pilot-agent/options/options.go";
     ENVOY_STATUS_PORT_ENABLE_PROXY_PROTOCOL: Bool, "false", "PROXY protocol on the readiness listener", "pilot/pkg/features/experimental.go";
@@ -177,7 +177,7 @@ vars! {
     PEER_METADATA_DISCOVERY: Bool, "<ENABLE_HBONE>", "the metadata_discovery bootstrap extension", "pilot/cmd/pilot-agent/options/options.go";
     ISTIO_CPU_LIMIT: Count, "0", "the container's CPU limit: Envoy's concurrency when ProxyConfig has none", "pilot/cmd/pilot-agent/config/config.go";
     ISTIO_DUAL_STACK: Bool, "false", "dual-stack listeners and DNS lookup family ALL", "pilot/pkg/features/experimental.go";
-    COMPLIANCE_POLICY: Text, "", "fips-140-2 restricts TLS (Envoy runtime google_grpc_disable_tls_13)", "pkg/features/security.go";
+    COMPLIANCE_POLICY: Text, "", "fips-140-2 or fips-140-3 restrict the agent's TLS and Envoy's google_grpc ciphers; pqc is refused", "pkg/features/security.go";
     HTTP_STRIP_FRAGMENT_FROM_PATH_UNSAFE_IF_DISABLED: Bool, "true", "false keeps URL fragments (Envoy runtime flag)", "pkg/bootstrap/config.go";
     ISTIO_BOOTSTRAP: Text, "", "the bootstrap template to render, over every other choice", "pkg/bootstrap/instance.go";
     // DNS.

@@ -238,6 +238,7 @@ impl EnvoyProcess {
         let binary = Executable::open(&s.binary)?;
         let mut cmd = binary.tokio_command();
         cmd.args(args).stdin(Stdio::null()).kill_on_drop(true);
+        cmd.envs(extra_env(s));
         // Computed before fork: the child may only make raw system calls.
         let drop_to = run_as.map(|r| (r, CapabilityMask::of(r.capabilities)));
         let parent = std::process::id() as libc::pid_t;
@@ -319,6 +320,18 @@ impl EnvoyProcess {
             }
         }
     }
+}
+
+/// What Envoy gets in its environment besides the agent's: under a FIPS
+/// `COMPLIANCE_POLICY`, its google_grpc client's TLS 1.2 suites (pilot-agent's
+/// `GRPC_SSL_CIPHER_SUITES`, pkg/envoy/proxy.go).
+fn extra_env(s: &EnvoySettings) -> Vec<(&'static str, &'static str)> {
+    crate::support::tls::Compliance::parse(&s.bootstrap_env.compliance_policy)
+        .unwrap_or_default()
+        .grpc_ssl_cipher_suites()
+        .map(|suites| ("GRPC_SSL_CIPHER_SUITES", suites))
+        .into_iter()
+        .collect()
 }
 
 /// Polls `downstream_cx_active` of user listeners every second until it is zero (or
@@ -436,6 +449,62 @@ mod tests {
             assert_eq!(field(name), want, "{name} in\n{status}");
         }
         assert!(status.lines().any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("1337")));
+    }
+
+    /// Under COMPLIANCE_POLICY=fips-140-3 (and fips-140-2) Envoy's google_grpc client
+    /// is limited to the FIPS TLS 1.2 suites through its environment, as pilot-agent
+    /// starts it; without a policy Envoy's environment is the agent's.
+    #[test]
+    fn a_fips_policy_limits_envoys_grpc_ciphers_through_its_environment() {
+        let mut s = settings();
+        assert!(extra_env(&s).is_empty());
+        s.bootstrap_env.compliance_policy = "fips-140-3".into();
+        assert_eq!(
+            extra_env(&s),
+            [(
+                "GRPC_SSL_CIPHER_SUITES",
+                "ECDHE-ECDSA-AES128-GCM-SHA256:ECDHE-RSA-AES128-GCM-SHA256:ECDHE-ECDSA-AES256-GCM-SHA384:ECDHE-RSA-AES256-GCM-SHA384"
+            )]
+        );
+    }
+
+    /// An Envoy admin answering every `/stats` with `stats`.
+    async fn admin_serving(stats: &'static str) -> EnvoyAdmin {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        tokio::spawn(crate::support::http1::serve(listener, move |_, _| async move {
+            hyper::Response::new(http_body_util::Full::new(bytes::Bytes::from_static(stats.as_bytes())))
+        }));
+        EnvoyAdmin::new(port)
+    }
+
+    /// EXIT_ON_ZERO_ACTIVE_CONNECTIONS (istio/istio#60728): connections on Envoy's
+    /// internal listeners (`envoy_internal_*`: ambient's HBONE connect_originate,
+    /// main_internal), the admin listener and Istio's own listeners are not downstream
+    /// clients; with only those active the drain is over at the first look. One
+    /// connection on a user listener keeps it waiting.
+    #[tokio::test]
+    async fn the_drain_waits_for_user_connections_only_not_internal_listeners() {
+        const INTERNAL_ONLY: &str = "http.admin.downstream_cx_active: 2\n\
+            listener.0.0.0.0_15021.downstream_cx_active: 1\n\
+            listener.0.0.0.0_8443.downstream_cx_active: 0\n\
+            listener.admin.downstream_cx_active: 2\n\
+            listener.admin.main_thread.downstream_cx_active: 2\n\
+            listener.envoy_internal_connect_originate.downstream_cx_active: 2\n\
+            listener.envoy_internal_connect_originate.worker_0.downstream_cx_active: 2\n\
+            listener.envoy_internal_main_internal.downstream_cx_active: 3\n\
+            listener.envoy_internal_inner_connect_originate.downstream_cx_active: 1\n\
+            listener.envoy_internal_outer_connect_originate.downstream_cx_active: 1\n";
+        const ONE_USER: &str = "listener.0.0.0.0_8443.downstream_cx_active: 1\n\
+            listener.envoy_internal_main_internal.downstream_cx_active: 3\n";
+        let known = ["listener.0.0.0.0_15021.downstream_cx_active".to_string()];
+        let idle = admin_serving(INTERNAL_ONLY).await;
+        tokio::time::timeout(Duration::from_millis(900), wait_until_idle(idle, &known))
+            .await
+            .expect("only internal, admin and Istio listeners are active: drained at once");
+        let busy = admin_serving(ONE_USER).await;
+        let waited = tokio::time::timeout(Duration::from_millis(1500), wait_until_idle(busy, &known)).await;
+        assert!(waited.is_err(), "a user connection keeps the drain waiting");
     }
 
     #[test]

@@ -490,6 +490,85 @@ fn write_output(dir: &Path, s: &WorkloadSecret) -> Result<(), (PathBuf, std::io:
 mod tests {
     use super::*;
 
+    /// A fresh self-signed certificate and its key (PEM).
+    fn key_and_cert() -> (String, String) {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec!["workload".into()]).unwrap().self_signed(&key).unwrap();
+        (cert.pem(), key.serialize_pem())
+    }
+
+    /// Publishes `files` into `dir` as kubelet does a secret volume: into a new
+    /// `..<timestamp>` directory, then `..data` swapped to it by a rename, the
+    /// visible names (`cert-chain.pem` → `..data/cert-chain.pem`) made once, and the
+    /// previous directory removed.
+    fn kubelet_publish(dir: &Path, generation: u32, files: &[(&str, &str)]) {
+        let stamp = format!("..2026_01_01_00_00_{generation:02}.000000001");
+        std::fs::create_dir(dir.join(&stamp)).unwrap();
+        for (name, text) in files {
+            std::fs::write(dir.join(&stamp).join(name), text).unwrap();
+        }
+        let old = std::fs::read_link(dir.join("..data")).ok();
+        std::os::unix::fs::symlink(&stamp, dir.join("..data_tmp")).unwrap();
+        std::fs::rename(dir.join("..data_tmp"), dir.join("..data")).unwrap();
+        for (name, _) in files {
+            let _ = std::os::unix::fs::symlink(Path::new("..data").join(name), dir.join(name));
+        }
+        if let Some(old) = old {
+            std::fs::remove_dir_all(dir.join(old)).unwrap();
+        }
+    }
+
+    /// istio/istio#59912: a file-mounted certificate (the workload's own, and one a
+    /// DestinationRule names as `file-cert:`) rotated by kubelet again and again is
+    /// picked up every time — the second and later `..data` swaps too — and pushed.
+    #[tokio::test]
+    async fn mounted_certificates_rotated_several_times_are_each_picked_up() {
+        let dir = tempfile::tempdir().unwrap();
+        let files = CertFiles::in_dir(dir.path());
+        let publish = |generation| {
+            let (cert, key) = key_and_cert();
+            kubelet_publish(
+                dir.path(),
+                generation,
+                &[("cert-chain.pem", &cert), ("key.pem", &key), ("root-cert.pem", &cert)],
+            );
+            cert
+        };
+        let mut expected = publish(0);
+        let manager = SecretManager::new(
+            WorkloadSource::Files(files.clone()),
+            RotationPolicy::default(),
+            None,
+            Duration::from_millis(10),
+            Arc::new(Metrics::new()),
+        );
+        let names = [SecretName::Workload, SecretName::FileCert { cert: files.cert_chain, key: files.key }];
+        let mut updates = manager.subscribe();
+        for name in &names {
+            manager.hold(name);
+        }
+        let shutdown = CancellationToken::new();
+        tokio::spawn(manager.clone().run(shutdown.clone()));
+        for generation in 1..=4 {
+            for name in &names {
+                let Ok(SecretData::KeyCert { chain_pem, .. }) = manager.secret(name).await else {
+                    panic!("{name}: no key and certificate")
+                };
+                assert_eq!(chain_pem, expected, "{name} after {generation} publications");
+            }
+            expected = publish(generation);
+            let mut pushed = std::collections::BTreeSet::new();
+            while pushed.len() < names.len() {
+                let name = tokio::time::timeout(Duration::from_secs(5), updates.recv())
+                    .await
+                    .unwrap_or_else(|_| panic!("rotation {generation} not pushed (only {pushed:?})"))
+                    .unwrap();
+                pushed.insert(name.to_string());
+            }
+        }
+        shutdown.cancel();
+    }
+
     #[test]
     fn rotation_lands_at_the_grace_ratio() {
         let issued = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);

@@ -5,12 +5,15 @@
 //! whatever the sources send. A failing source is left out and counted
 //! (`istio_agent_scrape_failures_total{type}`), never fails the whole scrape; the scrape
 //! has one deadline (the caller's, at most `MAX_SCRAPE_TIMEOUT`), each source a size
-//! cap, and at most `MAX_CONCURRENT_SCRAPES` run at once.
+//! cap (10 MiB, as pilot-agent's per target: a source declaring more is left out
+//! whole, one streaming more is cut at the cap), and at most `MAX_CONCURRENT_SCRAPES`
+//! run at once.
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
 use bytes::{Bytes, BytesMut};
 use http_body_util::BodyExt as _;
+use hyper::body::Body as _;
 use hyper::{HeaderMap, Method, StatusCode};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{Semaphore, mpsc};
@@ -215,6 +218,11 @@ impl MetricsMerge {
             None
         };
         match crate::sidecar::envoy::admin::request_stream(address, Method::GET, &path, left).await {
+            // A body declared larger than the cap is left out whole, as pilot-agent
+            // drops an oversized target; one that only turns out larger is cut there.
+            Ok((StatusCode::OK, body)) if body.size_hint().lower() > MAX_SCRAPE_BYTES as u64 => {
+                failed(format!("{} bytes declared, more than {MAX_SCRAPE_BYTES}", body.size_hint().lower()))
+            }
             Ok((StatusCode::OK, body)) => Some(Source { address, path, kind, body }),
             Ok((status, _)) => failed(format!("HTTP {status}")),
             Err(e) => failed(crate::error_chain(&e)),
@@ -318,6 +326,7 @@ fn scrape_timeout(headers: &HeaderMap) -> Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sidecar::metrics::Metrics;
 
     #[test]
     fn scrape_timeouts_come_from_prometheus_and_never_overflow() {
@@ -371,6 +380,98 @@ mod tests {
         let e = parse_scrape_config(Some(r#"{"port":"http"}"#), 15020).unwrap_err().to_string();
         assert!(e.contains("\"http\""), "{e}");
         assert!(matches!(parse_scrape_config(Some("nope"), 15020), Err(ScrapeConfigError::Json(_))));
+    }
+
+    /// A localhost server answering `GET <path>` with `body(path)`, or, for a path
+    /// the closure leaves out, a 404.
+    async fn serving(body: impl Fn(&str) -> Option<Bytes> + Clone + Send + Sync + 'static) -> u16 {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        tokio::spawn(crate::support::http1::serve(listener, move |req: hyper::Request<_>, _| {
+            let answer = body(req.uri().path());
+            async move {
+                let mut r =
+                    hyper::Response::new(http_body_util::Full::new(answer.clone().unwrap_or_default()));
+                if answer.is_none() {
+                    *r.status_mut() = StatusCode::NOT_FOUND;
+                }
+                r
+            }
+        }));
+        port
+    }
+
+    /// A port nothing listens on.
+    fn closed_port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    }
+
+    async fn merged(merge: &MetricsMerge) -> String {
+        let body = merge.scrape(None, &HeaderMap::new()).expect("a scrape permit");
+        String::from_utf8(body.collect().await.unwrap().to_bytes().to_vec()).unwrap()
+    }
+
+    fn position(text: &str, needle: &str) -> usize {
+        text.find(needle).unwrap_or_else(|| panic!("no {needle:?} in {text}"))
+    }
+
+    /// `prometheus.istio.io/scrape-targets: "A:/metrics,B,C:/custom"`, as the injector
+    /// writes it into `ISTIO_PROMETHEUS_ANNOTATIONS`: every target's path is scraped
+    /// and merged after the agent's and Envoy's metrics, in the annotation's order; a
+    /// target that is down is left out and counted as an application scrape failure
+    /// in the same scrape; no `# EOF` survives the merge.
+    #[tokio::test]
+    async fn scrape_targets_merge_in_order_and_a_failing_one_is_counted_and_left_out() {
+        let by_path = |name: &'static str| {
+            move |path: &str| Some(Bytes::from(format!("{name}{{path=\"{path}\"}} 1\n# EOF\n")))
+        };
+        let (a, c, envoy) = (
+            serving(by_path("app_a")).await,
+            serving(by_path("app_c")).await,
+            serving(by_path("envoy_x")).await,
+        );
+        let down = closed_port();
+        let json = format!(
+            r#"{{"scrape":"true","port":"{a}","path":"/metrics","targets":[{{"port":"{a}","path":"/metrics"}},{{"port":"{down}"}},{{"port":"{c}","path":"/custom"}}]}}"#
+        );
+        let targets = parse_scrape_config(Some(&json), 15020).unwrap();
+        let merge = MetricsMerge::new(
+            Arc::new(Metrics::new()),
+            Some(SocketAddr::from(([127, 0, 0, 1], envoy))),
+            targets,
+        );
+        let text = merged(&merge).await;
+        let order = [
+            position(&text, "istio_agent_scrapes_total 1"),
+            position(&text, "envoy_x{path=\"/stats/prometheus\"} 1"),
+            position(&text, "app_a{path=\"/metrics\"} 1"),
+            position(&text, "app_c{path=\"/custom\"} 1"),
+        ];
+        assert!(order.is_sorted(), "{order:?}: {text}");
+        assert!(text.contains("istio_agent_scrape_failures_total{type=\"application\"} 1\n"), "{text}");
+        assert!(!text.contains("type=\"envoy\"} 1"), "{text}");
+        assert!(!text.contains("# EOF"), "{text}");
+    }
+
+    /// pilot-agent caps each target at 10 MiB and drops one that sends more, counting
+    /// it: a target declaring a larger body contributes nothing (not its first 10 MiB),
+    /// the others are still merged.
+    #[tokio::test]
+    async fn a_scrape_target_declaring_more_than_10_mib_is_left_out_whole_and_counted() {
+        let line = "big_metric_total 1\n";
+        let big = Bytes::from(line.repeat(MAX_SCRAPE_BYTES / line.len() + 1));
+        assert!(big.len() > MAX_SCRAPE_BYTES);
+        let huge = serving(move |_: &str| Some(big.clone())).await;
+        let small = serving(|_: &str| Some(Bytes::from_static(b"small_metric 1\n"))).await;
+        let targets = vec![
+            ScrapeTarget { port: huge, path: "/metrics".into() },
+            ScrapeTarget { port: small, path: "/metrics".into() },
+        ];
+        let merge = MetricsMerge::new(Arc::new(Metrics::new()), None, targets);
+        let text = merged(&merge).await;
+        assert!(text.contains("small_metric 1\n"), "{}", &text[..text.len().min(2000)]);
+        assert!(!text.contains("big_metric_total"), "{} bytes merged", text.len());
+        assert!(text.contains("istio_agent_scrape_failures_total{type=\"application\"} 1\n"));
     }
 
     #[test]
