@@ -234,3 +234,41 @@ fn the_chart_keeps_the_node_for_the_next_agent_and_cleans_it_once_uninstalled() 
     assert!(!binary.exists() && !kubeconfig.exists(), "binary and kubeconfig removed");
     assert!(!probe_rule() && !probe_set(), "the probe rule and set removed");
 }
+
+/// Istio's chart for its default values (sidecar mode only: Istio's own rendering of
+/// the DaemonSet, unchanged but for the image) runs Weir: the one container is Ready
+/// on the node, the plugin is chained as `istio-cni`, and a pod as Istio's injector
+/// writes it for the CNI (no `istio-init`; `istio-validation` checks the redirect and
+/// fails the pod without it) starts with its traffic captured and its proxy Ready.
+#[test]
+fn istios_chart_for_its_default_values_captures_sidecar_pods_with_weirs_image() {
+    use weir_tests::cluster::{
+        chart::{self, Profile},
+        workloads::{Capture, Sidecar},
+    };
+    require_root!();
+    let cluster = Cluster::new(&test_name!(), 1).unwrap();
+    cluster.apply_istio_cni_chart("localhost/weir-cni:dev", Profile::Default, &[1]).unwrap();
+    let name = chart::pod_name(1);
+    cluster.wait_pod(chart::NAMESPACE, &name, READY, "Ready", ready).unwrap_or_else(|e| {
+        panic!("{e:#}; install-cni says {:?}", cluster.container_log(chart::NAMESPACE, &name, "install-cni"))
+    });
+    let istiod = cluster.start_istiod(1, "permissive").unwrap();
+    let mut web = cluster
+        .sidecar_pod("hello-readiness.yaml.injected", "web", 1, Capture::Cni, Sidecar::Native, istiod)
+        .unwrap();
+    cluster.wait_ready(&mut web, READY).unwrap_or_else(|e| {
+        panic!(
+            "{e:#}; istio-validation says {:?}; install-cni says {:?}",
+            cluster.container_log(&web.namespace, &web.name, "istio-validation"),
+            cluster.container_log(chart::NAMESPACE, &name, "install-cni")
+        )
+    });
+    let list: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(cluster.node(1).folder("/etc/cni/net.d/10-primary.conflist")).unwrap(),
+    )
+    .unwrap();
+    let last = list["plugins"].as_array().unwrap().last().unwrap().clone();
+    assert_eq!(last["type"], "istio-cni");
+    assert_eq!(last["ambient_enabled"], false, "the default profile: {last}");
+}
