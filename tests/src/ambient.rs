@@ -191,10 +191,23 @@ impl AmbientNode {
         name: &str,
         env: &[(&str, &str)],
     ) -> Result<(String, crate::cni::PluginRun), CniFailure> {
+        let conf = self.plugin_conf(Some(IpAddr::V4(pod.ipv4())));
+        self.cni_add_conf(pod, namespace, name, env, &conf)
+    }
+
+    /// [`AmbientNode::cni_add_traced`] with `conf` as the plugin's network config (from
+    /// [`AmbientNode::plugin_conf`], changed by the test).
+    pub fn cni_add_conf(
+        &self,
+        pod: &Pod,
+        namespace: &str,
+        name: &str,
+        env: &[(&str, &str)],
+        conf: &Value,
+    ) -> Result<(String, crate::cni::PluginRun), CniFailure> {
         let mut rt = CniRuntime::new(self.node.netns()).expect("CNI runtime");
         rt.env.extend(env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
         let a = Attachment::pod(&format!("c-{name}"), pod.netns().path(), namespace, name);
-        let conf = self.plugin_conf(Some(IpAddr::V4(pod.ipv4())));
         rt.exec_traced("istio-cni", "ADD", &a, conf.to_string().as_bytes())
     }
 

@@ -5,8 +5,9 @@
 //! ones as they happen, with `allowWatchBookmarks` honoured and `410 Gone` for a
 //! version older than the server keeps), and a JSON merge patch of a pod's status (the
 //! agent's annotations). A bearer token is checked. Tests change the store
-//! (`set_pod`, `delete_pod`, `set_namespace`), read it (`pod`), and can make every
-//! version older than now expire (`expire_history`) to force a relist.
+//! (`set_pod`, `delete_pod`, `set_namespace`), read it (`pod`), can make every
+//! version older than now expire (`expire_history`) to force a relist, and can make the
+//! next requests to one path fail (`fail_next`).
 
 use std::{
     collections::BTreeMap,
@@ -47,6 +48,8 @@ struct Store {
     /// Versions at or below this are gone (410).
     expired_below: u64,
     requests: Vec<String>,
+    /// Path → (requests still to fail, the status code they get).
+    faults: BTreeMap<String, (u32, u16)>,
 }
 
 /// The server; dropping it stops it.
@@ -277,6 +280,13 @@ impl KubeApi {
         s.history.clear();
     }
 
+    /// Answers the next `times` requests to exactly `path` (no query) with `code` and a
+    /// Kubernetes `Status`, as an API server that is overloaded or restarting does; any
+    /// count left from before is replaced.
+    pub fn fail_next(&self, path: &str, times: u32, code: u16) {
+        self.lock().faults.insert(path.to_string(), (times, code));
+    }
+
     /// The requests seen (`METHOD path?query`).
     pub fn requests(&self) -> Vec<String> {
         self.lock().requests.clone()
@@ -328,7 +338,21 @@ async fn serve(
         .as_deref()
         .and_then(|b| b.strip_prefix("Bearer "))
         .is_some_and(|t| read_only.lock().expect("tokens").iter().any(|r| r == t));
-    store.lock().expect("store").requests.push(format!("{method} {}", req.uri()));
+    let fault = {
+        let mut s = store.lock().expect("store");
+        s.requests.push(format!("{method} {}", req.uri()));
+        match s.faults.get_mut(&path) {
+            Some((left, code)) if *left > 0 => {
+                *left -= 1;
+                Some(*code)
+            }
+            _ => None,
+        }
+    };
+    if let Some(code) = fault {
+        let (c, v) = status(code, "injected by the test: try again");
+        return full(c, &v);
+    }
     if !authorized && !reader {
         let (c, v) = status(401, "Unauthorized");
         return full(c, &v);

@@ -8,7 +8,9 @@
 //! through /proc) and unenrolled, rules undone, when it opts out; a restarted agent
 //! finds every enrolled pod again and the next ztunnel gets them all (Add with the
 //! netns, not Keep); a watch whose version expired lists again; the node's probe rule
-//! and set come back when flushed.
+//! and set come back when flushed. The plugin retries a namespace read that fails for a
+//! moment (`enable_ambient_detection_retry` for longer); an event whose namespace path
+//! the agent cannot open under the node's root is served through the node's /proc.
 
 use std::{net::IpAddr, time::Duration};
 
@@ -234,4 +236,82 @@ fn native_nftables_stays_on_iptables_while_the_nodes_iptables_set_exists() {
     assert_eq!(probe_set(&node), [(ip(&web), Some("uid-web".into()))]);
     let logs = node.agent_logs();
     assert!(logs.contains("staying on iptables") && logs.contains("reboot the node"), "{logs}");
+}
+
+/// The plugin reads an ambient pod's namespace (its labels decide) as istio-cni's
+/// `isAmbientPod` does: an answer that may pass (503) is tried again a second later,
+/// once by default and up to 30 times with `enable_ambient_detection_retry`; a
+/// namespace still unread fails ADD, naming it, and nothing is captured.
+#[test]
+fn a_namespace_read_failing_for_a_moment_is_retried_before_add_decides() {
+    require_root!();
+    let mesh = Mesh::new(&test_name!()).unwrap();
+    let mut node = AmbientNode::new(&mesh).unwrap();
+    node.api.set_namespace("apps", &[AMBIENT]);
+    node.start_agent().unwrap();
+    let zt = FakeZtunnel::start(&node.zds_socket());
+    node.wait("ztunnel's snapshot", PATIENCE, || zt.log().contains(&"SnapshotSent".to_string())).unwrap();
+    let namespace = "/api/v1/namespaces/apps";
+    let reads =
+        |node: &AmbientNode| node.api.requests().iter().filter(|r| *r == &format!("GET {namespace}")).count();
+
+    // One 503: read again, and the pod is captured.
+    let web = mesh.pod("web").unwrap();
+    node.api.set_pod(pod_object("apps", "web", "uid-web", ip(&web), &[], &[]));
+    node.api.fail_next(namespace, 1, 503);
+    node.cni_add(&web, "apps", "web").unwrap_or_else(|e| panic!("ADD: {e}\n{}", node.agent_logs()));
+    assert_eq!(reads(&node), 2, "read twice");
+    assert_eq!(node.api.redirection("apps", "web").as_deref(), Some("enabled"));
+    assert_eq!(inpod(&web), Verdict::Applied);
+
+    // Three: two reads by default, then ADD fails closed naming the namespace.
+    let api = mesh.pod("api").unwrap();
+    node.api.set_pod(pod_object("apps", "api", "uid-api", ip(&api), &[], &[]));
+    node.api.fail_next(namespace, 3, 503);
+    let e = node.cni_add(&api, "apps", "api").unwrap_err();
+    assert!(e.to_string().contains("cannot get namespace apps"), "{e}");
+    assert!(e.error()["details"].as_str().unwrap().contains("503"), "names the answer: {e}");
+    assert_eq!(reads(&node), 4, "two more reads");
+    assert_eq!(inpod(&api), Verdict::Clean, "nothing captured");
+
+    // Three again, with the flag: read until it answers.
+    let mut conf = node.plugin_conf(Some(ip(&api)));
+    conf["enable_ambient_detection_retry"] = true.into();
+    node.api.fail_next(namespace, 3, 503);
+    node.cni_add_conf(&api, "apps", "api", &[], &conf)
+        .unwrap_or_else(|e| panic!("ADD with retries: {e}\n{}", node.agent_logs()));
+    assert_eq!(reads(&node), 8, "four more reads");
+    assert_eq!(inpod(&api), Verdict::Applied);
+}
+
+/// A runtime whose namespace folder the agent does not see under the node's root
+/// (cri-dockerd's, a host mount without it): the event's path does not open under
+/// `WEIR_HOST_ROOT`, so the pod's namespace is found through the node's /proc by its
+/// UID, checked to hold the event's address, and captured; the agent logs which way.
+#[test]
+fn an_event_whose_netns_path_does_not_open_is_served_through_the_nodes_proc() {
+    require_root!();
+    let mesh = Mesh::new(&test_name!()).unwrap();
+    let mut node = AmbientNode::new(&mesh).unwrap();
+    let cgroup = test_cgroup(&format!("{}-kubepods", test_name!()));
+    let unmounted = tempfile::tempdir().unwrap();
+    node.env.push(("WEIR_HOST_ROOT".into(), unmounted.path().display().to_string()));
+    node.api.set_namespace("apps", &[AMBIENT]);
+    node.start_agent().unwrap();
+    let zt = FakeZtunnel::start(&node.zds_socket());
+    node.wait("ztunnel's snapshot", PATIENCE, || zt.log().contains(&"SnapshotSent".to_string())).unwrap();
+
+    let web = mesh.pod("web").unwrap();
+    let uid = "7d3a1c52-6a0e-4b8e-9f31-0c2a5b7e9d14";
+    let _sandbox = node.sandbox(&cgroup, uid, &web).unwrap();
+    // As at a real ADD, the API has no address for the pod yet: only the event enrolls it.
+    let mut object = pod_object("apps", "web", uid, ip(&web), &[], &[]);
+    object["status"] = serde_json::json!({"phase": "Pending"});
+    node.api.set_pod(object);
+    node.cni_add(&web, "apps", "web").unwrap_or_else(|e| panic!("ADD: {e}\n{}", node.agent_logs()));
+    assert_eq!(node.api.redirection("apps", "web").as_deref(), Some("enabled"));
+    assert_eq!(inpod(&web), Verdict::Applied);
+    assert!(zt.log().contains(&format!("Add {uid}")), "{:?}", zt.log());
+    let logs = node.agent_logs();
+    assert!(logs.contains("netns_from=host_proc"), "the log says how it was found:\n{logs}");
 }

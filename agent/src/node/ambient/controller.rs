@@ -14,8 +14,8 @@
 //!   pending or selected.
 //!
 //! A failed reconcile is retried with a per-pod backoff from 5 ms doubling to 5 s, for
-//! as long as it keeps failing retryably (until a ztunnel connects); a final error is
-//! logged and left until the pod changes. Pods run in parallel, at most [`PARALLEL`].
+//! as long as it keeps failing retryably (until a ztunnel connects, until a pod's
+//! capture can be taken out); a final error is logged and left until the pod changes. Pods run in parallel, at most [`PARALLEL`].
 
 #[cfg(test)]
 mod tests;

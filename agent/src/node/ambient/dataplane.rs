@@ -1,19 +1,28 @@
 //! Putting one pod into the mesh and taking it out, in Istio's order
-//! (`meshDataplane.AddPodToMesh` / `RemovePodFromMesh`):
+//! (`meshDataplane.AddPodToMesh` / `RemovePodFromMesh`), but for where a removal
+//! stops when the capture cannot be taken out:
 //!
 //! **Add**: the uid is known to ZDS first (so a snapshot keeps it as Keep even before
-//! its namespace is found); the pod's network namespace is opened (the path the plugin
-//! sent, under the node's root; else the one cached; else found through the node's
-//! /proc and checked to hold the pod's address); the in-pod rules are applied in it
-//! (a failure here is final: no annotation, nothing cached); ztunnel is sent the pod
-//! and must ack (failing that the pod is annotated `pending` and the error is
-//! retryable: the rules stay, kubelet and the watch retry); its addresses join the
-//! node's probe sets; last, `ambient.istio.io/redirection: enabled`.
+//! its namespace is found); the pod's network namespace is opened: the path the plugin
+//! sent, under the node's root, or, when that path does not open there (a runtime
+//! whose namespace folder the agent does not see, a `/proc/<pid>/ns/net` whose process
+//! is gone), found through the node's /proc by the pod's UID; with no path, the one
+//! cached, else found through /proc; what is found is checked to hold the pod's
+//! address, and the add's log line says which way (`netns_from`). The in-pod rules
+//! are applied in it (a failure here is final: no annotation, nothing cached); ztunnel
+//! is sent the pod and must ack (failing that the pod is annotated `pending` and the
+//! error is retryable: the rules stay, kubelet and the watch retry); its addresses
+//! join the node's probe sets; last, `ambient.istio.io/redirection: enabled`.
 //!
-//! **Remove**: its addresses leave the probe sets (only while they are still this
-//! pod's); unless the pod is being deleted (its namespace goes with it), the in-pod
-//! rules are removed from its namespace; Del goes to every ztunnel; the annotation is
-//! removed (NotFound and, for a deleted pod, any failure ignored).
+//! **Remove**: its capture is taken out (unless the pod is being deleted, its namespace
+//! going with it, the in-pod rules are removed from its namespace); a failure here is
+//! retryable and stops the removal, so the pod's addresses stay in the probe sets
+//! (kubelet's probes still pass the rules left), ZDS keeps its namespace for the retry,
+//! and it stays annotated; then its addresses leave the probe sets (only while they are
+//! still this pod's); Del goes to every ztunnel; last, the annotation is removed
+//! (NotFound and, for a deleted pod, any failure ignored). Istio drops the probe-set
+//! entry first and lets go of the namespace before undoing the rules, so its retry of
+//! a failed removal never undoes them; Weir's does.
 //!
 //! The pod's capture is the in-pod rules, or (`WEIR_AMBIENT_CAPTURE=ebpf|auto`) Weir's
 //! eBPF programs registered with the node capture for ztunnel ([`Dataplane::add`]
@@ -110,16 +119,60 @@ pub enum DataplaneError {
     },
     #[error("pod {pod}: a blocking task failed: {message}")]
     Task { pod: String, message: String },
+    /// Taking the pod's capture out failed; the removal stopped there, to be tried again.
+    #[error("pod {pod}: its capture could not be taken out")]
+    RemoveCapture {
+        pod: String,
+        #[source]
+        source: Box<DataplaneError>,
+    },
 }
 
 const REDIRECTION_ANNOTATION_NAME: &str = super::objects::REDIRECTION_ANNOTATION;
 
 impl DataplaneError {
     /// Whether trying again can help (Istio's retryable errors: ztunnel, annotations,
-    /// probe sets); a namespace that cannot be found or rules that cannot be applied
-    /// are final for this attempt.
+    /// probe sets, and anything failing a removal); a namespace that cannot be found or
+    /// rules that cannot be applied are final for this attempt of an add.
     pub fn retryable(&self) -> bool {
-        matches!(self, Self::Zds { .. } | Self::ProbeSet { .. } | Self::Annotate { .. } | Self::Task { .. })
+        matches!(
+            self,
+            Self::Zds { .. }
+                | Self::ProbeSet { .. }
+                | Self::Annotate { .. }
+                | Self::Task { .. }
+                | Self::RemoveCapture { .. }
+        )
+    }
+
+    /// Whether this is the event's namespace path failing to open (rather than being
+    /// refused: a form no runtime sends, a file that is no pod's namespace).
+    fn event_path_does_not_open(&self) -> bool {
+        matches!(
+            self,
+            Self::EventNetns { source: crate::node::enroll::netns_path::NetnsPathError::Open { .. }, .. }
+        )
+    }
+}
+
+/// Which way a pod's network namespace was found, as the add's log line says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NetnsSource {
+    /// The path the plugin's event sent, under the node's root.
+    EventPath,
+    /// The one ZDS has cached for the pod.
+    Cache,
+    /// Through the node's /proc, by the pod's UID.
+    HostProc,
+}
+
+impl std::fmt::Display for NetnsSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::EventPath => "event_path",
+            Self::Cache => "cache",
+            Self::HostProc => "host_proc",
+        })
     }
 }
 
@@ -215,7 +268,7 @@ impl Dataplane {
         let mut steps = StepClock::start();
         let who = pod.key();
         self.zds.keep_pod(&pod.uid);
-        let netns = match self.open_netns(pod, ips, netns_path).await {
+        let (netns, netns_from) = match self.open_netns(pod, ips, netns_path).await {
             Ok(n) => n,
             Err(e) => {
                 self.zds_forget(pod);
@@ -260,7 +313,7 @@ impl Dataplane {
             self.annotate(pod, Some(REDIRECTION_ENABLED)).await?;
         }
         steps.mark("annotate");
-        tracing::info!(pod = %who, uid = %pod.uid, ips = ?ips, steps_us = %steps, "pod added to the ambient mesh");
+        tracing::info!(pod = %who, uid = %pod.uid, ips = ?ips, netns_from = %netns_from, steps_us = %steps, "pod added to the ambient mesh");
         Ok(())
     }
 
@@ -272,20 +325,36 @@ impl Dataplane {
         }
     }
 
-    /// The pod's network namespace, opened.
+    /// The pod's network namespace, opened, and which way it was found. The event's
+    /// path that does not open under the node's root is searched around through the
+    /// node's /proc; one refused (no runtime's form, the node's namespace) is not.
     async fn open_netns(
         &self,
         pod: &AmbientPod,
         ips: &[IpAddr],
         path: Option<&str>,
-    ) -> Result<OwnedFd, DataplaneError> {
+    ) -> Result<(OwnedFd, NetnsSource), DataplaneError> {
         if let Some(path) = path.filter(|p| !p.is_empty()) {
-            return self.capture.open_event_netns(self.zds.as_ref(), pod, ips, path).await;
+            let unopened = match self.capture.open_event_netns(self.zds.as_ref(), pod, ips, path).await {
+                Ok(fd) => return Ok((fd, NetnsSource::EventPath)),
+                Err(e) if e.event_path_does_not_open() => e,
+                Err(e) => return Err(e),
+            };
+            let fd = self.capture.find_netns(pod, ips).await.map_err(|found| DataplaneError::FindNetns {
+                pod: pod.key(),
+                message: format!(
+                    "{}; nor found through the node's /proc: {}",
+                    crate::error_chain(&unopened),
+                    crate::error_chain(&found)
+                ),
+            })?;
+            tracing::info!(pod = %pod.key(), uid = %pod.uid, netns = path, netns_from = %NetnsSource::HostProc, reason = %crate::error_chain(&unopened), "the event's network namespace path does not open under the node's root: the pod's was found through the node's /proc");
+            return Ok((fd, NetnsSource::HostProc));
         }
         if let Some(fd) = self.zds.netns(&pod.uid) {
-            return Ok(fd);
+            return Ok((fd, NetnsSource::Cache));
         }
-        self.capture.find_netns(pod, ips).await
+        Ok((self.capture.find_netns(pod, ips).await?, NetnsSource::HostProc))
     }
 
     /// At the agent's start (`AMBIENT_RECONCILE_POD_RULES_ON_STARTUP`): the capture of
@@ -331,6 +400,11 @@ impl Dataplane {
         let lock = self.lock(&pod.uid);
         let _held = lock.lock().await;
         let who = pod.key();
+        let netns = if deleting { None } else { self.zds.netns(&pod.uid) };
+        if let Err(e) = self.capture.remove(pod, netns).await {
+            tracing::warn!(pod = %who, uid = %pod.uid, deleting, error = %crate::error_chain(&e), "the pod's capture could not be taken out: its probe-set entry, ZDS entry and annotation stay until a retry succeeds");
+            return Err(DataplaneError::RemoveCapture { pod: who, source: Box::new(e) });
+        }
         let (probes, uid, ips) = (self.probes.clone(), pod.uid.clone(), pod.ips.clone());
         let held_by_others = tokio::task::spawn_blocking(move || {
             ips.iter()
@@ -345,8 +419,6 @@ impl Dataplane {
                 tracing::warn!(pod = %who, uid = %pod.uid, %ip, holder = %other, "probe set entry left: another pod holds the address now");
             }
         }
-        let netns = if deleting { None } else { self.zds.netns(&pod.uid) };
-        self.capture.remove(pod, netns).await?;
         self.zds
             .del_pod(&pod.uid)
             .await

@@ -1,8 +1,9 @@
 //! Fakes of what the ambient dataplane acts on (`dataplane::effects`), for the unit
 //! tests of the dataplane, the controller and the snapshot: one [`FakeNode`] plays the
 //! pods' namespaces and capture, ZDS, the Kubernetes API and the probe sets, records
-//! every call in one log (so a test reads the order of steps across them), and fails
-//! where a test tells it to. Pods and settings for those tests are made here too.
+//! every call in one log (so a test reads the order of steps across them), keeps the
+//! probe sets' entries (address → pod uid) as the node's do, and fails where a test
+//! tells it to. Pods and settings for those tests are made here too.
 
 use std::{
     collections::{BTreeMap, BTreeSet, VecDeque},
@@ -75,14 +76,29 @@ struct State {
     zds_netns: BTreeSet<String>,
     /// The uids whose capture fails to apply.
     capture_fails: BTreeSet<String>,
+    /// The uids whose capture fails to be removed, and how many more times it will.
+    removal_fails: BTreeMap<String, u32>,
+    /// The probe sets' entries: address → the uid it was added for.
+    probe_set: BTreeMap<IpAddr, String>,
     /// The uids whose namespace is not found on the node.
     no_netns: BTreeSet<String>,
+    /// The uids whose event's namespace path fails so.
+    event_netns: BTreeMap<String, EventPath>,
     /// The pods (`namespace/name`) the API server no longer has.
     gone_from_api: BTreeSet<String>,
     /// The API server answers every patch 503.
     api_down: bool,
     /// ztunnel refuses every Add of these uids.
     refused: BTreeSet<String>,
+}
+
+/// How the namespace path of a pod's event fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventPath {
+    /// It does not open under the node's root (no such file there).
+    DoesNotOpen,
+    /// It is refused: it names the node's own namespace.
+    NodesNamespace,
 }
 
 /// Every effect of the dataplane, faked; clones share one state.
@@ -117,6 +133,27 @@ impl FakeNode {
 
     pub fn capture_fails_for(&self, uid: &str) {
         self.with(|s| s.capture_fails.insert(uid.to_string()));
+    }
+
+    /// Taking `uid`'s capture out fails the next `times` times (the rules cannot be
+    /// undone in its namespace), then succeeds.
+    pub fn capture_removal_fails_for(&self, uid: &str, times: u32) {
+        self.with(|s| s.removal_fails.insert(uid.to_string(), times));
+    }
+
+    /// The probe sets hold `ip` for `uid` (it was added before).
+    pub fn probed(&self, uid: &str, ip: IpAddr) {
+        self.with(|s| s.probe_set.insert(ip, uid.to_string()));
+    }
+
+    /// The probe sets' entries now.
+    pub fn probe_set(&self) -> BTreeMap<IpAddr, String> {
+        self.with(|s| s.probe_set.clone())
+    }
+
+    /// The namespace path of `uid`'s events fails as `how` says.
+    pub fn event_netns_fails_for(&self, uid: &str, how: EventPath) {
+        self.with(|s| s.event_netns.insert(uid.to_string(), how));
     }
 
     pub fn netns_not_found_for(&self, uid: &str) {
@@ -178,10 +215,22 @@ impl PodCapture for FakeNode {
         _zds: &'a dyn ZtunnelPods,
         pod: &'a AmbientPod,
         ips: &'a [IpAddr],
-        _path: &'a str,
+        path: &'a str,
     ) -> BoxFuture<'a, Result<OwnedFd, DataplaneError>> {
+        use crate::node::enroll::netns_path::NetnsPathError;
         self.record(Call::OpenEventNetns(pod.uid.clone()));
-        Box::pin(self.find(pod, ips))
+        let fails = self.with(|s| s.event_netns.get(&pod.uid).copied());
+        let source = match fails {
+            None => return Box::pin(self.find(pod, ips)),
+            Some(EventPath::DoesNotOpen) => NetnsPathError::Open {
+                path: PathBuf::from("/host").join(path.trim_start_matches('/')),
+                source: std::io::ErrorKind::NotFound.into(),
+            },
+            Some(EventPath::NodesNamespace) => {
+                NetnsPathError::NotAPods { path: path.into(), whose: "node's" }
+            }
+        };
+        Box::pin(async move { Err(DataplaneError::EventNetns { pod: pod.key(), source }) })
     }
 
     fn find_netns<'a>(
@@ -233,7 +282,20 @@ impl PodCapture for FakeNode {
         netns: Option<OwnedFd>,
     ) -> BoxFuture<'a, Result<(), DataplaneError>> {
         self.record(Call::RemoveCapture { uid: pod.uid.clone(), in_netns: netns.is_some() });
-        Box::pin(async { Ok(()) })
+        let fails = self.with(|s| match s.removal_fails.get_mut(&pod.uid) {
+            Some(left) if *left > 0 => {
+                *left -= 1;
+                true
+            }
+            _ => false,
+        });
+        Box::pin(async move {
+            if fails {
+                let source = AmbientError::Drift { backend: "iptables", netns: "fake".into() };
+                return Err(DataplaneError::Rules { pod: pod.key(), source: Box::new(source) });
+            }
+            Ok(())
+        })
     }
 }
 
@@ -345,12 +407,18 @@ impl PodStatusApi for FakeNode {
 impl HostProbeSet for FakeNode {
     fn upsert(&self, ip: IpAddr, uid: &str) -> Result<(), ProbeSetError> {
         self.record(Call::ProbeUpsert(uid.to_string(), ip));
+        self.with(|s| s.probe_set.insert(ip, uid.to_string()));
         Ok(())
     }
 
     fn remove(&self, ip: IpAddr, uid: &str) -> Result<Option<String>, ProbeSetError> {
         self.record(Call::ProbeRemove(uid.to_string(), ip));
-        Ok(None)
+        // As the node's: only this pod's entry goes; another pod's holder is answered.
+        Ok(self.with(|s| match s.probe_set.get(&ip) {
+            Some(holder) if holder != uid => Some(holder.clone()),
+            Some(_) => s.probe_set.remove(&ip).and(None),
+            None => None,
+        }))
     }
 
     fn prune(&self, keep: &BTreeSet<IpAddr>) -> Result<Vec<IpAddr>, ProbeSetError> {
@@ -407,8 +475,8 @@ pub fn added_up_to_ztunnel(n: u8) -> Vec<Call> {
 /// The calls taking pod `n` out makes (`in_netns`: its rules undone in its namespace).
 pub fn removed(n: u8, in_netns: bool) -> Vec<Call> {
     vec![
-        Call::ProbeRemove(uid(n), ip(n)),
         Call::RemoveCapture { uid: uid(n), in_netns },
+        Call::ProbeRemove(uid(n), ip(n)),
         Call::ZdsDel(uid(n)),
         annotate(n, None),
     ]

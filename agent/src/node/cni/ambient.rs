@@ -4,8 +4,11 @@
 //! the addresses from `prevResult`) is POSTed to the node agent's
 //! `<cni_agent_run_dir>/pluginevent.sock`, which programs the pod and hands it to
 //! ztunnel before answering. Any failure fails ADD (kubelet retries the sandbox), so no
-//! ambient pod starts uncaptured. Weir also fails closed where Istio's plugin, with
-//! detection retries off, carries on as "not ambient": a namespace it cannot read.
+//! ambient pod starts uncaptured. The namespace is read as istio-cni's `isAmbientPod`
+//! reads it: an answer that may pass (none, 429, 5xx) is tried again 1 s later, once,
+//! or 30 times with `enable_ambient_detection_retry`. Weir also fails closed where
+//! Istio's plugin, with detection retries off, carries on as "not ambient": a
+//! namespace it still cannot read.
 
 use std::{collections::BTreeMap, path::Path};
 

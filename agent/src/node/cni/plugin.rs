@@ -28,6 +28,11 @@ pub use super::spec::DEFAULT_RUN_DIR;
 /// istio-cni waits this long for the API server to answer (30 × 1 s).
 const POD_LOOKUP_ATTEMPTS: u32 = 30;
 const POD_LOOKUP_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
+/// istio-cni's ambient check (`isAmbientPod`) tries its reads again this many times,
+/// [`POD_LOOKUP_INTERVAL`] apart: once by default, `podRetrievalMaxRetries` with
+/// `enable_ambient_detection_retry`.
+const NAMESPACE_READ_RETRIES: u32 = 1;
+const NAMESPACE_READ_RETRIES_WITH_DETECTION_RETRY: u32 = 30;
 
 /// What a command printed on success (stdout; empty for DEL/CHECK/STATUS/GC).
 pub type Output = String;
@@ -112,8 +117,16 @@ fn target(conf: &NetConf, inv: &Invocation) -> Result<Target, CniError> {
     let runtime = crate::support::runtime::current_thread("the plugin's API reads")
         .map_err(|e| CniError::new(code::IO_FAILURE, "cannot start a runtime", crate::error_chain(&e)))?;
     let (pod, namespace_labels) = if super::ambient::may_read_namespace(conf)? {
+        let retries = if conf.enable_ambient_detection_retry {
+            NAMESPACE_READ_RETRIES_WITH_DETECTION_RETRY
+        } else {
+            NAMESPACE_READ_RETRIES
+        };
         let (pod, labels) = runtime.block_on(async {
-            tokio::join!(lookup(&client, &namespace, &name), client.namespace_labels(&namespace))
+            tokio::join!(
+                lookup(&client, &namespace, &name),
+                namespace_labels(&client, &namespace, &name, retries)
+            )
         });
         (pod?, Some(labels))
     } else {
@@ -130,6 +143,46 @@ fn target(conf: &NetConf, inv: &Invocation) -> Result<Target, CniError> {
     Ok(Target::Sidecar(pod))
 }
 
+/// Whether an API error may pass: no answer, a timeout, 429 or a 5xx.
+fn transient(e: &KubeError) -> bool {
+    match e {
+        KubeError::Request { .. } | KubeError::Timeout { .. } => true,
+        KubeError::Status { status, .. } => *status == 429 || *status >= 500,
+        _ => false,
+    }
+}
+
+/// GET the pod's namespace's labels, trying again `retries` times what may pass
+/// ([`transient`]), [`POD_LOOKUP_INTERVAL`] apart, as istio-cni's ambient check does;
+/// the last error otherwise (the caller fails ADD with it when the labels decide).
+async fn namespace_labels(
+    client: &KubeClient,
+    namespace: &str,
+    pod: &str,
+    retries: u32,
+) -> Result<std::collections::BTreeMap<String, String>, KubeError> {
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        match client.namespace_labels(namespace).await {
+            Ok(labels) => {
+                if attempt > 1 {
+                    tracing::info!(namespace, pod = %format!("{namespace}/{pod}"), attempt, "namespace read after retrying");
+                }
+                return Ok(labels);
+            }
+            Err(e) if transient(&e) && attempt <= retries => {
+                // Once: with detection retries on, a long outage would repeat it 30 times.
+                if attempt == 1 {
+                    tracing::warn!(namespace, pod = %format!("{namespace}/{pod}"), attempt, retries, error = %crate::error_chain(&e), "cannot read the pod's namespace: retrying");
+                }
+                tokio::time::sleep(POD_LOOKUP_INTERVAL).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// GET the pod, retrying what may pass (no answer, 5xx, 429) as istio-cni does.
 async fn lookup(client: &KubeClient, namespace: &str, name: &str) -> Result<PodInfo, CniError> {
     let mut attempt = 0;
@@ -138,12 +191,7 @@ async fn lookup(client: &KubeClient, namespace: &str, name: &str) -> Result<PodI
         match client.pod(namespace, name).await {
             Ok(pod) => return Ok(pod),
             Err(e) => {
-                let transient = match &e {
-                    KubeError::Request { .. } | KubeError::Timeout { .. } => true,
-                    KubeError::Status { status, .. } => *status == 429 || *status >= 500,
-                    _ => false,
-                };
-                if !transient || attempt >= POD_LOOKUP_ATTEMPTS {
+                if !transient(&e) || attempt >= POD_LOOKUP_ATTEMPTS {
                     return Err(CniError::new(
                         code::POD_LOOKUP_FAILED,
                         format!("cannot get pod {namespace}/{name} from the Kubernetes API"),

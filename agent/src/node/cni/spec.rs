@@ -212,7 +212,8 @@ pub struct NetConf {
     /// Istio: which pods are ambient (`AMBIENT_ENABLEMENT_SELECTOR`, as JSON).
     #[serde(default, deserialize_with = "null_as_default")]
     pub enablement_selectors: Vec<crate::node::enroll::selector::EnablementSelector>,
-    /// Istio: retry the ambient check while the API server does not answer.
+    /// Istio: retry the ambient check while the API server does not answer (30 retries
+    /// of the namespace read instead of 1, 1 s apart).
     #[serde(default)]
     pub enable_ambient_detection_retry: bool,
     /// Istio's legacy `kubernetes` section.

@@ -1,6 +1,6 @@
 //! The reconcile queue against a [`FakeNode`], on tokio's paused clock (a backoff of
-//! seconds passes at once): retries, unenrollment, deleted pods, and how retries share
-//! the [`PARALLEL`] permits.
+//! seconds passes at once): retries (of adds and of removals), unenrollment, deleted
+//! pods, and how retries share the [`PARALLEL`] permits.
 
 use std::{sync::Arc, time::Duration};
 
@@ -8,7 +8,7 @@ use tokio::{sync::mpsc, task::JoinHandle};
 
 use super::{PARALLEL, SharedCluster, apply_pod_event, run};
 use crate::node::ambient::{
-    fakes::{Call, FakeNode, Ztunnel, annotate, annotated, pod, removed, uid},
+    fakes::{Call, FakeNode, Ztunnel, annotate, annotated, ip, pod, removed, uid},
     objects::AmbientPod,
     watch::WatchEvent,
 };
@@ -180,4 +180,21 @@ async fn a_deleted_pod_is_taken_out_by_the_addresses_it_last_had_and_forgotten()
     assert_eq!(controller.settled_calls().await, removed(1, false), "removed by the address it had");
     let cluster = controller.cluster.read().unwrap();
     assert!(cluster.deleted.is_empty() && cluster.last_ips.is_empty(), "{cluster:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_removal_that_fails_once_is_retried_and_completes_keeping_the_probe_entry_until_then() {
+    let node = FakeNode::default();
+    node.probed(&uid(1), ip(1));
+    let (controller, enrolled) = start_with_pod_enrolled(&node).await;
+    node.capture_removal_fails_for(&uid(1), 1);
+    let mut unlabelled = enrolled;
+    unlabelled.labels.clear();
+    controller.watch(WatchEvent::Applied(unlabelled));
+    let removal = Call::RemoveCapture { uid: uid(1), in_netns: true };
+    controller.until("the first removal", |calls| calls.contains(&removal)).await;
+    assert_eq!(node.probe_set(), [(ip(1), uid(1))].into(), "the entry stays while the rules do");
+    let calls = controller.settled_calls().await;
+    assert_eq!(calls, [vec![removal], removed(1, true)].concat(), "retried, then completed");
+    assert!(node.probe_set().is_empty());
 }

@@ -4,7 +4,7 @@
 use super::DataplaneError;
 use crate::node::{
     ambient::fakes::{
-        Call, FakeNode, Ztunnel, added_up_to_ztunnel, annotate, annotated, ip, pod, removed, uid,
+        Call, EventPath, FakeNode, Ztunnel, added_up_to_ztunnel, annotate, annotated, ip, pod, removed, uid,
     },
     ambient::objects::AmbientPod,
     zds::ZdsError,
@@ -38,6 +38,38 @@ async fn a_pod_from_the_plugins_event_is_added_in_the_namespace_the_event_names(
     node.dataplane().add(&pod(1), &[ip(1)], Some("/var/run/netns/cni-1")).await.unwrap();
     let calls = node.calls();
     assert_eq!(calls[..3], [Call::ZdsKeep(uid(1)), Call::OpenEventNetns(uid(1)), Call::ApplyCapture(uid(1))]);
+}
+
+#[tokio::test]
+async fn an_event_whose_namespace_path_does_not_open_is_served_by_the_pods_namespace_found_through_proc() {
+    let node = FakeNode::default();
+    node.event_netns_fails_for(&uid(1), EventPath::DoesNotOpen);
+    node.dataplane().add(&pod(1), &[ip(1)], Some("/var/run/docker/netns/a1b2")).await.unwrap();
+    let calls = node.calls();
+    let found = [Call::ZdsKeep(uid(1)), Call::OpenEventNetns(uid(1)), Call::FindNetns(uid(1))];
+    assert_eq!(calls[..4], [found.to_vec(), vec![Call::ApplyCapture(uid(1))]].concat(), "{calls:?}");
+    assert_eq!(calls.last(), Some(&annotate(1, Some("enabled"))));
+}
+
+#[tokio::test]
+async fn an_event_path_that_does_not_open_with_no_process_of_the_pod_on_the_node_fails_naming_both() {
+    let node = FakeNode::default();
+    node.event_netns_fails_for(&uid(1), EventPath::DoesNotOpen);
+    node.netns_not_found_for(&uid(1));
+    let error = node.dataplane().add(&pod(1), &[ip(1)], Some("/var/run/netns/cni-1")).await.unwrap_err();
+    let text = crate::error_chain(&error);
+    assert!(text.contains("/host/var/run/netns/cni-1") && text.contains("/proc"), "{text}");
+    assert!(!error.retryable(), "{error:?}");
+    assert!(node.zds_known().is_empty(), "forgotten: {:?}", node.calls());
+}
+
+#[tokio::test]
+async fn an_event_path_refused_as_the_nodes_namespace_is_not_searched_around() {
+    let node = FakeNode::default();
+    node.event_netns_fails_for(&uid(1), EventPath::NodesNamespace);
+    let error = node.dataplane().add(&pod(1), &[ip(1)], Some("/proc/1/ns/net")).await.unwrap_err();
+    assert!(matches!(error, DataplaneError::EventNetns { .. }), "{error:?}");
+    assert!(!node.calls().contains(&Call::FindNetns(uid(1))), "{:?}", node.calls());
 }
 
 #[tokio::test]
@@ -122,7 +154,7 @@ async fn a_pod_whose_annotations_cannot_stand_in_its_rules_is_forgotten_by_zds()
 }
 
 #[tokio::test]
-async fn a_removed_pod_leaves_the_probe_set_then_its_rules_go_then_ztunnel_then_its_annotation() {
+async fn a_removed_pod_has_its_rules_undone_then_leaves_the_probe_set_then_ztunnel_then_its_annotation() {
     let node = FakeNode::default();
     node.zds_has_netns_of(&uid(1));
     node.dataplane().remove(&annotated(pod(1), "enabled"), false).await.unwrap();
@@ -154,4 +186,22 @@ async fn a_deleted_pod_is_removed_even_when_its_annotation_cannot_be_cleared() {
     node.api_down();
     node.dataplane().remove(&annotated(pod(1), "enabled"), true).await.unwrap();
     assert_eq!(node.calls().last(), Some(&annotate(1, None)));
+}
+
+#[tokio::test]
+async fn a_removal_whose_rules_cannot_be_undone_fails_retryably_keeping_the_probe_entry_and_annotation() {
+    let node = FakeNode::default();
+    node.zds_has_netns_of(&uid(1));
+    node.probed(&uid(1), ip(1));
+    node.capture_removal_fails_for(&uid(1), 1);
+    let enrolled = annotated(pod(1), "enabled");
+    let error = node.dataplane().remove(&enrolled, false).await.unwrap_err();
+    assert!(error.retryable(), "a failed removal is tried again: {error:?}");
+    assert_eq!(node.calls(), [Call::RemoveCapture { uid: uid(1), in_netns: true }], "nothing after it");
+    assert_eq!(node.probe_set(), [(ip(1), uid(1))].into(), "kubelet's probes still pass the rules left");
+    assert!(node.zds_known().contains(&uid(1)), "its namespace stays cached for the retry");
+
+    node.dataplane().remove(&enrolled, false).await.unwrap();
+    assert_eq!(node.calls()[1..], removed(1, true));
+    assert!(node.probe_set().is_empty());
 }
