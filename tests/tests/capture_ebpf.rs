@@ -67,6 +67,14 @@ fn matrix(test: &str, family: Family) {
     let line = ask_placed(&s.client, app, server);
     let (_, orig) = captured(&line).unwrap_or_else(|| panic!("outbound not captured: {line:?}"));
     assert_eq!(orig, server.to_string(), "getsockopt(SO_ORIGINAL_DST) answered by the eBPF program");
+    // Envoy's accepted socket's peer is the app's own address, untouched.
+    let peer = line.split_whitespace().find_map(|f| f.strip_prefix("peer=")).unwrap_or_default().to_string();
+    assert!(!peer.ends_with(&format!(":{}", server.port())), "Envoy's side is never rewritten: {line:?}");
+
+    // The app's getpeername() names where it connected, as under an iptables REDIRECT,
+    // not Envoy's loopback listener (before: 127.0.0.1:15001 / [::1]:15001).
+    let said = weir_tests::capture::run_testkit(&s.client, app, &["ask-peer", &server.to_string()]);
+    assert!(said.starts_with(&format!("peer={server}\ncaptured ")), "getpeername under capture: {said:?}");
 
     assert!(ask_placed(&s.client, proxy, server).starts_with("hello server "), "uid 1337 bypasses");
     assert!(ask_placed(&s.client, app, s.addr(&s.server, 9090)).starts_with("hello server "), "-o 9090");

@@ -25,6 +25,8 @@ pub mod prog {
     pub const SK_MSG: &str = "weir_sk_msg";
     pub const SOCK_RELEASE: &str = "weir_sock_release";
     pub const INBOUND_GUARD: &str = "weir_inbound_guard";
+    pub const GETPEERNAME4: &str = "weir_getpeername4";
+    pub const GETPEERNAME6: &str = "weir_getpeername6";
 }
 
 /// Map names (the statics in `ebpf/programs/src/capture/maps.rs`).
@@ -38,6 +40,7 @@ pub mod map {
     pub const DNS_V6: &str = "DNS_V6";
     pub const ORIG_BY_COOKIE: &str = "ORIG_BY_COOKIE";
     pub const ORIG_BY_PAIR: &str = "ORIG_BY_PAIR";
+    pub const PEER_BY_COOKIE: &str = "PEER_BY_COOKIE";
     pub const DNS_BY_COOKIE: &str = "DNS_BY_COOKIE";
     pub const SOCK_PAIRS: &str = "SOCK_PAIRS";
     pub const POD_COUNTERS: &str = "POD_COUNTERS";
@@ -56,6 +59,7 @@ pub mod map {
         DNS_V6,
         ORIG_BY_COOKIE,
         ORIG_BY_PAIR,
+        PEER_BY_COOKIE,
         DNS_BY_COOKIE,
         SOCK_PAIRS,
         POD_COUNTERS,
@@ -80,6 +84,10 @@ pub const MAX_CIDRS: u32 = 2 * MAX_PODS * MAX_CIDRS_PER_POD;
 /// asks for the original destination, so they count connections in flight, not
 /// connections made.
 pub const MAX_TRACKED_CONNECTIONS: u32 = 65536;
+/// Redirected sockets whose connected-to address `getpeername()` restores, while they
+/// live (established connections, not only those in flight): past it the least
+/// recently used answers Envoy's loopback address again.
+pub const MAX_PEER_ADDRESSES: u32 = 4 * MAX_TRACKED_CONNECTIONS;
 /// Listening sockets on captured inbound ports one pod may have guarded (`LISTENERS`;
 /// Envoy's own ports are not recorded): past it, a listener is counted
 /// (`listeners_unguarded`) and left to the inbound classifier alone.

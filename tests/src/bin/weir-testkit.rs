@@ -123,6 +123,13 @@ fn main() -> ExitCode {
                     .map_err(|e| format!("connect: {e}"))?;
                 print_first_line(s)
             }
+            "ask-peer" => {
+                // As `ask`, first printing what getpeername() says the socket is connected to.
+                let s = TcpStream::connect_timeout(&addr(arg(1)?)?, Duration::from_secs(3))
+                    .map_err(|e| format!("connect: {e}"))?;
+                println!("peer={}", peer(&s));
+                print_first_line(s)
+            }
             "ask-mptcp" => {
                 // As `ask`, over a Multipath TCP socket (IPPROTO_MPTCP).
                 let dst = addr(arg(1)?)?;

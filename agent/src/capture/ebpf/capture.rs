@@ -45,6 +45,8 @@ pub const CGROUP_SOCK_ADDR: &[(&str, u32)] = &[
     (prog::RECVMSG6, attach_type::UDP6_RECVMSG),
     (prog::SENDMSG4, attach_type::UDP4_SENDMSG),
     (prog::SENDMSG6, attach_type::UDP6_SENDMSG),
+    (prog::GETPEERNAME4, attach_type::INET4_GETPEERNAME),
+    (prog::GETPEERNAME6, attach_type::INET6_GETPEERNAME),
     (prog::CONNECT4, attach_type::INET4_CONNECT),
     (prog::CONNECT6, attach_type::INET6_CONNECT),
 ];
@@ -481,6 +483,8 @@ pub const SET_PROGRAMS: &[&str] = &[
     prog::RECVMSG6,
     prog::SENDMSG4,
     prog::SENDMSG6,
+    prog::GETPEERNAME4,
+    prog::GETPEERNAME6,
     prog::CONNECT4,
     prog::CONNECT6,
 ];

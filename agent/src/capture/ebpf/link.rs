@@ -24,6 +24,8 @@ pub mod attach_type {
     pub const UDP4_RECVMSG: u32 = 19;
     pub const UDP6_RECVMSG: u32 = 20;
     pub const GETSOCKOPT: u32 = 21;
+    pub const INET4_GETPEERNAME: u32 = 29;
+    pub const INET6_GETPEERNAME: u32 = 30;
     pub const SOCK_RELEASE: u32 = 34;
     /// A network namespace's socket lookup (its target is the namespace, not a cgroup).
     pub const SK_LOOKUP: u32 = 36;

@@ -1,6 +1,7 @@
 //! `cgroup/connect4` and `connect6`: a TCP connect to a captured destination is
 //! rewritten to Envoy's outbound port on loopback, and the original destination is
-//! recorded by socket cookie. DNS connects (TCP or UDP, port 53) go to the agent.
+//! recorded by socket cookie (for Envoy's `SO_ORIGINAL_DST`, and for the app's own
+//! `getpeername()`: `peer.rs`). DNS connects (TCP or UDP, port 53) go to the agent.
 
 use aya_ebpf::{EbpfContext as _, macros::cgroup_sock_addr, programs::SockAddrContext};
 use aya_log_ebpf::info;
@@ -11,7 +12,9 @@ use weir_ebpf_common::{
 
 use crate::{
     dns,
-    maps::{self, EXCLUDE_V4, EXCLUDE_V6, INCLUDE_V4, INCLUDE_V6, ORIG_BY_COOKIE, POD_CONFIG},
+    maps::{
+        self, EXCLUDE_V4, EXCLUDE_V6, INCLUDE_V4, INCLUDE_V6, ORIG_BY_COOKIE, PEER_BY_COOKIE, POD_CONFIG,
+    },
     net::{self, AF_INET, AF_INET6, ALLOW, DENY, LOOPBACK4, OWN_POD_ADDRESS, SOCK_STREAM, field},
 };
 
@@ -51,7 +54,9 @@ fn redirected(cfg: &PodConfig, to: u16) -> u32 {
 /// this one's, which may not be redirected at all.
 #[inline(always)]
 fn forget_original_destination(ctx: &SockAddrContext) {
-    let _ = ORIG_BY_COOKIE.remove(&net::socket_cookie(ctx.as_ptr()));
+    let cookie = net::socket_cookie(ctx.as_ptr());
+    let _ = ORIG_BY_COOKIE.remove(&cookie);
+    let _ = PEER_BY_COOKIE.remove(&cookie);
 }
 
 #[cgroup_sock_addr(connect4)]
@@ -101,7 +106,11 @@ fn connect4(ctx: &SockAddrContext) -> i32 {
         Verdict::Pass(reason) => maps::count(cfg, netns, reason.counter()),
         Verdict::Redirect(to) => {
             let orig = OrigDst { addr: [dst, 0, 0, 0], port: port_be, family: AF_INET };
-            if ORIG_BY_COOKIE.insert(&net::socket_cookie(ctx.as_ptr()), &orig, 0).is_err() {
+            let cookie = net::socket_cookie(ctx.as_ptr());
+            // getpeername's answer is best effort (an LRU map): only the original
+            // destination Envoy needs refuses the connect when it cannot be kept.
+            let _ = PEER_BY_COOKIE.insert(&cookie, &orig, 0);
+            if ORIG_BY_COOKIE.insert(&cookie, &orig, 0).is_err() {
                 // Envoy could not learn where this connection was going: refused
                 // (EPERM), as a full conntrack table drops it, never sent around Envoy.
                 maps::count(cfg, netns, counter::REDIRECT_FAILED);
@@ -196,7 +205,11 @@ fn connect6(ctx: &SockAddrContext) -> i32 {
                 Some(v4) => OrigDst { addr: [v4, 0, 0, 0], port: port_be, family: AF_INET },
                 None => OrigDst { addr: dst, port: port_be, family: AF_INET6 },
             };
-            if ORIG_BY_COOKIE.insert(&net::socket_cookie(ctx.as_ptr()), &orig, 0).is_err() {
+            let cookie = net::socket_cookie(ctx.as_ptr());
+            // getpeername's answer is best effort (an LRU map): only the original
+            // destination Envoy needs refuses the connect when it cannot be kept.
+            let _ = PEER_BY_COOKIE.insert(&cookie, &orig, 0);
+            if ORIG_BY_COOKIE.insert(&cookie, &orig, 0).is_err() {
                 // Envoy could not learn where this connection was going: refused
                 // (EPERM), as a full conntrack table drops it, never sent around Envoy.
                 maps::count(cfg, netns, counter::REDIRECT_FAILED);

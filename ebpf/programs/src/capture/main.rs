@@ -17,6 +17,7 @@ mod getsockopt;
 mod guard;
 mod maps;
 mod net;
+mod peer;
 mod release;
 mod skmsg;
 mod sockops;

@@ -6,8 +6,8 @@ use aya_ebpf::{
 };
 use weir_ebpf_common::{
     capture::{
-        CidrV4, CidrV6, MAX_CIDRS, MAX_LISTENERS, MAX_PODS, MAX_TRACKED_CONNECTIONS, OrigDst, PairKey,
-        PodConfig, PodCounters, control, flags,
+        CidrV4, CidrV6, MAX_CIDRS, MAX_LISTENERS, MAX_PEER_ADDRESSES, MAX_PODS, MAX_TRACKED_CONNECTIONS,
+        OrigDst, PairKey, PodConfig, PodCounters, control, flags,
     },
     inbound::InboundConfig,
 };
@@ -40,6 +40,10 @@ pub static DNS_V6: LpmTrie<CidrV6, u8> = LpmTrie::with_max_entries(MAX_CIDRS, NO
 #[map]
 pub static ORIG_BY_COOKIE: LruHashMap<u64, OrigDst> =
     LruHashMap::with_max_entries(MAX_TRACKED_CONNECTIONS, 0);
+/// The address a redirected socket connected to, while the socket lives: what its
+/// `getpeername()` returns (`peer.rs`).
+#[map]
+pub static PEER_BY_COOKIE: LruHashMap<u64, OrigDst> = LruHashMap::with_max_entries(MAX_PEER_ADDRESSES, 0);
 /// Original destination by the app side's 4-tuple, until Envoy asks for it.
 #[map]
 pub static ORIG_BY_PAIR: LruHashMap<PairKey, OrigDst> =

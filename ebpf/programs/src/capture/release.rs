@@ -3,14 +3,15 @@
 //! giving up) leaves its original destination under its cookie, and a UDP socket that
 //! sent DNS to the agent leaves the server it addressed; without this, those entries
 //! would stay until the node-wide LRU maps evicted them, and one pod's connect storm
-//! would evict other pods' connections in flight. (The entries keyed by a connection's
+//! would evict other pods' connections in flight. A redirected socket's connected-to
+//! address (`PEER_BY_COOKIE`, for getpeername) lives exactly as long as the socket. (The entries keyed by a connection's
 //! 4-tuple go when Envoy asks for them, or when Envoy's end closes: `sockops`.) A
 //! listener the inbound guard watched leaves `LISTENERS`, and its pod's count drops.
 
 use aya_ebpf::{EbpfContext as _, macros::cgroup_sock, programs::SockContext};
 
 use crate::{
-    maps::{DNS_BY_COOKIE, LISTENER_COUNTS, LISTENERS, ORIG_BY_COOKIE},
+    maps::{DNS_BY_COOKIE, LISTENER_COUNTS, LISTENERS, ORIG_BY_COOKIE, PEER_BY_COOKIE},
     net::{self, ALLOW},
 };
 
@@ -18,6 +19,7 @@ use crate::{
 pub fn weir_sock_release(ctx: SockContext) -> i32 {
     let cookie = net::socket_cookie(ctx.as_ptr());
     let _ = ORIG_BY_COOKIE.remove(&cookie);
+    let _ = PEER_BY_COOKIE.remove(&cookie);
     let _ = DNS_BY_COOKIE.remove(&cookie);
     if let Some(netns) = unsafe { LISTENERS.get(&cookie) } {
         let netns = *netns;
