@@ -814,7 +814,7 @@ fn removed_pins_and_an_unmounted_bpffs_are_reported_and_capture_apply_repairs_th
 
 /// A pod's capture whose record was lost (another /run/weir, `/run` cleaned) while its
 /// pins stayed: capturing the pod again takes the live links up (the same link ids,
-/// ten programs, not twenty), keeps it registered and writes its record again; pins
+/// each program once, not twice), keeps it registered and writes its record again; pins
 /// of this name that attach elsewhere are refused and left. Before, the second run
 /// attached ten more links, failed to pin them (EEXIST), and its error path removed
 /// every pin under the pod's folder and the pod's registration: the pod uncaptured.
@@ -847,7 +847,11 @@ fn a_pod_capture_found_without_its_record_is_taken_up_not_torn_down() {
     let after: Vec<u32> =
         ["weir_connect4", "weir_sockops", "weir_getsockopt"].iter().map(|h| ids(h)).collect();
     assert_eq!(before, after, "the same programs on the cgroup");
-    assert_eq!(weir_tests::capture::cgroup_programs(cgroup.path()).len(), 10, "ten hooks, not twenty");
+    assert_eq!(
+        weir_tests::capture::cgroup_programs(cgroup.path()).len(),
+        weir_agent::capture::ebpf::capture::CGROUP_HOOKS,
+        "each hook once, not twice"
+    );
     assert!(record.exists(), "the record written again");
     assert!(weir(&["capture", "status", "--pod", &pod]).status.success(), "status: live");
 

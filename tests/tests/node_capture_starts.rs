@@ -10,7 +10,7 @@
 //! and the links that captured the pods are the same links afterwards.
 //!
 //! Before: the lost record made the next start pin over the old links (EEXIST) and its
-//! error path removed every pin under the capture's folder, detaching all ten programs.
+//! error path removed every pin under the capture's folder, detaching every program.
 
 use std::{collections::BTreeMap, process::Command, time::Duration};
 
@@ -87,6 +87,10 @@ fn remove_record(name: &str) {
 
 /// The lost record: the start adopts the pins (the same ten links, never detached),
 /// rewrites the record from them, and new pods are captured as before.
+
+/// The cgroup hooks one node capture attaches (each program once).
+const HOOKS: usize = weir_agent::capture::ebpf::capture::CGROUP_HOOKS;
+
 #[test]
 fn pins_found_without_their_record_are_adopted_and_stay_attached() {
     require_root!();
@@ -94,7 +98,7 @@ fn pins_found_without_their_record_are_adopted_and_stay_attached() {
     let (mut node, set) = small_node(&test_name!());
     let capture = node.capture.clone();
     let before = link_ids(&capture);
-    assert_eq!(before.len(), 10, "the node capture's ten hooks: {before:?}");
+    assert_eq!(before.len(), HOOKS, "the node capture's hooks, each once: {before:?}");
     let key = weir_agent::capture::ebpf::record::PinRecord::load(&capture).unwrap().programs;
 
     let mark = now_ms();
@@ -104,7 +108,7 @@ fn pins_found_without_their_record_are_adopted_and_stay_attached() {
     let log = node.agent_log();
     assert!(log.contains("node capture found on bpffs without its record: adopted"), "{log}");
     assert_eq!(link_ids(&capture), before, "the same links, never detached or pinned again");
-    assert_eq!(attached(&node).len(), 10, "ten programs on the cgroup, not twenty: {:?}", attached(&node));
+    assert_eq!(attached(&node).len(), HOOKS, "each program on the cgroup once, not twice: {:?}", attached(&node));
     let record =
         weir_agent::capture::ebpf::record::PinRecord::load(&capture).expect("the record written again");
     assert_eq!((record.programs, record.cgroup.as_path()), (key, node.kubepods.path()));
@@ -172,7 +176,7 @@ fn a_record_whose_pins_are_gone_is_attached_again() {
     std::fs::remove_dir_all(weir_agent::capture::ebpf::record::pin_dir(&capture)).unwrap();
     assert!(attached(&node).is_empty(), "the pins held the links: {:?}", attached(&node));
     node.start_agent(&set).unwrap();
-    assert_eq!(link_ids(&capture).len(), 10, "attached again");
+    assert_eq!(link_ids(&capture).len(), HOOKS, "attached again");
     let mark = now_ms();
     for i in 0..node.pods.len() {
         let targets: Vec<_> = (0..node.pods.len()).filter(|j| *j != i).map(|j| node.pods[j].addr()).collect();
@@ -198,7 +202,7 @@ fn a_record_of_another_build_over_this_builds_pins_is_rewritten_from_the_pins() 
     record.save().unwrap();
     node.start_agent(&set).unwrap();
     assert_eq!(link_ids(&capture), before, "the same links");
-    assert_eq!(attached(&node).len(), 10, "{:?}", attached(&node));
+    assert_eq!(attached(&node).len(), HOOKS, "{:?}", attached(&node));
     assert_eq!(weir_agent::capture::ebpf::record::PinRecord::load(&capture).unwrap().programs, key);
     assert!(
         weir_agent::capture::ebpf::record::PinRecord::load(&format!("{capture}-set-0_0_0-000000000000"))
@@ -233,7 +237,7 @@ fn a_capture_of_another_name_on_the_cgroup_is_refused_not_doubled() {
         assert!(log.contains(&needle), "the refusal names {needle:?}: {log}");
     }
     assert!(!weir_agent::capture::ebpf::record::pin_dir(&renamed).exists(), "nothing pinned under {renamed}");
-    assert_eq!(attached(&node).len(), 10, "never attached twice: {:?}", attached(&node));
+    assert_eq!(attached(&node).len(), HOOKS, "never attached twice: {:?}", attached(&node));
     assert_eq!(link_ids(&capture), before);
     no_bypass(&node, mark, "a second name refused");
     node.start_agent(&set).unwrap();

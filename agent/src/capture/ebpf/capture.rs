@@ -489,15 +489,21 @@ pub const SET_PROGRAMS: &[&str] = &[
     prog::CONNECT6,
 ];
 
+/// The hooks a capture attaches to its cgroup besides the sock_addr ones.
+const OTHER_CGROUP_HOOKS: [(&str, u32); 4] = [
+    (prog::SOCKOPS, attach_type::SOCK_OPS),
+    (prog::GETSOCKOPT, attach_type::GETSOCKOPT),
+    (prog::SOCK_RELEASE, attach_type::SOCK_RELEASE),
+    (prog::INBOUND_GUARD, attach_type::INET_INGRESS),
+];
+
+/// How many programs one capture attaches to its cgroup (each once).
+pub const CGROUP_HOOKS: usize = OTHER_CGROUP_HOOKS.len() + CGROUP_SOCK_ADDR.len();
+
 /// The cgroup hooks with their attach types, in attach order: the hooks that rewrite
 /// connections last.
 pub fn cgroup_hooks() -> Vec<(&'static str, u32)> {
-    let mut hooks: Vec<(&'static str, u32)> = vec![
-        (prog::SOCKOPS, attach_type::SOCK_OPS),
-        (prog::GETSOCKOPT, attach_type::GETSOCKOPT),
-        (prog::SOCK_RELEASE, attach_type::SOCK_RELEASE),
-        (prog::INBOUND_GUARD, attach_type::INET_INGRESS),
-    ];
+    let mut hooks: Vec<(&'static str, u32)> = OTHER_CGROUP_HOOKS.to_vec();
     hooks.extend_from_slice(CGROUP_SOCK_ADDR);
     hooks
 }
