@@ -10,7 +10,10 @@
 //! netns, not Keep); a watch whose version expired lists again; the node's probe rule
 //! and set come back when flushed. The plugin retries a namespace read that fails for a
 //! moment (`enable_ambient_detection_retry` for longer); an event whose namespace path
-//! the agent cannot open under the node's root is served through the node's /proc.
+//! the agent cannot open under the node's root is served through the node's /proc; an
+//! AWS branch-ENI pod (aws-vpc-cni's `iif` rule and table, simulated on a veth pair)
+//! gets Istio's host rules for kubelet's probes while it is in the probe set, and none
+//! without `tcp_early_demux=0` or with `AMBIENT_ENABLE_AWS_BRANCH_ENI_PROBE=false`.
 
 use std::{net::IpAddr, time::Duration};
 
@@ -314,4 +317,114 @@ fn an_event_whose_netns_path_does_not_open_is_served_through_the_nodes_proc() {
     assert!(zt.log().contains(&format!("Add {uid}")), "{:?}", zt.log());
     let logs = node.agent_logs();
     assert!(logs.contains("netns_from=host_proc"), "the log says how it was found:\n{logs}");
+}
+
+/// aws-vpc-cni's routing of a branch-ENI pod at `pod`, in the node's namespace: its
+/// host-side device `dev` (one end of a veth pair here), `iif <dev> lookup <table> pref 10`, and in
+/// `table` a route to the pod via `dev`; the node's `net.ipv4.tcp_early_demux` (per
+/// namespace) set to `early_demux` (0: security groups for pods, as AWS requires).
+fn aws_vpc_cni_branch_eni(node: &AmbientNode, dev: &str, table: u32, pod: IpAddr, early_demux: u8) {
+    node.in_node(|| {
+        let table = table.to_string();
+        let route = format!("{pod}/32");
+        let peer = format!("{dev}p");
+        for args in [
+            &["link", "add", dev, "type", "veth", "peer", "name", &peer][..],
+            &["link", "set", dev, "up"],
+            &["link", "set", &peer, "up"],
+            &["rule", "add", "iif", dev, "lookup", &table, "priority", "10"],
+            &["route", "add", &route, "dev", dev, "table", &table],
+        ] {
+            let out = std::process::Command::new("ip").args(args).output().unwrap();
+            assert!(out.status.success(), "ip {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        std::fs::write("/proc/sys/net/ipv4/tcp_early_demux", early_demux.to_string()).unwrap();
+    });
+}
+
+/// The node's rules Istio gives the branch-ENI pod at `pod` behind `dev`, as `ip rule`
+/// shows them: the return rule (pref 9: one before aws-vpc-cni's `iif` rule), then the
+/// forward rule (pref 512).
+fn branch_eni_rules(node: &AmbientNode, dev: &str, pod: IpAddr) -> Vec<String> {
+    let out =
+        node.in_node(|| std::process::Command::new("ip").args(["-4", "rule", "show"]).output().unwrap());
+    assert!(out.status.success(), "ip rule show: {}", String::from_utf8_lossy(&out.stderr));
+    let (back, forward) = (format!(" iif {dev} lookup local"), format!(" to {pod} lookup "));
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+        .filter(|l| l.contains(&back) || l.contains(&forward))
+        .collect()
+}
+
+/// Istio 1.30's `AMBIENT_ENABLE_AWS_BRANCH_ENI_PROBE` (default true): on a node with
+/// `tcp_early_demux=0`, a pod aws-vpc-cni routes through a branch ENI gets
+/// `to <pod> lookup <its table> pref 512` and `iif <its device> lookup local` one
+/// before aws-vpc-cni's `iif` rule when it joins the probe set, and loses them when it
+/// is deleted. Before, nothing was added and kubelet's SNATed probes left through the
+/// VPC.
+#[test]
+fn an_aws_branch_eni_pod_gets_probe_rules_at_add_and_loses_them_when_deleted() {
+    require_root!();
+    let mesh = Mesh::new(&test_name!()).unwrap();
+    let mut node = AmbientNode::new(&mesh).unwrap();
+    node.api.set_namespace("apps", &[AMBIENT]);
+    let web = mesh.pod("web").unwrap();
+    aws_vpc_cni_branch_eni(&node, "vlan.eth.1", 101, ip(&web), 0);
+    node.start_agent().unwrap();
+    let zt = FakeZtunnel::start(&node.zds_socket());
+    assert!(branch_eni_rules(&node, "vlan.eth.1", ip(&web)).is_empty());
+
+    node.api.set_pod(pod_object("apps", "web", "uid-web", ip(&web), &[], &[]));
+    node.cni_add(&web, "apps", "web").unwrap_or_else(|e| panic!("ADD: {e}\n{}", node.agent_logs()));
+    assert_eq!(
+        branch_eni_rules(&node, "vlan.eth.1", ip(&web)),
+        [
+            "9: from all iif vlan.eth.1 lookup local".to_string(),
+            format!("512: from all to {} lookup 101", ip(&web))
+        ],
+        "{}",
+        node.agent_logs()
+    );
+    assert_eq!(probe_set(&node), [(ip(&web), Some("uid-web".into()))]);
+
+    node.api.delete_pod("apps", "web");
+    node.wait("Del to ztunnel", PATIENCE, || zt.log().contains(&"Del uid-web".to_string())).unwrap();
+    node.wait("the branch-ENI rules removed", PATIENCE, || {
+        branch_eni_rules(&node, "vlan.eth.1", ip(&web)).is_empty()
+    })
+    .unwrap();
+    assert!(probe_set(&node).is_empty());
+}
+
+/// A branch-ENI pod gets no rules on a node whose `tcp_early_demux` is 1 (no security
+/// groups for pods there: nothing is looked at), nor with
+/// `AMBIENT_ENABLE_AWS_BRANCH_ENI_PROBE=false`; with the default and
+/// `tcp_early_demux=0`, the next one does.
+#[test]
+fn branch_eni_probe_rules_need_tcp_early_demux_0_and_the_setting_left_on() {
+    require_root!();
+    let mesh = Mesh::new(&test_name!()).unwrap();
+    let mut node = AmbientNode::new(&mesh).unwrap();
+    node.api.set_namespace("apps", &[AMBIENT]);
+    let _zt = FakeZtunnel::start(&node.zds_socket());
+    let flag = "AMBIENT_ENABLE_AWS_BRANCH_ENI_PROBE";
+    for (n, (name, early_demux, setting, rules)) in
+        [("web", 1, None, 0), ("api", 0, Some("false"), 0), ("db", 0, None, 2)].into_iter().enumerate()
+    {
+        let (dev, table) = (format!("vlan.eth.{}", n + 1), 101 + n as u32);
+        let pod = mesh.pod(name).unwrap();
+        aws_vpc_cni_branch_eni(&node, &dev, table, ip(&pod), early_demux);
+        node.env.retain(|(k, _)| k != flag);
+        node.env.extend(setting.map(|v| (flag.to_string(), v.to_string())));
+        node.start_agent().unwrap();
+        let uid = format!("uid-{name}");
+        node.api.set_pod(pod_object("apps", name, &uid, ip(&pod), &[], &[]));
+        node.cni_add(&pod, "apps", name).unwrap_or_else(|e| panic!("ADD: {e}\n{}", node.agent_logs()));
+        assert!(probe_set(&node).contains(&(ip(&pod), Some(uid))), "{name}");
+        let found = branch_eni_rules(&node, &dev, ip(&pod));
+        assert_eq!(found.len(), rules, "{name}: tcp_early_demux={early_demux} {flag}={setting:?}: {found:?}");
+        node.stop_agent().unwrap();
+    }
 }

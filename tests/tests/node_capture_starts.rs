@@ -108,7 +108,12 @@ fn pins_found_without_their_record_are_adopted_and_stay_attached() {
     let log = node.agent_log();
     assert!(log.contains("node capture found on bpffs without its record: adopted"), "{log}");
     assert_eq!(link_ids(&capture), before, "the same links, never detached or pinned again");
-    assert_eq!(attached(&node).len(), HOOKS, "each program on the cgroup once, not twice: {:?}", attached(&node));
+    assert_eq!(
+        attached(&node).len(),
+        HOOKS,
+        "each program on the cgroup once, not twice: {:?}",
+        attached(&node)
+    );
     let record =
         weir_agent::capture::ebpf::record::PinRecord::load(&capture).expect("the record written again");
     assert_eq!((record.programs, record.cgroup.as_path()), (key, node.kubepods.path()));

@@ -16,6 +16,8 @@
 //! - `listener`: the plugin's event socket (`pluginevent.sock`).
 //! - `snapshot`: enrolled pods restored at start (their namespaces through /proc).
 //! - `hostprobe`: the node's kubelet-probe SNAT rule and sets, kept in place.
+//! - `branch_eni`: AWS branch-ENI pods' host rules, following their addresses in and
+//!   out of the probe sets (`AMBIENT_ENABLE_AWS_BRANCH_ENI_PROBE`).
 //! - `run`: the agent's start, in order, and its stop (which removes nothing).
 //! - `rules_cmd`: `weir cni ambient-rules`, the rules for given settings (dry run).
 //!
@@ -24,6 +26,7 @@
 //! Istio's goldens).
 
 pub mod backend;
+pub mod branch_eni;
 pub mod controller;
 pub mod dataplane;
 pub mod hostprobe;

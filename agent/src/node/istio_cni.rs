@@ -149,7 +149,8 @@ async fn daemonset_state(kube: &KubeClient, namespace: &str) -> Result<Option<bo
 }
 
 /// Takes Weir out of the node (blocking): the plugin's chain entry, kubeconfig and
-/// binary; with ambient, the probe rule, then its sets.
+/// binary; with ambient, the probe rule, then its sets, then the AWS branch-ENI rules
+/// this process added.
 fn clean_up(install: &InstallSettings, ambient: Option<&AmbientSettings>) {
     match install::uninstall(install, false) {
         Ok(_) => tracing::info!("the plugin is out of the CNI config"),
@@ -170,6 +171,8 @@ fn clean_up(install: &InstallSettings, ambient: Option<&AmbientSettings>) {
             Ok(()) => tracing::info!("the node's probe rule and sets are removed"),
             Err(e) => tracing::error!(error = %e, "cannot remove the node's probe rule and sets"),
         }
+        // Istio's `flushBranchENIRules`: what was added, not what is found now.
+        crate::node::ambient::branch_eni::flush();
     }
 }
 

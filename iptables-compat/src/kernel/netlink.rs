@@ -1,6 +1,7 @@
 //! Weir's small façade over rtnetlink: the few link, address, rule and route operations
 //! Weir needs (TPROXY policy routing for capture; veth, bridge and address plumbing for
-//! sandbox pods). rtnetlink's API moves quickly, so it is pinned and used only here.
+//! sandbox pods; the node's `iif`/`to` rules and host routes read and set for AWS
+//! branch-ENI pods). rtnetlink's API moves quickly, so it is pinned and used only here.
 //!
 //! A netlink socket belongs to the network namespace of the thread that opened it:
 //! open a [`Netlink`] on a thread that has entered the namespace you mean to change.
@@ -13,8 +14,8 @@ use std::{
 use futures::TryStreamExt as _;
 use netlink_packet_route::{
     address::{AddressAttribute, AddressFlags},
-    link::{InfoData, InfoVeth},
-    route::{RouteAttribute, RouteMessage, RouteScope, RouteType},
+    link::{InfoData, InfoVeth, LinkAttribute},
+    route::{RouteAddress, RouteAttribute, RouteMessage, RouteScope, RouteType},
     rule::{RuleAction, RuleAttribute},
 };
 use rtnetlink::{
@@ -28,6 +29,8 @@ pub enum NetlinkError {
     Open(#[source] std::io::Error),
     #[error("no network interface named {0:?} in this namespace")]
     NoLink(String),
+    #[error("no network interface with index {0} in this namespace")]
+    NoLinkIndex(u32),
     #[error("netlink: {op}")]
     Dump {
         op: String,
@@ -558,5 +561,237 @@ impl Netlink {
                 .map_err(op(format!("ip {} rule del {rule}", family.flag())))?;
         }
         Ok(found)
+    }
+}
+
+/// A policy routing rule `[to <addr>/<len>] [iif <dev>] pref <priority> lookup <table>`
+/// (the host-side rules Istio's node agent adds for AWS branch-ENI pods, and the `iif`
+/// rules aws-vpc-cni adds for them). Listed, it shows only these selectors of a rule;
+/// looked for or deleted, it matches a rule with exactly these.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicyRule {
+    pub priority: u32,
+    pub table: u32,
+    /// `iif <dev>`: packets that came in on `dev`.
+    pub iif: Option<String>,
+    /// `to <addr>/<len>`: packets to that prefix.
+    pub to: Option<(IpAddr, u8)>,
+}
+
+impl std::fmt::Display for PolicyRule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if let Some((addr, len)) = self.to {
+            write!(f, "to {addr}/{len} ")?;
+        }
+        if let Some(dev) = &self.iif {
+            write!(f, "iif {dev} ")?;
+        }
+        write!(f, "pref {} lookup {}", self.priority, self.table)
+    }
+}
+
+/// A route to one address (`/32` or `/128`) in any table, and the interface it leaves
+/// by (`None`: a multipath route, or one without a device).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostRoute {
+    pub table: u32,
+    pub destination: IpAddr,
+    pub oif: Option<u32>,
+}
+
+/// `msg` as a [`PolicyRule`] when it is a `lookup` rule, and whether it has selectors
+/// a [`PolicyRule`] does not show (`from`, `fwmark`, `oif`, ports, ...).
+fn policy_rule(msg: &netlink_packet_route::rule::RuleMessage) -> Option<(PolicyRule, bool)> {
+    if msg.header.action != RuleAction::ToTable {
+        return None;
+    }
+    let mut rule = PolicyRule { priority: 0, table: u32::from(msg.header.table), iif: None, to: None };
+    let mut other = msg.header.src_len != 0 || msg.header.tos != 0;
+    for attr in &msg.attributes {
+        match attr {
+            RuleAttribute::Priority(p) => rule.priority = *p,
+            RuleAttribute::Table(t) => rule.table = *t,
+            RuleAttribute::Iifname(dev) => rule.iif = Some(dev.clone()),
+            RuleAttribute::Destination(addr) => rule.to = Some((*addr, msg.header.dst_len)),
+            // The kernel lists these on every rule; only a value set is a selector.
+            RuleAttribute::FwMark(0) | RuleAttribute::FwMask(0) | RuleAttribute::TunId(0) => {}
+            RuleAttribute::SuppressPrefixLen(u32::MAX) | RuleAttribute::SuppressIfGroup(u32::MAX) => {}
+            RuleAttribute::Source(_)
+            | RuleAttribute::FwMark(_)
+            | RuleAttribute::FwMask(_)
+            | RuleAttribute::TunId(_)
+            | RuleAttribute::SuppressPrefixLen(_)
+            | RuleAttribute::SuppressIfGroup(_)
+            | RuleAttribute::Oifname(_)
+            | RuleAttribute::Goto(_)
+            | RuleAttribute::Realm(_)
+            | RuleAttribute::UidRange(_)
+            | RuleAttribute::IpProtocol(_)
+            | RuleAttribute::SourcePortRange(_)
+            | RuleAttribute::DestinationPortRange(_) => other = true,
+            // Who added it (protocol), and what this crate cannot read.
+            _ => {}
+        }
+    }
+    Some((rule, other))
+}
+
+impl Netlink {
+    /// `ip rule show` for `family`: its `lookup` rules, in the kernel's order.
+    pub async fn policy_rules(&self, family: Family) -> Result<Vec<PolicyRule>> {
+        Ok(self.rule_messages(family).await?.iter().filter_map(policy_rule).map(|(r, _)| r).collect())
+    }
+
+    async fn rule_messages(&self, family: Family) -> Result<Vec<netlink_packet_route::rule::RuleMessage>> {
+        let version = match family {
+            Family::V4 => IpVersion::V4,
+            Family::V6 => IpVersion::V6,
+        };
+        self.handle
+            .rule()
+            .get(version)
+            .execute()
+            .try_collect()
+            .await
+            .map_err(op(format!("ip {} rule show", family.flag())))
+    }
+
+    /// The rules of `family` that are exactly `rule`.
+    async fn exact_rules(
+        &self,
+        family: Family,
+        rule: &PolicyRule,
+    ) -> Result<Vec<netlink_packet_route::rule::RuleMessage>> {
+        let mut found = self.rule_messages(family).await?;
+        found.retain(|msg| policy_rule(msg).is_some_and(|(r, other)| !other && r == *rule));
+        Ok(found)
+    }
+
+    /// `ip rule add <rule>`, unless it is already there; says whether it was added.
+    pub async fn ensure_policy_rule(&self, family: Family, rule: &PolicyRule) -> Result<bool> {
+        if !self.exact_rules(family, rule).await?.is_empty() {
+            return Ok(false);
+        }
+        let mut req =
+            self.handle.rule().add().priority(rule.priority).table_id(rule.table).action(RuleAction::ToTable);
+        if let Some(dev) = &rule.iif {
+            req = req.input_interface(dev.clone());
+        }
+        if let Some((addr, len)) = rule.to {
+            req.message_mut().header.dst_len = len;
+            req.message_mut().attributes.push(RuleAttribute::Destination(addr));
+        }
+        let added = match family {
+            Family::V4 => req.v4().execute().await,
+            Family::V6 => req.v6().execute().await,
+        };
+        match added {
+            Ok(()) => Ok(true),
+            // Added meanwhile (the kernel compares every selector, as the check above).
+            Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc::EEXIST => Ok(false),
+            Err(e) => Err(op(format!("ip {} rule add {rule}", family.flag()))(e)),
+        }
+    }
+
+    /// `ip rule del <rule>`, every copy present; says whether there was one.
+    pub async fn delete_policy_rule(&self, family: Family, rule: &PolicyRule) -> Result<bool> {
+        let doomed = self.exact_rules(family, rule).await?;
+        let found = !doomed.is_empty();
+        for msg in doomed {
+            self.handle
+                .rule()
+                .del(msg)
+                .execute()
+                .await
+                .map_err(op(format!("ip {} rule del {rule}", family.flag())))?;
+        }
+        Ok(found)
+    }
+
+    /// `ip route show table all` for `family`, routes to one address only.
+    pub async fn host_routes(&self, family: Family) -> Result<Vec<HostRoute>> {
+        let (template, full) = match family {
+            Family::V4 => (RouteMessageBuilder::<Ipv4Addr>::new().table_id(0).build(), 32),
+            Family::V6 => (RouteMessageBuilder::<Ipv6Addr>::new().table_id(0).build(), 128),
+        };
+        let routes: Vec<RouteMessage> = self
+            .handle
+            .route()
+            .get(template)
+            .execute()
+            .try_collect()
+            .await
+            .map_err(op(format!("ip {} route show table all", family.flag())))?;
+        Ok(routes
+            .iter()
+            .filter(|r| r.header.destination_prefix_length == full)
+            .filter_map(|r| {
+                let destination = r.attributes.iter().find_map(|a| match a {
+                    RouteAttribute::Destination(RouteAddress::Inet(a)) => Some(IpAddr::V4(*a)),
+                    RouteAttribute::Destination(RouteAddress::Inet6(a)) => Some(IpAddr::V6(*a)),
+                    _ => None,
+                })?;
+                let oif = r.attributes.iter().find_map(|a| match a {
+                    RouteAttribute::Oif(i) => Some(*i),
+                    _ => None,
+                });
+                Some(HostRoute { table: route_table(r), destination, oif })
+            })
+            .collect())
+    }
+
+    /// The name of the interface with index `index`.
+    pub async fn link_name(&self, index: u32) -> Result<String> {
+        let mut links = self.handle.link().get().match_index(index).execute();
+        let gone = || NetlinkError::NoLinkIndex(index);
+        match links.try_next().await {
+            Ok(Some(link)) => link
+                .attributes
+                .into_iter()
+                .find_map(|a| match a {
+                    LinkAttribute::IfName(name) => Some(name),
+                    _ => None,
+                })
+                .ok_or_else(gone),
+            Ok(None) => Err(gone()),
+            Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc::ENODEV => Err(gone()),
+            Err(e) => Err(op(format!("ip link show index {index}"))(e)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use netlink_packet_route::rule::RuleMessage;
+
+    use super::*;
+
+    fn listed(attributes: Vec<RuleAttribute>) -> RuleMessage {
+        let mut msg = RuleMessage::default();
+        msg.header.action = RuleAction::ToTable;
+        msg.header.dst_len = 32;
+        msg.attributes = attributes;
+        msg
+    }
+
+    #[test]
+    fn a_listed_rule_with_the_kernels_default_attributes_is_exactly_its_selectors() {
+        let pod: IpAddr = "10.0.1.7".parse().unwrap();
+        // What the kernel lists for `ip rule add to 10.0.1.7 lookup 101 pref 512`.
+        let kernel = listed(vec![
+            RuleAttribute::Table(101),
+            RuleAttribute::SuppressPrefixLen(u32::MAX),
+            RuleAttribute::Priority(512),
+            RuleAttribute::Destination(pod),
+        ]);
+        let want = PolicyRule { priority: 512, table: 101, iif: None, to: Some((pod, 32)) };
+        assert_eq!(policy_rule(&kernel), Some((want.clone(), false)));
+        assert_eq!(want.to_string(), "to 10.0.1.7/32 pref 512 lookup 101");
+        let marked = listed(vec![
+            RuleAttribute::Priority(512),
+            RuleAttribute::Destination(pod),
+            RuleAttribute::FwMark(1),
+        ]);
+        assert_eq!(policy_rule(&marked).map(|(_, other)| other), Some(true), "fwmark is another selector");
     }
 }

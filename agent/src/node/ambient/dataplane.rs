@@ -53,6 +53,7 @@ use std::{
 use weir_iptables::ambient::{AmbientError, PodOverrides, probeset::ProbeSets};
 
 use super::{
+    branch_eni::BranchEniProbes,
     objects::{AmbientPod, REDIRECTION_ENABLED, REDIRECTION_PENDING, redirection_patch},
     settings::AmbientSettings,
 };
@@ -222,7 +223,7 @@ impl Dataplane {
             capture: Box::new(InpodCapture::new(settings.clone())),
             zds: Box::new(zds),
             kube,
-            probes: Arc::new(ProbeSets::new(&settings.rules)),
+            probes: Arc::new(BranchEniProbes::new(ProbeSets::new(&settings.rules), &settings)),
         };
         Self::with_effects(settings, effects)
     }

@@ -80,6 +80,11 @@ pub struct AmbientSettings {
     pub disable_safe_upgrade: bool,
     /// `ENABLE_AMBIENT_DETECTION_RETRY`: written into the plugin's config.
     pub detection_retry: bool,
+    /// `AMBIENT_ENABLE_AWS_BRANCH_ENI_PROBE` (default true, as Istio 1.30's; empty is
+    /// the default, as Istio reads it): on a node with `net.ipv4.tcp_early_demux=0`,
+    /// AWS branch-ENI pods get the host rules that keep kubelet's probes reaching them
+    /// ([`super::branch_eni`]).
+    pub aws_branch_eni_probe: bool,
     /// `WEIR_HOST_ROOT` (default `/host`): the node's root as mounted; the network
     /// namespace paths the plugin sends are resolved under it, every link taken as
     /// relative to it (Istio's `/host`; empty: this container's root).
@@ -115,6 +120,7 @@ impl Default for AmbientSettings {
             system_namespace: DEFAULT_SYSTEM_NAMESPACE.into(),
             disable_safe_upgrade: false,
             detection_retry: false,
+            aws_branch_eni_probe: true,
             host_root: "/host".into(),
             host_proc: "/host/proc".into(),
             kubelet_uid: None,
@@ -147,6 +153,11 @@ impl AmbientSettings {
         s.enabled = flag("AMBIENT_ENABLED")?.unwrap_or(false);
         s.disable_safe_upgrade = flag("AMBIENT_DISABLE_SAFE_UPGRADE")?.unwrap_or(false);
         s.detection_retry = flag("ENABLE_AMBIENT_DETECTION_RETRY")?.unwrap_or(false);
+        // Istio's env reads an empty value as its default (true), not as false.
+        let branch_eni = "AMBIENT_ENABLE_AWS_BRANCH_ENI_PROBE";
+        if let Some(v) = get(branch_eni).filter(|v| !v.trim().is_empty()) {
+            s.aws_branch_eni_probe = parse_bool(branch_eni, &v)?;
+        }
         if let Some(v) = get("AMBIENT_ENABLEMENT_SELECTOR") {
             s.selectors = EnablementSelectors::parse(&v)
                 .map_err(|e| ConfigError::new("AMBIENT_ENABLEMENT_SELECTOR", &v, e.to_string()))?;
@@ -214,7 +225,7 @@ impl AmbientSettings {
              AMBIENT_RECONCILE_POD_RULES_ON_STARTUP={} NATIVE_NFTABLES={} ZTUNNEL_UDS_ADDRESS={} \
              CNI_AGENT_RUN_DIR={} EXCLUDE_NAMESPACES={} NODE_NAME={} SYSTEM_NAMESPACE={} HOST_PROBE_SNAT_IP={} \
              HOST_PROBE_SNAT_IPV6={} WEIR_HOST_ROOT={} WEIR_HOST_PROC={} WEIR_AMBIENT_CAPTURE={} \
-             WEIR_EBPF_NODE_CAPTURE={} WEIR_ZTUNNEL_UIDS={}",
+             WEIR_EBPF_NODE_CAPTURE={} WEIR_ZTUNNEL_UIDS={} AMBIENT_ENABLE_AWS_BRANCH_ENI_PROBE={}",
             self.enabled,
             self.selectors.entries().len(),
             r.redirect_dns,
@@ -233,6 +244,7 @@ impl AmbientSettings {
             self.capture.as_str(),
             self.ebpf_node_capture,
             self.ztunnel_uids.iter().map(u32::to_string).collect::<Vec<_>>().join(","),
+            self.aws_branch_eni_probe,
         )
     }
 }
@@ -287,6 +299,18 @@ mod tests {
     }
 
     #[test]
+    fn the_aws_branch_eni_probe_is_on_unless_set_false_and_is_described() {
+        assert!(read(&[]).unwrap().aws_branch_eni_probe, "Istio's default");
+        assert!(read(&[("AMBIENT_ENABLE_AWS_BRANCH_ENI_PROBE", "")]).unwrap().aws_branch_eni_probe);
+        for off in ["false", "0", "F"] {
+            let s = read(&[("AMBIENT_ENABLE_AWS_BRANCH_ENI_PROBE", off)]).unwrap();
+            assert!(!s.aws_branch_eni_probe, "{off}");
+            assert!(s.describe().contains("AMBIENT_ENABLE_AWS_BRANCH_ENI_PROBE=false"), "{}", s.describe());
+        }
+        assert!(read(&[]).unwrap().describe().contains("AMBIENT_ENABLE_AWS_BRANCH_ENI_PROBE=true"));
+    }
+
+    #[test]
     fn bad_values_name_the_variable() {
         for (pairs, needle) in [
             (&[("AMBIENT_ENABLED", "yes")][..], "invalid AMBIENT_ENABLED"),
@@ -302,6 +326,10 @@ mod tests {
             (&[("WEIR_ZTUNNEL_UIDS", "0,ztunnel")][..], "invalid WEIR_ZTUNNEL_UIDS"),
             (&[("AMBIENT_IPV6", "on")][..], "invalid AMBIENT_IPV6"),
             (&[("WEIR_AMBIENT_CAPTURE", "bpf")][..], "invalid WEIR_AMBIENT_CAPTURE"),
+            (
+                &[("AMBIENT_ENABLE_AWS_BRANCH_ENI_PROBE", "yes")][..],
+                "invalid AMBIENT_ENABLE_AWS_BRANCH_ENI_PROBE",
+            ),
         ] {
             let e = read(pairs).unwrap_err().to_string();
             assert!(e.starts_with(needle), "{pairs:?}: {e}");
