@@ -21,6 +21,9 @@ use weir_tests::{
 
 const SETTLE: Duration = Duration::from_secs(2);
 
+/// The cgroup hooks one node capture attaches (each program once).
+const HOOKS: usize = weir_agent::capture::ebpf::capture::CGROUP_HOOKS;
+
 /// A node with two meshed pods and a plain one, every pod's client calling the other two.
 fn small_node(test: &str) -> (BusyNode, String) {
     let set = weir_agent::sandbox::unique_name("st").replace('-', "_");
@@ -87,9 +90,6 @@ fn remove_record(name: &str) {
 
 /// The lost record: the start adopts the pins (the same ten links, never detached),
 /// rewrites the record from them, and new pods are captured as before.
-
-/// The cgroup hooks one node capture attaches (each program once).
-const HOOKS: usize = weir_agent::capture::ebpf::capture::CGROUP_HOOKS;
 
 #[test]
 fn pins_found_without_their_record_are_adopted_and_stay_attached() {

@@ -34,7 +34,8 @@
 //! What the steps act on is behind the traits of [`effects`] (the pod's namespace and
 //! capture, ZDS, the Kubernetes API, the probe sets); [`Dataplane::new`] gives them the
 //! node's: [`inpod`] for the capture, the ZDS server's handle, the agent's Kubernetes
-//! client, the node's probe sets.
+//! client, and the probe sets its caller builds (`run`: with the AWS branch-ENI rules
+//! carried along, `branch_eni`).
 
 pub mod effects;
 pub mod inpod;
@@ -50,10 +51,9 @@ use std::{
     sync::{Arc, Mutex},
 };
 
-use weir_iptables::ambient::{AmbientError, PodOverrides, probeset::ProbeSets};
+use weir_iptables::ambient::{AmbientError, PodOverrides};
 
 use super::{
-    branch_eni::BranchEniProbes,
     objects::{AmbientPod, REDIRECTION_ENABLED, REDIRECTION_PENDING, redirection_patch},
     settings::AmbientSettings,
 };
@@ -218,12 +218,17 @@ impl std::fmt::Display for StepClock {
 impl Dataplane {
     /// The node's dataplane: pods captured in their namespaces on this node, told to
     /// ztunnel through `zds`, annotated through `kube`, probed through the node's sets.
-    pub fn new(settings: Arc<AmbientSettings>, zds: ZdsHandle, kube: Arc<KubeClient>) -> Self {
+    pub fn new(
+        settings: Arc<AmbientSettings>,
+        zds: ZdsHandle,
+        kube: Arc<KubeClient>,
+        probes: Arc<dyn HostProbeSet>,
+    ) -> Self {
         let effects = Effects {
             capture: Box::new(InpodCapture::new(settings.clone())),
             zds: Box::new(zds),
             kube,
-            probes: Arc::new(BranchEniProbes::new(ProbeSets::new(&settings.rules), &settings)),
+            probes,
         };
         Self::with_effects(settings, effects)
     }

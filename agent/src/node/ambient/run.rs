@@ -86,7 +86,12 @@ pub async fn run(
     let server = ZdsServer::bind_with(&settings.ztunnel_socket, zds)?;
     readiness.clear(ZDS_BOUND);
     let kube = Arc::new(kube);
-    let dataplane = Arc::new(Dataplane::new(settings.clone(), server.handle(), kube.clone()));
+    // The node's probe sets, with the AWS branch-ENI rules carried along.
+    let probes = Arc::new(super::branch_eni::BranchEniProbes::new(
+        weir_iptables::ambient::probeset::ProbeSets::new(&settings.rules),
+        &settings,
+    ));
+    let dataplane = Arc::new(Dataplane::new(settings.clone(), server.handle(), kube.clone(), probes));
     let s = settings.clone();
     let kubelet_uid = tokio::task::spawn_blocking(move || {
         let uid = hostprobe::kubelet_uid(&s)?;
