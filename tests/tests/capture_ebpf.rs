@@ -1,7 +1,7 @@
 //! eBPF capture with real traffic: the capture programs on a test cgroup, the inbound
 //! classifier on the pod's interface, no netfilter rules anywhere.
 
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 
 use weir_agent::capture::ebpf::{
     capture::CapturePrograms,
@@ -75,6 +75,12 @@ fn matrix(test: &str, family: Family) {
     // not Envoy's loopback listener (before: 127.0.0.1:15001 / [::1]:15001).
     let said = weir_tests::capture::run_testkit(&s.client, app, &["ask-peer", &server.to_string()]);
     assert!(said.starts_with(&format!("peer={server}\ncaptured ")), "getpeername under capture: {said:?}");
+    // A dual-stack socket's connect to the v4-mapped address gets it back mapped.
+    if let SocketAddr::V4(v4) = server {
+        let mapped = SocketAddr::new(IpAddr::V6(v4.ip().to_ipv6_mapped()), v4.port());
+        let said = weir_tests::capture::run_testkit(&s.client, app, &["ask-peer", &mapped.to_string()]);
+        assert!(said.starts_with(&format!("peer={mapped}\ncaptured ")), "getpeername, v4-mapped: {said:?}");
+    }
 
     assert!(ask_placed(&s.client, proxy, server).starts_with("hello server "), "uid 1337 bypasses");
     assert!(ask_placed(&s.client, app, s.addr(&s.server, 9090)).starts_with("hello server "), "-o 9090");

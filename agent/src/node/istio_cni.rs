@@ -113,15 +113,11 @@ pub enum StopPolicy {
 }
 
 /// istio-cni's decision at stop (cni/pkg/cmd/root.go's deferred cleanup and the node
-/// agent's `ShouldStopCleanup`), from what the API said about [`DAEMONSET`] (`Some`:
-/// found, being deleted or not). Where the API cannot answer, Istio cleans up; Weir
-/// keeps (pods then wait for the next agent rather than start uncaptured). The
-/// DaemonSet's node affinity is not consulted.
-pub fn stop_policy(
-    ambient: bool,
-    disable_safe_upgrade: bool,
-    daemonset: Result<Option<bool>, String>,
-) -> StopPolicy {
+/// agent's `ShouldStopCleanup`), from what the API said about [`DAEMONSET`]. Where the
+/// API cannot answer (no answer, 429, 5xx), Istio cleans up; Weir keeps (pods then wait
+/// for the next agent rather than start uncaptured). The DaemonSet's node affinity is
+/// not consulted.
+pub fn stop_policy(ambient: bool, disable_safe_upgrade: bool, daemonset: DaemonSetState) -> StopPolicy {
     if !ambient {
         return StopPolicy::CleanUp(
             "ambient is off: istio-cni's installer takes its plugin out on every stop",
@@ -131,20 +127,45 @@ pub fn stop_policy(
         return StopPolicy::CleanUp("AMBIENT_DISABLE_SAFE_UPGRADE is true");
     }
     match daemonset {
-        Ok(Some(false)) => StopPolicy::Keep("the DaemonSet is still there: an upgrade or a node reboot"),
-        Ok(Some(true)) => StopPolicy::CleanUp("the DaemonSet is being deleted: an uninstall"),
-        Ok(None) => StopPolicy::CleanUp("the DaemonSet is gone: an uninstall"),
-        Err(_) => StopPolicy::Keep("the API cannot say whether the DaemonSet is there"),
+        DaemonSetState::Present { deleting: false } => {
+            StopPolicy::Keep("the DaemonSet is still there: an upgrade or a node reboot")
+        }
+        DaemonSetState::Present { deleting: true } => {
+            StopPolicy::CleanUp("the DaemonSet is being deleted: an uninstall")
+        }
+        DaemonSetState::Gone => StopPolicy::CleanUp("the DaemonSet is gone: an uninstall"),
+        // `helm uninstall` deletes the agent's ServiceAccount and role with the
+        // DaemonSet: a refused token is an uninstall too. Kept, the plugin would carry
+        // a dead token and fail every pod's ADD on the node.
+        DaemonSetState::Refused => StopPolicy::CleanUp(
+            "the API refuses the agent's token (401/403): its account is gone, an uninstall",
+        ),
+        DaemonSetState::Unknown(_) => StopPolicy::Keep("the API cannot say whether the DaemonSet is there"),
     }
 }
 
-/// Whether [`DAEMONSET`] exists in `namespace` (and is being deleted).
-async fn daemonset_state(kube: &KubeClient, namespace: &str) -> Result<Option<bool>, String> {
+/// What the API says about [`DAEMONSET`] at stop.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DaemonSetState {
+    Present {
+        deleting: bool,
+    },
+    Gone,
+    /// 401 or 403: the agent's token or its role is no longer accepted.
+    Refused,
+    /// No answer, 429, 5xx, or one that does not parse: nothing can be told.
+    Unknown(String),
+}
+
+/// What the API says about [`DAEMONSET`] in `namespace`.
+async fn daemonset_state(kube: &KubeClient, namespace: &str) -> DaemonSetState {
+    use crate::node::cni::kube::KubeError;
     let path = format!("/apis/apps/v1/namespaces/{namespace}/daemonsets/{DAEMONSET}");
     match kube.get_json(&path).await {
-        Ok(ds) => Ok(Some(!ds["metadata"]["deletionTimestamp"].is_null())),
-        Err(crate::node::cni::kube::KubeError::Status { status: 404, .. }) => Ok(None),
-        Err(e) => Err(crate::error_chain(&e)),
+        Ok(ds) => DaemonSetState::Present { deleting: !ds["metadata"]["deletionTimestamp"].is_null() },
+        Err(KubeError::Status { status: 404, .. }) => DaemonSetState::Gone,
+        Err(KubeError::Status { status: 401 | 403, .. }) => DaemonSetState::Refused,
+        Err(e) => DaemonSetState::Unknown(crate::error_chain(&e)),
     }
 }
 
@@ -159,6 +180,11 @@ fn clean_up(install: &InstallSettings, ambient: Option<&AmbientSettings>) {
         }
     }
     if let Some(a) = ambient {
+        // The backend the agent ran with (NATIVE_NFTABLES may have been held on
+        // iptables: `backend`), not the one asked for.
+        let mut rules = a.rules.clone();
+        rules.backend = crate::node::ambient::backend::chosen().unwrap_or(rules.backend);
+        let a = &AmbientSettings { rules, ..a.clone() };
         let rule = weir_iptables::ambient::remove_host_probe(None, &a.rules)
             .map(drop)
             .map_err(|e| crate::error_chain(&e));
@@ -320,7 +346,7 @@ pub async fn run(parts: Parts, ports: Ports, stop: CancellationToken) -> Result<
     tasks.stop(STOP_GRACE).await;
     let daemonset = match (&stop_kube, &ambient_settings) {
         (Some(kube), Some(a)) => daemonset_state(kube, &a.pod_namespace).await,
-        _ => Ok(None),
+        _ => DaemonSetState::Gone,
     };
     let disable = ambient_settings.as_ref().is_some_and(|a| a.disable_safe_upgrade);
     match stop_policy(ambient_settings.is_some(), disable, daemonset) {
@@ -341,13 +367,16 @@ mod tests {
 
     #[test]
     fn it_cleans_up_as_istio_cni_does_and_keeps_where_the_api_cannot_say() {
+        use DaemonSetState::*;
         use StopPolicy::*;
-        assert!(matches!(stop_policy(false, false, Ok(Some(false))), CleanUp(_)), "sidecar-only: always");
-        assert!(matches!(stop_policy(true, true, Ok(Some(false))), CleanUp(_)), "safe upgrade disabled");
-        assert!(matches!(stop_policy(true, false, Ok(Some(false))), Keep(_)), "an upgrade");
-        assert!(matches!(stop_policy(true, false, Ok(Some(true))), CleanUp(_)), "being deleted");
-        assert!(matches!(stop_policy(true, false, Ok(None)), CleanUp(_)), "gone");
-        assert!(matches!(stop_policy(true, false, Err("503".into())), Keep(_)), "cannot tell");
+        let present = || Present { deleting: false };
+        assert!(matches!(stop_policy(false, false, present()), CleanUp(_)), "sidecar-only: always");
+        assert!(matches!(stop_policy(true, true, present()), CleanUp(_)), "safe upgrade disabled");
+        assert!(matches!(stop_policy(true, false, present()), Keep(_)), "an upgrade");
+        assert!(matches!(stop_policy(true, false, Present { deleting: true }), CleanUp(_)), "being deleted");
+        assert!(matches!(stop_policy(true, false, Gone), CleanUp(_)), "gone");
+        assert!(matches!(stop_policy(true, false, Refused), CleanUp(_)), "the account deleted with it");
+        assert!(matches!(stop_policy(true, false, Unknown("503".into())), Keep(_)), "cannot tell");
     }
 
     #[test]

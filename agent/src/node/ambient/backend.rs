@@ -12,6 +12,20 @@
 
 use weir_iptables::ambient::{AmbientBackend, PROBE_SET_V4, PROBE_SET_V6};
 
+/// The backend this process's agent settled on (set once, at its start).
+static CHOSEN: std::sync::OnceLock<AmbientBackend> = std::sync::OnceLock::new();
+
+/// Records the backend the agent runs with, for what runs after it (the chart mode's
+/// clean-up at stop).
+pub fn record(backend: AmbientBackend) {
+    let _ = CHOSEN.set(backend);
+}
+
+/// The backend the agent ran with, if it started.
+pub fn chosen() -> Option<AmbientBackend> {
+    CHOSEN.get().copied()
+}
+
 /// What nft prints when it was built without libjansson.
 const NFT_NO_JSON: &str = "JSON support not compiled-in";
 

@@ -156,6 +156,7 @@ async fn settle_backend(mut settings: AmbientSettings) -> Result<AmbientSettings
         tracing::warn!(backend = ?backend, "{why}");
     }
     settings.rules.backend = backend;
+    super::backend::record(backend);
     Ok(settings)
 }
 

@@ -32,15 +32,22 @@ pub fn weir_getpeername4(ctx: SockAddrContext) -> i32 {
     ALLOW
 }
 
+/// An IPv6 socket's peer: an IPv6 destination as recorded, an IPv4 one (a dual-stack
+/// socket's connect to `::ffff:a.b.c.d`, recorded as IPv4) as its mapped form again.
 #[cgroup_sock_addr(getpeername6)]
 pub fn weir_getpeername6(ctx: SockAddrContext) -> i32 {
-    if let Some(orig) = recorded(&ctx).filter(|o| o.family == AF_INET6) {
+    if let Some(orig) = recorded(&ctx) {
+        let addr = match orig.family {
+            AF_INET6 => orig.addr,
+            AF_INET => [0, 0, 0x0000_ffffu32.to_be(), orig.addr[0]],
+            _ => return ALLOW,
+        };
         let sa = ctx.sock_addr;
         unsafe {
-            (*sa).user_ip6[0] = orig.addr[0];
-            (*sa).user_ip6[1] = orig.addr[1];
-            (*sa).user_ip6[2] = orig.addr[2];
-            (*sa).user_ip6[3] = orig.addr[3];
+            (*sa).user_ip6[0] = addr[0];
+            (*sa).user_ip6[1] = addr[1];
+            (*sa).user_ip6[2] = addr[2];
+            (*sa).user_ip6[3] = addr[3];
             (*sa).user_port = u32::from(orig.port);
         }
     }
