@@ -551,6 +551,16 @@ impl Netlink {
     /// `ip rule del <rule>`, every copy present; says whether there was one.
     pub async fn delete_mark_rule(&self, family: Family, rule: MarkRule) -> Result<bool> {
         let doomed = self.mark_rules(family, rule).await?;
+        self.delete_rules(family, &rule, doomed).await
+    }
+
+    /// Deletes the listed copies of `rule`; says whether there was one.
+    async fn delete_rules(
+        &self,
+        family: Family,
+        rule: &dyn std::fmt::Display,
+        doomed: Vec<netlink_packet_route::rule::RuleMessage>,
+    ) -> Result<bool> {
         let found = !doomed.is_empty();
         for msg in doomed {
             self.handle
@@ -696,16 +706,7 @@ impl Netlink {
     /// `ip rule del <rule>`, every copy present; says whether there was one.
     pub async fn delete_policy_rule(&self, family: Family, rule: &PolicyRule) -> Result<bool> {
         let doomed = self.exact_rules(family, rule).await?;
-        let found = !doomed.is_empty();
-        for msg in doomed {
-            self.handle
-                .rule()
-                .del(msg)
-                .execute()
-                .await
-                .map_err(op(format!("ip {} rule del {rule}", family.flag())))?;
-        }
-        Ok(found)
+        self.delete_rules(family, rule, doomed).await
     }
 
     /// `ip route show table all` for `family`, routes to one address only.
