@@ -533,3 +533,58 @@ fn probe_sets_keep_each_address_with_its_pod() {
         .unwrap();
     }
 }
+
+/// istio/istio#61020 (1.30.5): Istio's backend detection probed `iptables-legacy` with
+/// a write (`-A`/`-D` of its test rule), which leaves an empty legacy `nat` table, and
+/// then read any legacy table as "rules exist": the first start chose nft, every
+/// restart after it legacy, and wrote a second ruleset into enrolled pods. Weir's
+/// detection reads legacy tables as in use only when they hold a rule or a user chain
+/// (`binaries::has_rules`, `nf_probe::legacy_entries_beyond_policies`), so it is not
+/// self-priming: across starts in the same namespaces (the node's and a pod's), with
+/// the legacy `nat` table left behind by the first probe, it stays on nft, re-runs
+/// change nothing, and legacy holds no rule.
+#[test]
+fn the_iptables_backend_is_the_same_on_every_start() {
+    use weir_iptables::ambient::probeset::ProbeSets;
+    require_root!();
+    let mesh = Mesh::new(&test_name!()).expect("mesh");
+    let node = mesh.pod("node").expect("node namespace");
+    let pod = mesh.pod("pod").expect("pod namespace");
+    let cfg = AmbientConfig { backend: AmbientBackend::Iptables, enable_ipv6: true, ..Default::default() };
+    node.run(|| async { ProbeSets::new(&cfg).ensure().unwrap() }).unwrap();
+    let inpod = InpodConfig { ambient: cfg.clone(), ..Default::default() };
+    let legacy_rules = |p: &Pod| -> Vec<String> {
+        ["iptables-legacy-save", "ip6tables-legacy-save"]
+            .iter()
+            .flat_map(|save| {
+                in_pod(p, save, &[])
+                    .lines()
+                    .filter(|l| l.starts_with("-A"))
+                    .map(String::from)
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    let legacy_tables = |p: &Pod| in_pod(p, "cat", &["/proc/net/ip_tables_names"]);
+    let mut seen = Vec::new();
+    for start in 1..=3 {
+        let host = apply_host_probe(Some(node.netns().path()), &cfg, 0).unwrap();
+        let inpod_report = apply_inpod(pod.netns().path(), &inpod).unwrap();
+        let expected = if start == 1 { Action::Applied } else { Action::AlreadyApplied };
+        assert_eq!((host.action, inpod_report.action), (expected, expected), "start {start}");
+        assert_eq!(legacy_rules(&node), Vec::<String>::new(), "start {start}: the node's legacy tables");
+        assert_eq!(legacy_rules(&pod), Vec::<String>::new(), "start {start}: the pod's legacy tables");
+        assert!(
+            in_pod(&node, "iptables-nft-save", &["-t", "nat"]).contains("-A POSTROUTING -j ISTIO_POSTRT")
+        );
+        assert!(in_pod(&pod, "iptables-nft-save", &["-t", "nat"]).contains("-A PREROUTING -j ISTIO_PRERT"));
+        seen.push((rules_of(&node), rules_of(&pod)));
+    }
+    assert!(
+        legacy_tables(&node).contains("nat"),
+        "the first probe left legacy's nat table (the trap of #61020)"
+    );
+    assert!(seen.windows(2).all(|w| w[0] == w[1]), "every start leaves the same rules: {seen:#?}");
+    remove_inpod(pod.netns().path()).unwrap();
+    remove_host_probe(Some(node.netns().path()), &cfg).unwrap();
+}
