@@ -215,6 +215,30 @@ fn the_nodes_probe_rule_and_set_come_back() {
     .unwrap();
 }
 
+/// Weir's own DaemonSet's ambient agent stops as Istio's with
+/// `AMBIENT_DISABLE_SAFE_UPGRADE=true` (the dataplane's `Stop(cleanup)`): every stop is
+/// for good, and the node's probe rule and sets go with it. Without the setting (the
+/// start before), a stop keeps both for the next agent. Before, the setting was
+/// accepted and ignored: both stayed.
+#[test]
+fn with_safe_upgrade_disabled_the_agents_stop_takes_the_nodes_probe_rule_out() {
+    require_root!();
+    let mesh = Mesh::new(&test_name!()).unwrap();
+    let mut node = AmbientNode::new(&mesh).unwrap();
+    node.api.set_namespace("apps", &[AMBIENT]);
+    let host = |node: &AmbientNode| node.in_node(|| verify_host_probe(None, &rules(), 0).unwrap());
+    let set = |node: &AmbientNode| node.in_node(|| ipset::list(PROBE_SET_V4).unwrap().is_some());
+    node.start_agent().unwrap();
+    node.stop_agent().unwrap();
+    assert_eq!((host(&node), set(&node)), (Verdict::Applied, true), "a safe stop keeps the rule and set");
+    node.env.push(("AMBIENT_DISABLE_SAFE_UPGRADE".into(), "true".into()));
+    node.start_agent().unwrap();
+    node.stop_agent().unwrap();
+    let logs = node.agent_logs();
+    assert_eq!((host(&node), set(&node)), (Verdict::Clean, false), "{logs}");
+    assert!(logs.contains("stopping for good"), "{logs}");
+}
+
 /// `NATIVE_NFTABLES=true` on a node whose iptables probe set exists (an iptables-mode
 /// agent ran since the last boot) keeps the agent on iptables until the node reboots,
 /// as Istio 1.31 does (istio/istio#58353): the probe rule and a pod's in-pod rules are

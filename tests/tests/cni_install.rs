@@ -195,6 +195,46 @@ fn the_watcher_reinserts_after_a_rewrite_follows_the_token_and_stays_installed_o
     assert!(!kubeconfig.exists() && !host.bin.join("weir-cni").exists(), "kubeconfig and binary removed");
 }
 
+/// `AMBIENT_DISABLE_SAFE_UPGRADE` (from the shared ConfigMap, with ambient on): every
+/// stop of Weir's DaemonSet is for good, as Istio's agent stops with it: SIGTERM takes
+/// the plugin's entry, kubeconfig and binary out. A value that is not a boolean stops
+/// the start, naming the variable.
+#[test]
+fn with_safe_upgrade_disabled_sigterm_takes_the_plugin_out() {
+    let host = Host::new();
+    std::fs::write(host.net.join("10-k8s.conflist"), PRIMARY_LIST).unwrap();
+    let bad = host
+        .install(&["--once"])
+        .env("AMBIENT_ENABLED", "true")
+        .env("AMBIENT_DISABLE_SAFE_UPGRADE", "maybe")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert!(!bad.status.success() && stderr.contains("AMBIENT_DISABLE_SAFE_UPGRADE"), "{stderr}");
+    assert_eq!(types(&host.config("10-k8s.conflist")), ["ptp", "portmap"], "nothing installed on bad input");
+
+    let log = host.run.parent().unwrap().join("install.log");
+    let mut child = host
+        .install(&["--interval", "100ms"])
+        .env("AMBIENT_ENABLED", "true")
+        .env("AMBIENT_DISABLE_SAFE_UPGRADE", "true")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let kubeconfig = host.run.join("istio-cni-kubeconfig");
+    wait_for("install", || types(&host.config("10-k8s.conflist")) == ["ptp", "portmap", "weir-cni"]);
+    assert!(kubeconfig.exists() && host.bin.join("weir-cni").exists());
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM)
+        .unwrap();
+    let status = child.wait().unwrap();
+    let log = std::fs::read_to_string(&log).unwrap();
+    assert!(status.success(), "{log}");
+    assert_eq!(types(&host.config("10-k8s.conflist")), ["ptp", "portmap"], "out of the chain at stop: {log}");
+    assert!(!kubeconfig.exists() && !host.bin.join("weir-cni").exists(), "kubeconfig and binary removed");
+    assert!(log.contains("stopping for good"), "{log}");
+}
+
 #[test]
 fn install_errors_name_what_is_missing() {
     let host = Host::new();

@@ -114,7 +114,15 @@ fn ambient(a: &AmbientArgs) -> anyhow::Result<()> {
             return Ok(());
         }
         let kube = ambient_kube(a)?;
-        run::run(settings, kube, readiness, stop).await.map_err(|e| anyhow::anyhow!("{}", crate::error_chain(&e)))
+        let for_good = settings.disable_safe_upgrade.then(|| settings.clone());
+        run::run(settings, kube, readiness, stop).await.map_err(|e| anyhow::anyhow!("{}", crate::error_chain(&e)))?;
+        if let Some(settings) = for_good {
+            tracing::info!("AMBIENT_DISABLE_SAFE_UPGRADE is true: stopping for good, taking the node's probe rule out");
+            tokio::task::spawn_blocking(move || crate::node::ambient::hostprobe::remove_for_good(&settings))
+                .await
+                .context("the node's clean-up")?;
+        }
+        Ok(())
     })
 }
 
@@ -544,6 +552,8 @@ pub fn run(args: CniArgs) -> anyhow::Result<()> {
                 )?;
             }
             let mut s = a.settings()?;
+            let for_good = crate::node::ambient::settings::safe_upgrade_disabled(|k| std::env::var(k).ok())
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
             if a.once {
                 node_capture_or_fallback(&mut s, &a.plugin.capture_mode)?;
                 let changes = install::ensure(&s)?;
@@ -582,6 +592,12 @@ pub fn run(args: CniArgs) -> anyhow::Result<()> {
                     .context("--readiness-port")?;
                 let stop = async move { shutdown.requested().await };
                 install::watch(&s, a.interval, &readiness, stop).await?;
+                if for_good {
+                    tracing::info!("AMBIENT_DISABLE_SAFE_UPGRADE is true: stopping for good, taking the plugin out of the CNI config");
+                    install::uninstall(&s, false)?;
+                } else {
+                    tracing::info!("stopped; the plugin stays chained and every pod stays captured");
+                }
                 Ok(())
             })
         }

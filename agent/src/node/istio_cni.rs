@@ -180,25 +180,7 @@ fn clean_up(install: &InstallSettings, ambient: Option<&AmbientSettings>) {
         }
     }
     if let Some(a) = ambient {
-        // The backend the agent ran with (NATIVE_NFTABLES may have been held on
-        // iptables: `backend`), not the one asked for.
-        let mut rules = a.rules.clone();
-        rules.backend = crate::node::ambient::backend::chosen().unwrap_or(rules.backend);
-        let a = &AmbientSettings { rules, ..a.clone() };
-        let rule = weir_iptables::ambient::remove_host_probe(None, &a.rules)
-            .map(drop)
-            .map_err(|e| crate::error_chain(&e));
-        let sets = rule.clone().and_then(|()| {
-            weir_iptables::ambient::probeset::ProbeSets::new(&a.rules)
-                .destroy()
-                .map_err(|e| crate::error_chain(&e))
-        });
-        match sets {
-            Ok(()) => tracing::info!("the node's probe rule and sets are removed"),
-            Err(e) => tracing::error!(error = %e, "cannot remove the node's probe rule and sets"),
-        }
-        // Istio's `flushBranchENIRules`: what was added, not what is found now.
-        crate::node::ambient::branch_eni::flush();
+        crate::node::ambient::hostprobe::remove_for_good(a);
     }
 }
 

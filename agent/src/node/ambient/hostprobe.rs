@@ -4,7 +4,8 @@
 //! restored when someone flushed or changed it; a set that vanished is created again
 //! and refilled with the enrolled pods' addresses. Istio sets the rule once at start;
 //! keeping it is Weir's. Nothing is removed when the agent stops (pods stay probed
-//! through restarts); `weir cni uninstall` is what takes the node's rules out.
+//! through restarts) unless the stop is for good ([`remove_for_good`]: an uninstall, or
+//! `AMBIENT_DISABLE_SAFE_UPGRADE`); `weir cni uninstall` also takes the node's rules out.
 
 use std::{collections::BTreeMap, net::IpAddr, sync::Arc, time::Duration};
 
@@ -108,4 +109,23 @@ fn check_once(
         );
     }
     Ok(())
+}
+
+/// Takes the node's part out for good, as Istio's dataplane `Stop(cleanup)` does: the
+/// probe rule, then the probe sets, then the branch-ENI rules the agent added. Uses the
+/// backend the agent ran with (`NATIVE_NFTABLES` may have been held on iptables), not
+/// the one asked for. Each failure is logged with what is left; nothing stops on it.
+pub fn remove_for_good(s: &AmbientSettings) {
+    let mut rules = s.rules.clone();
+    rules.backend = super::backend::chosen().unwrap_or(rules.backend);
+    let removed = weir_iptables::ambient::remove_host_probe(None, &rules)
+        .map(drop)
+        .map_err(|e| crate::error_chain(&e))
+        .and_then(|()| ProbeSets::new(&rules).destroy().map_err(|e| crate::error_chain(&e)));
+    match removed {
+        Ok(()) => tracing::info!(backend = ?rules.backend, "the node's probe rule and sets are removed"),
+        Err(e) => tracing::error!(error = %e, "cannot remove the node's probe rule and sets"),
+    }
+    // Istio's `flushBranchENIRules`: what was added, not what is found now.
+    super::branch_eni::flush();
 }

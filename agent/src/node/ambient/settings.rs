@@ -76,7 +76,9 @@ pub struct AmbientSettings {
     pub pod_name: String,
     /// `SYSTEM_NAMESPACE`: where ztunnel's pods (never enrolled) run.
     pub system_namespace: String,
-    /// `AMBIENT_DISABLE_SAFE_UPGRADE`: accepted; Weir never removes rules when it stops.
+    /// `AMBIENT_DISABLE_SAFE_UPGRADE`: every stop is for good (Istio's dataplane
+    /// `Stop(cleanup)`): the node's probe rule and sets, and the plugin's chain entry,
+    /// are taken out, even while the DaemonSet stays ([`safe_upgrade_disabled`]).
     pub disable_safe_upgrade: bool,
     /// `ENABLE_AMBIENT_DETECTION_RETRY`: written into the plugin's config.
     pub detection_retry: bool,
@@ -138,6 +140,14 @@ fn parse_bool(name: &str, value: &str) -> Result<bool, ConfigError> {
         "0" | "f" | "F" | "FALSE" | "false" | "False" | "" => Ok(false),
         _ => Err(ConfigError::new(name, value, "a boolean (true or false)")),
     }
+}
+
+/// Whether every stop of the node agent is for good: `AMBIENT_ENABLED` and
+/// `AMBIENT_DISABLE_SAFE_UPGRADE` both true (Istio reads the second only with ambient).
+/// Read by every container of Weir's DaemonSet from the shared ConfigMap.
+pub fn safe_upgrade_disabled(get: impl Fn(&str) -> Option<String>) -> Result<bool, ConfigError> {
+    let flag = |name: &str| get(name).map(|v| parse_bool(name, &v)).transpose().map(|v| v.unwrap_or(false));
+    Ok(flag("AMBIENT_ENABLED")? && flag("AMBIENT_DISABLE_SAFE_UPGRADE")?)
 }
 
 /// Comma separated, trimmed, empty items dropped (Istio's `SplitExcludeNamespaces`).

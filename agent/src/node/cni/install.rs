@@ -347,9 +347,10 @@ pub fn uninstall(s: &InstallSettings, detach_running_pods: bool) -> Result<Unins
 pub const CHAINED: &str = "weir-cni chained into the CNI config";
 
 /// Install, then keep it installed (and the node's eBPF capture tidy: see
-/// [`tidy_node_capture`]) every `interval` until `stop` resolves. Stopping changes
-/// nothing: the plugin stays chained and every pod stays captured, through a restart,
-/// an eviction, or a rollout to another build. Only `weir cni uninstall` takes Weir out.
+/// [`tidy_node_capture`]) every `interval` until `stop` resolves. The loop's end changes
+/// nothing; what stopping does to the node is the caller's decision (Weir's DaemonSet
+/// keeps the plugin chained through a restart, an eviction or a rollout, unless
+/// `AMBIENT_DISABLE_SAFE_UPGRADE`; the chart mode follows istio-cni's stop).
 pub async fn watch(
     s: &InstallSettings,
     interval: Duration,
@@ -406,7 +407,7 @@ pub async fn watch(
             _ = tokio::time::sleep(interval) => {}
         }
     }
-    tracing::info!("stopped; the plugin stays chained and every pod stays captured");
+    tracing::info!("the install loop stopped");
     Ok(())
 }
 
