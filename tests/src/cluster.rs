@@ -9,11 +9,13 @@
 pub mod chart;
 pub mod containerd;
 pub mod images;
+pub mod istio_agent;
 pub mod kubelet;
 pub mod node;
 pub mod rig;
 pub mod scene;
 pub mod workloads;
+pub mod ztunnel_state;
 
 use std::net::Ipv4Addr;
 

@@ -255,6 +255,30 @@ impl Cluster {
         self.nodes.iter().filter_map(|n| n.kubelet.as_ref()?.pod(namespace, name)).next()
     }
 
+    /// The pid of container `container` of pod `namespace/name` (the first running
+    /// one that is not an init container when `None`), from its node's `ctr tasks ls`.
+    pub fn container_pid(&self, namespace: &str, name: &str, container: Option<&str>) -> anyhow::Result<u32> {
+        let view = self.pod_view(namespace, name).with_context(|| format!("no pod {namespace}/{name}"))?;
+        let id = view
+            .containers
+            .iter()
+            .find(|c| !c.id.is_empty() && c.exited.is_none() && container.map_or(!c.init, |n| c.name == n))
+            .map(|c| c.id.clone())
+            .with_context(|| format!("{namespace}/{name} has no running container {container:?}"))?;
+        for n in &self.nodes {
+            let out = n.node.containerd.ctr().args(["tasks", "ls"]).output()?;
+            let text = String::from_utf8_lossy(&out.stdout);
+            let pid = text.lines().find_map(|l| {
+                let mut f = l.split_whitespace();
+                (f.next()? == id).then(|| f.next()?.parse().ok()).flatten()
+            });
+            if let Some(pid) = pid {
+                return Ok(pid);
+            }
+        }
+        bail!("no task for {namespace}/{name}'s container {id} on any node")
+    }
+
     /// Waits up to `limit` for the pod to be gone from the API (its kubelet removed it).
     pub fn wait_gone(&self, namespace: &str, name: &str, limit: Duration) -> anyhow::Result<()> {
         let deadline = Instant::now() + limit;

@@ -58,11 +58,17 @@ impl Scene {
     /// Istio's chart rolled on `node` away from Weir's image and back, as its
     /// RollingUpdate (maxUnavailable 1) does it: Weir's pod deleted with the chart's
     /// grace period and gone (the DaemonSet stays, so Weir leaves the node for the next
-    /// agent); the node as Istio's `install-cni` leaves it when it stops in turn (its
-    /// installer's chain entry: Istio's own agent cannot run here) for `gap`, with no
-    /// agent on the node; then Weir's pod created again and Ready: it adopts the node.
-    pub fn swap_chart_node(&mut self, node: u8, gap: Duration) -> anyhow::Result<()> {
-        use crate::cluster::chart;
+    /// agent); Istio's node agent on the node for `gap` (played by the test:
+    /// [`IstioNodeAgent`], its side of ztunnel's socket, snapshotting the pods it adopted
+    /// from Weir), then stopping as it stops, leaving its installer's chain entry; then
+    /// Weir's pod created again and Ready: it adopts the node from Istio. Throughout,
+    /// ztunnel's own state is sampled: every pod it held before the swap must stay `Up`
+    /// in every sample (ztunnel never without a pod it had), and every ambient pod of the
+    /// scene on the node must be among them. Returns the number of samples.
+    ///
+    /// [`IstioNodeAgent`]: crate::cluster::istio_agent::IstioNodeAgent
+    pub fn swap_chart_node(&mut self, node: u8, gap: Duration) -> anyhow::Result<usize> {
+        use crate::cluster::{chart, istio_agent::IstioNodeAgent, ztunnel_state};
         let super::NodeAgent::IstioChart(profile) = self.agent else {
             bail!("the scene runs Weir's own DaemonSet, not Istio's chart")
         };
@@ -70,14 +76,97 @@ impl Scene {
         let image = self.daemonset.get(&node).cloned().unwrap_or_else(|| super::DEV_IMAGE.to_string());
         let pod = self.cluster.istio_cni_pod(node, &image, profile)?;
         let grace = pod["spec"]["terminationGracePeriodSeconds"].as_u64().unwrap_or(30);
+        let ztunnel = ztunnel_state::ztunnel_pid(&self.cluster, node)?;
+        let had = self.ztunnel_holds_the_nodes_ambient_pods(node, ztunnel)?;
+        let watch = ztunnel_state::Watch::start(ztunnel, Duration::from_millis(200));
+
         self.cluster.delete_pod(chart::NAMESPACE, &name, Duration::from_secs(grace));
         self.cluster.wait_gone(chart::NAMESPACE, &name, Duration::from_secs(grace + 30))?;
+        let socket = self.cluster.node(node).folder("/run/ztunnel/ztunnel.sock");
+        let istio = IstioNodeAgent::start(&socket, self.istio_agents_cache(&had)?)?;
+        istio
+            .wait_snapshot(Duration::from_secs(30))
+            .with_context(|| format!("node-{node}: Istio's agent"))?;
+        std::thread::sleep(gap);
         let conflist = self.cluster.node(node).folder("/etc/cni/net.d/10-primary.conflist");
         chart::put_chain_entry(&conflist, chart::istio_installer_entry(profile)?)?;
-        std::thread::sleep(gap);
+        let told = istio.log();
+        istio.stop();
+
         self.cluster.create_pod(pod, node);
         self.cluster.wait_pod(chart::NAMESPACE, &name, READY, "Ready", ready)?;
-        Ok(())
+        std::thread::sleep(Duration::from_secs(3));
+        let samples =
+            watch.finish(&had).with_context(|| format!("node-{node}: Istio's agent was told {told:?}"))?;
+        self.progress.step(&format!(
+            "node-{node}: ztunnel kept its {} pod(s) Up in {samples} samples through Weir → Istio's agent ({} snapshot entries acked) → Weir",
+            had.len(),
+            told.iter().filter(|l| l.starts_with("Add ") && l.ends_with(": ack")).count()
+        ));
+        Ok(samples)
+    }
+
+    /// The uids ztunnel on `node` holds `Up`, checked to include every ambient pod of
+    /// the scene on that node.
+    fn ztunnel_holds_the_nodes_ambient_pods(
+        &self,
+        node: u8,
+        ztunnel: u32,
+    ) -> anyhow::Result<BTreeSet<String>> {
+        let state = crate::cluster::ztunnel_state::read(ztunnel)?;
+        let had: BTreeSet<String> =
+            state.iter().filter(|(_, s)| *s == "Up").map(|(u, _)| u.clone()).collect();
+        for w in self.workloads.iter().filter(|w| w.kind == Kind::Ambient && w.node == node) {
+            let uid = self.uid_of(&w.namespace, &w.name)?;
+            if !had.contains(&uid) {
+                bail!(
+                    "node-{node}: ztunnel does not hold {}/{} ({uid}) before the swap: {state:?}",
+                    w.namespace,
+                    w.name
+                );
+            }
+        }
+        Ok(had)
+    }
+
+    fn uid_of(&self, namespace: &str, name: &str) -> anyhow::Result<String> {
+        let pod =
+            self.cluster.api.pod(namespace, name).with_context(|| format!("no pod {namespace}/{name}"))?;
+        pod["metadata"]["uid"]
+            .as_str()
+            .map(String::from)
+            .with_context(|| format!("{namespace}/{name} has no uid"))
+    }
+
+    /// What Istio's agent's pod cache holds after adopting the node: each pod ztunnel
+    /// holds, with its netns (opened through one of its containers' processes).
+    fn istio_agents_cache(
+        &self,
+        uids: &BTreeSet<String>,
+    ) -> anyhow::Result<Vec<crate::cluster::istio_agent::CachedPod>> {
+        let mut cache = Vec::new();
+        for pod in self.cluster.api.pods() {
+            let Some(uid) = pod["metadata"]["uid"].as_str().filter(|u| uids.contains(*u)) else { continue };
+            let (namespace, name) = (
+                pod["metadata"]["namespace"].as_str().unwrap_or_default().to_string(),
+                pod["metadata"]["name"].as_str().unwrap_or_default().to_string(),
+            );
+            let pid = self.cluster.container_pid(&namespace, &name, None)?;
+            let netns = std::fs::File::open(format!("/proc/{pid}/ns/net"))
+                .with_context(|| format!("{namespace}/{name}'s netns (pid {pid})"))?;
+            let service_account = pod["spec"]["serviceAccountName"].as_str().unwrap_or("default").to_string();
+            cache.push(crate::cluster::istio_agent::CachedPod {
+                uid: uid.to_string(),
+                name,
+                namespace,
+                service_account,
+                netns: netns.into(),
+            });
+        }
+        if cache.len() != uids.len() {
+            bail!("Istio's agent's cache has {} of the {} pods ztunnel holds", cache.len(), uids.len());
+        }
+        Ok(cache)
     }
 
     /// The program sets the node's node capture records name (not retired ones).
