@@ -837,6 +837,9 @@ async fn tick(shared: &Arc<Shared>, cri: &Cri, run: &mut PodRun, policy: &str) -
     Ok(())
 }
 
+/// What kubelet.log says when a probe fails: `<ms> probe-failed <ns>/<pod> <container> <kind>`.
+pub const PROBE_FAILED: &str = "probe-failed";
+
 /// Runs the container's due probes (startup until it passes; then readiness and
 /// liveness); a liveness or startup failure over its threshold restarts it. Returns
 /// whether its started or ready state changed.
@@ -873,6 +876,12 @@ async fn probe_round(shared: &Arc<Shared>, cri: &Cri, run: &mut PodRun, c: &Cont
                 } else {
                     state.failures += 1;
                     state.successes = 0;
+                    shared.log(&format!(
+                        "{PROBE_FAILED} {}/{} {} {kind}",
+                        run.m.namespace(),
+                        run.m.name(),
+                        c.name
+                    ));
                 }
             }
         }

@@ -346,13 +346,16 @@ impl Scene {
             }
         }
         problems.extend(self.unanswered(&t, touched).into_iter().map(|c| format!("no answer: {c}")));
+        let probes = self.failed_probes(since, touched);
+        let failed_probes = probes.len();
+        problems.extend(probes);
         problems.extend(self.leftovers());
         let plain_direct = t.plain.get("network").copied().unwrap_or(0);
         if t.plain.contains_key("proxy") {
             problems.push(format!("the check saw a plain pod's connection as proxied: {:?}", t.plain));
         }
         self.progress.step(&format!(
-            "{event}: {} requests answered, {} failed to or from pods it touched, {} bypasses, {plain_direct} plain pods' requests seen direct, {} problem(s)",
+            "{event}: {} requests answered, {} failed to or from pods it touched, {} bypasses, {failed_probes} failed probes, {plain_direct} plain pods' requests seen direct, {} problem(s)",
             t.ok,
             excused,
             t.bypasses.len(),
@@ -363,6 +366,33 @@ impl Scene {
             bail!("{event}:\n  {}\n  (every log line of the window: {kept})", problems.join("\n  "));
         }
         Ok(())
+    }
+
+    /// The kubelet's failed probes since `since` (ms) of the standing workloads the event
+    /// did not touch: each a problem.
+    fn failed_probes(&self, since: u128, touched: &Touched) -> Vec<String> {
+        let mut out = Vec::new();
+        for n in &self.cluster.nodes {
+            let log = std::fs::read_to_string(n.node.dir.join("kubelet/kubelet.log")).unwrap_or_default();
+            for line in log.lines() {
+                let Some((ms, rest)) = line.split_once(' ') else { continue };
+                let (Ok(ms), Some(what)) =
+                    (ms.parse::<u128>(), rest.strip_prefix(super::kubelet::PROBE_FAILED))
+                else {
+                    continue;
+                };
+                let pod = what.split_whitespace().next().unwrap_or_default();
+                let Some((namespace, name)) = pod.split_once('/') else { continue };
+                let standing = self
+                    .workloads
+                    .iter()
+                    .any(|w| w.namespace == namespace && w.name == name && !touched.pods.contains(&w.name));
+                if ms >= since && standing {
+                    out.push(format!("failed probe on {} at {ms}:{what}", n.node.name));
+                }
+            }
+        }
+        out
     }
 
     /// Writes every container's and kubelet's log lines since `since` (ms) on every

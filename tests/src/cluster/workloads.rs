@@ -22,6 +22,9 @@ use super::{images::RIG_IMAGE, rig::Cluster};
 /// probes are rewritten to reach.
 pub const APP_PORT: u16 = 80;
 const PROBE_PORT: u16 = 8000;
+/// Istio's `HOST_PROBE_SNAT_IP` default: the node's kubelet probes of ambient pods come
+/// from it.
+const KUBELET_PROBE_SNAT: &str = "169.254.7.127";
 pub const PROXY_IMAGE: &str = "localhost/weir-proxy-standalone:dev";
 pub const INIT_IMAGE: &str = "localhost/weir-init:dev";
 pub const ISTIOD_SAN: &str = "istiod.istio-system.svc";
@@ -336,7 +339,10 @@ impl Cluster {
     /// A pod with the rig's app and client and nothing of the mesh; `ambient` labels it
     /// into the mesh's ambient mode.
     pub fn app_pod(&self, name: &str, node: u8, ambient: bool) -> anyhow::Result<Workload> {
-        let (app, client, volume) = self.rig_containers(name)?;
+        let (mut app, client, volume) = self.rig_containers(name)?;
+        // The kubelet's readiness probe, from the node: for an ambient pod it is the
+        // node's probe SNAT that lets it past ztunnel's inbound capture.
+        app["readinessProbe"] = json!({"httpGet": {"path": "/", "port": PROBE_PORT}, "periodSeconds": 1});
         let mut labels = json!({"app": name});
         if ambient {
             labels["istio.io/dataplane-mode"] = json!("ambient");
@@ -377,7 +383,10 @@ impl Cluster {
                 if ms < since || !line.starts_with("conn ") {
                     continue;
                 }
-                if w.kind.meshed() && line.contains("via=network") {
+                // The kubelet's probes of an ambient pod come from the node's probe SNAT
+                // address and are let past ztunnel by design (Istio's host probe rule).
+                let probe = line.contains(&format!("peer={KUBELET_PROBE_SNAT}:"));
+                if w.kind.meshed() && line.contains("via=network") && !probe {
                     t.bypasses.push(format!("{} (server) at {ms}: {line}", w.name));
                 }
             }
