@@ -90,12 +90,13 @@ fn once_writes_the_binary_the_kubeconfig_and_the_chain() {
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 
-    // The .conf became a .conflist with Weir last, 0600 as Istio writes it.
+    // The .conf became a .conflist with Weir last, with the .conf's mode, as Istio's
+    // installer writes the .conf and renames it.
     assert!(!host.net.join("10-bridge.conf").exists());
     assert_eq!(
         std::fs::metadata(host.net.join("10-bridge.conflist")).unwrap().permissions().mode() & 0o777,
         0o600,
-        "the chained config is Istio's 0600"
+        "the .conf's mode"
     );
     let list = host.config("10-bridge.conflist");
     assert_eq!(types(&list), ["bridge", "weir-cni"]);
@@ -316,19 +317,20 @@ fn readyz_waits_for_the_chain_and_names_what_is_missing() {
         .expect("not ready while the chain is gone");
 }
 
-/// The chained config is written 0600 whatever the primary CNI's mode was, as Istio's
-/// installer writes it (CIS 1.1.9), and 0640 with `CNI_CONF_GROUP_READ` (Istio 1.30); a
-/// config already chained at another mode is set right on the next pass. Before, Weir
-/// kept the primary's mode (0644 here).
+/// Chaining into the primary CNI's own file keeps that file's mode, as Istio's
+/// installer does (cni/pkg/install/cniconfig.go `writeCNIConfig`, and `Cleanup` at
+/// uninstall: a CNI may need its own mode, 0660 say); `CNI_CONF_GROUP_READ` applies
+/// only to files Istio creates (the Istio-owned config). Before, Weir wrote the
+/// primary's file 0600 (0640) whatever its mode, from Istio's release note.
 #[test]
-fn the_chained_config_is_written_0600_and_0640_with_group_read() {
+fn the_chained_config_keeps_the_primarys_mode() {
     use std::os::unix::fs::PermissionsExt as _;
     let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
-    for (group_read, want) in [(None, 0o600), (Some("true"), 0o640)] {
+    for (group_read, primary_mode) in [(None, 0o644), (Some("true"), 0o660)] {
         let host = Host::new();
         let list = host.net.join("10-calico.conflist");
         std::fs::write(&list, PRIMARY_LIST).unwrap();
-        std::fs::set_permissions(&list, std::fs::Permissions::from_mode(0o644)).unwrap();
+        std::fs::set_permissions(&list, std::fs::Permissions::from_mode(primary_mode)).unwrap();
         let mut install = host.install(&["--once"]);
         if let Some(v) = group_read {
             install.env("CNI_CONF_GROUP_READ", v);
@@ -336,15 +338,11 @@ fn the_chained_config_is_written_0600_and_0640_with_group_read() {
         let out = install.output().unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         assert_eq!(types(&host.config("10-calico.conflist")).last().unwrap(), "weir-cni");
-        assert_eq!(mode(&list), want, "CNI_CONF_GROUP_READ={group_read:?}");
-        // Chained already, at the wrong mode: the next pass sets the mode.
-        std::fs::set_permissions(&list, std::fs::Permissions::from_mode(0o666)).unwrap();
-        let mut again = host.install(&["--once"]);
-        if let Some(v) = group_read {
-            again.env("CNI_CONF_GROUP_READ", v);
-        }
-        assert!(again.output().unwrap().status.success());
-        assert_eq!(mode(&list), want, "the second pass, CNI_CONF_GROUP_READ={group_read:?}");
+        assert_eq!(mode(&list), primary_mode, "CNI_CONF_GROUP_READ={group_read:?}");
+        let out = host.verb("uninstall", &[]).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert_eq!(types(&host.config("10-calico.conflist")), ["ptp", "portmap"]);
+        assert_eq!(mode(&list), primary_mode, "uninstall keeps it too");
     }
     // A mode Istio's KUBECONFIG_MODE reads (Go's base-0 integers) for the kubeconfig.
     let host = Host::new();

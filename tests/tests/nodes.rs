@@ -89,7 +89,7 @@ fn three_nodes_under_traffic_through_rolls_restarts_reboots_and_deletions() {
 /// chart's ConfigMap, mounts, capabilities and ports. The standing workloads (sidecar
 /// pods with istio-init and with the CNI plugin, native and classic; ambient pods with
 /// ztunnel; plain pods) call each other across the nodes with nothing bypassed and every
-/// call answered; the plugin is chained as `istio-cni`, the config written 0600;
+/// call answered; the plugin is chained as `istio-cni`, the primary's file keeping its mode;
 /// readiness is the chart's probe on 8000 and metrics are served on 15014 under Istio's
 /// names. Then, node by node, the chart's agent is rolled away (Weir leaves the node for
 /// the next agent), the node is left as Istio's installer leaves it, and Weir comes
@@ -115,7 +115,8 @@ fn istios_chart_with_weirs_image_runs_sidecar_and_ambient_pods_under_traffic() {
         assert_eq!(types.last(), Some(&"istio-cni"), "node {i}: {types:?}");
         assert_eq!(types.iter().filter(|t| **t == "istio-cni").count(), 1, "node {i}: {types:?}");
         use std::os::unix::fs::PermissionsExt as _;
-        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600, "node {i}");
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o644, "node {i}: the primary's file keeps its mode (Istio's writeCNIConfig)");
         let pod = scene.cluster.pod_view(chart::NAMESPACE, &chart::pod_name(i)).expect("the agent's pod");
         let ip = pod.ip.expect("the agent's pod has an address (not the host's network)");
         let metrics = node

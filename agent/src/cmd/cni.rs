@@ -398,6 +398,7 @@ impl InstallArgs {
                 install::CONFIG_MODE
             },
             kubeconfig_mode: self.kubeconfig_mode,
+            owned_config: None,
         })
     }
 }

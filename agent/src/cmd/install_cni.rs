@@ -54,11 +54,19 @@ pub struct InstallCniCli {
     pub cni_network_config: String,
     #[arg(long, env = "CNI_NETWORK_CONFIG_FILE", default_value = "")]
     pub cni_network_config_file: String,
-    /// Istio's own CNI config file (`ISTIO_OWNED_CNI_CONFIG`): refused (Weir chains
-    /// into the primary's file).
+    /// Write the chained list to Istio's own file (a copy of the primary's list with the
+    /// plugin last) instead of into the primary's (`ISTIO_OWNED_CNI_CONFIG`); needs
+    /// `CNI_CONF_NAME`, as Istio's installer does.
     #[arg(long, env = "ISTIO_OWNED_CNI_CONFIG", default_value = "false", value_parser = go_bool, action = ArgAction::Set)]
     pub istio_owned_cni_config: bool,
-    #[arg(long, env = "ISTIO_OWNED_CNI_CONF_FILENAME", default_value = "")]
+    /// The Istio-owned file's name, read where Istio's agent reads it (viper's
+    /// `istio-owned-cni-config-filename`); default `02-istio-cni.conflist`.
+    #[arg(long, env = "ISTIO_OWNED_CNI_CONFIG_FILENAME", default_value = "")]
+    pub istio_owned_cni_config_filename: String,
+    /// What Istio's chart sets (`ISTIO_OWNED_CNI_CONF_FILENAME`) and Istio's agent does
+    /// not read (a mismatch in Istio at 86c9f01): ignored the same way, with a warning,
+    /// so that both agents write the same file and a swap finds it.
+    #[arg(long, env = "ISTIO_OWNED_CNI_CONF_FILENAME", default_value = "", hide = true)]
     pub istio_owned_cni_conf_filename: String,
     /// The plugin's log level (written into its config).
     #[arg(long, env = "LOG_LEVEL", default_value = "warn")]
@@ -114,8 +122,8 @@ fn refused(cli: &InstallCniCli) -> Option<String> {
         "CHAINED_CNI_PLUGIN=false: Weir installs only as a plugin chained after the primary CNI"
     } else if !cli.cni_network_config.is_empty() || !cli.cni_network_config_file.is_empty() {
         "CNI_NETWORK_CONFIG(_FILE): a config template is for standalone installs, which Weir does not do"
-    } else if cli.istio_owned_cni_config {
-        "ISTIO_OWNED_CNI_CONFIG=true: Weir chains into the primary CNI's own config file"
+    } else if cli.istio_owned_cni_config && cli.cni_conf_name.as_deref().unwrap_or_default().is_empty() {
+        "ISTIO_OWNED_CNI_CONFIG=true needs CNI_CONF_NAME (the primary CNI's config file to copy), as Istio's installer does"
     } else if !cli.kube_ca_file.is_empty() || cli.skip_tls_verify {
         "KUBE_CA_FILE / SKIP_TLS_VERIFY: the plugin's kubeconfig uses the service account's CA"
     } else if cli.repair_delete_pods || cli.repair_label_pods {
@@ -150,7 +158,31 @@ fn install_settings(cli: &InstallCniCli) -> anyhow::Result<InstallSettings> {
             install::CONFIG_MODE
         },
         kubeconfig_mode: cli.kubeconfig_mode,
+        owned_config: owned_config(cli),
     })
+}
+
+/// Istio's default name for its own CNI config file.
+pub const OWNED_CONFIG_DEFAULT: &str = "02-istio-cni.conflist";
+
+/// The Istio-owned config's file name, when `ISTIO_OWNED_CNI_CONFIG` is on.
+fn owned_config(cli: &InstallCniCli) -> Option<String> {
+    if !cli.istio_owned_cni_config {
+        return None;
+    }
+    let name = match cli.istio_owned_cni_config_filename.as_str() {
+        "" => OWNED_CONFIG_DEFAULT.to_string(),
+        name => name.to_string(),
+    };
+    let chart = cli.istio_owned_cni_conf_filename.as_str();
+    if !chart.is_empty() && chart != name {
+        tracing::warn!(
+            ISTIO_OWNED_CNI_CONF_FILENAME = chart,
+            file = %name,
+            "the chart's ISTIO_OWNED_CNI_CONF_FILENAME is not what Istio's agent reads (ISTIO_OWNED_CNI_CONFIG_FILENAME): ignored, as Istio ignores it, so a swap between the two finds the same file"
+        );
+    }
+    Some(name)
 }
 
 fn repair_part(cli: &InstallCniCli, ambient: &AmbientSettings) -> anyhow::Result<Option<RepairPart>> {
@@ -252,10 +284,22 @@ mod tests {
     }
 
     #[test]
+    fn the_owned_config_is_istios_file_name_and_the_charts_name_is_ignored_as_istio_ignores_it() {
+        assert_eq!(owned_config(&parse(&[])), None);
+        let on = [("ISTIO_OWNED_CNI_CONFIG", "true"), ("CNI_CONF_NAME", "10-calico.conflist")];
+        let cli = parse(&on);
+        assert_eq!(refused(&cli), None);
+        assert_eq!(owned_config(&cli).as_deref(), Some("02-istio-cni.conflist"));
+        let chart = parse(&[on[0], on[1], ("ISTIO_OWNED_CNI_CONF_FILENAME", "05-mine.conflist")]);
+        assert_eq!(owned_config(&chart).as_deref(), Some("02-istio-cni.conflist"));
+        let agent = parse(&[on[0], on[1], ("ISTIO_OWNED_CNI_CONFIG_FILENAME", "05-mine.conflist")]);
+        assert_eq!(owned_config(&agent).as_deref(), Some("05-mine.conflist"));
+    }
+
+    #[test]
     fn settings_weir_does_not_implement_are_refused_by_name() {
         for (setting, value) in [
             ("CHAINED_CNI_PLUGIN", "false"),
-            ("ISTIO_OWNED_CNI_CONFIG", "true"),
             ("REPAIR_DELETE_PODS", "true"),
             ("REPAIR_LABEL_PODS", "true"),
             ("SKIP_TLS_VERIFY", "true"),
@@ -263,6 +307,8 @@ mod tests {
             let why = refused(&parse(&[(setting, value)])).unwrap_or_else(|| panic!("{setting} accepted"));
             assert!(why.contains(setting), "{why}");
         }
+        let why = refused(&parse(&[("ISTIO_OWNED_CNI_CONFIG", "true")])).expect("no CNI_CONF_NAME: refused");
+        assert!(why.contains("ISTIO_OWNED_CNI_CONFIG") && why.contains("CNI_CONF_NAME"), "{why}");
         let e = InstallCniCli::try_parse_from(["install-cni", "--kubeconfig-mode=0999"]).unwrap_err();
         assert!(e.to_string().contains("file mode"), "{e}");
     }

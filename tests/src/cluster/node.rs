@@ -131,7 +131,10 @@ impl Node {
                 })?;
             }
         }
-        std::fs::write(dir.join("etc/cni/net.d/10-primary.conflist"), primary_conflist(index))?;
+        let primary = dir.join("etc/cni/net.d/10-primary.conflist");
+        std::fs::write(&primary, primary_conflist(index))?;
+        // The primary CNI's own mode, which the chained plugin's installer keeps.
+        std::fs::set_permissions(&primary, std::os::unix::fs::PermissionsExt::from_mode(0o644))?;
         let mount = weir_agent::sandbox::cgroup::cgroup2_mount()?;
         let kubepods_relative = kubepods.path().strip_prefix(&mount)?.to_path_buf();
         let mounts = Some(spawn_mounts(&dir, netns.path())?);

@@ -73,9 +73,13 @@ pub struct InstallSettings {
     /// [`ISTIO_PLUGIN_TYPE`] when Weir runs as Istio's `install-cni` (the swap replaces
     /// istio-cni's binary and entry in place, and back).
     pub plugin_type: &'static str,
-    /// The mode of every CNI config file written: Istio's 0600, 0640 with
-    /// `CNI_CONF_GROUP_READ`.
+    /// The mode of a CNI config file Weir creates (the Istio-owned one): Istio's 0600,
+    /// 0640 with `CNI_CONF_GROUP_READ`. The primary's own file keeps its mode.
     pub config_mode: u32,
+    /// `ISTIO_OWNED_CNI_CONFIG`: the file (in `net_dir`) the chained list is written to,
+    /// a copy of the primary's list with the plugin last; the primary's file is left as
+    /// its CNI wrote it. `None`: the plugin is chained into the primary's file.
+    pub owned_config: Option<String>,
     /// The kubeconfig's mode (`KUBECONFIG_MODE`, 0600).
     pub kubeconfig_mode: u32,
 }
@@ -247,28 +251,42 @@ fn ensure_kubeconfig(s: &InstallSettings) -> Result<bool, InstallError> {
     Ok(true)
 }
 
-/// The plugin last in the primary CNI config, the file at the configured mode (as
-/// Istio writes it: the primary CNI's own mode is not kept); the file written, if any.
+/// The plugin last in the primary CNI's list, as Istio's `writeCNIConfig` writes it:
+/// into the primary's own file, which keeps its mode (a CNI may need its own, 0660
+/// say); or, with [`InstallSettings::owned_config`], into Istio's own file at the
+/// configured mode, the primary's file untouched. The file written, if any.
 fn ensure_chained(s: &InstallSettings) -> Result<Option<PathBuf>, InstallError> {
     let path = primary_config(&s.net_dir, s.conf_name.as_deref())?;
     let bad = |message: String| InstallError::Config { path: path.clone(), message };
     let bytes = std::fs::read(&path).map_err(io("read", &path))?;
     let existing: Value = serde_json::from_slice(&bytes).map_err(|e| bad(e.to_string()))?;
     let entry = plugin_entry(s);
-    let mode = std::fs::metadata(&path).map(|m| m.permissions().mode() & 0o7777).ok();
-    if is_installed(&existing, &entry) && mode == Some(s.config_mode) {
+    let mode_of = |p: &Path| std::fs::metadata(p).map(|m| m.permissions().mode() & 0o7777).ok();
+    if let Some(owned) = &s.owned_config {
+        let target = s.net_dir.join(owned);
+        let chained = insert(&existing, &entry).map_err(bad)?;
+        let current = std::fs::read(&target).ok().and_then(|b| serde_json::from_slice::<Value>(&b).ok());
+        if current.as_ref() == Some(&chained) && mode_of(&target) == Some(s.config_mode) {
+            return Ok(None);
+        }
+        let text = serde_json::to_vec_pretty(&chained).expect("JSON serializes");
+        write_atomic(&target, &text, s.config_mode)?;
+        return Ok(Some(target));
+    }
+    if is_installed(&existing, &entry) {
         return Ok(None);
     }
+    let mode = mode_of(&path).unwrap_or(s.config_mode);
     let chained = insert(&existing, &entry).map_err(bad)?;
     let text = serde_json::to_vec_pretty(&chained).expect("JSON serializes");
     if path.extension().is_some_and(|e| e == "conf") {
         // kubelet picks by name: the list takes the .conf's place.
         let list = path.with_extension("conflist");
-        write_atomic(&list, &text, s.config_mode)?;
+        write_atomic(&list, &text, mode)?;
         std::fs::remove_file(&path).map_err(io("remove", &path))?;
         return Ok(Some(list));
     }
-    write_atomic(&path, &text, s.config_mode)?;
+    write_atomic(&path, &text, mode)?;
     Ok(Some(path))
 }
 
@@ -310,13 +328,22 @@ pub struct Uninstalled {
 /// Missing parts are fine (uninstall is idempotent).
 pub fn uninstall(s: &InstallSettings, detach_running_pods: bool) -> Result<Uninstalled, InstallError> {
     let mut report = Uninstalled::default();
-    if let Ok(path) = primary_config(&s.net_dir, s.conf_name.as_deref()) {
+    if let Some(owned) = &s.owned_config {
+        let path = s.net_dir.join(owned);
+        match std::fs::remove_file(&path) {
+            Ok(()) => tracing::info!(config = %path.display(), "removed the Istio-owned CNI config"),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io("remove", &path)(e)),
+        }
+    } else if let Ok(path) = primary_config(&s.net_dir, s.conf_name.as_deref()) {
         let bytes = std::fs::read(&path).map_err(io("read", &path))?;
         if let Ok(existing) = serde_json::from_slice::<Value>(&bytes) {
             let cleaned = remove(&existing);
             if cleaned != existing {
+                // The primary's file keeps its mode, as Istio's `Cleanup` keeps it.
+                let mode = std::fs::metadata(&path).map(|m| m.permissions().mode() & 0o7777);
                 let text = serde_json::to_vec_pretty(&cleaned).expect("JSON serializes");
-                write_atomic(&path, &text, s.config_mode)?;
+                write_atomic(&path, &text, mode.unwrap_or(s.config_mode))?;
                 tracing::info!(config = %path.display(), "removed weir-cni from the chain");
             }
         }
@@ -457,6 +484,65 @@ fn collect_gone_pods() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn settings(dir: &Path, owned: Option<&str>) -> InstallSettings {
+        InstallSettings {
+            net_dir: dir.join("net.d"),
+            bin_dir: dir.join("bin"),
+            conf_name: Some("10-calico.conflist".into()),
+            run_dir: dir.join("run"),
+            plugin: Map::new(),
+            binary: dir.join("weir-cni"),
+            kubeconfig: KubeconfigSource::File(dir.join("kubeconfig")),
+            ebpf: None,
+            plugin_type: ISTIO_PLUGIN_TYPE,
+            config_mode: CONFIG_MODE,
+            kubeconfig_mode: 0o600,
+            owned_config: owned.map(String::from),
+        }
+    }
+
+    /// `ISTIO_OWNED_CNI_CONFIG` as Istio's `writeCNIConfig` does it: the primary's list
+    /// copied with the plugin last into Istio's own file (named before the primary's,
+    /// so the runtime takes it), at the configured mode; the primary's file untouched;
+    /// a second pass changes nothing; uninstall removes Istio's file alone.
+    #[test]
+    fn the_owned_config_is_a_copy_with_the_plugin_and_the_primary_is_untouched() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = settings(dir.path(), Some("02-istio-cni.conflist"));
+        std::fs::create_dir_all(&s.net_dir).unwrap();
+        let primary = s.net_dir.join("10-calico.conflist");
+        let text = r#"{"cniVersion":"1.0.0","name":"k8s-pod-network","plugins":[{"type":"calico"},{"type":"portmap"}]}"#;
+        std::fs::write(&primary, text).unwrap();
+        std::fs::set_permissions(&primary, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let owned = s.net_dir.join("02-istio-cni.conflist");
+        assert_eq!(ensure_chained(&s).unwrap(), Some(owned.clone()));
+        let list: Value = serde_json::from_slice(&std::fs::read(&owned).unwrap()).unwrap();
+        let types: Vec<&str> = list["plugins"].as_array().unwrap().iter().filter_map(|p| p["type"].as_str()).collect();
+        assert_eq!(types, ["calico", "portmap", "istio-cni"]);
+        assert_eq!(std::fs::metadata(&owned).unwrap().permissions().mode() & 0o777, 0o600);
+        assert_eq!(std::fs::read_to_string(&primary).unwrap(), text, "the primary's file as its CNI wrote it");
+        assert_eq!(std::fs::metadata(&primary).unwrap().permissions().mode() & 0o777, 0o644);
+        assert_eq!(ensure_chained(&s).unwrap(), None, "a second pass changes nothing");
+        assert_eq!(primary_config(&s.net_dir, s.conf_name.as_deref()).unwrap(), primary, "CNI_CONF_NAME names it");
+        uninstall(&s, false).unwrap();
+        assert!(!owned.exists());
+        assert_eq!(std::fs::read_to_string(&primary).unwrap(), text);
+    }
+
+    /// Chained into the primary's own file, the file keeps the mode its CNI gave it.
+    #[test]
+    fn chaining_into_the_primarys_file_keeps_its_mode() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = settings(dir.path(), None);
+        std::fs::create_dir_all(&s.net_dir).unwrap();
+        let primary = s.net_dir.join("10-calico.conflist");
+        std::fs::write(&primary, r#"{"cniVersion":"1.0.0","name":"n","plugins":[{"type":"calico"}]}"#).unwrap();
+        std::fs::set_permissions(&primary, std::fs::Permissions::from_mode(0o660)).unwrap();
+        assert_eq!(ensure_chained(&s).unwrap(), Some(primary.clone()));
+        assert_eq!(std::fs::metadata(&primary).unwrap().permissions().mode() & 0o777, 0o660);
+        assert_eq!(ensure_chained(&s).unwrap(), None);
+    }
 
     /// The kubeconfig holds the node agent's token: it never passes through a file
     /// that was already there (which someone may hold open), and lands 0600.
