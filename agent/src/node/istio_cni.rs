@@ -115,8 +115,8 @@ pub enum StopPolicy {
 /// istio-cni's decision at stop (cni/pkg/cmd/root.go's deferred cleanup and the node
 /// agent's `ShouldStopCleanup`), from what the API said about [`DAEMONSET`]. Where the
 /// API cannot answer (no answer, 429, 5xx), Istio cleans up; Weir keeps (pods then wait
-/// for the next agent rather than start uncaptured). The DaemonSet's node affinity is
-/// not consulted.
+/// for the next agent rather than start uncaptured). A DaemonSet whose required node
+/// affinity no longer matches this node is, as for Istio, not an upgrade.
 pub fn stop_policy(ambient: bool, disable_safe_upgrade: bool, daemonset: DaemonSetState) -> StopPolicy {
     if !ambient {
         return StopPolicy::CleanUp(
@@ -130,6 +130,9 @@ pub fn stop_policy(ambient: bool, disable_safe_upgrade: bool, daemonset: DaemonS
         DaemonSetState::Present { deleting: false } => {
             StopPolicy::Keep("the DaemonSet is still there: an upgrade or a node reboot")
         }
+        DaemonSetState::NotForThisNode => StopPolicy::CleanUp(
+            "the DaemonSet's node affinity no longer takes this node: it will not come back here",
+        ),
         DaemonSetState::Present { deleting: true } => {
             StopPolicy::CleanUp("the DaemonSet is being deleted: an uninstall")
         }
@@ -151,21 +154,38 @@ pub enum DaemonSetState {
         deleting: bool,
     },
     Gone,
+    /// There, but its template's required node affinity no longer matches this node.
+    NotForThisNode,
     /// 401 or 403: the agent's token or its role is no longer accepted.
     Refused,
     /// No answer, 429, 5xx, or one that does not parse: nothing can be told.
     Unknown(String),
 }
 
-/// What the API says about [`DAEMONSET`] in `namespace`.
-async fn daemonset_state(kube: &KubeClient, namespace: &str) -> DaemonSetState {
-    use crate::node::cni::kube::KubeError;
+/// What the API says about [`DAEMONSET`] in `namespace`, for node `node`: with a
+/// required node affinity, the node is read and matched as Istio's
+/// `ShouldStopCleanup` does.
+async fn daemonset_state(kube: &KubeClient, namespace: &str, node: &str) -> DaemonSetState {
+    use crate::node::{cni::kube::KubeError, node_affinity};
     let path = format!("/apis/apps/v1/namespaces/{namespace}/daemonsets/{DAEMONSET}");
-    match kube.get_json(&path).await {
-        Ok(ds) => DaemonSetState::Present { deleting: !ds["metadata"]["deletionTimestamp"].is_null() },
-        Err(KubeError::Status { status: 404, .. }) => DaemonSetState::Gone,
-        Err(KubeError::Status { status: 401 | 403, .. }) => DaemonSetState::Refused,
-        Err(e) => DaemonSetState::Unknown(crate::error_chain(&e)),
+    let ds = match kube.get_json(&path).await {
+        Ok(ds) => ds,
+        Err(KubeError::Status { status: 404, .. }) => return DaemonSetState::Gone,
+        Err(KubeError::Status { status: 401 | 403, .. }) => return DaemonSetState::Refused,
+        Err(e) => return DaemonSetState::Unknown(crate::error_chain(&e)),
+    };
+    let deleting = !ds["metadata"]["deletionTimestamp"].is_null();
+    let Some(selector) = node_affinity::required_selector(&ds).filter(|_| !deleting) else {
+        return DaemonSetState::Present { deleting };
+    };
+    let node_object = match kube.get_json(&format!("/api/v1/nodes/{node}")).await {
+        Ok(n) => n,
+        Err(e) => return DaemonSetState::Unknown(format!("node {node}: {}", crate::error_chain(&e))),
+    };
+    match node_affinity::matches(selector, &node_object) {
+        Ok(true) => DaemonSetState::Present { deleting },
+        Ok(false) => DaemonSetState::NotForThisNode,
+        Err(e) => DaemonSetState::Unknown(e.to_string()),
     }
 }
 
@@ -327,7 +347,7 @@ pub async fn run(parts: Parts, ports: Ports, stop: CancellationToken) -> Result<
     metrics::install_ready(false);
     tasks.stop(STOP_GRACE).await;
     let daemonset = match (&stop_kube, &ambient_settings) {
-        (Some(kube), Some(a)) => daemonset_state(kube, &a.pod_namespace).await,
+        (Some(kube), Some(a)) => daemonset_state(kube, &a.pod_namespace, &a.node_name).await,
         _ => DaemonSetState::Gone,
     };
     let disable = ambient_settings.as_ref().is_some_and(|a| a.disable_safe_upgrade);
@@ -357,6 +377,7 @@ mod tests {
         assert!(matches!(stop_policy(true, false, present()), Keep(_)), "an upgrade");
         assert!(matches!(stop_policy(true, false, Present { deleting: true }), CleanUp(_)), "being deleted");
         assert!(matches!(stop_policy(true, false, Gone), CleanUp(_)), "gone");
+        assert!(matches!(stop_policy(true, false, NotForThisNode), CleanUp(_)), "moved off this node");
         assert!(matches!(stop_policy(true, false, Refused), CleanUp(_)), "the account deleted with it");
         assert!(matches!(stop_policy(true, false, Unknown("503".into())), Keep(_)), "cannot tell");
     }
