@@ -44,6 +44,9 @@ struct Store {
     /// DaemonSets by namespace and name (GET only: the node agent asks whether its own
     /// still exists when it stops).
     daemonsets: BTreeMap<Key, Value>,
+    /// Nodes by name (GET only: the node agent matches its DaemonSet's node affinity
+    /// against its own node when it stops).
+    nodes: BTreeMap<String, Value>,
     history: Vec<Change>,
     /// Versions at or below this are gone (410).
     expired_below: u64,
@@ -249,6 +252,20 @@ impl KubeApi {
         };
     }
 
+    /// DaemonSet `namespace/name` as the API serves it.
+    pub fn daemonset(&self, namespace: &str, name: &str) -> Option<Value> {
+        self.store.lock().expect("store").daemonsets.get(&(namespace.to_string(), name.to_string())).cloned()
+    }
+
+    /// Node `name` as the API serves it (`None`: not there).
+    pub fn set_node(&self, name: &str, node: Option<Value>) {
+        let mut s = self.store.lock().expect("store");
+        match node {
+            Some(n) => s.nodes.insert(name.to_string(), n),
+            None => s.nodes.remove(name),
+        };
+    }
+
     pub fn set_namespace(&self, name: &str, labels: &[(&str, &str)]) {
         let labels: BTreeMap<&str, &str> = labels.iter().copied().collect();
         let mut ns =
@@ -403,6 +420,10 @@ async fn serve(
                 None => status(404, &format!("pods \"{name}\" not found")),
             }
         }
+        ("GET", ["api", "v1", "nodes", name]) => match store.lock().expect("store").nodes.get(*name) {
+            Some(n) => (200, n.clone()),
+            None => status(404, &format!("nodes \"{name}\" not found")),
+        },
         ("GET", ["apis", "apps", "v1", "namespaces", ns, "daemonsets", name]) => {
             match store.lock().expect("store").daemonsets.get(&(ns.to_string(), name.to_string())) {
                 Some(d) => (200, d.clone()),

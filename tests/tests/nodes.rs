@@ -175,8 +175,9 @@ fn ipset_exists(netns: &std::path::Path, name: &'static str) -> bool {
 /// `istio-cni` entry last in the chain, its binary and kubeconfig, the node's probe
 /// rule and set. The next agent here finds the entry as Istio's installer writes it
 /// (cni/pkg/install/cniconfig.go: `plugin.Config`, name and type `istio-cni`) and
-/// replaces it in place: one `istio-cni` entry, Weir's. Once the DaemonSet is gone (an
-/// uninstall), stopping takes all of it out of the node. Before, Weir kept everything
+/// replaces it in place: one `istio-cni` entry, Weir's. Once the DaemonSet no longer
+/// takes the node (its required node affinity), or is gone (an uninstall), stopping
+/// takes all of it out of the node. Before, Weir kept everything
 /// on every stop: after `helm uninstall`, the chain kept a plugin whose kubeconfig's
 /// token was deleted, and every pod's ADD on the node failed.
 #[test]
@@ -226,6 +227,23 @@ fn the_chart_keeps_the_node_for_the_next_agent_and_cleans_it_once_uninstalled() 
         now[0].get("dns").is_none() && now[0]["capture_mode"] == "auto",
         "Weir's entry in Istio's place: {now:?}"
     );
+
+    // The DaemonSet's required node affinity no longer takes this node: not an upgrade
+    // (Istio's ShouldStopCleanup); stopping takes Weir out of the node.
+    let node_name = node.name.clone();
+    cluster.api.set_node(&node_name, Some(serde_json::json!({"metadata": {"name": node_name, "labels": {}}})));
+    let mut ds = cluster.api.daemonset(chart::NAMESPACE, chart::DAEMONSET).expect("the chart's DaemonSet");
+    ds["spec"]["template"]["spec"]["affinity"] = serde_json::json!({"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "istio-cni", "operator": "In", "values": ["on"]}]}]}}});
+    cluster.api.set_daemonset(chart::NAMESPACE, chart::DAEMONSET, Some(ds));
+    cluster.delete_pod(chart::NAMESPACE, &name, Duration::from_secs(30));
+    cluster.wait_gone(chart::NAMESPACE, &name, Duration::from_secs(60)).unwrap();
+    assert_eq!(entries().len(), 0, "the plugin is out of the chain once the DaemonSet leaves the node");
+    assert!(!binary.exists() && !kubeconfig.exists() && !probe_rule() && !probe_set(), "the node cleaned");
+    cluster.apply_istio_cni_chart("localhost/weir-cni:dev", Profile::Ambient, &[1]).unwrap();
+    ready_again("back on the node");
+    assert!(entries().len() == 1 && probe_rule() && probe_set(), "installed again");
 
     // An uninstall: the DaemonSet is gone; stopping takes Weir out of the node.
     cluster.api.set_daemonset(chart::NAMESPACE, chart::DAEMONSET, None);
