@@ -327,12 +327,7 @@ fn ebpf(run: &RunArgs) -> anyhow::Result<()> {
             repair(&record, run.netns.as_deref(), cookie, &faults);
         }
     }
-    // Attaching anew: what the cgroup's ancestors run must leave eBPF capture safe.
-    if let Some(why) = detect::ebpf_unsafe_for(&run.cgroup) {
-        bail!(
-            "eBPF capture cannot work here: {why} (use `weir capture apply` to fall back to nftables or iptables)"
-        );
-    }
+    refuse_unsafe_ancestors(&run.cgroup)?;
     if run.foreground {
         return foreground(run, &name, cookie, &pod);
     }
@@ -355,6 +350,17 @@ fn ebpf(run: &RunArgs) -> anyhow::Result<()> {
     );
     eprintln!("weir: pinned under {}", record.pin_dir().display());
     Ok(())
+}
+
+/// Before attaching anew: what the cgroup's ancestors run must leave eBPF capture
+/// safe (`ancestors`); else an error naming the program, its cgroup and why.
+fn refuse_unsafe_ancestors(cgroup: &Path) -> anyhow::Result<()> {
+    match detect::ebpf_unsafe_for(cgroup) {
+        None => Ok(()),
+        Some(why) => bail!(
+            "eBPF capture cannot work here: {why} (use `weir capture apply` to fall back to nftables or iptables)"
+        ),
+    }
 }
 
 /// Captures the pod with this build's set while `old` (another build's, or pins of its
