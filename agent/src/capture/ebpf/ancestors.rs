@@ -214,7 +214,7 @@ fn prog_type_name(prog_type: u32) -> String {
 /// the ancestor holding each, when the capture cgroup has `own` programs of its own
 /// there: `compute_effective_progs`, which takes the first level that has programs
 /// whatever its flags, and after that only `BPF_F_ALLOW_MULTI` levels.
-pub fn effective<'a>(layout: &'a Layout, hook: u32, own: usize) -> Vec<(&'a Ancestor, &'a Program)> {
+pub fn effective(layout: &Layout, hook: u32, own: usize) -> Vec<(&Ancestor, &Program)> {
     let mut count = own;
     let mut out = Vec::new();
     for ancestor in &layout.ancestors {
