@@ -1,7 +1,9 @@
 //! Capturing one pod inside its network namespace, and telling whether it is captured:
 //! what ADD and CHECK (`plugin`) and repair (`repair`) share. The backend comes from
 //! the plugin's config (`capture_mode`, Istio's `native_nftables`): eBPF registers the
-//! pod with the node's pinned capture, netfilter goes through weir-iptables in CNI mode.
+//! pod with the node's pinned capture, netfilter goes through weir-iptables in CNI mode;
+//! where the node capture's cgroup sits below programs that make eBPF capture unsafe
+//! (`capture::ebpf::ancestors`), `auto` gives a new pod netfilter, naming why.
 //! Also the container id a repaired pod is registered under, which DEL must find.
 
 use std::{net::IpAddr, path::Path};
