@@ -85,7 +85,7 @@ pub fn assert_demo_works(weir: &Path, mode: &str, env: &[(&str, &std::ffi::OsStr
         stdout.lines().filter_map(|l| l.strip_prefix("[demo] ")?.split_whitespace().next()).collect();
     steps.dedup();
     let expected = [
-        "capture", "sandbox", "mesh", "capture", "envoy", "ready", "identity", "traffic", "envoy", "drain",
+        "sandbox", "capture", "mesh", "capture", "envoy", "ready", "identity", "traffic", "envoy", "drain",
         "cleanup", "summary",
     ];
     assert_eq!(steps, expected, "{stdout}");

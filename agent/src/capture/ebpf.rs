@@ -2,6 +2,7 @@
 //! them in the kernel. Kernel-side code lives in `ebpf/programs`; the types both sides
 //! share live in `weir-ebpf-common`.
 
+pub mod ancestors;
 pub mod bpffs;
 pub mod capture;
 pub mod config;
@@ -106,11 +107,22 @@ pub enum EbpfError {
          pod (network namespace cookie {owner}): two pods on a node cannot share an address and a MAC address"
     )]
     AddressTaken { address: std::net::IpAddr, mac: String, owner: u64 },
+    /// What the capture cgroup's ancestors run makes eBPF capture unsafe there, or could
+    /// not be read (`ancestors`).
+    #[error("refused to attach eBPF capture: {0}")]
+    Ancestors(Box<ancestors::AncestorError>),
     #[error(
         "{path} holds a link this capture did not make ({what}); it is left attached. Remove it with \
          `weir capture clean` (or `weir cni uninstall --detach-running-pods` for a node capture) if it is no longer wanted"
     )]
     ForeignPin { path: PathBuf, what: String },
+}
+
+/// Refuses attaching Weir's hooks to `cgroup` where its ancestors' programs make eBPF
+/// capture unsafe, naming the program, its cgroup and why (`ancestors`).
+pub(crate) fn check_ancestors(cgroup: &Path) -> Result<(), EbpfError> {
+    let hooks = capture::cgroup_hook_types();
+    ancestors::check(cgroup, &hooks, ancestors::Probe::Attach).map_err(|e| EbpfError::Ancestors(Box::new(e)))
 }
 
 /// Opens `path` for attaching cgroup programs, refusing anything that is not a cgroup v2

@@ -70,6 +70,11 @@ pub struct ExplainArgs {
     /// The interface it arrives on (default: the capture's, else eth0).
     #[arg(long, requires = "inbound")]
     pub interface: Option<String>,
+    /// The pod's cgroup v2 directory: also say whether the programs its ancestors run
+    /// leave eBPF capture safe there (why `auto` picked netfilter). With --pod, the
+    /// capture's own cgroup is judged without it.
+    #[arg(long)]
+    pub cgroup: Option<PathBuf>,
 }
 
 /// The answer: what happens, why, and what counts it.
@@ -116,7 +121,36 @@ pub fn run(args: &ExplainArgs) -> anyhow::Result<()> {
     for e in &answer.evidence {
         println!("  {e}");
     }
+    if let Some(line) = ancestors_line(args)? {
+        println!("  {line}");
+    }
     Ok(())
+}
+
+/// What the ancestors of the pod's cgroup run, judged for eBPF capture: the capture's
+/// own cgroup for `--pod` (Weir's programs there show the order: nothing is attached),
+/// `--cgroup` for a pod on netfilter (a pass-through probe may be attached for a moment
+/// to tell it). `None` without a cgroup to judge.
+fn ancestors_line(args: &ExplainArgs) -> anyhow::Result<Option<String>> {
+    use crate::capture::ebpf::ancestors::{self, AncestorError, Probe};
+    let (cgroup, probe) = match (&args.cgroup, &args.target.pod) {
+        (Some(cgroup), _) => (cgroup.clone(), Probe::Attach),
+        (None, Some(pod)) => (pod_record(pod)?.cgroup, Probe::Never),
+        (None, None) => return Ok(None),
+    };
+    let hooks = crate::capture::ebpf::capture::cgroup_hook_types();
+    let netfilter = args.target.pod.is_none();
+    Ok(Some(match ancestors::check(&cgroup, &hooks, probe) {
+        Ok(()) => format!(
+            "eBPF capture of {}: no program its ancestor cgroups run stands in the way",
+            cgroup.display()
+        ),
+        Err(AncestorError::Unsafe(u)) if netfilter => {
+            format!("not eBPF, so `auto` picks netfilter for this pod: {u}")
+        }
+        Err(AncestorError::Unsafe(u)) => format!("UNSAFE: {u}"),
+        Err(e) => format!("eBPF capture of {} not judged: {e}", cgroup.display()),
+    }))
 }
 
 fn gid(args: &ExplainArgs) -> u32 {
@@ -454,6 +488,7 @@ mod tests {
                     udp: false,
                     inbound: false,
                     interface: None,
+                    cgroup: None,
                 };
                 let ebpf = match decide(&pod.config, &args, dst, &lookup).unwrap() {
                     Decision::Dns => Outcome::Redirect(pod.config.dns_port),

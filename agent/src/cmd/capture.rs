@@ -5,6 +5,7 @@
 //! process of the pod's cgroup is in.
 
 use std::{
+    collections::BTreeMap,
     path::{Path, PathBuf},
     time::Duration,
 };
@@ -15,6 +16,7 @@ use weir_iptables::{detect::SystemFacts, flags::IstioIptablesArgs};
 
 use crate::{
     capture::ebpf::{
+        ancestors::{self, AncestorError, Probe},
         bpffs,
         capture::CapturePrograms,
         config::{EbpfOptions, PodCapture, own_addresses},
@@ -41,10 +43,14 @@ pub enum CaptureCommand {
     Ebpf(Box<RunArgs>),
     /// Program capture with the best backend this machine offers (or --capture-mode).
     Apply(Box<ApplyArgs>),
-    /// Print the backend this machine supports and why.
+    /// Print the backend this machine supports and why (with --cgroup: for that pod's
+    /// cgroup, whose ancestors' programs may rule eBPF out).
     Detect {
         #[arg(long, value_enum, default_value_t = CaptureMode::Auto)]
         capture_mode: CaptureMode,
+        /// The pod's cgroup v2 directory.
+        #[arg(long)]
+        cgroup: Option<PathBuf>,
     },
     /// What eBPF capture is attached where: pods, maps, counters, and whether each is
     /// still live (exits 1 when one is broken).
@@ -132,7 +138,7 @@ pub fn run(args: CaptureArgs) -> anyhow::Result<()> {
     match args.command {
         CaptureCommand::Ebpf(run) => ebpf(&run),
         CaptureCommand::Apply(apply) => {
-            let mut choice = detect::choose(apply.capture_mode)?;
+            let mut choice = detect::choose_for(apply.capture_mode, &apply.run.cgroup)?;
             if choice.backend == Backend::Ebpf
                 && let Some(why) = pod_refuses_ebpf(&apply.run)?
             {
@@ -153,8 +159,11 @@ pub fn run(args: CaptureArgs) -> anyhow::Result<()> {
                 }
             }
         }
-        CaptureCommand::Detect { capture_mode } => {
-            let choice = detect::choose(capture_mode)?;
+        CaptureCommand::Detect { capture_mode, cgroup } => {
+            let choice = match &cgroup {
+                Some(cgroup) => detect::choose_for(capture_mode, cgroup)?,
+                None => detect::choose(capture_mode)?,
+            };
             println!("{}", choice.backend);
             for reason in &choice.reasons {
                 println!("  {reason}");
@@ -318,6 +327,7 @@ fn ebpf(run: &RunArgs) -> anyhow::Result<()> {
             repair(&record, run.netns.as_deref(), cookie, &faults);
         }
     }
+    refuse_unsafe_ancestors(&run.cgroup)?;
     if run.foreground {
         return foreground(run, &name, cookie, &pod);
     }
@@ -340,6 +350,17 @@ fn ebpf(run: &RunArgs) -> anyhow::Result<()> {
     );
     eprintln!("weir: pinned under {}", record.pin_dir().display());
     Ok(())
+}
+
+/// Before attaching anew: what the cgroup's ancestors run must leave eBPF capture
+/// safe (`ancestors`); else an error naming the program, its cgroup and why.
+fn refuse_unsafe_ancestors(cgroup: &Path) -> anyhow::Result<()> {
+    match detect::ebpf_unsafe_for(cgroup) {
+        None => Ok(()),
+        Some(why) => bail!(
+            "eBPF capture cannot work here: {why} (use `weir capture apply` to fall back to nftables or iptables)"
+        ),
+    }
 }
 
 /// Captures the pod with this build's set while `old` (another build's, or pins of its
@@ -465,8 +486,10 @@ fn status(json: bool, only: Option<&str>) -> anyhow::Result<()> {
     // must not report captures as broken.
     privileges::require(&[Capability::SysAdmin, Capability::Bpf], "weir capture status")?;
     let all = PinRecord::load_all();
+    let shown: Vec<&PinRecord> = all.iter().filter(|r| only.is_none_or(|p| p == r.pod)).collect();
+    let ancestors = ancestors_of(&shown);
     let mut pods = Vec::new();
-    for record in all.iter().filter(|r| only.is_none_or(|p| p == r.pod)) {
+    for record in shown {
         let dir = record.pin_dir();
         let links: Vec<String> = std::fs::read_dir(dir.join("links"))
             .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
@@ -508,10 +531,17 @@ fn status(json: bool, only: Option<&str>) -> anyhow::Result<()> {
             (c, i) => c.or(i),
         };
         let faults = health::faults(record, &all);
+        let (unsafe_ancestors, ancestors_error) = match ancestors.get(&record.cgroup) {
+            Some(Err(AncestorError::Unsafe(u))) => (Some(u.to_string()), None),
+            Some(Err(e)) => (None, Some(e.to_string())),
+            _ => (None, None),
+        };
         pods.push(serde_json::json!({
             "pod": record.pod,
-            "live": faults.is_empty(),
+            "live": faults.is_empty() && unsafe_ancestors.is_none(),
             "faults": faults.iter().map(ToString::to_string).collect::<Vec<_>>(),
+            "unsafe_ancestors": unsafe_ancestors,
+            "ancestors_error": ancestors_error,
             "cgroup": record.cgroup,
             "netns": record.netns,
             "netns_cookie": record.netns_cookie,
@@ -539,6 +569,19 @@ fn status(json: bool, only: Option<&str>) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What the ancestors of each shown capture's cgroup run, judged once per cgroup
+/// (read only: no probe is attached; a cgroup that is gone is a fault already).
+fn ancestors_of(records: &[&PinRecord]) -> BTreeMap<PathBuf, Result<(), AncestorError>> {
+    let hooks = crate::capture::ebpf::capture::cgroup_hook_types();
+    let mut out = BTreeMap::new();
+    for record in records.iter().filter(|r| r.cgroup.exists()) {
+        if !out.contains_key(&record.cgroup) {
+            out.insert(record.cgroup.clone(), ancestors::check(&record.cgroup, &hooks, Probe::Never));
+        }
+    }
+    out
+}
+
 fn print_status(pods: &[serde_json::Value]) {
     if pods.is_empty() {
         println!("no pinned eBPF capture");
@@ -548,7 +591,14 @@ fn print_status(pods: &[serde_json::Value]) {
             "pod {}  cgroup {}  interface {}  program set {}",
             p["pod"], p["cgroup"], p["interface"], p["program_set"]
         );
+        if let Some(why) = p["unsafe_ancestors"].as_str() {
+            println!("  UNSAFE: {why}");
+        }
+        if let Some(e) = p["ancestors_error"].as_str() {
+            println!("  ancestors unreadable: {e}");
+        }
         match p["faults"].as_array().filter(|f| !f.is_empty()) {
+            None if p["live"] == false => {}
             None => println!("  live"),
             Some(faults) => {
                 for fault in faults {

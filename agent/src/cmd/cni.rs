@@ -435,15 +435,21 @@ pub fn default_plugin_binary(exe: &std::path::Path) -> PathBuf {
     }
 }
 
-/// A node whose kernel cannot run eBPF capture (before 5.15, a cgroup v1 host) still
-/// gets the plugin: its pods are captured with netfilter (`auto` finds no node capture),
-/// and the log says why. Only `--capture-mode ebpf` makes that an error.
+/// A node whose kernel cannot run eBPF capture (before 5.15, a cgroup v1 host), or
+/// whose pods' cgroup sits below programs that make it unsafe (a flagless, overridable
+/// or pre-order one: `capture::ebpf::ancestors`), still gets the plugin: its pods are
+/// captured with netfilter (`auto` finds no node capture), and the log says why. Only
+/// `--capture-mode ebpf` makes that an error.
 fn node_capture_or_fallback(s: &mut InstallSettings, capture_mode: &str) -> anyhow::Result<()> {
     let Some((name, cgroup)) = &s.ebpf else { return Ok(()) };
     if crate::node::cni::ebpf::node_capture_present(name) {
         return Ok(());
     }
-    let Some(why) = crate::capture::ebpf::detect::ebpf_unavailable() else { return Ok(()) };
+    let detect = || {
+        use crate::capture::ebpf::detect;
+        detect::ebpf_unavailable().or_else(|| detect::ebpf_unsafe_for(cgroup))
+    };
+    let Some(why) = detect() else { return Ok(()) };
     anyhow::ensure!(
         capture_mode != "ebpf",
         "--capture-mode ebpf with --ebpf-cgroup {}: eBPF capture cannot work on this node: {why}",

@@ -128,8 +128,8 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
     privileges::require(&[Capability::SysAdmin, Capability::NetAdmin, Capability::Bpf], "weir demo")?;
     let started = Instant::now();
     let envoy = envoy_binary()?;
-    let choice = choose_capture(args)?;
     let mut demo = Demo::sandbox()?;
+    let choice = choose_capture(args, demo.cgroup.path())?;
     let services = demo.mesh()?;
     // The apps run as an unprivileged user: through a descriptor opened here, so the
     // directories above this binary (a checkout under /root) need not admit them.
@@ -148,9 +148,10 @@ pub fn run(args: &DemoArgs) -> anyhow::Result<()> {
     summary(&choice, &traffic, &proof, drained, elapsed)
 }
 
-/// `[demo] capture`: the best capture backend here (or the one asked for).
-fn choose_capture(args: &DemoArgs) -> anyhow::Result<detect::Choice> {
-    let choice = detect::choose(args.capture_mode.unwrap_or(CaptureMode::Auto))?;
+/// `[demo] capture`: the best capture backend here for the demo's cgroup (or the one
+/// asked for).
+fn choose_capture(args: &DemoArgs, cgroup: &std::path::Path) -> anyhow::Result<detect::Choice> {
+    let choice = detect::choose_for(args.capture_mode.unwrap_or(CaptureMode::Auto), cgroup)?;
     step("capture", &format!("{choice}"));
     Ok(choice)
 }

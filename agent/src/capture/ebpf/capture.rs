@@ -383,10 +383,12 @@ impl CapturePrograms {
         Ok(())
     }
 
-    /// Attaches every program: sk_msg to the sockhash, the cgroup hooks to `cgroup`.
+    /// Attaches every program: sk_msg to the sockhash, the cgroup hooks to `cgroup`
+    /// (refused where the cgroup's ancestors make that unsafe, `ancestors`).
     pub fn attach(&mut self, cgroup: &Path) -> Result<(), EbpfError> {
-        self.attach_sk_msg()?;
         let dir = super::open_cgroup2(cgroup)?;
+        super::check_ancestors(cgroup)?;
+        self.attach_sk_msg()?;
         let attach_err = |program: &'static str| {
             let path = cgroup.to_path_buf();
             move |source| EbpfError::Attach { program, path, source }
@@ -499,6 +501,11 @@ const OTHER_CGROUP_HOOKS: [(&str, u32); 4] = [
 
 /// How many programs one capture attaches to its cgroup (each once).
 pub const CGROUP_HOOKS: usize = OTHER_CGROUP_HOOKS.len() + CGROUP_SOCK_ADDR.len();
+
+/// The attach types of every cgroup hook a capture attaches.
+pub fn cgroup_hook_types() -> Vec<u32> {
+    cgroup_hooks().into_iter().map(|(_, t)| t).collect()
+}
 
 /// The cgroup hooks with their attach types, in attach order: the hooks that rewrite
 /// connections last.

@@ -1,10 +1,17 @@
 //! Which capture backend this machine can run: eBPF if the kernel verifies and loads
-//! every capture program and offers what they need, else native nftables if `nft`
-//! works, else iptables. The choice comes with the reasons, one line each.
+//! every capture program and offers what they need (and, for one pod's cgroup, when
+//! the programs its ancestors run leave eBPF capture safe: `ancestors`), else native
+//! nftables if `nft` works, else iptables. The choice comes with the reasons, one line
+//! each.
 
 use std::path::Path;
 
-use super::{netns::netns_cookie, set};
+use super::{
+    ancestors::{self, Probe},
+    capture::cgroup_hook_types,
+    netns::netns_cookie,
+    set,
+};
 
 /// A capture backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
@@ -87,6 +94,17 @@ pub fn ebpf_unavailable() -> Option<String> {
     }
 }
 
+/// Why eBPF capture of the cgroup `cgroup` is unsafe (a program its ancestors run,
+/// named with its cgroup and why: `ancestors`), or why that could not be read; `None`
+/// when it is safe. Before anything of Weir's is attached there, a pass-through probe
+/// may be attached for a moment to tell the programs' order.
+pub fn ebpf_unsafe_for(cgroup: &Path) -> Option<String> {
+    match ancestors::check(cgroup, &cgroup_hook_types(), Probe::Attach) {
+        Ok(()) => None,
+        Err(e) => Some(e.to_string()),
+    }
+}
+
 /// Why native nftables cannot run here, or `None`.
 pub fn nftables_unavailable() -> Option<String> {
     match std::process::Command::new("nft").arg("--version").output() {
@@ -104,19 +122,32 @@ pub fn iptables_unavailable() -> Option<String> {
     (!found).then(|| "no iptables binary (iptables, iptables-nft or iptables-legacy)".into())
 }
 
-/// Chooses a backend for `mode`, logging one line that says which and why.
+/// Chooses a backend for `mode` on this machine, logging one line that says which and
+/// why. For one pod's cgroup, [`choose_for`].
 pub fn choose(mode: CaptureMode) -> Result<Choice, Unavailable> {
+    choose_with(mode, ebpf_unavailable)
+}
+
+/// [`choose`] for capturing the cgroup `cgroup`: eBPF also needs its ancestors'
+/// programs to leave eBPF capture safe ([`ebpf_unsafe_for`]); `auto` picks netfilter
+/// where they do not, naming the program, its cgroup and why, and a forced eBPF fails
+/// with the same words.
+pub fn choose_for(mode: CaptureMode, cgroup: &Path) -> Result<Choice, Unavailable> {
+    choose_with(mode, || ebpf_unavailable().or_else(|| ebpf_unsafe_for(cgroup)))
+}
+
+fn choose_with(mode: CaptureMode, ebpf_why: impl FnOnce() -> Option<String>) -> Result<Choice, Unavailable> {
     let forced = |backend: Backend, why: Option<String>| match why {
         None => Ok(Choice { backend, reasons: vec!["forced by --capture-mode".into()] }),
         Some(reason) => Err(Unavailable { backend, reason }),
     };
     let choice = match mode {
-        CaptureMode::Ebpf => forced(Backend::Ebpf, ebpf_unavailable())?,
+        CaptureMode::Ebpf => forced(Backend::Ebpf, ebpf_why())?,
         CaptureMode::Nftables => forced(Backend::Nftables, nftables_unavailable())?,
         CaptureMode::Iptables => forced(Backend::Iptables, iptables_unavailable())?,
         CaptureMode::Auto => {
             let mut reasons = Vec::new();
-            match ebpf_unavailable() {
+            match ebpf_why() {
                 None => {
                     reasons.push("the kernel verified and loaded every capture program".into());
                     Choice { backend: Backend::Ebpf, reasons }

@@ -416,6 +416,10 @@ impl NodePrograms {
     /// and pinned goes: a pin it found is never removed.
     pub fn ensure_cgroup(&self, cgroup: &Path, dir: &Path) -> Result<Vec<&'static str>, EbpfError> {
         let (target, wanted) = self.cgroup_plan(cgroup, dir)?;
+        // Hooks to attach: what the cgroup's ancestors run must leave that safe.
+        if !wanted.is_empty() {
+            super::check_ancestors(cgroup)?;
+        }
         let links_dir = dir.join("links");
         // Every link first (dropped unpinned on failure: detached again), then the pins.
         let mut links: Vec<(&'static str, bool, CgroupLink)> = Vec::new();
@@ -467,9 +471,15 @@ impl NodePrograms {
     }
 
     /// Refuses pins at `dir/links` that this set cannot take as its hooks on `cgroup`
-    /// ([`EbpfError::ForeignPin`]), before anything is registered or attached.
+    /// ([`EbpfError::ForeignPin`]), and hooks to attach where the cgroup's ancestors
+    /// make that unsafe ([`EbpfError::Ancestors`]), before anything is registered or
+    /// attached.
     pub fn check_cgroup_pins(&self, cgroup: &Path, dir: &Path) -> Result<(), EbpfError> {
-        self.cgroup_plan(cgroup, dir).map(drop)
+        let (_, wanted) = self.cgroup_plan(cgroup, dir)?;
+        if !wanted.is_empty() {
+            super::check_ancestors(cgroup)?;
+        }
+        Ok(())
     }
 
     /// The cgroup, open, and the hooks [`Self::ensure_cgroup`] must attach (program,

@@ -1,5 +1,7 @@
 //! The few `bpf(2)` commands Weir makes itself, by raw system call: open and make pins,
-//! read a program's, link's or map's info, and delete or walk map keys as raw bytes.
+//! read a program's, link's or map's info, and delete or walk map keys as raw bytes;
+//! list what a cgroup runs (`BPF_PROG_QUERY`), open a program by id, and load the
+//! one-instruction probe that tells an ancestor's program order.
 //! Raw keys let any Weir build remove what another build registered in its program
 //! set (whose key layout it may not know), and count a map's entries without its
 //! value type. aya covers everything else.
@@ -11,12 +13,15 @@ use std::{
 };
 
 const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
+const BPF_PROG_LOAD: libc::c_long = 5;
 const BPF_MAP_DELETE_ELEM: libc::c_long = 3;
 const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
 const BPF_OBJ_PIN: libc::c_long = 6;
 const BPF_OBJ_GET: libc::c_long = 7;
 const BPF_PROG_TEST_RUN: libc::c_long = 10;
+const BPF_PROG_GET_FD_BY_ID: libc::c_long = 13;
 const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+const BPF_PROG_QUERY: libc::c_long = 16;
 
 /// UAPI `enum bpf_link_type` values Weir reads.
 pub mod link_type {
@@ -213,4 +218,114 @@ pub mod map_type {
 pub fn count_entries(map: BorrowedFd<'_>) -> std::io::Result<u32> {
     let info = map_info(map)?;
     Ok(keys_raw(map, info.key_size)?.len() as u32)
+}
+
+/// What `BPF_PROG_QUERY` says of one attach type of one cgroup (its own programs, not
+/// the effective list): the cgroup's attach flags for it, and its programs in the
+/// cgroup's order with each one's attach flags. Every kernel that reports per-program
+/// flags (6.0 on) reports the cgroup's flags for each (`__cgroup_bpf_query`), never
+/// `BPF_F_PREORDER`; before 6.0 the field is refused, and the cgroup's flags stand in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CgroupQuery {
+    pub attach_flags: u32,
+    pub programs: Vec<(u32, u32)>,
+}
+
+/// The most programs one cgroup holds for one attach type (the kernel's
+/// `BPF_CGROUP_MAX_PROGS`); an effective list may hold more, one such list per level.
+const MAX_PROGS: usize = 64;
+
+/// `BPF_PROG_QUERY` on the cgroup open as `cgroup` for `attach_type`: its own
+/// programs. An error is the kernel's, never an empty answer.
+pub fn query_cgroup(cgroup: BorrowedFd<'_>, attach_type: u32) -> std::io::Result<CgroupQuery> {
+    let mut ids = [0u32; MAX_PROGS];
+    let mut flags = [0u32; MAX_PROGS];
+    let mut ask = |per_program: bool| {
+        let mut attr = [0u64; 16];
+        // query: target_fd, attach_type; query_flags, attach_flags (out); prog_ids;
+        // prog_cnt (in/out), padding; prog_attach_flags (6.0 on).
+        attr[0] = u64::from(cgroup.as_raw_fd() as u32) | (u64::from(attach_type) << 32);
+        attr[2] = ids.as_mut_ptr() as u64;
+        attr[3] = MAX_PROGS as u64;
+        if per_program {
+            attr[4] = flags.as_mut_ptr() as u64;
+        }
+        bpf(BPF_PROG_QUERY, &mut attr).map(|_| ((attr[1] >> 32) as u32, attr[3] as u32 as usize))
+    };
+    let (attach_flags, count, per_program) = match ask(true) {
+        Ok((f, n)) => (f, n, true),
+        // Before 6.0 the kernel refuses the field it does not know.
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+            let (f, n) = ask(false)?;
+            (f, n, false)
+        }
+        Err(e) => return Err(e),
+    };
+    let count = count.min(MAX_PROGS);
+    let programs = (0..count).map(|i| (ids[i], if per_program { flags[i] } else { attach_flags })).collect();
+    Ok(CgroupQuery { attach_flags, programs })
+}
+
+/// The ids of the programs that run for a socket in the cgroup open as `cgroup` on
+/// `attach_type`, in the order they run (`BPF_F_QUERY_EFFECTIVE`: its own and its
+/// ancestors' that reach it).
+pub fn query_effective(cgroup: BorrowedFd<'_>, attach_type: u32) -> std::io::Result<Vec<u32>> {
+    const BPF_F_QUERY_EFFECTIVE: u64 = 1;
+    // An effective list holds one cgroup's list per level: a deep tree may hold more.
+    let mut ids = vec![0u32; MAX_PROGS * 16];
+    let mut attr = [0u64; 16];
+    attr[0] = u64::from(cgroup.as_raw_fd() as u32) | (u64::from(attach_type) << 32);
+    attr[1] = BPF_F_QUERY_EFFECTIVE;
+    attr[2] = ids.as_mut_ptr() as u64;
+    attr[3] = ids.len() as u64;
+    bpf(BPF_PROG_QUERY, &mut attr)?;
+    ids.truncate((attr[3] as u32 as usize).min(ids.len()));
+    Ok(ids)
+}
+
+/// Opens the loaded program whose id is `id` (needs CAP_SYS_ADMIN); `NotFound` when it
+/// is gone.
+pub fn prog_fd_by_id(id: u32) -> std::io::Result<OwnedFd> {
+    let mut attr = [0u64; 16];
+    // prog_id (u32), next_id (u32), open_flags (u32).
+    attr[0] = u64::from(id);
+    let fd = bpf(BPF_PROG_GET_FD_BY_ID, &mut attr)?;
+    // SAFETY: the kernel returned a new descriptor that we now own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// A loaded program's type and name (`bpf_prog_info`'s `type` and `name`).
+pub fn prog_type_and_name(program: BorrowedFd<'_>) -> std::io::Result<(u32, String)> {
+    // type, id, tag (8 bytes), ..., then name (16 bytes) at byte 64.
+    let w = info::<20>(program)?;
+    let bytes: Vec<u8> = w[16..20].iter().flat_map(|word| word.to_ne_bytes()).collect();
+    let end = bytes.iter().position(|b| *b == 0).unwrap_or(bytes.len());
+    Ok((w[0], String::from_utf8_lossy(&bytes[..end]).into_owned()))
+}
+
+/// Loads a `cgroup_sock_addr` program for `attach_type` that lets every call through
+/// unchanged (`r0 = 1; exit`), named `name` (at most 15 bytes): the probe whose place
+/// in a cgroup's effective list shows which ancestor programs run before a program
+/// attached there.
+pub fn load_pass_sock_addr(attach_type: u32, name: &str) -> std::io::Result<OwnedFd> {
+    const CGROUP_SOCK_ADDR: u64 = 18;
+    // mov64 r0, 1 ; exit
+    let insns: [u64; 2] =
+        [u64::from_le_bytes([0xb7, 0, 0, 0, 1, 0, 0, 0]), u64::from_le_bytes([0x95, 0, 0, 0, 0, 0, 0, 0])];
+    let license = c"GPL";
+    let mut attr = [0u64; 16];
+    // prog_type, insn_cnt; insns; license; log_level, log_size; log_buf; kern_version,
+    // prog_flags; prog_name[16]; prog_ifindex, expected_attach_type.
+    attr[0] = CGROUP_SOCK_ADDR | ((insns.len() as u64) << 32);
+    attr[1] = insns.as_ptr() as u64;
+    attr[2] = license.as_ptr() as u64;
+    let mut prog_name = [0u8; 16];
+    let take = name.len().min(15);
+    prog_name[..take].copy_from_slice(&name.as_bytes()[..take]);
+    attr[6] = u64::from_ne_bytes(prog_name[..8].try_into().expect("8 bytes"));
+    attr[7] = u64::from_ne_bytes(prog_name[8..].try_into().expect("8 bytes"));
+    attr[8] = u64::from(attach_type) << 32;
+    let fd = bpf(BPF_PROG_LOAD, &mut attr)?;
+    // SAFETY: the kernel returned a new program descriptor that we now own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }

@@ -1,7 +1,9 @@
 //! Capturing one pod inside its network namespace, and telling whether it is captured:
 //! what ADD and CHECK (`plugin`) and repair (`repair`) share. The backend comes from
 //! the plugin's config (`capture_mode`, Istio's `native_nftables`): eBPF registers the
-//! pod with the node's pinned capture, netfilter goes through weir-iptables in CNI mode.
+//! pod with the node's pinned capture, netfilter goes through weir-iptables in CNI mode;
+//! where the node capture's cgroup sits below programs that make eBPF capture unsafe
+//! (`capture::ebpf::ancestors`), `auto` gives a new pod netfilter, naming why.
 //! Also the container id a repaired pod is registered under, which DEL must find.
 
 use std::{net::IpAddr, path::Path};
@@ -152,6 +154,33 @@ fn for_user_namespace(
     }
 }
 
+/// The backend for a pod planned for eBPF when the ancestors of the node capture's
+/// cgroup run programs that make eBPF capture unsafe (`capture::ebpf::ancestors`):
+/// `auto` picks netfilter (native nftables when Istio's flag asks for it), logging the
+/// program, its cgroup and why; an explicit `ebpf` is an error in the same words. A pod
+/// registered with eBPF already keeps it (netfilter on top would capture it twice).
+fn for_ancestors(conf: &NetConf, who: &str, netns: &Path) -> Result<CaptureMode, CniError> {
+    let node = node_capture(conf);
+    let Err(e) = super::ebpf::check_node_ancestors(node) else { return Ok(CaptureMode::Ebpf) };
+    let why = crate::error_chain(&e);
+    if conf.capture_mode.as_deref() == Some("ebpf") {
+        return Err(CniError::new(
+            code::CAPTURE_FAILED,
+            format!("pod {who} cannot be captured with capture_mode ebpf"),
+            why,
+        ));
+    }
+    let registered = super::ebpf::registered_in_any_set(netns)
+        .map_err(ebpf_error(format!("cannot check the eBPF registrations of {}", netns.display())))?;
+    if registered {
+        tracing::warn!(pod = %who, reason = %why, "the pod is captured by eBPF already: kept");
+        return Ok(CaptureMode::Ebpf);
+    }
+    let mode = if conf.native_nftables { CaptureMode::Nftables } else { CaptureMode::Iptables };
+    tracing::warn!(pod = %who, reason = %why, backend = ?mode, "captured with netfilter: eBPF capture is unsafe here");
+    Ok(mode)
+}
+
 /// Captures `pod` inside `netns` with the configured backend (repair, for pods that
 /// started before the plugin was installed; ADD reads the addresses itself, while it
 /// waits for the API server, and calls [`capture_with`]).
@@ -174,9 +203,13 @@ pub fn capture_with(
     container_id: &str,
     ifname: &str,
 ) -> Result<(), CniError> {
-    let (mode, cfg, opts) = plan(conf, pod, netns, &facts.addresses)?;
-    super::phases::mark("plan");
+    let (mut mode, cfg, mut opts) = plan(conf, pod, netns, &facts.addresses)?;
     let who = format!("{}/{}", pod.namespace, pod.name);
+    if mode == CaptureMode::Ebpf {
+        mode = for_ancestors(conf, &who, netns)?;
+        opts.native_nftables = mode == CaptureMode::Nftables;
+    }
+    super::phases::mark("plan");
     if mode == CaptureMode::Ebpf {
         let node = node_capture(conf);
         let identity = super::ebpf::PodIdentity { name: who.clone(), uid: pod.uid.clone() };

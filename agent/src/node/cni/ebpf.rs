@@ -62,6 +62,10 @@ pub enum CniEbpfError {
          capture tells Envoy's connections apart by user id as the node sees it, which differs there"
     )]
     UserNamespace { netns: PathBuf },
+    /// What the ancestors of the node capture's cgroup run makes eBPF capture of new
+    /// pods unsafe, or could not be read (`capture::ebpf::ancestors`).
+    #[error("eBPF capture through the node capture {node} is refused: {reason}")]
+    Ancestors { node: String, reason: Box<crate::capture::ebpf::ancestors::AncestorError> },
     #[error(transparent)]
     Ebpf(Box<crate::capture::ebpf::EbpfError>),
     #[error(transparent)]
@@ -131,6 +135,22 @@ pub fn registered_in_any_set(netns: &Path) -> Result<bool, CniEbpfError> {
         }
     }
     Ok(false)
+}
+
+/// Refuses eBPF capture of new pods through node capture `name` where the ancestors
+/// of its cgroup run programs that make it unsafe (a flagless, overridable or
+/// pre-order one: `capture::ebpf::ancestors`), naming the program, its cgroup and why.
+/// Weir's links on that cgroup make the order plain: nothing is attached to read it.
+/// A node capture that is not attached passes: registering then names that.
+pub fn check_node_ancestors(name: &str) -> Result<(), CniEbpfError> {
+    let Ok((record, _)) = node_record(name) else { return Ok(()) };
+    let hooks = crate::capture::ebpf::capture::cgroup_hook_types();
+    crate::capture::ebpf::ancestors::check(
+        &record.cgroup,
+        &hooks,
+        crate::capture::ebpf::ancestors::Probe::Attach,
+    )
+    .map_err(|e| CniEbpfError::Ancestors { node: name.into(), reason: Box::new(e) })
 }
 
 /// The name a set of another build keeps while pods registered with it remain.
@@ -242,6 +262,7 @@ pub fn register_ambient(
     {
         return Ok(cookie);
     }
+    check_node_ancestors(node)?;
     let target = Target { record, container: None, netns, recorded_netns, ifname: &ifname };
     register_capture(node, &target, &pod, who, &facts)
 }
