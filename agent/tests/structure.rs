@@ -18,11 +18,13 @@ const MAX_FUNCTION_LINES: usize = 100;
 const MAX_FILE_LINES: usize = 800;
 
 /// The crates whose files are held to `MAX_FILE_LINES` (the tests crate is not).
-const CRATES: &[&str] = &["agent", "ebpf/common", "ebpf/programs", "iptables-compat", "proto"];
+const CRATES: &[&str] =
+    &["agent", "ebpf/common", "ebpf/programs", "iptables-compat", "proto", "tests/lb-standin"];
 
 /// Every module tree of the workspace whose imports must hold no circle: each crate's
-/// library (binaries aside: `bin/`), and the benchmark binary, whose modules live in
-/// `tests/src/bench` (`#[path]`) with that folder as their crate root.
+/// library (binaries aside: `bin/`), the benchmark binary, whose modules live in
+/// `tests/src/bench` (`#[path]`) with that folder as their crate root, and the
+/// socket-LB stand-in's kernel object (`tests/lb-standin/src/kernel`).
 const MODULE_TREES: &[(&str, &[&str])] = &[
     ("agent/src", &["bin"]),
     ("ebpf/common/src", &[]),
@@ -31,6 +33,10 @@ const MODULE_TREES: &[(&str, &[&str])] = &[
     ("proto/src", &[]),
     ("tests/src", &["bin", "bench"]),
     ("tests/src/bench", &[]),
+    // The socket-LB stand-in: its shared types (library), and its kernel object's
+    // modules, a crate of their own rooted at `kernel/main.rs`.
+    ("tests/lb-standin/src", &["kernel"]),
+    ("tests/lb-standin/src/kernel", &[]),
 ];
 
 /// A module path under `src/` (`cni/plugin.rs` → `["cni", "plugin"]`, `lib.rs` → `[]`).

@@ -42,6 +42,7 @@ pub mod privilege;
 pub mod prototext;
 pub mod request_log;
 pub mod sidecar;
+pub mod socket_lb;
 pub mod spire;
 pub mod synprobe;
 pub mod tools;

@@ -2,7 +2,9 @@
 //! Servers print `listening <addr>` once bound, then serve until killed.
 //!
 //!   serve-echo <addr>                   TCP echo
-//!   serve-hello <addr> <name>           replies `hello <name> local=<l> peer=<p>`
+//!   serve-hello <addr> <name> [--log <file>]
+//!                                       replies `hello <name> local=<l> peer=<p>`
+//!                                       (and appends that line to <file>: who connected)
 //!   capture-listener <addr> [--transparent]
 //!                                       replies `captured local=<l> peer=<p> orig=<o|none>`
 //!                                       (orig from SO_ORIGINAL_DST; --transparent sets
@@ -90,8 +92,13 @@ fn main() -> ExitCode {
             }),
             "serve-hello" => {
                 let name = arg(2)?.to_string();
+                let log = args.iter().position(|a| a == "--log").map(|i| arg(i + 1)).transpose()?;
+                let log = log.map(std::path::PathBuf::from);
                 serve(addr(arg(1)?)?, false, move |mut s, _| {
                     let line = format!("hello {name} local={} peer={}\n", local(&s), peer(&s));
+                    if let Some(log) = &log {
+                        append_line(log, &line);
+                    }
                     let _ = s.write_all(line.as_bytes());
                 })
             }
@@ -269,6 +276,14 @@ fn plant_orig(port: &str, busy: SocketAddr, target: SocketAddr, own: SocketAddr)
     }
     drop(first);
     Ok(())
+}
+
+/// Appends `line` to the file at `path` (made if missing), one write per line.
+fn append_line(path: &std::path::Path, line: &str) {
+    let file = std::fs::OpenOptions::new().create(true).append(true).open(path);
+    if let Ok(mut file) = file {
+        let _ = file.write_all(line.as_bytes());
+    }
 }
 
 fn print_first_line(mut s: TcpStream) -> Result<(), String> {
