@@ -19,6 +19,7 @@ use std::{
 use weir_agent::capture::ebpf::{
     capture::CapturePrograms,
     config::{EbpfOptions, PodCapture},
+    detect::{self, Backend, CaptureMode},
     netns::netns_cookie,
 };
 use weir_iptables::config::{CaptureConfig, InboundPorts, IpRanges};
@@ -124,6 +125,13 @@ impl Scene {
     fn is_backend(&self, addr: &str) -> bool {
         backends(&self.s).iter().any(|b| b.to_string() == addr)
     }
+}
+
+/// Nothing of Weir's (nor anything else) is attached to `cgroup`: a refusal leaves
+/// nothing behind.
+fn assert_no_programs(cgroup: &weir_tests::Cgroup) {
+    let left = weir_tests::capture::cgroup_programs(cgroup.path());
+    assert!(left.is_empty(), "left attached to {}: {left:?}", cgroup.path().display());
 }
 
 fn backend_lines(path: &Path) -> usize {
@@ -435,7 +443,8 @@ fn loopback_node_and_host_ports_are_answered_only_in_the_host_namespace() {
 
 /// The kernel's rule for a flagless ancestor (Cilium before Linux 5.7, or a node an
 /// older Cilium set up): nothing can be attached below it, so Weir's eBPF capture
-/// cannot be had there. The other order (Weir first, then the flagless load balancer
+/// cannot be had there: Weir refuses before the kernel would, naming the program, its
+/// cgroup and why, and `auto` picks netfilter. The other order (Weir first, then the flagless load balancer
 /// above) is accepted, and the load balancer then never runs for the pod's sockets: a
 /// descendant with programs of its own stops the walk at an ancestor that does not
 /// allow multiple programs (`compute_effective_progs`).
@@ -446,12 +455,16 @@ fn a_flagless_ancestor_refuses_weir_below_it_and_is_skipped_when_weir_came_first
     let mut sc = Scene::new(&test, Family::V4, Settings::default());
     sc.lb.attach(sc.h.root.path(), AttachMode::Flagless).expect("flagless attach at the root");
     let mut programs = CapturePrograms::load().unwrap();
-    let refused =
-        programs.attach(sc.h.pod.path()).expect_err("the kernel refuses Weir below a flagless program");
-    let chain = format!("{:?}", anyhow::Error::from(refused));
-    assert!(chain.contains("Operation not permitted"), "EPERM from BPF_LINK_CREATE: {chain}");
-    // TODO(issue 49, ancestor detection): `weir capture explain` names cil_sock4_connect
-    // on the root and `auto` falls back to netfilter; assert that here once it lands.
+    let refused = programs.attach(sc.h.pod.path()).expect_err("Weir refuses below a flagless program");
+    let chain = format!("{:#}", anyhow::Error::from(refused));
+    let root = sc.h.root.path().display().to_string();
+    for named in ["\"lb_connect4\"", root.as_str(), "without BPF_F_ALLOW_MULTI", "Weir cannot attach"] {
+        assert!(chain.contains(named), "the refusal names {named}: {chain}");
+    }
+    assert_no_programs(&sc.h.pod);
+    let choice = detect::choose_for(CaptureMode::Auto, sc.h.pod.path()).expect("auto still chooses");
+    assert_ne!(choice.backend, Backend::Ebpf, "auto falls back to netfilter: {choice}");
+    assert!(choice.to_string().contains("lb_connect4"), "and says why: {choice}");
     drop(programs);
     let line = run_testkit(&sc.s.client, sc.proxy(), &["ask", &vip(Family::V4).to_string()]);
     assert!(line.starts_with("hello backend-"), "without Weir the flagless LB runs: {line:?}");
@@ -466,9 +479,9 @@ fn a_flagless_ancestor_refuses_weir_below_it_and_is_skipped_when_weir_came_first
 
 /// `BPF_F_PREORDER` (Linux 6.15) on the ancestor: the load balancer runs before Weir
 /// and rewrites the VIP first, so Weir captures the backend's address (the VIP is
-/// lost, as under netfilter) and the app's getpeername() says backend. This is the
-/// layout detection must refuse. A kernel without the flag (before 6.15; upstream
-/// 4b82b181a26c) refuses it with EINVAL.
+/// lost, as under netfilter) and the app's getpeername() would say backend. Weir
+/// refuses this layout, naming the program and why, and `auto` picks netfilter. A
+/// kernel without the flag (before 6.15; upstream 4b82b181a26c) refuses it with EINVAL.
 #[test]
 fn a_preorder_ancestor_rewrites_the_vip_before_weir_sees_it() {
     require_root!();
@@ -485,15 +498,23 @@ fn a_preorder_ancestor_rewrites_the_vip_before_weir_sees_it() {
         eprintln!("Linux {kernel:?} has no BPF_F_PREORDER, so no load balancer can run before Weir: {chain}");
         return;
     }
-    sc.capture();
-    // TODO(issue 49, ancestor detection): assert the refusal naming this program here.
-    let vip = vip(Family::V4);
-    let said = run_testkit(&sc.s.client, sc.app(), &["ask-peer", &vip.to_string()]);
-    let (peer, line) = said.split_once('\n').unwrap_or_else(|| panic!("{said:?}"));
-    let (_, orig) = captured(line).unwrap_or_else(|| panic!("not captured: {said:?}"));
-    assert!(sc.is_backend(&orig), "the load balancer rewrote first: {said:?}");
-    assert_eq!(peer, format!("peer={orig}"), "getpeername is the backend Weir recorded");
-    assert_eq!(sc.backend_connections(), 0);
+    // Weir refuses, naming the program: under it the VIP would be lost (the load
+    // balancer rewrites first; Weir would capture the backend's address).
+    let mut programs = CapturePrograms::load().unwrap();
+    let refused = programs.attach(sc.h.pod.path()).expect_err("Weir refuses below a PREORDER program");
+    let chain = format!("{:#}", anyhow::Error::from(refused));
+    let root = sc.h.root.path().display().to_string();
+    for named in ["\"lb_connect4\"", root.as_str(), "BPF_F_PREORDER", "before Weir sees it"] {
+        assert!(chain.contains(named), "the refusal names {named}: {chain}");
+    }
+    assert_no_programs(&sc.h.pod);
+    let choice = detect::choose_for(CaptureMode::Auto, sc.h.pod.path()).expect("auto still chooses");
+    assert_ne!(choice.backend, Backend::Ebpf, "auto falls back to netfilter: {choice}");
+    drop(programs);
+    // Without Weir, the load balancer alone: the app reaches a backend (as under
+    // netfilter, the VIP is the load balancer's to translate).
+    let line = run_testkit(&sc.s.client, sc.app(), &["ask", &vip(Family::V4).to_string()]);
+    assert!(line.starts_with("hello backend-"), "{line:?}");
 }
 
 /// The load balancer refuses to attach to the cgroup2 mount itself (every process's

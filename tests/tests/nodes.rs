@@ -231,7 +231,9 @@ fn the_chart_keeps_the_node_for_the_next_agent_and_cleans_it_once_uninstalled() 
     // The DaemonSet's required node affinity no longer takes this node: not an upgrade
     // (Istio's ShouldStopCleanup); stopping takes Weir out of the node.
     let node_name = node.name.clone();
-    cluster.api.set_node(&node_name, Some(serde_json::json!({"metadata": {"name": node_name, "labels": {}}})));
+    cluster
+        .api
+        .set_node(&node_name, Some(serde_json::json!({"metadata": {"name": node_name, "labels": {}}})));
     let mut ds = cluster.api.daemonset(chart::NAMESPACE, chart::DAEMONSET).expect("the chart's DaemonSet");
     ds["spec"]["template"]["spec"]["affinity"] = serde_json::json!({"nodeAffinity": {
         "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [

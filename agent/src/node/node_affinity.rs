@@ -16,8 +16,7 @@ pub struct AffinityError(String);
 /// The template's required node selector (`spec.template.spec.affinity.nodeAffinity.
 /// requiredDuringSchedulingIgnoredDuringExecution`), if it has one.
 pub fn required_selector(daemonset: &Value) -> Option<&Value> {
-    let s = &daemonset["spec"]["template"]["spec"]["affinity"]["nodeAffinity"]
-        ["requiredDuringSchedulingIgnoredDuringExecution"];
+    let s = &daemonset["spec"]["template"]["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"];
     (!s.is_null()).then_some(s)
 }
 
@@ -100,10 +99,17 @@ mod tests {
                                   {"key": "istio-cni", "operator": "NotIn", "values": ["off"]}]},
             {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["special"]}]}]});
         assert_eq!(matches(&sel, &node("a", json!({"kubernetes.io/os": "linux"}))), Ok(true));
-        assert_eq!(matches(&sel, &node("a", json!({"kubernetes.io/os": "linux", "istio-cni": "off"}))), Ok(false));
+        assert_eq!(
+            matches(&sel, &node("a", json!({"kubernetes.io/os": "linux", "istio-cni": "off"}))),
+            Ok(false)
+        );
         assert_eq!(matches(&sel, &node("special", json!({"kubernetes.io/os": "windows"}))), Ok(true));
         assert_eq!(matches(&sel, &node("b", json!({}))), Ok(false));
-        assert_eq!(matches(&json!({"nodeSelectorTerms": [{}]}), &node("a", json!({}))), Ok(false), "empty term");
+        assert_eq!(
+            matches(&json!({"nodeSelectorTerms": [{}]}), &node("a", json!({}))),
+            Ok(false),
+            "empty term"
+        );
         let num = |op: &str, v: &str| json!({"nodeSelectorTerms": [{"matchExpressions": [{"key": "gen", "operator": op, "values": [v]}]}]});
         assert_eq!(matches(&num("Gt", "3"), &node("a", json!({"gen": "4"}))), Ok(true));
         assert_eq!(matches(&num("Lt", "3"), &node("a", json!({"gen": "4"}))), Ok(false));
@@ -111,7 +117,8 @@ mod tests {
         assert!(matches(&num("Gt", "x"), &node("a", json!({"gen": "4"}))).is_err());
         let bad = json!({"nodeSelectorTerms": [{"matchExpressions": [{"key": "k", "operator": "Near"}]}]});
         assert!(matches(&bad, &node("a", json!({}))).unwrap_err().to_string().contains("Near"));
-        let ex = json!({"nodeSelectorTerms": [{"matchExpressions": [{"key": "k", "operator": "DoesNotExist"}]}]});
+        let ex =
+            json!({"nodeSelectorTerms": [{"matchExpressions": [{"key": "k", "operator": "DoesNotExist"}]}]});
         assert_eq!(matches(&ex, &node("a", json!({}))), Ok(true));
     }
 

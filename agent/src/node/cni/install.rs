@@ -518,13 +518,22 @@ mod tests {
         let owned = s.net_dir.join("02-istio-cni.conflist");
         assert_eq!(ensure_chained(&s).unwrap(), Some(owned.clone()));
         let list: Value = serde_json::from_slice(&std::fs::read(&owned).unwrap()).unwrap();
-        let types: Vec<&str> = list["plugins"].as_array().unwrap().iter().filter_map(|p| p["type"].as_str()).collect();
+        let types: Vec<&str> =
+            list["plugins"].as_array().unwrap().iter().filter_map(|p| p["type"].as_str()).collect();
         assert_eq!(types, ["calico", "portmap", "istio-cni"]);
         assert_eq!(std::fs::metadata(&owned).unwrap().permissions().mode() & 0o777, 0o600);
-        assert_eq!(std::fs::read_to_string(&primary).unwrap(), text, "the primary's file as its CNI wrote it");
+        assert_eq!(
+            std::fs::read_to_string(&primary).unwrap(),
+            text,
+            "the primary's file as its CNI wrote it"
+        );
         assert_eq!(std::fs::metadata(&primary).unwrap().permissions().mode() & 0o777, 0o644);
         assert_eq!(ensure_chained(&s).unwrap(), None, "a second pass changes nothing");
-        assert_eq!(primary_config(&s.net_dir, s.conf_name.as_deref()).unwrap(), primary, "CNI_CONF_NAME names it");
+        assert_eq!(
+            primary_config(&s.net_dir, s.conf_name.as_deref()).unwrap(),
+            primary,
+            "CNI_CONF_NAME names it"
+        );
         uninstall(&s, false).unwrap();
         assert!(!owned.exists());
         assert_eq!(std::fs::read_to_string(&primary).unwrap(), text);
@@ -537,7 +546,8 @@ mod tests {
         let s = settings(dir.path(), None);
         std::fs::create_dir_all(&s.net_dir).unwrap();
         let primary = s.net_dir.join("10-calico.conflist");
-        std::fs::write(&primary, r#"{"cniVersion":"1.0.0","name":"n","plugins":[{"type":"calico"}]}"#).unwrap();
+        std::fs::write(&primary, r#"{"cniVersion":"1.0.0","name":"n","plugins":[{"type":"calico"}]}"#)
+            .unwrap();
         std::fs::set_permissions(&primary, std::fs::Permissions::from_mode(0o660)).unwrap();
         assert_eq!(ensure_chained(&s).unwrap(), Some(primary.clone()));
         assert_eq!(std::fs::metadata(&primary).unwrap().permissions().mode() & 0o777, 0o660);
