@@ -23,6 +23,7 @@ use crate::{
     cni::{Attachment, CniFailure, CniRuntime, KubeletSandbox},
     kube_api::KubeApi,
     tools,
+    ztunnel::{Ztunnel, listening_tcp_ports},
 };
 
 /// The node name every pod is scheduled on.
@@ -227,6 +228,63 @@ impl AmbientNode {
             std::thread::sleep(Duration::from_millis(20));
         }
         Ok(())
+    }
+
+    /// The agent's environment for Weir's eBPF capture of ambient pods through node
+    /// capture `capture` (`WEIR_AMBIENT_CAPTURE=auto`), with DNS capture and IPv6 on.
+    pub fn capture_with_ebpf(&mut self, capture: &str) {
+        self.env.extend(
+            [
+                ("AMBIENT_DNS_CAPTURE", "true"),
+                ("AMBIENT_IPV6", "true"),
+                ("WEIR_AMBIENT_CAPTURE", "auto"),
+                ("WEIR_EBPF_NODE_CAPTURE", capture),
+            ]
+            .map(|(k, v)| (k.to_string(), v.to_string())),
+        );
+    }
+
+    /// Registers pod `namespace/name` as kubelet creates it: `Pending`, with no address
+    /// before its ADD (`auto` gives eBPF to new sandboxes only; a pod found running gets
+    /// the rules).
+    pub fn set_pending_pod(
+        &self,
+        namespace: &str,
+        name: &str,
+        uid: &str,
+        pod: &Pod,
+        annotations: &[(&str, &str)],
+    ) {
+        let mut object = pod_object(namespace, name, uid, IpAddr::V4(pod.ipv4()), &[], annotations);
+        object["status"] = json!({"phase": "Pending"});
+        self.api.set_pod(object);
+    }
+
+    /// Pod `namespace/name` running with `pod`'s IPv4 address, as kubelet reports it
+    /// after the ADD.
+    pub fn set_running(&self, namespace: &str, name: &str, pod: &Pod) {
+        let ip = pod.ipv4().to_string();
+        self.api.update_pod(namespace, name, |p| {
+            p["status"] = json!({"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]});
+        });
+    }
+
+    /// Once `zt` has its first snapshot: each pod's ADD through the plugin, the pod
+    /// annotated `enabled` and ztunnel listening in it (15001, 15006, 15008); each wait
+    /// up to `patience`.
+    pub fn add_to_ztunnel(&self, zt: &Ztunnel, namespace: &str, pods: &[(&Pod, &str)], patience: Duration) {
+        self.wait("ztunnel's first snapshot", patience, || zt.log().contains("received snapshot sent"))
+            .unwrap_or_else(|e| panic!("{e}\nztunnel:\n{}", zt.log()));
+        for (pod, name) in pods {
+            self.cni_add(pod, namespace, name)
+                .unwrap_or_else(|e| panic!("ADD {name}: {e}\n{}\nztunnel:\n{}", self.agent_logs(), zt.log()));
+            assert_eq!(self.api.redirection(namespace, name).as_deref(), Some("enabled"));
+            self.wait(&format!("ztunnel listening in {name}"), patience, || {
+                let ports = listening_tcp_ports(pod.netns()).unwrap_or_default();
+                [15001, 15006, 15008].iter().all(|p| ports.contains(p))
+            })
+            .unwrap_or_else(|e| panic!("{e}\nztunnel:\n{}", zt.log()));
+        }
     }
 
     /// Runs `f` inside the node namespace (the host probe rule and sets live there).

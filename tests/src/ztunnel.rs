@@ -27,8 +27,10 @@
 //! **The run.** [`Ztunnel::start`] runs it as root in a "node" namespace with
 //! `INPOD_UDS` on the node agent's ZDS socket, `FAKE_CA=true` (its built-in CA),
 //! `XDS_ADDRESS=""` (without it ztunnel waits on istiod forever and never dials ZDS)
-//! and `LOCAL_XDS_PATH` (the workloads, [`workloads_yaml`]); everything else from a
-//! cleared environment. [`listening_tcp_ports`] reads which ports listen inside a
+//! and `LOCAL_XDS_PATH` (the workloads, [`workloads_yaml`]; with services, their VIPs
+//! and endpoints, [`LocalConfig`]); everything else from a cleared environment.
+//! [`Ztunnel::start_with`] also gives it a `resolv.conf` of its own (its DNS proxy's
+//! upstream, as a pod's `dnsPolicy: ClusterFirst` names the cluster DNS Service). [`listening_tcp_ports`] reads which ports listen inside a
 //! namespace: ztunnel opens 15001, 15006, 15008 and 15053 in each pod it was given.
 
 use std::{
@@ -379,24 +381,92 @@ pub struct LocalWorkload {
 /// The node name ztunnel runs as (`NODE_NAME`), which every local workload names.
 pub const NODE_NAME: &str = "weir-node";
 
-/// ztunnel's local config for `workloads`: each on [`NODE_NAME`], HBONE, trust domain
-/// `cluster.local`. ztunnel ties a ZDS Add to one of these by (namespace, service
-/// account, name).
-pub fn workloads_yaml(workloads: &[LocalWorkload]) -> String {
-    let mut out = String::from("workloads:\n");
-    for w in workloads {
-        let ips: Vec<String> = w.ips.iter().map(|ip| format!("\"{ip}\"")).collect();
-        out.push_str(&format!(
-            "- uid: Kubernetes//Pod/{ns}/{name}\n  name: {name}\n  workloadName: {name}\n  \
-             namespace: {ns}\n  serviceAccount: {sa}\n  trustDomain: cluster.local\n  \
-             workloadIps: [{ips}]\n  protocol: HBONE\n  node: {NODE_NAME}\n  services: {{}}\n",
-            ns = w.namespace,
-            name = w.name,
-            sa = w.service_account,
-            ips = ips.join(", "),
-        ));
+/// One Service of ztunnel's local config: its VIPs (ClusterIPs), its ports (service
+/// port → target port) and its endpoints, the local workloads (by name) behind it.
+/// ztunnel resolves a connection to a VIP (its original destination) to an endpoint,
+/// and answers DNS for the hostname with the VIPs.
+#[derive(Debug, Clone)]
+pub struct LocalService {
+    pub name: String,
+    pub namespace: String,
+    /// The cluster-local name (`<name>.<namespace>.svc.cluster.local`).
+    pub hostname: String,
+    pub vips: Vec<IpAddr>,
+    pub ports: Vec<(u16, u16)>,
+    pub endpoints: Vec<String>,
+}
+
+/// ztunnel's local config (`LOCAL_XDS_PATH`): workloads and services.
+#[derive(Debug, Clone, Default)]
+pub struct LocalConfig {
+    pub workloads: Vec<LocalWorkload>,
+    pub services: Vec<LocalService>,
+}
+
+fn ports_yaml(ports: &[(u16, u16)]) -> String {
+    let ports: Vec<String> = ports.iter().map(|(port, target)| format!("{port}: {target}")).collect();
+    format!("{{{}}}", ports.join(", "))
+}
+
+impl LocalConfig {
+    /// The YAML ztunnel reads: each workload on [`NODE_NAME`], HBONE, trust domain
+    /// `cluster.local`, naming the services it is an endpoint of (`<namespace>/<hostname>`
+    /// with their ports, as ztunnel's `LocalWorkload.services` takes them); each service
+    /// with its VIPs on the default network (`/<ip>`). ztunnel ties a ZDS Add to a
+    /// workload by (namespace, service account, name).
+    pub fn yaml(&self) -> String {
+        let mut out = String::from("workloads:\n");
+        for w in &self.workloads {
+            let ips: Vec<String> = w.ips.iter().map(|ip| format!("\"{ip}\"")).collect();
+            let services: Vec<String> = self
+                .services
+                .iter()
+                .filter(|s| s.endpoints.contains(&w.name))
+                .map(|s| format!("\"{}/{}\": {}", s.namespace, s.hostname, ports_yaml(&s.ports)))
+                .collect();
+            out.push_str(&format!(
+                "- uid: Kubernetes//Pod/{ns}/{name}\n  name: {name}\n  workloadName: {name}\n  \
+                 namespace: {ns}\n  serviceAccount: {sa}\n  trustDomain: cluster.local\n  \
+                 workloadIps: [{ips}]\n  protocol: HBONE\n  node: {NODE_NAME}\n  services: {{{services}}}\n",
+                ns = w.namespace,
+                name = w.name,
+                sa = w.service_account,
+                ips = ips.join(", "),
+                services = services.join(", "),
+            ));
+        }
+        if !self.services.is_empty() {
+            out.push_str("services:\n");
+        }
+        for s in &self.services {
+            let vips: Vec<String> = s.vips.iter().map(|ip| format!("\"/{ip}\"")).collect();
+            out.push_str(&format!(
+                "- name: {}\n  namespace: {}\n  hostname: {}\n  vips: [{}]\n  ports: {}\n",
+                s.name,
+                s.namespace,
+                s.hostname,
+                vips.join(", "),
+                ports_yaml(&s.ports),
+            ));
+        }
+        out
     }
-    out
+}
+
+/// ztunnel's local config for `workloads` (no services): see [`LocalConfig::yaml`].
+pub fn workloads_yaml(workloads: &[LocalWorkload]) -> String {
+    LocalConfig { workloads: workloads.to_vec(), services: Vec::new() }.yaml()
+}
+
+/// Where and how [`Ztunnel::start_with`] runs ztunnel besides its config.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ZtunnelPlacement<'a> {
+    /// A child of the node's pods' cgroup, as ztunnel's pod is under kubepods (the
+    /// node capture's programs see its sockets); `None`: the test's own cgroup.
+    pub cgroup: Option<&'a weir_agent::sandbox::Cgroup>,
+    /// Bound over `/etc/resolv.conf` in a mount namespace of its own: the upstream of
+    /// its DNS proxy. `None`: the host's.
+    pub resolv_conf: Option<&'a Path>,
 }
 
 /// A running ztunnel. Dropping it kills it.
@@ -421,11 +491,23 @@ impl Ztunnel {
         workloads: &[LocalWorkload],
         cgroup: Option<&weir_agent::sandbox::Cgroup>,
     ) -> anyhow::Result<Self> {
+        let config = LocalConfig { workloads: workloads.to_vec(), services: Vec::new() };
+        Self::start_with(node, inpod_uds, &config, ZtunnelPlacement { cgroup, resolv_conf: None })
+    }
+
+    /// As [`Ztunnel::start`], with `config` (workloads and services) as its local config,
+    /// placed as `placement` says.
+    pub fn start_with(
+        node: &Pod,
+        inpod_uds: &Path,
+        config: &LocalConfig,
+        placement: ZtunnelPlacement<'_>,
+    ) -> anyhow::Result<Self> {
         let bin = binary()?;
         let dir = tempfile::Builder::new().prefix("weir-ztunnel-").tempdir().context("ztunnel's temp dir")?;
         fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).context("chmod ztunnel's dir")?;
-        let config = dir.path().join("workloads.yaml");
-        fs::write(&config, workloads_yaml(workloads)).context("write ztunnel's local config")?;
+        let config_path = dir.path().join("workloads.yaml");
+        fs::write(&config_path, config.yaml()).context("write ztunnel's local config")?;
         let log = dir.path().join("ztunnel.log");
         let out = fs::File::create(&log).context("create ztunnel's log")?;
         let mut cmd = Command::new(&bin);
@@ -434,14 +516,19 @@ impl Ztunnel {
             .env("RUST_LOG", "info")
             .env("FAKE_CA", "true")
             .env("XDS_ADDRESS", "")
-            .env("LOCAL_XDS_PATH", &config)
+            .env("LOCAL_XDS_PATH", &config_path)
             .env("INPOD_UDS", inpod_uds)
             .env("NODE_NAME", NODE_NAME)
             .env("CLUSTER_ID", "Kubernetes")
             .stdin(Stdio::null())
             .stdout(out.try_clone().context("dup ztunnel's log")?)
             .stderr(out);
-        let placement = weir_agent::sandbox::Placement { user: Some((0, 0)), cgroup, ..Default::default() };
+        let placement = weir_agent::sandbox::Placement {
+            user: Some((0, 0)),
+            cgroup: placement.cgroup,
+            resolv_conf: placement.resolv_conf,
+            ..Default::default()
+        };
         let child =
             node.spawn_placed(&mut cmd, placement).with_context(|| format!("start {}", bin.display()))?;
         Ok(Self { child: Some(child), log, _dir: dir })
@@ -605,5 +692,35 @@ mod tests {
         assert_eq!(w["node"].as_str(), Some(NODE_NAME));
         assert_eq!(w["workloadIps"][0].as_str(), Some("10.66.0.11"));
         assert!(w["services"].is_mapping());
+    }
+
+    #[test]
+    fn a_service_s_vips_ports_and_endpoints_are_in_the_yaml() {
+        let workload = |name: &str, ip: &str| LocalWorkload {
+            name: name.into(),
+            namespace: "default".into(),
+            service_account: name.into(),
+            ips: vec![ip.parse().unwrap()],
+        };
+        let config = LocalConfig {
+            workloads: vec![workload("server", "10.66.0.12"), workload("client", "10.66.0.11")],
+            services: vec![LocalService {
+                name: "server".into(),
+                namespace: "default".into(),
+                hostname: "server.default.svc.cluster.local".into(),
+                vips: vec!["10.96.0.20".parse().unwrap(), "fd00:96::20".parse().unwrap()],
+                ports: vec![(80, 8080)],
+                endpoints: vec!["server".into()],
+            }],
+        };
+        let doc: serde_yaml_ng::Value = serde_yaml_ng::from_str(&config.yaml()).unwrap();
+        let server = &doc["workloads"][0]["services"]["default/server.default.svc.cluster.local"];
+        assert_eq!(server[80].as_u64(), Some(8080), "the endpoint's ports: {doc:?}");
+        assert!(doc["workloads"][1]["services"].as_mapping().is_some_and(|m| m.is_empty()), "{doc:?}");
+        let svc = &doc["services"][0];
+        assert_eq!(svc["hostname"].as_str(), Some("server.default.svc.cluster.local"));
+        assert_eq!(svc["vips"][0].as_str(), Some("/10.96.0.20"));
+        assert_eq!(svc["vips"][1].as_str(), Some("/fd00:96::20"));
+        assert_eq!(svc["ports"][80].as_u64(), Some(8080));
     }
 }

@@ -153,20 +153,8 @@ fn held_through_ztunnel(from: &Pod, server: &Pod) -> TcpStream {
     held
 }
 
-/// Once ztunnel has its first snapshot: each pod's ADD through the plugin, the pod
-/// annotated `enabled` and ztunnel listening in it.
 fn add_pods(node: &AmbientNode, zt: &Ztunnel, pods: &[(&Pod, &str)]) {
-    node.wait("ztunnel's first snapshot", PATIENCE, || snapshots(zt) >= 1)
-        .unwrap_or_else(|e| panic!("{e}\nztunnel:\n{}", zt.log()));
-    for (pod, name) in pods {
-        node.cni_add(pod, NS, name)
-            .unwrap_or_else(|e| panic!("ADD {name}: {e}\n{}\nztunnel:\n{}", node.agent_logs(), zt.log()));
-        assert_eq!(node.api.redirection(NS, name).as_deref(), Some("enabled"));
-        node.wait(&format!("ztunnel listening in {name}"), PATIENCE, || {
-            listening(pod) == [15001, 15006, 15008]
-        })
-        .unwrap();
-    }
+    node.add_to_ztunnel(zt, NS, pods, PATIENCE);
 }
 
 fn snapshots(zt: &Ztunnel) -> usize {
@@ -352,27 +340,16 @@ fn ambient_pods_captured_by_ebpf_talk_over_hbone_through_the_real_ztunnel() {
     let _sandboxes: Vec<_> =
         pods.iter().zip(uids).map(|((pod, _), uid)| node.sandbox(&cgroup, uid, pod).unwrap()).collect();
     node.api.set_namespace(NS, &[("istio.io/dataplane-mode", "ambient")]);
-    // In kubelet's order: a new pod has no address before its ADD (`auto` gives eBPF to
-    // new sandboxes only; a pod found running gets the rules).
+    // In kubelet's order: a new pod has no address before its ADD.
     for ((pod, name), uid) in pods.iter().zip(uids) {
         let annotations: &[(&str, &str)] = match *name {
             "kubevirt" => &[("istio.io/reroute-virtual-interfaces", "tap0")],
             "multus" => &[("k8s.v1.cni.cncf.io/networks", "macvlan-conf")],
             _ => &[],
         };
-        let mut object = pod_object(NS, name, uid, IpAddr::V4(pod.ipv4()), &[], annotations);
-        object["status"] = serde_json::json!({"phase": "Pending"});
-        node.api.set_pod(object);
+        node.set_pending_pod(NS, name, uid, pod, annotations);
     }
-    node.env.extend(
-        [
-            ("AMBIENT_DNS_CAPTURE", "true"),
-            ("AMBIENT_IPV6", "true"),
-            ("WEIR_AMBIENT_CAPTURE", "auto"),
-            ("WEIR_EBPF_NODE_CAPTURE", capture.as_str()),
-        ]
-        .map(|(k, v)| (k.to_string(), v.to_string())),
-    );
+    node.capture_with_ebpf(&capture);
     // A pod that turned tcp_fwmark_accept on itself: the rules turn it off (with it, an
     // accepted socket would take ztunnel's mark and pass the rules' exemption).
     in_pod(&kubevirt, "sysctl", &["-qw", "net.ipv4.tcp_fwmark_accept=1"]);
@@ -386,10 +363,7 @@ fn ambient_pods_captured_by_ebpf_talk_over_hbone_through_the_real_ztunnel() {
         Ztunnel::start_in_cgroup(&node.node, &node.zds_socket(), &workloads, Some(&zt_cgroup)).unwrap();
     add_pods(&node, &zt, &pods);
     for (pod, name) in pods {
-        let ip = pod.ipv4().to_string();
-        node.api.update_pod(NS, name, |p| {
-            p["status"] = serde_json::json!({"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]});
-        });
+        node.set_running(NS, name, pod);
     }
     // eBPF for the three that can have it: registered, no in-pod rule, Istio's route.
     for ((pod, name), uid) in pods.iter().zip(uids).take(3) {
