@@ -277,6 +277,8 @@ fn ebpf(run: &RunArgs) -> anyhow::Result<()> {
     // init-container mode) go first, so they never fill the node's maps.
     collect_gone();
     let cookie = netns_cookie(run.netns.as_deref()).context("read the pod's network namespace cookie")?;
+    // Before anything of an existing capture is touched: a refusal leaves it as it is.
+    refuse_unsafe_ancestors(&run.cgroup)?;
 
     // An existing pinned capture of this pod is updated in place (no gap in capture),
     // or, when its pins are gone, replaced (see `repair`).
@@ -327,7 +329,6 @@ fn ebpf(run: &RunArgs) -> anyhow::Result<()> {
             repair(&record, run.netns.as_deref(), cookie, &faults);
         }
     }
-    refuse_unsafe_ancestors(&run.cgroup)?;
     if run.foreground {
         return foreground(run, &name, cookie, &pod);
     }
@@ -538,7 +539,7 @@ fn status(json: bool, only: Option<&str>) -> anyhow::Result<()> {
         };
         pods.push(serde_json::json!({
             "pod": record.pod,
-            "live": faults.is_empty() && unsafe_ancestors.is_none(),
+            "live": faults.is_empty() && unsafe_ancestors.is_none() && ancestors_error.is_none(),
             "faults": faults.iter().map(ToString::to_string).collect::<Vec<_>>(),
             "unsafe_ancestors": unsafe_ancestors,
             "ancestors_error": ancestors_error,

@@ -122,8 +122,10 @@ fn refused(cli: &InstallCniCli) -> Option<String> {
         "CHAINED_CNI_PLUGIN=false: Weir installs only as a plugin chained after the primary CNI"
     } else if !cli.cni_network_config.is_empty() || !cli.cni_network_config_file.is_empty() {
         "CNI_NETWORK_CONFIG(_FILE): a config template is for standalone installs, which Weir does not do"
-    } else if cli.istio_owned_cni_config && cli.cni_conf_name.as_deref().unwrap_or_default().is_empty() {
+    } else if owned_config(cli).is_some() && cli.cni_conf_name.as_deref().unwrap_or_default().is_empty() {
         "ISTIO_OWNED_CNI_CONFIG=true needs CNI_CONF_NAME (the primary CNI's config file to copy), as Istio's installer does"
+    } else if owned_config(cli).is_some_and(|n| !plain_config_name(&n)) {
+        "ISTIO_OWNED_CNI_CONFIG_FILENAME: expected a file name in the CNI config directory ending in .conf or .conflist"
     } else if !cli.kube_ca_file.is_empty() || cli.skip_tls_verify {
         "KUBE_CA_FILE / SKIP_TLS_VERIFY: the plugin's kubeconfig uses the service account's CA"
     } else if cli.repair_delete_pods || cli.repair_label_pods {
@@ -165,9 +167,11 @@ fn install_settings(cli: &InstallCniCli) -> anyhow::Result<InstallSettings> {
 /// Istio's default name for its own CNI config file.
 pub const OWNED_CONFIG_DEFAULT: &str = "02-istio-cni.conflist";
 
-/// The Istio-owned config's file name, when `ISTIO_OWNED_CNI_CONFIG` is on.
+/// The Istio-owned config's file name, when `ISTIO_OWNED_CNI_CONFIG` is on and so is
+/// ambient (Istio's `useIstioOwnedCNIConfig`: without ambient the plugin is chained
+/// into the primary's file whatever the setting says).
 fn owned_config(cli: &InstallCniCli) -> Option<String> {
-    if !cli.istio_owned_cni_config {
+    if !(cli.istio_owned_cni_config && cli.plugin.ambient_enabled) {
         return None;
     }
     let name = match cli.istio_owned_cni_config_filename.as_str() {
@@ -183,6 +187,13 @@ fn owned_config(cli: &InstallCniCli) -> Option<String> {
         );
     }
     Some(name)
+}
+
+/// A bare file name (no folder, not `.` or `..`) a CNI runtime reads as a config.
+fn plain_config_name(name: &str) -> bool {
+    let path = std::path::Path::new(name);
+    path.file_name().is_some_and(|f| f == name)
+        && matches!(path.extension().and_then(|e| e.to_str()), Some("conf" | "conflist"))
 }
 
 fn repair_part(cli: &InstallCniCli, ambient: &AmbientSettings) -> anyhow::Result<Option<RepairPart>> {
@@ -283,17 +294,32 @@ mod tests {
         assert_eq!(refused(&cli), None);
     }
 
+    /// Parsed with ambient on (a flag the chart sets through the environment).
+    fn ambient(env: &[(&str, &str)]) -> InstallCniCli {
+        let mut cli = parse(env);
+        cli.plugin.ambient_enabled = true;
+        cli
+    }
+
     #[test]
     fn the_owned_config_is_istios_file_name_and_the_charts_name_is_ignored_as_istio_ignores_it() {
         assert_eq!(owned_config(&parse(&[])), None);
+        assert_eq!(owned_config(&parse(&[("ISTIO_OWNED_CNI_CONFIG", "true")])), None, "only with ambient");
         let on = [("ISTIO_OWNED_CNI_CONFIG", "true"), ("CNI_CONF_NAME", "10-calico.conflist")];
-        let cli = parse(&on);
+        let cli = ambient(&on);
         assert_eq!(refused(&cli), None);
         assert_eq!(owned_config(&cli).as_deref(), Some("02-istio-cni.conflist"));
-        let chart = parse(&[on[0], on[1], ("ISTIO_OWNED_CNI_CONF_FILENAME", "05-mine.conflist")]);
+        let chart = ambient(&[on[0], on[1], ("ISTIO_OWNED_CNI_CONF_FILENAME", "05-mine.conflist")]);
         assert_eq!(owned_config(&chart).as_deref(), Some("02-istio-cni.conflist"));
-        let agent = parse(&[on[0], on[1], ("ISTIO_OWNED_CNI_CONFIG_FILENAME", "05-mine.conflist")]);
+        let agent = ambient(&[on[0], on[1], ("ISTIO_OWNED_CNI_CONFIG_FILENAME", "05-mine.conflist")]);
         assert_eq!(owned_config(&agent).as_deref(), Some("05-mine.conflist"));
+        for bad in ["../02-x.conflist", "/etc/02-x.conflist", "02-x.json", ".."] {
+            let cli = ambient(&[on[0], on[1], ("ISTIO_OWNED_CNI_CONFIG_FILENAME", bad)]);
+            let why = refused(&cli).unwrap_or_else(|| panic!("{bad} accepted"));
+            assert!(why.contains("ISTIO_OWNED_CNI_CONFIG_FILENAME"), "{why}");
+        }
+        let why = refused(&ambient(&[on[0]])).expect("no CNI_CONF_NAME: refused");
+        assert!(why.contains("ISTIO_OWNED_CNI_CONFIG") && why.contains("CNI_CONF_NAME"), "{why}");
     }
 
     #[test]
@@ -307,8 +333,6 @@ mod tests {
             let why = refused(&parse(&[(setting, value)])).unwrap_or_else(|| panic!("{setting} accepted"));
             assert!(why.contains(setting), "{why}");
         }
-        let why = refused(&parse(&[("ISTIO_OWNED_CNI_CONFIG", "true")])).expect("no CNI_CONF_NAME: refused");
-        assert!(why.contains("ISTIO_OWNED_CNI_CONFIG") && why.contains("CNI_CONF_NAME"), "{why}");
         let e = InstallCniCli::try_parse_from(["install-cni", "--kubeconfig-mode=0999"]).unwrap_err();
         assert!(e.to_string().contains("file mode"), "{e}");
     }

@@ -284,8 +284,14 @@ pub fn missing_capture(
             )),
             (Some(gap), true, true) => Ok(Some(gap)),
             // Not registered: netfilter rules already there capture it (istio-init's,
-            // or an earlier pass's); registering it too would capture twice.
-            (Some(gap), true, false) => match netfilter_verdict(&cfg, &opts, netns)? {
+            // an earlier pass's, or ADD's when unsafe ancestors gave it netfilter:
+            // read with the backend ADD would have used); registering it too would
+            // capture twice.
+            (Some(gap), true, false) => match netfilter_verdict(
+                &cfg,
+                &RunOptions { native_nftables: conf.native_nftables, ..opts.clone() },
+                netns,
+            )? {
                 Verdict::Clean => Ok(Some(gap)),
                 Verdict::Applied => Ok(None),
                 Verdict::Drifted => Err(CniError::new(

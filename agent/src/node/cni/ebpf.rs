@@ -141,14 +141,16 @@ pub fn registered_in_any_set(netns: &Path) -> Result<bool, CniEbpfError> {
 /// of its cgroup run programs that make it unsafe (a flagless, overridable or
 /// pre-order one: `capture::ebpf::ancestors`), naming the program, its cgroup and why.
 /// Weir's links on that cgroup make the order plain: nothing is attached to read it.
-/// A node capture that is not attached passes: registering then names that.
+/// A node capture whose record cannot be read is an error, as registering would find.
+/// The node capture's own links are on its cgroup, so the order is read without a
+/// probe (one missing is then an error, not a reason to attach one per ADD).
 pub fn check_node_ancestors(name: &str) -> Result<(), CniEbpfError> {
-    let Ok((record, _)) = node_record(name) else { return Ok(()) };
+    let (record, _) = node_record(name)?;
     let hooks = crate::capture::ebpf::capture::cgroup_hook_types();
     crate::capture::ebpf::ancestors::check(
         &record.cgroup,
         &hooks,
-        crate::capture::ebpf::ancestors::Probe::Attach,
+        crate::capture::ebpf::ancestors::Probe::Own,
     )
     .map_err(|e| CniEbpfError::Ancestors { node: name.into(), reason: Box::new(e) })
 }

@@ -266,12 +266,26 @@ fn ensure_chained(s: &InstallSettings) -> Result<Option<PathBuf>, InstallError> 
         let target = s.net_dir.join(owned);
         let chained = insert(&existing, &entry).map_err(bad)?;
         let current = std::fs::read(&target).ok().and_then(|b| serde_json::from_slice::<Value>(&b).ok());
-        if current.as_ref() == Some(&chained) && mode_of(&target) == Some(s.config_mode) {
-            return Ok(None);
+        let written = if current.as_ref() == Some(&chained) && mode_of(&target) == Some(s.config_mode) {
+            None
+        } else {
+            let text = serde_json::to_vec_pretty(&chained).expect("JSON serializes");
+            write_atomic(&target, &text, s.config_mode)?;
+            Some(target.clone())
+        };
+        // The runtime takes the first config by name: Istio's file must be it, or pods
+        // start with a list that lacks the plugin (Istio's checkValidCNIConfig).
+        let first = primary_config(&s.net_dir, None)?;
+        if first != target {
+            return Err(InstallError::Config {
+                path: target,
+                message: format!(
+                    "{} comes before it: the runtime uses that file, which lacks the plugin, so new pods would start uncaptured (name the Istio-owned file to sort first)",
+                    first.display()
+                ),
+            });
         }
-        let text = serde_json::to_vec_pretty(&chained).expect("JSON serializes");
-        write_atomic(&target, &text, s.config_mode)?;
-        return Ok(Some(target));
+        return Ok(written);
     }
     if is_installed(&existing, &entry) {
         return Ok(None);
@@ -335,7 +349,10 @@ pub fn uninstall(s: &InstallSettings, detach_running_pods: bool) -> Result<Unins
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(io("remove", &path)(e)),
         }
-    } else if let Ok(path) = primary_config(&s.net_dir, s.conf_name.as_deref()) {
+    }
+    // The primary's file too (an entry left by a chained install before the owned one,
+    // whose binary goes below, would fail every pod's ADD).
+    if let Ok(path) = primary_config(&s.net_dir, s.conf_name.as_deref()) {
         let bytes = std::fs::read(&path).map_err(io("read", &path))?;
         if let Ok(existing) = serde_json::from_slice::<Value>(&bytes) {
             let cleaned = remove(&existing);
@@ -537,6 +554,12 @@ mod tests {
         uninstall(&s, false).unwrap();
         assert!(!owned.exists());
         assert_eq!(std::fs::read_to_string(&primary).unwrap(), text);
+
+        // A config that sorts before Istio's file: the runtime would take it; an error
+        // (readiness blocked), never a silent bypass.
+        std::fs::write(s.net_dir.join("00-multus.conflist"), text).unwrap();
+        let e = ensure_chained(&s).unwrap_err().to_string();
+        assert!(e.contains("00-multus.conflist") && e.contains("uncaptured"), "{e}");
     }
 
     /// Chained into the primary's own file, the file keeps the mode its CNI gave it.

@@ -27,6 +27,9 @@ pub enum Probe {
     /// Read only (status, explain): where the order cannot be told without a probe, no
     /// program is taken for `BPF_F_PREORDER`.
     Never,
+    /// The capture cgroup has Weir's own links (a node capture, checked per pod): the
+    /// order is read from them; a hook without one is an error, never a probe per ADD.
+    Own,
 }
 
 /// Why what the cgroups above a capture cgroup run could not be read.
@@ -56,6 +59,13 @@ pub enum ReadError {
         capture.display()
     )]
     Order { capture: PathBuf, hook: String, what: &'static str, error: std::io::Error },
+    #[error(
+        "cannot judge what runs for {} on {hook}: program {id} runs for it but is attached to no cgroup \
+         visible from here (its ancestors above {} are hidden: a cgroup namespace without the node's \
+         cgroup tree mounted?), or was attached while it was read",
+        capture.display(), visible_root.display()
+    )]
+    Unaccounted { capture: PathBuf, hook: String, id: u32, visible_root: PathBuf },
 }
 
 /// Reads what every ancestor of `capture` (its parent up to the cgroup2 root) has
@@ -69,6 +79,7 @@ pub fn read(capture: &Path, hooks: &[u32], probe: Probe) -> Result<Layout, ReadE
         match read_once(capture, hooks, probe) {
             Err(ReadError::Program { error, .. })
                 if error.kind() == std::io::ErrorKind::NotFound && tries < 3 => {}
+            Err(ReadError::Unaccounted { .. }) if tries < 3 => {}
             done => return done,
         }
     }
@@ -80,8 +91,44 @@ fn read_once(capture: &Path, hooks: &[u32], probe: Probe) -> Result<Layout, Read
         ancestors.push(read_cgroup(capture, &cgroup, hooks)?);
     }
     let mut layout = Layout { capture: capture.to_path_buf(), ancestors };
+    account_for_effective(&layout, hooks)?;
     mark_preorder(&mut layout, hooks, probe)?;
     Ok(layout)
+}
+
+/// Every program the kernel runs for the capture cgroup (its effective list) must be
+/// attached to it or to an ancestor read here: one that is not was attached above what
+/// this process sees of the tree (a cgroup namespace), and nothing can be said of how
+/// it was attached. An error, never "nothing there".
+fn account_for_effective(layout: &Layout, hooks: &[u32]) -> Result<(), ReadError> {
+    let capture = &layout.capture;
+    let dir = open(capture, capture)?;
+    for &hook in hooks {
+        let query = |what: &'static str| {
+            let capture = capture.clone();
+            move |error| ReadError::Order { capture, hook: hook_name(hook), what, error }
+        };
+        let own = sys::query_cgroup(dir.as_fd(), hook).map_err(query("query its own programs"))?;
+        let effective =
+            sys::query_effective(dir.as_fd(), hook).map_err(query("query its effective programs"))?;
+        let known = |id: &u32| {
+            own.programs.iter().any(|(p, _)| p == id)
+                || layout
+                    .ancestors
+                    .iter()
+                    .any(|a| a.on(hook).is_some_and(|x| x.programs.iter().any(|p| p.id == *id)))
+        };
+        if let Some(&id) = effective.iter().find(|id| !known(id)) {
+            let visible_root = layout.ancestors.last().map_or_else(|| capture.clone(), |a| a.cgroup.clone());
+            return Err(ReadError::Unaccounted {
+                capture: capture.clone(),
+                hook: hook_name(hook),
+                id,
+                visible_root,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// The ancestors of `capture`, its parent first, up to and with the cgroup2 mount.
@@ -183,8 +230,14 @@ fn run_first(
     // Held until the effective list is read; dropped (detached) on return.
     let mut _probe = None;
     if mine.is_empty() {
-        if probe == Probe::Never {
-            return Ok(None);
+        match probe {
+            Probe::Never => return Ok(None),
+            Probe::Own => {
+                let missing =
+                    std::io::Error::other("no program of its own there (a link of the capture is missing)");
+                return Err(order("find its own program")(missing));
+            }
+            Probe::Attach => {}
         }
         let program = sys::load_pass_sock_addr(hook, "weir_order_prb").map_err(order("load the probe"))?;
         let link = CgroupLink::create(program.as_fd(), dir, hook).map_err(order("attach the probe"))?;
@@ -192,6 +245,13 @@ fn run_first(
         mine = own(dir).map_err(order("query its own programs"))?;
     }
     let effective = sys::query_effective(dir, hook).map_err(order("query its effective programs"))?;
-    let Some(last) = effective.iter().rposition(|id| mine.contains(id)) else { return Ok(Some(Vec::new())) };
+    let Some(last) = effective.iter().rposition(|id| mine.contains(id)) else {
+        // Its own program is not in its effective list: detached meanwhile, or the
+        // kernel's order is not what this reads. Not "nothing runs first".
+        let missing = std::io::Error::other(format!(
+            "its own programs {mine:?} are not in its effective list {effective:?}"
+        ));
+        return Err(order("read the order")(missing));
+    };
     Ok(Some(effective[..last].iter().copied().filter(|id| !mine.contains(id)).collect()))
 }
