@@ -44,17 +44,20 @@ pub fn read(pid: u32) -> anyhow::Result<WorkloadState> {
     Ok(state.iter().map(|(uid, v)| (uid.clone(), v["state"].as_str().unwrap_or("?").to_string())).collect())
 }
 
+/// What was read at each moment since the watch started.
+type Samples = Vec<(Duration, anyhow::Result<WorkloadState>)>;
+
 /// Samples of ztunnel's state every `every` on a thread of its own, until finished.
 pub struct Watch {
     stop: Arc<AtomicBool>,
-    samples: Arc<Mutex<Vec<(Duration, anyhow::Result<WorkloadState>)>>>,
+    samples: Arc<Mutex<Samples>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Watch {
     pub fn start(pid: u32, every: Duration) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
-        let samples: Arc<Mutex<Vec<_>>> = Arc::default();
+        let samples: Arc<Mutex<Samples>> = Arc::default();
         let (s, out) = (stop.clone(), samples.clone());
         let thread = std::thread::spawn(move || {
             let start = Instant::now();
