@@ -16,6 +16,9 @@ use anyhow::{Context as _, anyhow, bail};
 const OBJECTS: &[&str] = &["weir-probe", "weir-capture", "weir-inbound"];
 const STUB_ENV: &str = "WEIR_EBPF_STUB";
 
+#[path = "../ebpf/build_toolchain.rs"]
+mod ebpf_toolchain;
+
 fn main() -> anyhow::Result<()> {
     let out_dir = PathBuf::from(env::var_os("OUT_DIR").context("OUT_DIR not set")?);
     let manifest_dir = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").context("CARGO_MANIFEST_DIR")?);
@@ -34,16 +37,7 @@ fn main() -> anyhow::Result<()> {
         return objects_digest(&out_dir);
     }
 
-    // bpf-linker is installed by scripts/bootstrap into <workspace>/.tools/bin.
-    let tools = workspace.join(".tools/bin");
-    let path = env::var_os("PATH").unwrap_or_default();
-    let mut paths = vec![tools.clone()];
-    paths.extend(env::split_paths(&path));
-    let joined = env::join_paths(paths).context("join PATH")?;
-    // SAFETY: build scripts are single-threaded; nothing else reads the environment.
-    unsafe { env::set_var("PATH", &joined) };
-    println!("cargo:rerun-if-changed={}", tools.join("bpf-linker").display());
-    preflight(&joined)?;
+    ebpf_toolchain::prepare(&workspace, STUB_ENV)?;
 
     let metadata = cargo_metadata::MetadataCommand::new().no_deps().exec().context("cargo metadata")?;
     let ebpf = metadata
@@ -142,25 +136,6 @@ fn sha256(data: &[u8]) -> [u8; 32] {
         chunk.copy_from_slice(&word.to_be_bytes());
     }
     out
-}
-
-/// Fails early, naming what is missing, instead of letting a nested cargo fail obscurely.
-fn preflight(path: &std::ffi::OsStr) -> anyhow::Result<()> {
-    let found = env::split_paths(path).any(|d| d.join("bpf-linker").is_file());
-    if !found {
-        bail!(
-            "bpf-linker not found in .tools/bin or PATH: run scripts/bootstrap \
-             (or set {STUB_ENV}=1 to build without eBPF)"
-        );
-    }
-    let nightly = Command::new("rustup").args(["run", "nightly", "rustc", "--version"]).output();
-    match nightly {
-        Ok(o) if o.status.success() => Ok(()),
-        _ => bail!(
-            "the nightly toolchain is missing: run scripts/bootstrap \
-             (or set {STUB_ENV}=1 to build without eBPF)"
-        ),
-    }
 }
 
 /// The version this build reports (`weir version`, the program set's key, the build

@@ -6,7 +6,7 @@
 //! `WEIR_EBPF_STUB=1` writes an empty object instead, so `cargo check` and clippy work
 //! on a machine without the eBPF toolchain; `weir_tests::socket_lb` refuses to load it
 //! with an error that says so.
-use std::{env, fs, path::PathBuf, process::Command};
+use std::{env, fs, path::PathBuf};
 
 use anyhow::{Context as _, anyhow, bail};
 
@@ -14,6 +14,9 @@ const PACKAGE: &str = "weir-lb-standin";
 /// The object its one bin produces; keep in sync with its Cargo.toml.
 const OBJECT: &str = "weir-lb-standin";
 const STUB_ENV: &str = "WEIR_EBPF_STUB";
+
+#[path = "../ebpf/build_toolchain.rs"]
+mod ebpf_toolchain;
 
 fn main() -> anyhow::Result<()> {
     let out_dir = PathBuf::from(env::var_os("OUT_DIR").context("OUT_DIR not set")?);
@@ -28,16 +31,7 @@ fn main() -> anyhow::Result<()> {
         return Ok(());
     }
 
-    // bpf-linker is installed by scripts/bootstrap into <workspace>/.tools/bin.
-    let tools = workspace.join(".tools/bin");
-    let path = env::var_os("PATH").unwrap_or_default();
-    let mut paths = vec![tools.clone()];
-    paths.extend(env::split_paths(&path));
-    let joined = env::join_paths(paths).context("join PATH")?;
-    // SAFETY: build scripts are single-threaded; nothing else reads the environment.
-    unsafe { env::set_var("PATH", &joined) };
-    println!("cargo:rerun-if-changed={}", tools.join("bpf-linker").display());
-    preflight(&joined)?;
+    ebpf_toolchain::prepare(&workspace, STUB_ENV)?;
 
     let root = manifest_dir.join("lb-standin");
     let root = root.to_str().ok_or_else(|| anyhow!("{} is not UTF-8", root.display()))?;
@@ -50,21 +44,4 @@ fn main() -> anyhow::Result<()> {
         bail!("aya-build produced no object named {OBJECT}");
     }
     Ok(())
-}
-
-/// Fails early, naming what is missing, instead of letting a nested cargo fail obscurely.
-fn preflight(path: &std::ffi::OsStr) -> anyhow::Result<()> {
-    if !env::split_paths(path).any(|d| d.join("bpf-linker").is_file()) {
-        bail!(
-            "bpf-linker not found in .tools/bin or PATH: run scripts/bootstrap \
-             (or set {STUB_ENV}=1 to build without eBPF)"
-        );
-    }
-    match Command::new("rustup").args(["run", "nightly", "rustc", "--version"]).output() {
-        Ok(o) if o.status.success() => Ok(()),
-        _ => bail!(
-            "the nightly toolchain is missing: run scripts/bootstrap \
-             (or set {STUB_ENV}=1 to build without eBPF)"
-        ),
-    }
 }

@@ -140,10 +140,8 @@ pub fn registered_in_any_set(netns: &Path) -> Result<bool, CniEbpfError> {
 /// Refuses eBPF capture of new pods through node capture `name` where the ancestors
 /// of its cgroup run programs that make it unsafe (a flagless, overridable or
 /// pre-order one: `capture::ebpf::ancestors`), naming the program, its cgroup and why.
-/// Weir's links on that cgroup make the order plain: nothing is attached to read it.
-/// A node capture whose record cannot be read is an error, as registering would find.
-/// The node capture's own links are on its cgroup, so the order is read without a
-/// probe (one missing is then an error, not a reason to attach one per ADD).
+/// The order is read from the node capture's own links on its cgroup (one missing is
+/// an error, never a probe attached per ADD); a record that cannot be read is an error.
 pub fn check_node_ancestors(name: &str) -> Result<(), CniEbpfError> {
     let (record, _) = node_record(name)?;
     let hooks = crate::capture::ebpf::capture::cgroup_hook_types();
