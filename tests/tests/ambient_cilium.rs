@@ -174,7 +174,8 @@ struct Scene {
 }
 
 impl Scene {
-    fn start(test: &str) -> Self {
+    /// The scene with the load balancer in `settings`' mode.
+    fn start(test: &str, settings: Settings) -> Self {
         ztunnel::binary().unwrap_or_else(|e| panic!("the ztunnel peer: {e:#}"));
         let bpffs = BpffsUse::acquire().unwrap();
         let mesh = Mesh::new(test).unwrap();
@@ -187,7 +188,7 @@ impl Scene {
 
         // The load balancer at the root, with Cilium's services: the mesh Service's VIPs
         // to the server pod's target port, the Service outside the mesh, the cluster DNS.
-        let mut lb = SocketLb::load(Settings::default()).expect("the verifier accepts the stand-in");
+        let mut lb = SocketLb::load(settings).expect("the verifier accepts the stand-in");
         let services = [
             (sa(VIP4, SERVICE_PORT), sa(server.ipv4(), TARGET_PORT)),
             (sa(VIP6, SERVICE_PORT), sa(server.ipv6(), TARGET_PORT)),
@@ -336,12 +337,44 @@ fn start_servers(h: &Hierarchy, files: &tempfile::TempDir, server: &Pod, outside
 #[test]
 fn an_ambient_pod_s_service_vip_reaches_ztunnel_beneath_the_socket_lb() {
     require_root!();
-    let mut sc = Scene::start(&test_name!());
+    let mut sc = Scene::start(&test_name!(), Settings::default());
     service_vip_through_ztunnel(&mut sc);
     dns_through_ztunnel(&mut sc);
     passthrough_is_load_balanced(&mut sc);
     a_node_process_is_not_weir_s(&mut sc);
     assert_eq!(sc.endpoint_log().len(), 4, "nothing else reached the Service's endpoint");
+}
+
+/// The load balancer as Cilium's and Istio's docs ask for it under a mesh
+/// (`socketLB.hostNamespaceOnly=true`): it acts only in the host's network namespace,
+/// and Cilium translates a pod's Service traffic per packet instead (which the
+/// stand-in does not play). Weir's capture of the ambient pod is the same as beneath
+/// the full socket load balancer: the app's VIP reaches ztunnel's 15001 with the VIP
+/// as its original destination and its getpeername(), ztunnel's DNS proxy answers the
+/// Service's name, and the load balancer translates nothing in the pod's namespace,
+/// not even ztunnel's own connects (the passthrough and the DNS upstream, which the
+/// full mode translates, go to Cilium's per-packet path here, and are not played).
+#[test]
+fn under_host_namespace_only_an_ambient_pod_s_vip_reaches_ztunnel_and_nothing_is_translated_in_the_pod() {
+    require_root!();
+    let settings = Settings { host_namespace_only: true, ..Settings::default() };
+    let mut sc = Scene::start(&test_name!(), settings);
+    let lb0 = sc.lb();
+    service_vip_through_ztunnel(&mut sc);
+    let dns = sa(DNS_VIP4, 53);
+    let answer = dns_query(sc.app(), HOSTNAME, &sc.zt);
+    assert_eq!(answer, format!("answer {VIP4} from {dns}"), "ztunnel's DNS proxy answered, from the VIP");
+    // A node process in the pod's namespace: the load balancer leaves it alone too (not
+    // the host's namespace), and its connect to the VIP goes nowhere without the
+    // per-packet path.
+    let external = sa(EXTERNAL_VIP4, SERVICE_PORT);
+    let said = try_run_placed(sc.host_process(), tools::testkit_command(), &["ask", &external.to_string()]);
+    assert!(said.as_ref().is_err_and(|e| e.contains("connect")), "{said:?}");
+    let lb1 = sc.lb();
+    for counter in ["forward", "reverse_peer", "reverse_recvmsg"] {
+        assert_eq!(lb_delta(&lb0, &lb1, counter), 0, "{counter}: nothing translated in the pod: {lb1:?}");
+    }
+    assert!(sc.external_log().is_empty(), "nothing reached the external backend: {:?}", sc.external_log());
 }
 
 /// The app's connect to the Service VIP (three times over IPv4, once over IPv6)

@@ -55,7 +55,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// The phase table's columns after the whole process: the runtime's spawn to the
 /// plugin's `main`, the plugin's own phases (`phases::mark` names), and its last mark
 /// to the runtime's reap.
-const PHASES: [(&str, &str); 10] = [
+const PHASES: [(&str, &str); 11] = [
     ("exec→exit", "whole process"),
     ("exec + start-up", "spawn → main"),
     ("logs", "logs"),
@@ -63,6 +63,7 @@ const PHASES: [(&str, &str); 10] = [
     ("api", "API GET"),
     ("netns", "namespace"),
     ("plan", "plan"),
+    ("ancestors", "ancestor check"),
     ("capture", "capture"),
     ("result", "result"),
     ("exit", "exit"),
@@ -267,7 +268,9 @@ pub fn tables(opts: &Options) -> anyhow::Result<Vec<Table>> {
              up to the plugin's first mark; then the plugin's own phases ({}=1): logs (stdin read, log level, \
              tracing set up), config (the network configuration and CNI_* parsed), API GET (kubeconfig read, the \
              pod fetched), namespace (what is left of reading the pod's addresses inside its namespace, which \
-             overlaps the API GET), plan (the namespace's owner checked, the capture planned), capture (iptables-restore, nft -f, or the eBPF registration), result (logged and written \
+             overlaps the API GET), plan (the namespace's owner checked, the capture planned), ancestor check (eBPF only: \
+             what the node capture cgroup's ancestors attach, read with BPF_PROG_QUERY per hook and cgroup, and \
+             judged; `capture::ebpf::ancestors`), capture (iptables-restore, nft -f, or the eBPF registration), result (logged and written \
              out); exit: the last mark to the reap. {}",
             weir_agent::node::cni::phases::ENV,
             opts.summary()

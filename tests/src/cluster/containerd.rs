@@ -2,11 +2,11 @@
 //! its own root, state and socket under the node's folder, started inside the node's
 //! network and mount namespaces with `nsenter` (`ip netns exec` would remount /sys and
 //! runc would find no cgroup mount), with the settings this VM needs (`../shared/cri/
-//! README.md`): `restrict_oom_score_adj`, the native snapshotter, runc with the
-//! cgroupfs driver; its CNI folders are the standard ones, which the node's mount
-//! namespace binds to the node's own. Stopping it leaves its containers
-//! running (their shims are their own processes), as on a node; [`Containerd::kill_all`]
-//! is a reboot's end of them.
+//! README.md`): `restrict_oom_score_adj`, runc with the cgroupfs driver, and
+//! containerd's default snapshotter, overlayfs ([`SNAPSHOTTER`]). Its CNI folders are
+//! the standard ones, which the node's mount namespace binds to the node's own.
+//! Stopping it leaves its containers running (their shims are their own processes), as
+//! on a node; [`Containerd::kill_all`] is a reboot's end of them.
 
 use std::{
     path::{Path, PathBuf},
@@ -18,6 +18,12 @@ use anyhow::{Context as _, bail};
 
 /// The sandbox image every node imports (a pause: a static binary that waits).
 pub const PAUSE_IMAGE: &str = "localhost/weir-rig-pause:dev";
+
+/// The snapshotter the CRI plugin and `ctr images import` both use: overlayfs, as on a
+/// real node. (The native snapshotter copies an image's whole file system for every
+/// container: the rig's pods filled a CI machine's disk with copies, and the images
+/// were unpacked twice, once for `ctr`'s default and once for the CRI's.)
+pub const SNAPSHOTTER: &str = "overlayfs";
 
 /// A node's containerd, its folders and its process.
 pub struct Containerd {
@@ -49,7 +55,7 @@ state = "{state}"
   sandbox_image = "{PAUSE_IMAGE}"
   enable_unprivileged_ports = false
   [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "native"
+    snapshotter = "{SNAPSHOTTER}"
     default_runtime_name = "runc"
     [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
@@ -146,6 +152,28 @@ state = "{state}"
         std::fs::read_to_string(self.dir.join(format!("containerd-{}.log", self.starts))).unwrap_or_default()
     }
 
+    /// The bytes this containerd's root holds on disk (blocks allocated, each inode
+    /// once): the images' content and every container's snapshot.
+    pub fn disk_use(&self) -> u64 {
+        use std::os::unix::fs::MetadataExt as _;
+        let mut seen = std::collections::HashSet::new();
+        let mut total = 0u64;
+        let mut stack = vec![self.dir.join("root")];
+        while let Some(dir) = stack.pop() {
+            let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+            for entry in entries.flatten() {
+                let Ok(meta) = entry.path().symlink_metadata() else { continue };
+                if meta.is_dir() {
+                    stack.push(entry.path());
+                }
+                if seen.insert((meta.dev(), meta.ino())) {
+                    total += meta.blocks() * 512;
+                }
+            }
+        }
+        total
+    }
+
     /// `ctr` against this containerd, in the namespace the CRI uses.
     pub fn ctr(&self) -> Command {
         let mut cmd = Command::new("ctr");
@@ -157,7 +185,7 @@ state = "{state}"
     pub fn import(&self, archive: &Path) -> anyhow::Result<()> {
         let out = self
             .ctr()
-            .args(["images", "import", "--all-platforms"])
+            .args(["images", "import", "--all-platforms", "--snapshotter", SNAPSHOTTER])
             .arg(archive)
             .output()
             .context("run ctr")?;

@@ -427,12 +427,15 @@ struct Running {
     probes: BTreeMap<&'static str, ProbeState>,
 }
 
+/// Where a running probe leaves its result: passed, or why it failed.
+type ProbeSlot = Arc<Mutex<Option<Result<(), String>>>>;
+
 #[derive(Default, Clone)]
 struct ProbeState {
     last: Option<Instant>,
     successes: u64,
     failures: u64,
-    running: Option<Arc<Mutex<Option<bool>>>>,
+    running: Option<ProbeSlot>,
 }
 
 /// The life of one pod on this node.
@@ -837,7 +840,8 @@ async fn tick(shared: &Arc<Shared>, cri: &Cri, run: &mut PodRun, policy: &str) -
     Ok(())
 }
 
-/// What kubelet.log says when a probe fails: `<ms> probe-failed <ns>/<pod> <container> <kind>`.
+/// What kubelet.log says when a probe fails:
+/// `<ms> probe-failed <ns>/<pod> <container> <kind>: <why>`.
 pub const PROBE_FAILED: &str = "probe-failed";
 
 /// Runs the container's due probes (startup until it passes; then readiness and
@@ -867,21 +871,24 @@ async fn probe_round(shared: &Arc<Shared>, cri: &Cri, run: &mut PodRun, c: &Cont
         let state = r.probes.entry(kind).or_default();
         // A finished probe's result.
         if let Some(slot) = &state.running {
-            let done = *slot.lock().unwrap_or_else(|e| e.into_inner());
-            if let Some(ok) = done {
+            let done = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
+            if let Some(result) = done {
                 state.running = None;
-                if ok {
-                    state.successes += 1;
-                    state.failures = 0;
-                } else {
-                    state.failures += 1;
-                    state.successes = 0;
-                    shared.log(&format!(
-                        "{PROBE_FAILED} {}/{} {} {kind}",
-                        run.m.namespace(),
-                        run.m.name(),
-                        c.name
-                    ));
+                match result {
+                    Ok(()) => {
+                        state.successes += 1;
+                        state.failures = 0;
+                    }
+                    Err(why) => {
+                        state.failures += 1;
+                        state.successes = 0;
+                        shared.log(&format!(
+                            "{PROBE_FAILED} {}/{} {} {kind}: {why}",
+                            run.m.namespace(),
+                            run.m.name(),
+                            c.name
+                        ));
+                    }
                 }
             }
         }
@@ -907,8 +914,8 @@ async fn probe_round(shared: &Arc<Shared>, cri: &Cri, run: &mut PodRun, c: &Cont
             state.running = Some(slot.clone());
             let (cri, id, probe, container) = (cri.clone(), id.clone(), p.clone(), c.clone());
             tokio::spawn(async move {
-                let ok = run_probe(&cri, &id, &probe, &container, ip).await;
-                *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(ok);
+                let result = run_probe(&cri, &id, &probe, &container, ip).await;
+                *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(result);
             });
         }
     }
@@ -935,48 +942,65 @@ async fn probe_round(shared: &Arc<Shared>, cri: &Cri, run: &mut PodRun, c: &Cont
 }
 
 /// One probe from the node: HTTP (2xx/3xx), TCP (connects), gRPC (SERVING), exec (0).
-async fn run_probe(cri: &Cri, id: &str, p: &Probe, c: &Container, pod_ip: IpAddr) -> bool {
+/// A failure says why: the probe's timeout, or what the probe got.
+async fn run_probe(cri: &Cri, id: &str, p: &Probe, c: &Container, pod_ip: IpAddr) -> Result<(), String> {
     let timeout = Duration::from_secs(p.timeout_seconds.unwrap_or(1).max(1));
     let target = |host: Option<&String>, port: u16| -> SocketAddr {
         let ip = host.and_then(|h| h.parse().ok()).unwrap_or(pod_ip);
         SocketAddr::new(ip, port)
     };
+    let status = |what: &str, status: u16| {
+        if (200..400).contains(&status) { Ok(()) } else { Err(format!("{what}: status {status}")) }
+    };
     let probe = async {
         if let Some(h) = &p.http_get {
-            let Ok(port) = c.port(&h.port) else { return false };
+            let port = c.port(&h.port).map_err(|e| format!("port {:?}: {e}", h.port))?;
             let path = h.path.clone().unwrap_or_else(|| "/".into());
+            let to = target(h.host.as_ref(), port);
             if h.scheme.as_deref().is_some_and(|s| s.eq_ignore_ascii_case("HTTPS")) {
                 // kubelet does not check the certificate: a TLS handshake and an answer.
-                return crate::http::https_status(target(h.host.as_ref(), port), &path)
+                let got = crate::http::https_status(to, &path)
                     .await
-                    .is_ok_and(|status| (200..400).contains(&status));
+                    .map_err(|e| format!("GET https://{to}{path}: {e:#}"))?;
+                return status(&format!("GET https://{to}{path}"), got);
             }
             let mut headers: Vec<(String, String)> =
                 vec![("User-Agent".into(), "kube-probe/1.33".into()), ("Accept".into(), "*/*".into())];
             headers.extend(h.http_headers.iter().map(|x| (x.name.clone(), x.value.clone())));
             let headers: Vec<(&str, &str)> = headers.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
-            return crate::http::request_with(target(h.host.as_ref(), port), "GET", &path, &headers, None)
+            let (got, _) = crate::http::request_with(to, "GET", &path, &headers, None)
                 .await
-                .is_ok_and(|(status, _)| (200..400).contains(&status));
+                .map_err(|e| format!("GET http://{to}{path}: {e:#}"))?;
+            return status(&format!("GET http://{to}{path}"), got);
         }
         if let Some(t) = &p.tcp_socket {
-            let Ok(port) = c.port(&t.port) else { return false };
-            return tokio::net::TcpStream::connect(target(t.host.as_ref(), port)).await.is_ok();
+            let port = c.port(&t.port).map_err(|e| format!("port {:?}: {e}", t.port))?;
+            let to = target(t.host.as_ref(), port);
+            return tokio::net::TcpStream::connect(to)
+                .await
+                .map(drop)
+                .map_err(|e| format!("connect {to}: {e}"));
         }
         if let Some(g) = &p.grpc {
-            return crate::http::grpc_health(
-                SocketAddr::new(pod_ip, g.port),
-                g.service.as_deref().unwrap_or_default(),
-            )
-            .await
-            .unwrap_or(false);
+            let to = SocketAddr::new(pod_ip, g.port);
+            return match crate::http::grpc_health(to, g.service.as_deref().unwrap_or_default()).await {
+                Ok(true) => Ok(()),
+                Ok(false) => Err(format!("gRPC health of {to}: not SERVING")),
+                Err(e) => Err(format!("gRPC health of {to}: {e:#}")),
+            };
         }
         if let Some(e) = &p.exec {
-            return cri.exec_sync(id, &e.command, timeout).await.is_ok_and(|(code, _, _)| code == 0);
+            return match cri.exec_sync(id, &e.command, timeout).await {
+                Ok((0, _, _)) => Ok(()),
+                Ok((code, _, _)) => Err(format!("exec {:?}: exit {code}", e.command)),
+                Err(err) => Err(format!("exec {:?}: {err:#}", e.command)),
+            };
         }
-        false
+        Err("no handler".to_string())
     };
-    tokio::time::timeout(timeout, probe).await.unwrap_or(false)
+    tokio::time::timeout(timeout, probe)
+        .await
+        .unwrap_or_else(|_| Err(format!("timed out after {} s (timeoutSeconds)", timeout.as_secs())))
 }
 
 /// Deletion as kubelet does it: each container's preStop, then SIGTERM (SIGKILL after

@@ -205,11 +205,12 @@ pub fn capture_with(
 ) -> Result<(), CniError> {
     let (mut mode, cfg, mut opts) = plan(conf, pod, netns, &facts.addresses)?;
     let who = format!("{}/{}", pod.namespace, pod.name);
+    super::phases::mark("plan");
     if mode == CaptureMode::Ebpf {
         mode = for_ancestors(conf, &who, netns)?;
         opts.native_nftables = mode == CaptureMode::Nftables;
+        super::phases::mark("ancestors");
     }
-    super::phases::mark("plan");
     if mode == CaptureMode::Ebpf {
         let node = node_capture(conf);
         let identity = super::ebpf::PodIdentity { name: who.clone(), uid: pod.uid.clone() };

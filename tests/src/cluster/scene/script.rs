@@ -99,6 +99,10 @@ impl Scene {
         self.after_event()?;
         let touched = Touched::pods(burst.iter().map(String::as_str));
         self.judge("20 pods started at once", mark, &touched)?;
+        self.progress.step(&format!(
+            "node-2's containerd root with the 20 pods and its others: {} MiB on disk",
+            self.cluster.node(2).containerd.disk_use() >> 20
+        ));
         let mark = now_ms();
         self.after_event()?;
         self.judge("20 pods running", mark, &Touched::none())?;
