@@ -169,6 +169,7 @@ impl InboundConfig {
     }
 
     /// Whether a new connection to `port` goes to Envoy.
+    #[inline(always)]
     pub fn captures(&self, port: u16) -> bool {
         if port == 0 || port == self.tunnel_port || port == self.capture_port {
             return false;

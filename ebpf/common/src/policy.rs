@@ -46,6 +46,7 @@ pub const INBOUND_PASSTHROUGH_SRC4: u32 = u32::from_ne_bytes([127, 0, 0, 6]);
 
 /// Whether a socket bound to `src` (network order in memory) is Envoy's inbound
 /// passthrough to the app, which Istio passes first (`-o lo -s 127.0.0.6/32 -j RETURN`).
+#[inline(always)]
 pub fn from_inbound_passthrough(src: u32) -> bool {
     src == INBOUND_PASSTHROUGH_SRC4
 }
@@ -54,6 +55,7 @@ pub fn from_inbound_passthrough(src: u32) -> bool {
 /// and so is `::` (the kernel connects it to `::1`); `::6`, which Istio's validator
 /// dials on IPv6 pods, is another loopback address (Istio's rule is `-o lo ! -d
 /// ::1/128`).
+#[inline(always)]
 pub fn loopback6(dst: &[u32; 4]) -> Loopback {
     match (dst[0], dst[1], dst[2], dst[3].to_ne_bytes()) {
         (0, 0, 0, [0, 0, 0, 1] | [0, 0, 0, 0]) => Loopback::Localhost,
@@ -64,6 +66,7 @@ pub fn loopback6(dst: &[u32; 4]) -> Loopback {
 
 /// Whether a socket bound to the IPv6 `src` is Envoy's inbound passthrough (`::6`,
 /// or 127.0.0.6 mapped).
+#[inline(always)]
 pub fn from_inbound_passthrough6(src: &[u32; 4]) -> bool {
     let mapped = src[0] == 0 && src[1] == 0 && src[2] == u32::from_ne_bytes([0, 0, 0xff, 0xff]);
     loopback6(src) == Loopback::Other || (mapped && from_inbound_passthrough(src[3]))
@@ -72,6 +75,7 @@ pub fn from_inbound_passthrough6(src: &[u32; 4]) -> bool {
 /// The loopback kind of `dst` (network order in memory). `0.0.0.0` is localhost: the
 /// kernel connects it to the socket's own bound address or 127.0.0.1, never off the
 /// host, and Istio's rules see it as that local address.
+#[inline(always)]
 pub fn loopback4(dst: u32) -> Loopback {
     let b = dst.to_ne_bytes();
     match b {
@@ -116,6 +120,7 @@ impl Reason {
     }
 }
 
+#[inline(always)]
 fn in_list(list: &[u16; MAX_PORTS], port: u16) -> bool {
     let mut i = 0;
     while i < MAX_PORTS {
@@ -131,6 +136,7 @@ fn in_list(list: &[u16; MAX_PORTS], port: u16) -> bool {
 /// `uid`/`gid`. `loopback` says whether the destination is a loopback address;
 /// `classify`/`included` look the destination up in the pod's CIDR lists. Envoy's
 /// inbound passthrough ([`from_inbound_passthrough`]) is passed before this is asked.
+#[inline(always)]
 pub fn outbound_tcp(
     cfg: &PodConfig,
     uid: u32,
@@ -185,6 +191,7 @@ pub fn outbound_tcp(
 }
 
 /// Whether a DNS packet or connect (port 53) by `uid`/`gid` goes to the agent.
+#[inline(always)]
 pub fn dns(cfg: &PodConfig, uid: u32, gid: u32, dst_port: u16, is_dns_server: impl FnOnce() -> bool) -> bool {
     dst_port == 53
         && cfg.has(flags::REDIRECT_DNS)
