@@ -149,15 +149,18 @@ pub struct PodConfig {
 const _: () = assert!(core::mem::size_of::<PodConfig>() == 120);
 
 impl PodConfig {
+    #[inline(always)]
     pub const fn has(&self, flag: u32) -> bool {
         self.flags & flag != 0
     }
 
     /// Whether a socket marked `mark` is the proxy's (ztunnel's, in an ambient pod).
+    #[inline(always)]
     pub const fn is_proxy_mark(&self, mark: u32) -> bool {
         self.proxy_mark_mask != 0 && mark & self.proxy_mark_mask == self.proxy_mark
     }
 
+    #[inline(always)]
     pub fn is_proxy(&self, uid: u32, gid: u32) -> bool {
         let mut i = 0;
         while i < MAX_IDS {
@@ -202,6 +205,7 @@ const _: () = assert!(core::mem::size_of::<PairKey>() == 48);
 
 impl PairKey {
     /// The same connection seen from the other end.
+    #[inline(always)]
     pub const fn peer(&self) -> Self {
         Self {
             netns: self.netns,

@@ -164,6 +164,7 @@ impl InboundConfig {
     }
 
     /// Whether this is an ambient pod's config.
+    #[inline(always)]
     pub const fn is_ambient(&self) -> bool {
         self.flags & flags::AMBIENT != 0
     }
@@ -192,6 +193,7 @@ fn words(b: &[u8; 16]) -> [u32; 4] {
     ]
 }
 
+#[inline(always)]
 fn contains(list: &[u16; MAX_PORTS], port: u16) -> bool {
     let mut i = 0;
     while i < MAX_PORTS {

@@ -18,6 +18,7 @@ use crate::{
     net::{self, AF_INET, AF_INET6, ALLOW, DENY, LOOPBACK4, OWN_POD_ADDRESS, SOCK_STREAM, field},
 };
 
+#[inline(always)]
 fn class(found: Option<u8>) -> DstClass {
     match found {
         None => DstClass::Other,

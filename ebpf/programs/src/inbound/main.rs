@@ -96,6 +96,7 @@ enum Verdict {
 }
 
 /// Counts a decision in the program's totals and, when the pod has them, its own slots.
+#[inline(always)]
 fn count(pod: Option<*mut InboundCounters>, slot: u32) {
     if let Some(v) = INBOUND_COUNTERS.get_ptr_mut(slot) {
         unsafe { *v += 1 };
@@ -283,22 +284,37 @@ fn try_inbound<'a>(
         Transport::Unreadable => None,
     };
     // A SYN, or a packet that cannot be read: what the destination pod asks for.
-    let mut tuple: bpf_sock_tuple = unsafe { core::mem::zeroed() };
-    let mut key = InboundKey { mac: ctx.load(0).ok()?, _pad: [0; 2], addr: [0; 16] };
-    let size = if ethertype == ETH_P_IP {
+    // Nothing is zeroed as a whole here: LLVM makes that a call to `memset`, and these
+    // programs make no BPF-to-BPF calls (ARCHITECTURE.md, "No calls between
+    // functions"). Each family writes the part of the tuple the lookups are given (its
+    // addresses here, its ports in `set_ports`), and nothing reads the rest; the key is
+    // built from whole words.
+    let mut buffer = core::mem::MaybeUninit::<bpf_sock_tuple>::uninit();
+    // SAFETY: a reference into the buffer, never read as a whole: `bpf_sock_tuple` is
+    // a union of the two families' parts, which may hold uninitialized bytes.
+    let tuple: &mut bpf_sock_tuple = unsafe { &mut *buffer.as_mut_ptr() };
+    let mac: [u8; 6] = ctx.load(0).ok()?;
+    let mac_word = u64::from_ne_bytes([mac[0], mac[1], mac[2], mac[3], mac[4], mac[5], 0, 0]);
+    let (size, addr_words) = if ethertype == ETH_P_IP {
         let t = unsafe { &mut tuple.__bindgen_anon_1.ipv4 };
         t.saddr = ctx.load(l3 + 12).ok()?;
         t.daddr = ctx.load(l3 + 16).ok()?;
-        let daddr: [u8; 4] = ctx.load(l3 + 16).ok()?;
-        (key.addr[0], key.addr[1], key.addr[2], key.addr[3]) = (daddr[0], daddr[1], daddr[2], daddr[3]);
-        core::mem::size_of_val(t)
+        // The key's address: the destination's four bytes first, the rest of the 16
+        // zero (`InboundKey`).
+        let d = t.daddr.to_ne_bytes();
+        (core::mem::size_of_val(t), [u64::from_ne_bytes([d[0], d[1], d[2], d[3], 0, 0, 0, 0]), 0])
     } else {
         let t = unsafe { &mut tuple.__bindgen_anon_1.ipv6 };
         t.saddr = ctx.load(l3 + 8).ok()?;
         t.daddr = ctx.load(l3 + 24).ok()?;
-        key.addr = ctx.load(l3 + 24).ok()?;
-        core::mem::size_of_val(t)
+        let d: [u8; 16] = ctx.load(l3 + 24).ok()?;
+        let word = |i: usize| {
+            u64::from_ne_bytes([d[i], d[i + 1], d[i + 2], d[i + 3], d[i + 4], d[i + 5], d[i + 6], d[i + 7]])
+        };
+        (core::mem::size_of_val(t), [word(0), word(8)])
     };
+    // SAFETY: `InboundKey` is 24 bytes of `u8` arrays (mac, pad, address): any bytes.
+    let key: InboundKey = unsafe { core::mem::transmute([mac_word, addr_words[0], addr_words[1]]) };
     let (cfg, pod) = config(&key)?;
     // SYN without ACK (checked above): a new connection.
     let Some((_, sport, dport)) = tcp else { return Some(refuse(pod, counter::UNPARSEABLE)) };
@@ -315,13 +331,13 @@ fn try_inbound<'a>(
     }
     let listen_port = cfg.capture_port.to_be();
     unsafe {
-        set_ports(&mut tuple, ethertype, sport, dport);
+        set_ports(tuple, ethertype, sport, dport);
         // The pod's previous connection of this 4-tuple in TIME_WAIT (it closed first):
         // the listener lookup of the kernel's reopen is answered by `weir_in_reopen`.
-        let reopening = in_time_wait(ctx, &mut tuple, size);
-        let reopen_key = reopen_key(&tuple, ethertype);
-        set_ports(&mut tuple, ethertype, sport, listen_port);
-        let sk = bpf_skc_lookup_tcp(ctx.skb.skb.cast(), &mut tuple, size as u32, CURRENT_NETNS, 0);
+        let reopening = in_time_wait(ctx, tuple, size);
+        let reopen_key = reopen_key(tuple, ethertype);
+        set_ports(tuple, ethertype, sport, listen_port);
+        let sk = bpf_skc_lookup_tcp(ctx.skb.skb.cast(), &raw mut *tuple, size as u32, CURRENT_NETNS, 0);
         if sk.is_null() {
             return Some(refuse(pod, counter::NO_LISTENER));
         }
