@@ -284,37 +284,8 @@ fn try_inbound<'a>(
         Transport::Unreadable => None,
     };
     // A SYN, or a packet that cannot be read: what the destination pod asks for.
-    // Nothing is zeroed as a whole here: LLVM makes that a call to `memset`, and these
-    // programs make no BPF-to-BPF calls (ARCHITECTURE.md, "No calls between
-    // functions"). Each family writes the part of the tuple the lookups are given (its
-    // addresses here, its ports in `set_ports`), and nothing reads the rest; the key is
-    // built from whole words.
     let mut buffer = core::mem::MaybeUninit::<bpf_sock_tuple>::uninit();
-    // SAFETY: a reference into the buffer, never read as a whole: `bpf_sock_tuple` is
-    // a union of the two families' parts, which may hold uninitialized bytes.
-    let tuple: &mut bpf_sock_tuple = unsafe { &mut *buffer.as_mut_ptr() };
-    let mac: [u8; 6] = ctx.load(0).ok()?;
-    let mac_word = u64::from_ne_bytes([mac[0], mac[1], mac[2], mac[3], mac[4], mac[5], 0, 0]);
-    let (size, addr_words) = if ethertype == ETH_P_IP {
-        let t = unsafe { &mut tuple.__bindgen_anon_1.ipv4 };
-        t.saddr = ctx.load(l3 + 12).ok()?;
-        t.daddr = ctx.load(l3 + 16).ok()?;
-        // The key's address: the destination's four bytes first, the rest of the 16
-        // zero (`InboundKey`).
-        let d = t.daddr.to_ne_bytes();
-        (core::mem::size_of_val(t), [u64::from_ne_bytes([d[0], d[1], d[2], d[3], 0, 0, 0, 0]), 0])
-    } else {
-        let t = unsafe { &mut tuple.__bindgen_anon_1.ipv6 };
-        t.saddr = ctx.load(l3 + 8).ok()?;
-        t.daddr = ctx.load(l3 + 24).ok()?;
-        let d: [u8; 16] = ctx.load(l3 + 24).ok()?;
-        let word = |i: usize| {
-            u64::from_ne_bytes([d[i], d[i + 1], d[i + 2], d[i + 3], d[i + 4], d[i + 5], d[i + 6], d[i + 7]])
-        };
-        (core::mem::size_of_val(t), [word(0), word(8)])
-    };
-    // SAFETY: `InboundKey` is 24 bytes of `u8` arrays (mac, pad, address): any bytes.
-    let key: InboundKey = unsafe { core::mem::transmute([mac_word, addr_words[0], addr_words[1]]) };
+    let (tuple, size, key) = syn_lookup(ctx, ethertype, l3, &mut buffer)?;
     let (cfg, pod) = config(&key)?;
     // SYN without ACK (checked above): a new connection.
     let Some((_, sport, dport)) = tcp else { return Some(refuse(pod, counter::UNPARSEABLE)) };
@@ -369,6 +340,47 @@ fn try_inbound<'a>(
     }
     count(pod, counter::ASSIGNED);
     Some(Verdict::Pass)
+}
+
+/// The SYN's lookup tuple (its addresses; `set_ports` writes the ports), the size of its
+/// family's part, and the key of the pod it is for (the interface's MAC and the
+/// destination address). Nothing is zeroed as a whole here: LLVM makes that a call to
+/// `memset`, and these programs make no BPF-to-BPF calls (ARCHITECTURE.md, "No calls
+/// between functions"). Each family writes the part of the tuple the lookups are
+/// given, and nothing reads the rest; the key is built from whole words.
+#[inline(always)]
+fn syn_lookup<'b>(
+    ctx: &TcContext,
+    ethertype: u16,
+    l3: usize,
+    buffer: &'b mut core::mem::MaybeUninit<bpf_sock_tuple>,
+) -> Option<(&'b mut bpf_sock_tuple, usize, InboundKey)> {
+    // SAFETY: a reference into the buffer, never read as a whole: `bpf_sock_tuple` is
+    // a union of the two families' parts, which may hold uninitialized bytes.
+    let tuple: &mut bpf_sock_tuple = unsafe { &mut *buffer.as_mut_ptr() };
+    let mac: [u8; 6] = ctx.load(0).ok()?;
+    let mac_word = u64::from_ne_bytes([mac[0], mac[1], mac[2], mac[3], mac[4], mac[5], 0, 0]);
+    let (size, addr_words) = if ethertype == ETH_P_IP {
+        let t = unsafe { &mut tuple.__bindgen_anon_1.ipv4 };
+        t.saddr = ctx.load(l3 + 12).ok()?;
+        t.daddr = ctx.load(l3 + 16).ok()?;
+        // The key's address: the destination's four bytes first, the rest of the 16
+        // zero (`InboundKey`).
+        let d = t.daddr.to_ne_bytes();
+        (core::mem::size_of_val(t), [u64::from_ne_bytes([d[0], d[1], d[2], d[3], 0, 0, 0, 0]), 0])
+    } else {
+        let t = unsafe { &mut tuple.__bindgen_anon_1.ipv6 };
+        t.saddr = ctx.load(l3 + 8).ok()?;
+        t.daddr = ctx.load(l3 + 24).ok()?;
+        let d: [u8; 16] = ctx.load(l3 + 24).ok()?;
+        let word = |i: usize| {
+            u64::from_ne_bytes([d[i], d[i + 1], d[i + 2], d[i + 3], d[i + 4], d[i + 5], d[i + 6], d[i + 7]])
+        };
+        (core::mem::size_of_val(t), [word(0), word(8)])
+    };
+    // SAFETY: `InboundKey` is 24 bytes of `u8` arrays (mac, pad, address): any bytes.
+    let key: InboundKey = unsafe { core::mem::transmute([mac_word, addr_words[0], addr_words[1]]) };
+    Some((tuple, size, key))
 }
 
 /// Whether `tuple` (the SYN's own, ports set; `size` its family's part) is a socket of
