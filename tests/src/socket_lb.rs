@@ -405,3 +405,10 @@ impl LbCounters {
         self.0.iter().find(|(n, _)| *n == name).map_or(0, |(_, v)| *v)
     }
 }
+
+/// Whether a testkit client's failure says it found no route to where it connected: a
+/// Service address left untranslated (the tests' pods have no route to the Service
+/// range).
+pub fn unreachable(said: &str) -> bool {
+    said.ends_with("connect: Network is unreachable (os error 101)")
+}

@@ -370,7 +370,7 @@ fn under_host_namespace_only_an_ambient_pod_s_vip_reaches_ztunnel_and_nothing_is
     let external = sa(EXTERNAL_VIP4, SERVICE_PORT);
     let said = try_run_placed(sc.host_process(), tools::testkit_command(), &["ask", &external.to_string()]);
     assert!(
-        said.as_ref().is_err_and(|e| e.ends_with("connect: Network is unreachable (os error 101)")),
+        said.as_ref().is_err_and(|e| weir_tests::socket_lb::unreachable(e)),
         "the VIP left untranslated (the pods have no route to the Service range): {said:?}"
     );
     let lb1 = sc.lb();

@@ -29,7 +29,7 @@ use weir_tests::{
         CaptureScene, Family, captured, istio_iptables, run_testkit, start_server, start_server_placed,
     },
     require_root,
-    socket_lb::{AttachMode, Frontend, NodeAddress, Settings, SocketLb},
+    socket_lb::{AttachMode, Frontend, NodeAddress, Settings, SocketLb, unreachable},
     test_cgroup, test_name,
 };
 
@@ -176,12 +176,6 @@ fn sidecar_config(family: Family) -> CaptureConfig {
         Family::V6 => cfg.dns_servers_v6 = vec![DNS_VIP6.to_string()],
     }
     cfg
-}
-
-/// Whether a testkit client found no route to where it connected (the VIP, left
-/// untranslated: test pods have no route to the Service range).
-fn unreachable(line: &str) -> bool {
-    line.ends_with("connect: Network is unreachable (os error 101)")
 }
 
 /// `local=<addr>` of a testkit hello line.

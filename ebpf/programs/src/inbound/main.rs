@@ -372,7 +372,7 @@ fn syn_lookup<'b>(
         let t = unsafe { &mut tuple.__bindgen_anon_1.ipv6 };
         t.saddr = ctx.load(l3 + 8).ok()?;
         t.daddr = ctx.load(l3 + 24).ok()?;
-        let d: [u8; 16] = ctx.load(l3 + 24).ok()?;
+        let d = bytes16(t.daddr);
         let word = |i: usize| {
             u64::from_ne_bytes([d[i], d[i + 1], d[i + 2], d[i + 3], d[i + 4], d[i + 5], d[i + 6], d[i + 7]])
         };
@@ -381,6 +381,14 @@ fn syn_lookup<'b>(
     // SAFETY: `InboundKey` is 24 bytes of `u8` arrays (mac, pad, address): any bytes.
     let key: InboundKey = unsafe { core::mem::transmute([mac_word, addr_words[0], addr_words[1]]) };
     Some((tuple, size, key))
+}
+
+/// An IPv6 address as the tuple holds it (four words, network order in memory) as its
+/// 16 bytes.
+#[inline(always)]
+fn bytes16(words: [u32; 4]) -> [u8; 16] {
+    let [a, b, c, d] = words.map(u32::to_ne_bytes);
+    [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3], c[0], c[1], c[2], c[3], d[0], d[1], d[2], d[3]]
 }
 
 /// Whether `tuple` (the SYN's own, ports set; `size` its family's part) is a socket of
