@@ -22,12 +22,34 @@ use super::{images::RIG_IMAGE, rig::Cluster};
 /// probes are rewritten to reach.
 pub const APP_PORT: u16 = 80;
 const PROBE_PORT: u16 = 8000;
+/// Every app readiness probe's `timeoutSeconds` in the rig: 3, not Kubernetes' 1. The
+/// rig counts every failed probe (not `failureThreshold`'s three in a row), and on two
+/// cores with 20 pods starting at once an answer once took 1.06 s (an ambient pod's) and
+/// once over 1 s (a sidecar pod's, through the agent). A probe the capture misroutes or
+/// drops for good still fails; one dropped SYN passes on the retransmit.
+const PROBE_TIMEOUT_SECONDS: u64 = 3;
 /// Istio's `HOST_PROBE_SNAT_IP` default: the node's kubelet probes of ambient pods come
 /// from it.
 const KUBELET_PROBE_SNAT: &str = "169.254.7.127";
 pub const PROXY_IMAGE: &str = "localhost/weir-proxy-standalone:dev";
 pub const INIT_IMAGE: &str = "localhost/weir-init:dev";
 pub const ISTIOD_SAN: &str = "istiod.istio-system.svc";
+
+/// Writes the rig's probe timeout into the proxy's `ISTIO_KUBE_APP_PROBERS`, as Istio's
+/// injector does for an app probe with `timeoutSeconds` (`pkg/kube/inject/app_probe.go`,
+/// `DumpAppProbers`): the agent's forward to the app then waits as long as the kubelet.
+fn with_app_probe_timeout(proxy: &mut Value) -> anyhow::Result<()> {
+    let Some(env) = proxy["env"].as_array_mut() else { return Ok(()) };
+    for var in env.iter_mut().filter(|v| v["name"] == "ISTIO_KUBE_APP_PROBERS") {
+        let text = var["value"].as_str().context("ISTIO_KUBE_APP_PROBERS has a value")?;
+        let mut probers: Value = serde_json::from_str(text).context("ISTIO_KUBE_APP_PROBERS is JSON")?;
+        for prober in probers.as_object_mut().into_iter().flat_map(|o| o.values_mut()) {
+            prober["timeoutSeconds"] = json!(PROBE_TIMEOUT_SECONDS);
+        }
+        var["value"] = json!(probers.to_string());
+    }
+    Ok(())
+}
 
 /// How a sidecar pod is captured.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -271,13 +293,19 @@ impl Cluster {
             let mut c = c;
             c["image"] = app["image"].clone();
             c["args"] = json!(["app", name, APP_PORT.to_string(), PROBE_PORT.to_string()]);
+            if c["readinessProbe"].is_object() {
+                c["readinessProbe"]["timeoutSeconds"] = json!(PROBE_TIMEOUT_SECONDS);
+            }
             containers.push(c);
         }
         containers.push(client);
         let mut inits: Vec<Value> = spec["initContainers"].as_array().cloned().unwrap_or_default();
         for c in inits.iter_mut().chain(containers.iter_mut()) {
             match c["name"].as_str() {
-                Some("istio-proxy") => c["image"] = json!(PROXY_IMAGE),
+                Some("istio-proxy") => {
+                    c["image"] = json!(PROXY_IMAGE);
+                    with_app_probe_timeout(c)?;
+                }
                 Some("istio-init") => c["image"] = json!(INIT_IMAGE),
                 _ => {}
             }
@@ -341,12 +369,9 @@ impl Cluster {
     pub fn app_pod(&self, name: &str, node: u8, ambient: bool) -> anyhow::Result<Workload> {
         let (mut app, client, volume) = self.rig_containers(name)?;
         // The kubelet's readiness probe, from the node: for an ambient pod it is the
-        // node's probe SNAT that lets it past ztunnel's inbound capture. Every failure
-        // counts (not failureThreshold's three in a row), so the timeout is 3 s, not
-        // Kubernetes' 1: on the rig's two cores, 20 pods starting at once once held an
-        // answer for 1.06 s. A probe the capture misroutes or drops for good still fails.
-        app["readinessProbe"] =
-            json!({"httpGet": {"path": "/", "port": PROBE_PORT}, "periodSeconds": 1, "timeoutSeconds": 3});
+        // node's probe SNAT that lets it past ztunnel's inbound capture.
+        app["readinessProbe"] = json!({"httpGet": {"path": "/", "port": PROBE_PORT}, "periodSeconds": 1,
+                                       "timeoutSeconds": PROBE_TIMEOUT_SECONDS});
         let mut labels = json!({"app": name});
         if ambient {
             labels["istio.io/dataplane-mode"] = json!("ambient");
