@@ -294,12 +294,11 @@ fn ask_placed(from: Placement<'_>, to: SocketAddr) -> Result<String, String> {
 /// original destination with SO_ORIGINAL_DST from the programs), over HBONE to the
 /// server's ztunnel, which delivers from the client's address; the app's replies go
 /// back to ztunnel by the in-pod route (the inbound guard's 0x111 mark), over IPv4
-/// and IPv6. DNS to any
-/// server reaches ztunnel's DNS proxy. A plain
-/// client outside the mesh is assigned to the server's ztunnel (15006); kubelet's
-/// probe (169.254.7.127) reaches the app itself. With ztunnel gone both clients fail
-/// closed, never reaching the app around it, and the probe still answers; the agent restarted leaves
-/// capture in place; a pod `auto` cannot capture with eBPF (virtual interfaces) gets
+/// and IPv6. DNS to any server reaches ztunnel's DNS proxy. A plain client outside
+/// the mesh is assigned to the server's ztunnel (15006); kubelet's probe
+/// (169.254.7.127) reaches the app itself. With ztunnel gone both clients fail closed,
+/// never reaching the app around it, and the probe still answers, over IPv4 and IPv6;
+/// the agent restarted leaves capture in place; a pod `auto` cannot capture with eBPF (virtual interfaces) gets
 /// the in-pod rules, the reason logged; a deleted pod's registration goes.
 #[test]
 fn ambient_pods_captured_by_ebpf_talk_over_hbone_through_the_real_ztunnel() {
@@ -519,6 +518,23 @@ fn ambient_pods_captured_by_ebpf_talk_over_hbone_through_the_real_ztunnel() {
     assert!(outside.is_err(), "with no ztunnel the outside client reached the app: {outside:?}");
     let answer = probe(&node).unwrap_or_else(|e| panic!("kubelet's probe with ztunnel down: {e}"));
     assert!(answer.contains("peer=169.254.7.127:"), "{answer}");
+    // The same over IPv6, from Istio's HOST_PROBE_SNAT_IPV6 (the address the host rule
+    // SNATs kubelet's IPv6 probes to, here the probe's own source): with nothing on
+    // 15006 it answers only if the classifier lets it past ztunnel to the app.
+    let probe6 = "fd16:9254:7127:1337:ffff:ffff:ffff:ffff";
+    in_pod(&node.node, "ip", &["-6", "addr", "add", &format!("{probe6}/128"), "dev", "lo", "nodad"]);
+    in_pod(
+        &server,
+        "ip",
+        &["-6", "route", "add", &format!("{probe6}/128"), "via", &node.node.ipv6().to_string()],
+    );
+    let answer = try_run_placed(
+        Placement { netns: Some(node.node.netns()), ..Placement::default() },
+        tools::testkit_command(),
+        &["ask-from", probe6, &SocketAddr::new(server.ipv6().into(), 8082).to_string()],
+    )
+    .unwrap_or_else(|e| panic!("kubelet's IPv6 probe with ztunnel down: {e}"));
+    assert!(answer.contains(&format!("peer=[{probe6}]:")), "the app answers the IPv6 probe itself: {answer}");
     let zt = Ztunnel::start_in_cgroup(&node.node, &node.zds_socket(), &workloads, Some(&zt_cgroup)).unwrap();
     node.wait("ztunnel listening again", PATIENCE, || listening(&server) == [15001, 15006, 15008]).unwrap();
     let mut resumed = Err(String::new());
