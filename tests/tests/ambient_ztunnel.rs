@@ -297,8 +297,9 @@ fn ask_placed(from: Placement<'_>, to: SocketAddr) -> Result<String, String> {
 /// and IPv6. DNS to any server reaches ztunnel's DNS proxy. A plain client outside
 /// the mesh is assigned to the server's ztunnel (15006); kubelet's probe
 /// (169.254.7.127) reaches the app itself. With ztunnel gone both clients fail closed,
-/// never reaching the app around it, and the probe still answers, over IPv4 and IPv6;
-/// the agent restarted leaves capture in place; a pod `auto` cannot capture with eBPF (virtual interfaces) gets
+/// never reaching the app around it, and the probe still answers; so does a probe from
+/// Istio's IPv6 probe address, and sources one bit off it do not; the agent restarted
+/// leaves capture in place; a pod `auto` cannot capture with eBPF (virtual interfaces) gets
 /// the in-pod rules, the reason logged; a deleted pod's registration goes.
 #[test]
 fn ambient_pods_captured_by_ebpf_talk_over_hbone_through_the_real_ztunnel() {
@@ -514,27 +515,36 @@ fn ambient_pods_captured_by_ebpf_talk_over_hbone_through_the_real_ztunnel() {
     node.wait("ztunnel's listeners gone", PATIENCE, || listening(&server).is_empty()).unwrap();
     let inside = ask_placed(in_cgroup(&client, 1000), to);
     assert!(inside.is_err(), "with no ztunnel the app reached the server around it: {inside:?}");
-    let outside = ask_placed(outside(), to);
-    assert!(outside.is_err(), "with no ztunnel the outside client reached the app: {outside:?}");
+    let outside4 = ask_placed(outside(), to);
+    assert!(outside4.is_err(), "with no ztunnel the outside client reached the app: {outside4:?}");
     let answer = probe(&node).unwrap_or_else(|e| panic!("kubelet's probe with ztunnel down: {e}"));
     assert!(answer.contains("peer=169.254.7.127:"), "{answer}");
     // The same over IPv6, from Istio's HOST_PROBE_SNAT_IPV6 (the address the host rule
-    // SNATs kubelet's IPv6 probes to, here the probe's own source): with nothing on
-    // 15006 it answers only if the classifier lets it past ztunnel to the app.
+    // SNATs kubelet's IPv6 probes to; here the probe binds it itself, the host rule's
+    // IPv6 SNAT is not part of this test): with nothing on 15006 it is answered only if
+    // both the inbound classifier and the guard let it past ztunnel to the app. Sources
+    // one bit off the probe address, and another pod, are still refused.
+    let v6_server = SocketAddr::new(server.ipv6().into(), 8082);
+    let ask_from_node = |source: &str| {
+        in_pod(&node.node, "ip", &["-6", "addr", "add", &format!("{source}/128"), "dev", "lo", "nodad"]);
+        let via = node.node.ipv6().to_string();
+        in_pod(&server, "ip", &["-6", "route", "add", &format!("{source}/128"), "via", &via]);
+        try_run_placed(
+            Placement { netns: Some(node.node.netns()), ..Placement::default() },
+            tools::testkit_command(),
+            &["ask-from", source, &v6_server.to_string()],
+        )
+    };
     let probe6 = "fd16:9254:7127:1337:ffff:ffff:ffff:ffff";
-    in_pod(&node.node, "ip", &["-6", "addr", "add", &format!("{probe6}/128"), "dev", "lo", "nodad"]);
-    in_pod(
-        &server,
-        "ip",
-        &["-6", "route", "add", &format!("{probe6}/128"), "via", &node.node.ipv6().to_string()],
-    );
-    let answer = try_run_placed(
-        Placement { netns: Some(node.node.netns()), ..Placement::default() },
-        tools::testkit_command(),
-        &["ask-from", probe6, &SocketAddr::new(server.ipv6().into(), 8082).to_string()],
-    )
-    .unwrap_or_else(|e| panic!("kubelet's IPv6 probe with ztunnel down: {e}"));
+    let answer =
+        ask_from_node(probe6).unwrap_or_else(|e| panic!("kubelet's IPv6 probe with ztunnel down: {e}"));
     assert!(answer.contains(&format!("peer=[{probe6}]:")), "the app answers the IPv6 probe itself: {answer}");
+    for near in ["fd16:9254:7127:1337:ffff:ffff:ffff:fffe", "fd17:9254:7127:1337:ffff:ffff:ffff:ffff"] {
+        let got = ask_from_node(near);
+        assert!(got.is_err(), "with no ztunnel, a source one bit off the probe's reached the app: {got:?}");
+    }
+    let outside6 = ask_placed(outside(), v6_server);
+    assert!(outside6.is_err(), "with no ztunnel the outside client reached the app over IPv6: {outside6:?}");
     let zt = Ztunnel::start_in_cgroup(&node.node, &node.zds_socket(), &workloads, Some(&zt_cgroup)).unwrap();
     node.wait("ztunnel listening again", PATIENCE, || listening(&server) == [15001, 15006, 15008]).unwrap();
     let mut resumed = Err(String::new());

@@ -1,7 +1,8 @@
 //! What runs on the cluster besides Weir's DaemonSet: istiod (the test control plane,
-//! `weir-rig istiod`, as a pod), and workloads — pods exactly as Istio's injector writes
-//! them (the goldens in `tests/testdata/istio-inject`) with Weir's images as
-//! `istio-init`/`istio-proxy`, ambient pods, plain pods — each running `weir-rig app`
+//! `weir-rig istiod`, as a pod), and workloads — pods as Istio's injector writes them
+//! (the goldens in `tests/testdata/istio-inject`) with Weir's images as
+//! `istio-init`/`istio-proxy` and a 3 s app readiness timeout (as the injector writes a
+//! pod whose probe has one), ambient pods, plain pods — each running `weir-rig app`
 //! and a `weir-rig client` that calls the targets the test gives it. The traffic
 //! verdict reads their logs: a meshed pod's connection whose other end is not a socket
 //! of the pod (its proxy) is a bypass, at either end.
@@ -35,16 +36,22 @@ pub const PROXY_IMAGE: &str = "localhost/weir-proxy-standalone:dev";
 pub const INIT_IMAGE: &str = "localhost/weir-init:dev";
 pub const ISTIOD_SAN: &str = "istiod.istio-system.svc";
 
-/// Writes the rig's probe timeout into the proxy's `ISTIO_KUBE_APP_PROBERS`, as Istio's
-/// injector does for an app probe with `timeoutSeconds` (`pkg/kube/inject/app_probe.go`,
-/// `DumpAppProbers`): the agent's forward to the app then waits as long as the kubelet.
-fn with_app_probe_timeout(proxy: &mut Value) -> anyhow::Result<()> {
+/// Writes the rig's probe timeout into the proxy's `ISTIO_KUBE_APP_PROBERS` entry for
+/// the readiness probe of each of `containers` (`/app-health/<name>/readyz`), as Istio's
+/// injector does for an app readiness probe with `timeoutSeconds`
+/// (`pkg/kube/inject/app_probe.go`, `DumpAppProbers`): the agent's forward to the app
+/// then waits as long as the kubelet. Other entries (liveness, startup, lifecycle) are
+/// left as the golden has them.
+fn with_app_probe_timeout(proxy: &mut Value, containers: &[String]) -> anyhow::Result<()> {
     let Some(env) = proxy["env"].as_array_mut() else { return Ok(()) };
     for var in env.iter_mut().filter(|v| v["name"] == "ISTIO_KUBE_APP_PROBERS") {
         let text = var["value"].as_str().context("ISTIO_KUBE_APP_PROBERS has a value")?;
         let mut probers: Value = serde_json::from_str(text).context("ISTIO_KUBE_APP_PROBERS is JSON")?;
-        for prober in probers.as_object_mut().into_iter().flat_map(|o| o.values_mut()) {
-            prober["timeoutSeconds"] = json!(PROBE_TIMEOUT_SECONDS);
+        for name in containers {
+            let prober = &mut probers[format!("/app-health/{name}/readyz")];
+            if prober.is_object() {
+                prober["timeoutSeconds"] = json!(PROBE_TIMEOUT_SECONDS);
+            }
         }
         var["value"] = json!(probers.to_string());
     }
@@ -251,9 +258,10 @@ impl Cluster {
         Ok((app, client, volume))
     }
 
-    /// A pod exactly as Istio's injector writes `golden` (a file of
-    /// tests/testdata/istio-inject), named `name`, with Weir's images as `istio-init` and
-    /// `istio-proxy`, the rig's app in place of the app's image and a client beside it,
+    /// A pod as Istio's injector writes `golden` (a file of tests/testdata/istio-inject),
+    /// named `name`, with Weir's images as `istio-init` and `istio-proxy`, the rig's app
+    /// in place of the app's image (its readiness probe given the rig's 3 s timeout, in
+    /// the pod and in `ISTIO_KUBE_APP_PROBERS`) and a client beside it,
     /// `istiod.istio-system.svc` resolving to `istiod` (a hostAlias: the rig has no DNS),
     /// captured as `capture` says, the sidecar placed as `sidecar` says.
     pub fn sidecar_pod(
@@ -284,6 +292,7 @@ impl Cluster {
         // agent's status port, reach it there) and its client.
         let mut containers: Vec<Value> = Vec::new();
         let mut app_container = None;
+        let mut probed: Vec<String> = Vec::new();
         for c in spec["containers"].as_array().cloned().unwrap_or_default() {
             if c["name"] == "istio-proxy" {
                 containers.push(c);
@@ -295,6 +304,7 @@ impl Cluster {
             c["args"] = json!(["app", name, APP_PORT.to_string(), PROBE_PORT.to_string()]);
             if c["readinessProbe"].is_object() {
                 c["readinessProbe"]["timeoutSeconds"] = json!(PROBE_TIMEOUT_SECONDS);
+                probed.push(c["name"].as_str().unwrap_or_default().to_string());
             }
             containers.push(c);
         }
@@ -304,7 +314,7 @@ impl Cluster {
             match c["name"].as_str() {
                 Some("istio-proxy") => {
                     c["image"] = json!(PROXY_IMAGE);
-                    with_app_probe_timeout(c)?;
+                    with_app_probe_timeout(c, &probed)?;
                 }
                 Some("istio-init") => c["image"] = json!(INIT_IMAGE),
                 _ => {}

@@ -429,6 +429,13 @@ mod tests {
         );
         let v6: std::net::Ipv6Addr = "fd16:9254:7127:1337:ffff:ffff:ffff:ffff".parse().unwrap();
         assert!(inbound.from_probe_source6(v6.octets()));
+        // Every word of the address is compared: a source one bit off in any is not it.
+        for word in 0..4 {
+            let mut near = v6.octets();
+            near[word * 4 + 3] ^= 1;
+            assert!(!inbound.from_probe_source6(near), "{}", std::net::Ipv6Addr::from(near));
+        }
+        assert!(!inbound.from_probe_source6([0; 16]));
         // DNS capture (the agent's setting or the pod's annotation): every server.
         let dns = InpodConfig {
             pod: PodOverrides { dns: PodDns::Enabled, ..PodOverrides::default() },

@@ -19,7 +19,11 @@ use hyper_util::rt::TokioIo;
 use serde::{Deserialize, Serialize};
 use tokio::net::{TcpSocket, TcpStream};
 
-/// kubelet's default probe timeout, used when `timeoutSeconds` is 0 or absent.
+/// kubelet's default probe timeout, used when `timeoutSeconds` is 0 or absent. Istio's
+/// agent gives such an HTTP prober no timeout at all (`http.Client{Timeout: 0}` in
+/// `pilot-agent/status/server.go`). In a cluster the entry always has one: the API
+/// server defaults a probe's `timeoutSeconds` to 1 before the injector copies it, so
+/// only a hand-written `ISTIO_KUBE_APP_PROBERS` can tell the two apart.
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(1);
 /// kubelet follows at most this many redirects to the same host.
 const MAX_REDIRECTS: usize = 10;
