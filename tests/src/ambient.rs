@@ -11,7 +11,7 @@ use std::{
     fs,
     net::IpAddr,
     path::{Path, PathBuf},
-    process::{Command, Stdio},
+    process::Stdio,
     time::{Duration, Instant},
 };
 
@@ -300,12 +300,4 @@ impl Drop for AmbientNode {
             let _ = agent.wait_timeout(Duration::from_secs(5));
         }
     }
-}
-
-/// `cmd args` in `pod`'s namespace; its stdout.
-pub fn in_pod(pod: &Pod, program: &str, args: &[&str]) -> String {
-    let mut cmd = Command::new(program);
-    cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
-    let out = pod.spawn(&mut cmd, 0).expect("spawn").into_inner().wait_with_output().expect("wait");
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }

@@ -137,7 +137,7 @@ fn rig(name: &'static str, capture: Capture) -> anyhow::Result<Rig> {
 /// namespace); 0 for the floor.
 fn through_ztunnel(rig: &Rig) -> anyhow::Result<u64> {
     let Some(node) = &rig._node else { return Ok(0) };
-    let metrics = weir_tests::ambient::in_pod(&node.node, "curl", &["-s", "http://127.0.0.1:15020/metrics"]);
+    let metrics = weir_tests::capture::in_pod(&node.node, "curl", &["-s", "http://127.0.0.1:15020/metrics"]);
     Ok(metrics
         .lines()
         .filter(|l| {

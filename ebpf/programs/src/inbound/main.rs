@@ -294,7 +294,7 @@ fn try_inbound<'a>(
     let from_probe = if ethertype == ETH_P_IP {
         cfg.from_probe_source4(unsafe { tuple.__bindgen_anon_1.ipv4.saddr }.to_ne_bytes())
     } else {
-        cfg.is_ambient() && cfg.from_probe_source6(ctx.load(l3 + 8).ok()?)
+        cfg.from_probe_source6(bytes16(unsafe { tuple.__bindgen_anon_1.ipv6.saddr }))
     };
     if from_probe || !cfg.captures(u16::from_be(dport)) {
         count(pod, counter::NOT_CAPTURED);
